@@ -1,0 +1,12 @@
+"""grouprl: GRPO-family reinforcement learning for language models, drop-in compatible with TRL.
+
+    from grouprl import GRPOConfig, GRPOTrainer   # instead of: from trl import ...
+"""
+
+from .config import BatchPlan, GRPOConfig, plan_batches
+from .rewards.scoring import RewardFunctionError
+from .trainer import GRPOTrainer
+
+__version__ = "0.1.0"
+
+__all__ = ["BatchPlan", "GRPOConfig", "GRPOTrainer", "RewardFunctionError", "plan_batches", "__version__"]

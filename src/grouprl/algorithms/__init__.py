@@ -1,0 +1,1 @@
+"""Pure tensor maths of GRPO: advantages, policy losses, logprobs. No config objects in here."""

@@ -1,0 +1,137 @@
+"""Checkpoints that survive a crash and resume exactly.
+
+A checkpoint is ``output_dir/checkpoint-{step}/`` holding the model and tokenizer
+(`from_pretrained`-loadable), optimizer and scheduler state, every RNG state, the trainer state
+(global step, log history) and the loop state (sampler position, the not-yet-used micro-batches
+of the current generation). It is written into a temporary directory and renamed into place, so
+a kill at any moment leaves the previous checkpoints intact; rotation (save_total_limit) runs
+only after the new one is complete and never deletes the newest.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+LOOP_STATE = "loop_state.pt"
+TRAINING_STATE = "training_state.pt"
+TRAINER_STATE = "trainer_state.json"
+COMPLETE_MARKER = "checkpoint_complete"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT_PATTERN.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.exists(os.path.join(path, COMPLETE_MARKER)):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str) -> Optional[str]:
+    checkpoints = list_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def resolve_resume_path(resume_from_checkpoint: Any, output_dir: str) -> Optional[str]:
+    """True / 'true' -> newest complete checkpoint in output_dir; a path -> that path, checked."""
+    if resume_from_checkpoint in (None, False, "", "false", "False"):
+        return None
+    if resume_from_checkpoint in (True, "true", "True"):
+        path = latest_checkpoint(output_dir)
+        if path is None:
+            raise ValueError(f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint-* directory.")
+        return path
+    path = str(resume_from_checkpoint)
+    if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
+        raise ValueError(f"resume_from_checkpoint={path!r} is not a complete grouprl checkpoint (no {COMPLETE_MARKER} file in it).")
+    return path
+
+
+def save_checkpoint(
+    output_dir: str,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    trainer_state: Any,
+    loop_state: dict[str, Any],
+    save_total_limit: Optional[int] = None,
+) -> str:
+    """Write checkpoint-{step} atomically and rotate old ones; return its path."""
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    staging = os.path.join(output_dir, f".tmp-checkpoint-{step}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    model.save_pretrained(staging, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+        os.path.join(staging, TRAINING_STATE),
+    )
+    torch.save(loop_state, os.path.join(staging, LOOP_STATE))
+    trainer_state.save_to_json(os.path.join(staging, TRAINER_STATE))
+    open(os.path.join(staging, COMPLETE_MARKER), "w").close()
+    _fsync_dir(staging)
+    if os.path.exists(final):  # a re-save of the same step: move the old one aside first, then replace
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, final)
+    _fsync_dir(output_dir)
+    if save_total_limit is not None:
+        for path in list_checkpoints(output_dir)[:-save_total_limit]:
+            shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def load_training_state(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(optimizer/scheduler/rng state, loop state) of a checkpoint."""
+    training = torch.load(os.path.join(path, TRAINING_STATE), map_location="cpu", weights_only=False)
+    loop = torch.load(os.path.join(path, LOOP_STATE), map_location="cpu", weights_only=False)
+    return training, loop
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,158 @@
+"""Command line: ``grouprl train`` (mirrors ``trl grpo``) and ``grouprl demo``.
+
+    grouprl train --model_name_or_path PATH --dataset_name NAME_OR_FILE --reward_funcs NAME_OR_DOTTED_PATH ...
+    grouprl train --config run.yaml --learning_rate 1e-5      # YAML sets defaults, flags override
+    grouprl demo                                               # the built-in arithmetic task, ~2 minutes on a CPU
+
+Every GRPOConfig field is a flag (``--snake_case`` or ``--kebab-case``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import yaml
+
+
+@dataclass
+class ScriptArguments:
+    """Where the data and rewards come from (TRL's `trl grpo` script arguments)."""
+
+    dataset_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset id, a local dataset directory, or a .json/.jsonl/.csv/.parquet file."})
+    dataset_config: Optional[str] = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on."})
+    dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset (needs --max_steps)."})
+    reward_funcs: Optional[list[str]] = field(default=None, metadata={"help": "Reward functions: built-in names or dotted import paths (pkg.module.func)."})
+    reward_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "A sequence-classification reward model."})
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train (TRL's ModelConfig fields that grouprl supports)."""
+
+    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Model id or local path."})
+    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
+    dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32, bfloat16, float16 or auto."})
+    attn_implementation: Optional[str] = field(default=None, metadata={"help": "Attention implementation (eager, sdpa, flash_attention_2, ...)."})
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters."})
+
+
+def resolve_reward_function(name: str) -> Callable:
+    """A built-in reward name or a dotted import path (the current directory is importable)."""
+    from .rewards import BUILTIN_REWARDS
+
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if "." in name:
+        module_name, _, attribute = name.rpartition(".")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"--reward_funcs {name}: cannot import module {module_name!r} ({err}).") from None
+        if not hasattr(module, attribute):
+            raise ValueError(f"--reward_funcs {name}: module {module_name!r} has no attribute {attribute!r}.")
+        return getattr(module, attribute)
+    raise ValueError(f"--reward_funcs {name}: not a built-in reward ({', '.join(sorted(BUILTIN_REWARDS))}) and not a dotted path pkg.module.func.")
+
+
+def load_train_dataset(script: ScriptArguments) -> Any:
+    import datasets
+
+    name = script.dataset_name
+    if name is None:
+        raise ValueError("grouprl train needs --dataset_name (a Hub id, a local dataset directory or a data file).")
+    extension = os.path.splitext(name)[1].lstrip(".")
+    if os.path.isfile(name) and extension in ("json", "jsonl", "csv", "parquet"):
+        builder = "json" if extension == "jsonl" else extension
+        return datasets.load_dataset(builder, data_files=name, split="train", streaming=script.dataset_streaming)
+    if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
+        loaded = datasets.load_from_disk(name)
+        return loaded[script.dataset_train_split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    return datasets.load_dataset(name, script.dataset_config, split=script.dataset_train_split, streaming=script.dataset_streaming)
+
+
+def build_parser() -> Any:
+    from transformers import HfArgumentParser
+
+    from .config import GRPOConfig
+
+    return HfArgumentParser((ScriptArguments, GRPOConfig, ModelArguments), prog="grouprl train", description="Train a model with GRPO.")
+
+
+def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArguments]:
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+    if known.config:
+        with open(known.config, encoding="utf-8") as handle:
+            values = yaml.safe_load(handle) or {}
+        for key, value in (values.pop("env", None) or {}).items():
+            os.environ[str(key)] = str(value)
+        valid = {action.dest for action in parser._actions}
+        unknown = sorted(set(values) - valid)
+        if unknown:
+            raise ValueError(f"{known.config}: unknown keys {unknown}; every key must be a grouprl train flag (see grouprl train --help).")
+        parser.set_defaults(**values)
+    script, config, model_args = parser.parse_args_into_dataclasses(args=rest)
+    return script, config, model_args
+
+
+def train_command(argv: list[str]) -> int:
+    script, config, model_args = parse_train_args(argv)
+    from .trainer import GRPOTrainer
+
+    if model_args.model_name_or_path is None:
+        raise ValueError("grouprl train needs --model_name_or_path.")
+    if model_args.use_peft:
+        raise NotImplementedError("--use_peft: LoRA training is not available in this version of grouprl yet.")
+    if script.reward_model_name_or_path:
+        raise NotImplementedError("--reward_model_name_or_path: reward models are not available in this version of grouprl yet.")
+    if not script.reward_funcs:
+        raise ValueError("grouprl train needs at least one --reward_funcs (a built-in name or a dotted path pkg.module.func).")
+    reward_funcs = [resolve_reward_function(name) for name in script.reward_funcs]
+    init_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
+    if model_args.attn_implementation:
+        init_kwargs["attn_implementation"] = model_args.attn_implementation
+    config.model_init_kwargs = {**init_kwargs, **(config.model_init_kwargs or {})}
+    trainer = GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=reward_funcs, args=config, train_dataset=load_train_dataset(script))
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.save_model(config.output_dir)
+    print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')}")
+    if config.push_to_hub:
+        trainer.push_to_hub()
+    return 0
+
+
+def demo_command(argv: list[str]) -> int:
+    from .demo.run import add_demo_arguments, run_demo
+
+    parser = argparse.ArgumentParser(prog="grouprl demo", description="GRPO on the built-in arithmetic task with the bundled tiny model.")
+    add_demo_arguments(parser)
+    run_demo(parser.parse_args(argv))
+    return 0
+
+
+COMMANDS = {"train": train_command, "demo": demo_command}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: grouprl {train,demo} [flags]\n\n"
+              "  train   train a model with GRPO (grouprl train --help lists every flag)\n"
+              "  demo    run the built-in default: GRPO on small arithmetic with a bundled tiny model")
+        return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""GRPOConfig: TRL 1.16's GRPO fields and the TrainingArguments fields GRPO scripts use.
+
+Same names, same meanings, same defaults as ``trl.GRPOConfig`` (including TRL's overrides of the
+TrainingArguments defaults: learning_rate=1e-6, logging_steps=10, gradient_checkpointing=True,
+bf16=True unless fp16, remove_unused_columns=False). It is a plain dataclass, so
+``transformers.HfArgumentParser`` turns it into command-line flags.
+
+Nothing is silently ignored: a field whose feature is not built yet raises NotImplementedError
+when set to a non-default value (see ``NOT_YET_BUILT``). The derived batch sizes live in
+``BatchPlan`` and are never written back into the config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+SCALE_REWARDS = ("group", "batch", "none")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+SAVE_STRATEGIES = ("no", "steps", "epoch")
+EVAL_STRATEGIES = ("no", "steps", "epoch")
+DICT_FIELDS = (
+    "model_init_kwargs",
+    "generation_kwargs",
+    "chat_template_kwargs",
+    "lr_scheduler_kwargs",
+    "gradient_checkpointing_kwargs",
+    "transformers_continuous_batching_config",
+)
+
+# field -> (the value that means "off", what the feature is). Setting any other value raises
+# NotImplementedError until the feature lands; the entry is then removed.
+NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
+    "beta": (0.0, "the KL penalty against a reference model"),
+    "sync_ref_model": (False, "reference-model syncing"),
+    "importance_sampling_level": ("token", "sequence-level importance sampling (GSPO)"),
+    "delta": (None, "two-sided clipping (delta)"),
+    "top_entropy_quantile": (1.0, "high-entropy token masking"),
+    "entropy_coef": (0.0, "the entropy bonus"),
+    "use_adaptive_entropy": (False, "the adaptive entropy controller"),
+    "off_policy_mask_threshold": (None, "off-policy sequence masking"),
+    "router_aux_loss_coef": (None, "the MoE router auxiliary loss"),
+    "cast_lm_head_to_fp32": (False, "an fp32 LM head"),
+    "use_vllm": (False, "vLLM generation"),
+    "use_transformers_continuous_batching": (False, "transformers continuous batching"),
+    "use_transformers_paged": (False, "transformers continuous batching"),
+    "log_completions": (False, "completion logging"),
+    "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
+    "max_tool_calling_iterations": (None, "tool calling"),
+    "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
+    "eval_strategy": ("no", "evaluation during training"),
+    "num_generations_eval": (None, "evaluation"),
+    "dataloader_num_workers": (0, "dataloader worker processes (prompts are tokenized in-process)"),
+}
+
+
+def _meta(help_text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": help_text, **extra}
+
+
+@dataclass
+class GRPOConfig:
+    """Configuration of a GRPO run. Field names, meanings and defaults follow TRL 1.16."""
+
+    # ---- output, logging, saving (TrainingArguments) ----
+    output_dir: Optional[str] = field(default=None, metadata=_meta("Where checkpoints, metrics and the final model go. Default: 'trainer_output'."))
+    run_name: Optional[str] = field(default=None, metadata=_meta("Run name shown by trackers."))
+    logging_dir: Optional[str] = field(default=None, metadata=_meta("Tracker log directory (tensorboard). Default: output_dir/runs."))
+    logging_steps: float = field(default=10, metadata=_meta("Log every N optimizer steps (a float < 1 is a fraction of the total)."))
+    logging_first_step: bool = field(default=False, metadata=_meta("Also log after the first optimizer step."))
+    report_to: Union[None, str, list[str]] = field(default="none", metadata=_meta("Trackers: none, all, tensorboard, wandb, trackio, mlflow, ... (comma-separated on the CLI)."))
+    disable_tqdm: Optional[bool] = field(default=None, metadata=_meta("Hide the progress bar."))
+    save_strategy: str = field(default="steps", metadata=_meta("When to write checkpoints: no, steps, epoch."))
+    save_steps: float = field(default=500, metadata=_meta("Checkpoint every N optimizer steps (a float < 1 is a fraction of the total)."))
+    save_total_limit: Optional[int] = field(default=None, metadata=_meta("Keep at most N checkpoints (oldest are deleted)."))
+    eval_strategy: str = field(default="no", metadata=_meta("When to evaluate: no, steps, epoch."))
+    eval_steps: Optional[float] = field(default=None, metadata=_meta("Evaluate every N optimizer steps."))
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata=_meta("Checkpoint path (or 'true' for the latest in output_dir) used by the CLI."))
+    push_to_hub: bool = field(default=False, metadata=_meta("Push the final model to the Hub after training."))
+    hub_model_id: Optional[str] = field(default=None, metadata=_meta("Hub repository id for push_to_hub."))
+
+    # ---- batching and schedule (TrainingArguments) ----
+    per_device_train_batch_size: int = field(default=8, metadata=_meta("Completions per micro-batch on each process."))
+    per_device_eval_batch_size: int = field(default=8, metadata=_meta("Completions per evaluation batch on each process."))
+    gradient_accumulation_steps: int = field(default=1, metadata=_meta("Micro-batches per optimizer step."))
+    num_train_epochs: float = field(default=3.0, metadata=_meta("Passes over the prompt dataset (ignored when max_steps > 0)."))
+    max_steps: int = field(default=-1, metadata=_meta("Total optimizer steps; overrides num_train_epochs when > 0."))
+    dataloader_num_workers: int = field(default=0, metadata=_meta("Dataloader worker processes."))
+    remove_unused_columns: bool = field(default=False, metadata=_meta("If True, drop dataset columns other than prompt/image/images before they reach reward functions."))
+
+    # ---- optimizer and LR schedule (TrainingArguments, GRPO defaults) ----
+    learning_rate: float = field(default=1e-6, metadata=_meta("Peak learning rate of AdamW."))
+    weight_decay: float = field(default=0.0, metadata=_meta("AdamW weight decay (not applied to biases and norms)."))
+    adam_beta1: float = field(default=0.9, metadata=_meta("AdamW beta1."))
+    adam_beta2: float = field(default=0.999, metadata=_meta("AdamW beta2."))
+    adam_epsilon: float = field(default=1e-8, metadata=_meta("AdamW epsilon."))
+    max_grad_norm: float = field(default=1.0, metadata=_meta("Gradient clipping norm (0 disables)."))
+    optim: str = field(default="adamw_torch_fused", metadata=_meta("Optimizer: adamw_torch or adamw_torch_fused."))
+    lr_scheduler_type: str = field(default="linear", metadata=_meta("Any transformers scheduler name: linear, cosine, constant, constant_with_warmup, ..."))
+    lr_scheduler_kwargs: Optional[Union[dict, str]] = field(default=None, metadata=_meta("Extra scheduler kwargs (JSON on the CLI)."))
+    warmup_steps: float = field(default=0, metadata=_meta("Warmup optimizer steps (a float < 1 is a fraction of the total)."))
+    warmup_ratio: Optional[float] = field(default=None, metadata=_meta("Warmup as a fraction of total steps (older TrainingArguments name)."))
+
+    # ---- precision, devices, seeds (TrainingArguments) ----
+    bf16: Optional[bool] = field(default=None, metadata=_meta("bf16 mixed precision (default: True unless fp16)."))
+    fp16: bool = field(default=False, metadata=_meta("fp16 mixed precision."))
+    use_cpu: bool = field(default=False, metadata=_meta("Train on the CPU even when a GPU is present."))
+    gradient_checkpointing: bool = field(default=True, metadata=_meta("Recompute activations in backward to save memory."))
+    gradient_checkpointing_kwargs: Optional[Union[dict, str]] = field(default=None, metadata=_meta("kwargs for gradient_checkpointing_enable (JSON on the CLI)."))
+    seed: int = field(default=42, metadata=_meta("Seed for model init, sampling and shuffling."))
+    data_seed: Optional[int] = field(default=None, metadata=_meta("Seed of the prompt sampler (default: seed)."))
+
+    # ---- model / reference model (TRL §1.1) ----
+    model_init_kwargs: Optional[Union[dict, str]] = field(default=None, metadata=_meta("kwargs for from_pretrained when model is a string (JSON on the CLI)."))
+    trust_remote_code: bool = field(default=False, metadata=_meta("Allow custom code from model repositories."))
+    router_aux_loss_coef: Optional[float] = field(default=None, metadata=_meta("MoE load-balancing loss weight."))
+    disable_dropout: bool = field(default=False, metadata=_meta("Turn off dropout in the policy."))
+    cast_lm_head_to_fp32: bool = field(default=False, metadata=_meta("Run the LM head in fp32."))
+    beta: float = field(default=0.0, metadata=_meta("KL coefficient; 0 means no reference model."))
+    sync_ref_model: bool = field(default=False, metadata=_meta("Periodically mix the policy into the reference model."))
+    ref_model_mixup_alpha: float = field(default=0.6, metadata=_meta("alpha in ref = alpha*policy + (1-alpha)*ref."))
+    ref_model_sync_steps: int = field(default=512, metadata=_meta("Mix every N optimizer steps."))
+
+    # ---- data (TRL §1.2) ----
+    num_generations: int = field(default=8, metadata=_meta("G: completions sampled per prompt (>= 2)."))
+    num_generations_eval: Optional[int] = field(default=None, metadata=_meta("G used in evaluation (default: num_generations)."))
+    max_completion_length: int = field(default=512, metadata=_meta("Maximum new tokens per completion."))
+    ds3_gather_for_generation: bool = field(default=True, metadata=_meta("Gather ZeRO-3 weights for generation."))
+    shuffle_dataset: bool = field(default=True, metadata=_meta("Shuffle the prompts (seeded by data_seed)."))
+    pad_to_multiple_of: Optional[str] = field(default="auto", metadata=_meta("Pad sequence lengths to a multiple of N ('auto' or 'none': no padding)."))
+
+    # ---- generation (TRL §1.3) ----
+    generation_batch_size: Optional[int] = field(default=None, metadata=_meta("Completions generated at once across all processes."))
+    steps_per_generation: Optional[int] = field(default=None, metadata=_meta("Micro-batches served by one generation (default: gradient_accumulation_steps)."))
+    temperature: float = field(default=1.0, metadata=_meta("Sampling temperature; training logprobs use the same temperature."))
+    top_p: float = field(default=1.0, metadata=_meta("Nucleus sampling threshold."))
+    top_k: int = field(default=0, metadata=_meta("Top-k sampling (0 disables)."))
+    min_p: Optional[float] = field(default=None, metadata=_meta("Min-p sampling."))
+    repetition_penalty: float = field(default=1.0, metadata=_meta("Repetition penalty (1.0 disables)."))
+    generation_kwargs: Optional[Union[dict, str]] = field(default=None, metadata=_meta("Extra generation kwargs; override the ones above (JSON on the CLI)."))
+    chat_template_kwargs: Optional[Union[dict, str]] = field(default=None, metadata=_meta("Extra apply_chat_template kwargs (JSON on the CLI)."))
+    cache_implementation: Optional[str] = field(default=None, metadata=_meta("transformers generate cache implementation."))
+    use_transformers_continuous_batching: bool = field(default=False, metadata=_meta("Use transformers continuous batching."))
+    transformers_continuous_batching_config: Optional[Union[dict, str]] = field(default=None, metadata=_meta("Continuous batching config."))
+    use_transformers_paged: bool = field(default=False, metadata=_meta("Deprecated alias of use_transformers_continuous_batching."))
+
+    # ---- vLLM (TRL §1.4) ----
+    use_vllm: bool = field(default=False, metadata=_meta("Generate with vLLM."))
+    vllm_mode: str = field(default="colocate", metadata=_meta("colocate or server."))
+    vllm_model_impl: str = field(default="vllm", metadata=_meta("vllm or transformers."))
+    vllm_enable_sleep_mode: bool = field(default=False, metadata=_meta("Colocate: sleep between generations."))
+    vllm_structured_outputs_regex: Optional[str] = field(default=None, metadata=_meta("Regex-constrained decoding."))
+    vllm_server_base_url: Optional[str] = field(default=None, metadata=_meta("Server URL (overrides host/port)."))
+    vllm_server_host: str = field(default="0.0.0.0", metadata=_meta("Server host."))
+    vllm_server_port: int = field(default=8000, metadata=_meta("Server port."))
+    vllm_server_timeout: float = field(default=240.0, metadata=_meta("Seconds to wait for the server."))
+    vllm_group_port: int = field(default=51216, metadata=_meta("Weight-update rendezvous port."))
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata=_meta("Colocate: vLLM memory fraction."))
+    vllm_max_model_length: Optional[int] = field(default=None, metadata=_meta("Colocate: context length."))
+    vllm_tensor_parallel_size: int = field(default=1, metadata=_meta("Colocate: tensor parallel size."))
+    vllm_importance_sampling_correction: bool = field(default=True, metadata=_meta("Correct sampler/trainer logprob mismatch."))
+    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata=_meta("token_truncate, token_mask, sequence_truncate or sequence_mask."))
+    vllm_importance_sampling_clip_max: float = field(default=3.0, metadata=_meta("Upper IS bound."))
+    vllm_importance_sampling_clip_min: Optional[float] = field(default=None, metadata=_meta("Lower IS bound."))
+    vllm_importance_sampling_cap: Optional[float] = field(default=None, metadata=_meta("Deprecated alias of vllm_importance_sampling_clip_max."))
+
+    # ---- loss (TRL §1.5) ----
+    num_iterations: int = field(default=1, metadata=_meta("mu: optimization passes over each generation batch."))
+    epsilon: float = field(default=0.2, metadata=_meta("Lower clip range: ratio >= 1 - epsilon."))
+    epsilon_high: Optional[float] = field(default=None, metadata=_meta("Upper clip range (default: epsilon); DAPO suggests 0.28."))
+    delta: Optional[float] = field(default=None, metadata=_meta("Two-sided clipping cap on the unclipped ratio."))
+    loss_type: str = field(default="dapo", metadata=_meta("grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo or vespo."))
+    importance_sampling_level: str = field(default="token", metadata=_meta("token or sequence (GSPO)."))
+    sapo_temperature_pos: float = field(default=1.0, metadata=_meta("SAPO gate temperature for positive advantages."))
+    sapo_temperature_neg: float = field(default=1.05, metadata=_meta("SAPO gate temperature for non-positive advantages."))
+    vespo_k_pos: float = field(default=2.0, metadata=_meta("VESPO k for A >= 0."))
+    vespo_lambda_pos: float = field(default=3.0, metadata=_meta("VESPO lambda for A >= 0."))
+    vespo_k_neg: float = field(default=3.0, metadata=_meta("VESPO k for A < 0."))
+    vespo_lambda_neg: float = field(default=2.0, metadata=_meta("VESPO lambda for A < 0."))
+    reward_weights: Optional[list[float]] = field(default=None, metadata=_meta("One weight per reward function (default: all 1)."))
+    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata=_meta("sum_then_normalize or normalize_then_sum (GDPO)."))
+    scale_rewards: str = field(default="group", metadata=_meta("group (or true), batch, none (or false)."))
+    mask_truncated_completions: bool = field(default=False, metadata=_meta("Exclude completions that hit max_completion_length from the loss."))
+    top_entropy_quantile: float = field(default=1.0, metadata=_meta("Train only on the top-rho highest-entropy tokens."))
+    entropy_coef: float = field(default=0.0, metadata=_meta("Entropy bonus coefficient."))
+    use_adaptive_entropy: bool = field(default=False, metadata=_meta("Adaptive entropy controller."))
+    entropy_coef_min: float = field(default=0.0, metadata=_meta("Controller lower bound."))
+    entropy_coef_max: float = field(default=1.0, metadata=_meta("Controller upper bound."))
+    entropy_coef_delta: float = field(default=0.005, metadata=_meta("Controller step."))
+    entropy_target: float = field(default=0.2, metadata=_meta("Controller target entropy (nats)."))
+    off_policy_mask_threshold: Optional[float] = field(default=None, metadata=_meta("Drop negative-advantage sequences that drifted more than this."))
+    use_bias_correction_kl: bool = field(default=True, metadata=_meta("Multiply the per-token KL by the importance ratio."))
+
+    # ---- logging (TRL §1.6) ----
+    log_completions: bool = field(default=False, metadata=_meta("Log a table of completions."))
+    log_multimodal: bool = field(default=True, metadata=_meta("Include images in completion logs."))
+    num_completions_to_print: Optional[int] = field(default=None, metadata=_meta("Rows of the completion table to print."))
+    log_unique_prompts: bool = field(default=False, metadata=_meta("Deduplicate prompts in tracker tables."))
+    log_completions_hub_repo: Optional[str] = field(default=None, metadata=_meta("Hub dataset repo for completion logs."))
+
+    # ---- tools (TRL §1.7) ----
+    max_tool_calling_iterations: Optional[int] = field(default=None, metadata=_meta("Maximum tool-calling turns per rollout."))
+
+    def __post_init__(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        if self.bf16 is None:
+            self.bf16 = not self.fp16
+        if self.disable_tqdm is None:
+            self.disable_tqdm = False
+        if self.data_seed is None:
+            self.data_seed = self.seed
+        for name in DICT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    setattr(self, name, json.loads(value))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"GRPOConfig.{name} must be a dict or a JSON object string, got {value!r}: {err}") from None
+        self.scale_rewards = _normalize_scale_rewards(self.scale_rewards)
+        self.pad_to_multiple_of = _normalize_pad_to_multiple_of(self.pad_to_multiple_of)
+        if isinstance(self.report_to, str):
+            self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
+        if self.report_to in (None, ["none"]):
+            self.report_to = []
+        if self.warmup_ratio is not None:
+            self.warmup_steps = self.warmup_ratio
+        if self.vllm_importance_sampling_cap is not None:
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field that can be checked without knowing the model or the process count."""
+        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        _check_choice("importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
+        _check_choice("multi_objective_aggregation", self.multi_objective_aggregation, ("sum_then_normalize", "normalize_then_sum"))
+        _check_choice("optim", self.optim, OPTIMIZERS)
+        _check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        _check_choice("eval_strategy", self.eval_strategy, EVAL_STRATEGIES)
+        _check_choice("vllm_mode", self.vllm_mode, ("colocate", "server"))
+        _check_choice(
+            "vllm_importance_sampling_mode",
+            self.vllm_importance_sampling_mode,
+            ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+        )
+        if self.num_generations < 2:
+            raise ValueError(
+                f"GRPOConfig.num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt "
+                "to compare them (advantages are relative to the group). Use num_generations >= 2, e.g. 8."
+            )
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "num_iterations", "max_completion_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)} must be >= 1.")
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError(
+                "GRPOConfig: set either generation_batch_size or steps_per_generation, not both "
+                f"(got generation_batch_size={self.generation_batch_size}, steps_per_generation={self.steps_per_generation}); "
+                "one is derived from the other."
+            )
+        if self.steps_per_generation is not None and self.steps_per_generation < 1:
+            raise ValueError(f"GRPOConfig.steps_per_generation={self.steps_per_generation} must be >= 1.")
+        if self.temperature <= 0:
+            raise ValueError(f"GRPOConfig.temperature={self.temperature} must be > 0 (training logprobs are divided by it).")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"GRPOConfig.top_p={self.top_p} must be in (0, 1].")
+        if self.top_k < 0:
+            raise ValueError(f"GRPOConfig.top_k={self.top_k} must be >= 0 (0 disables top-k).")
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise ValueError("GRPOConfig.epsilon and epsilon_high must be >= 0.")
+        if self.num_train_epochs <= 0 and self.max_steps <= 0:
+            raise ValueError("GRPOConfig: set num_train_epochs > 0 or max_steps > 0; as given, training would run 0 steps.")
+        if self.bf16 and self.fp16:
+            raise ValueError("GRPOConfig: bf16 and fp16 are both True; pick one mixed-precision mode.")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(f"GRPOConfig.save_total_limit={self.save_total_limit} must be >= 1 or None.")
+        if self.logging_steps <= 0:
+            raise ValueError(f"GRPOConfig.logging_steps={self.logging_steps} must be > 0.")
+        if self.save_strategy == "steps" and self.save_steps <= 0:
+            raise ValueError(f"GRPOConfig.save_steps={self.save_steps} must be > 0 with save_strategy='steps'.")
+        if self.log_completions_hub_repo is not None and not self.log_completions:
+            raise ValueError("GRPOConfig.log_completions_hub_repo requires log_completions=True.")
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"GRPOConfig: vllm_importance_sampling_clip_min ({lo}) must be < vllm_importance_sampling_clip_max ({hi}).")
+        if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
+            raise ValueError(f"GRPOConfig.reward_weights must be a list of numbers, got {self.reward_weights!r}.")
+        for name, (off_value, feature) in NOT_YET_BUILT.items():
+            if getattr(self, name) != off_value:
+                raise NotImplementedError(
+                    f"GRPOConfig.{name}={getattr(self, name)!r}: {feature} is not available in this version of grouprl yet. "
+                    f"Leave {name} at its default ({off_value!r})."
+                )
+
+    @property
+    def effective_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"GRPOConfig.{name}={value!r} is not one of {', '.join(map(repr, choices))}.")
+
+
+def _normalize_scale_rewards(value: Any) -> str:
+    aliases = {True: "group", False: "none", "true": "group", "false": "none", "True": "group", "False": "none"}
+    value = aliases.get(value, value) if isinstance(value, (bool, str)) else value
+    if value not in SCALE_REWARDS:
+        raise ValueError(f"GRPOConfig.scale_rewards={value!r} must be one of 'group' (or True), 'batch', 'none' (or False).")
+    return value
+
+
+def _normalize_pad_to_multiple_of(value: Any) -> Optional[int]:
+    # "auto" means 128 on AWS Neuron in TRL, which grouprl does not target: no padding.
+    if value is None or (isinstance(value, str) and value.lower() in ("auto", "none", "null")):
+        return None
+    try:
+        multiple = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"GRPOConfig.pad_to_multiple_of={value!r} must be a positive integer, 'auto' or 'none'.") from None
+    if multiple < 1:
+        raise ValueError(f"GRPOConfig.pad_to_multiple_of={value!r} must be a positive integer.")
+    return multiple
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Sizes derived from the config and the process count; printed at start-up.
+
+    Vocabulary: a *generation* samples `completions_per_generation` completions (G for each of
+    `prompts_per_generation` prompts) across all processes; it is cut into `steps_per_generation`
+    micro-batches per process and replayed `num_iterations` times; an optimizer step consumes
+    `gradient_accumulation_steps` micro-batches.
+    """
+
+    num_processes: int
+    num_generations: int
+    per_device_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int
+    num_iterations: int
+    completions_per_generation: int  # global, = generation_batch_size
+    prompts_per_generation: int  # unique prompts per generation, global
+
+    @property
+    def completions_per_process(self) -> int:
+        return self.completions_per_generation // self.num_processes
+
+    @property
+    def micro_steps_per_generation(self) -> int:
+        return self.steps_per_generation * self.num_iterations
+
+    @property
+    def completions_per_optimizer_step(self) -> int:
+        return self.per_device_batch_size * self.gradient_accumulation_steps * self.num_processes
+
+    @property
+    def old_logprobs_needed(self) -> bool:
+        """TRL §2.6: old logprobs are computed unless the batch is provably on-policy at its only use."""
+        return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) != 0
+
+    def optimizer_steps_per_epoch(self, num_prompts: int) -> int:
+        generations = num_prompts // self.prompts_per_generation
+        return max(1, generations * self.micro_steps_per_generation // self.gradient_accumulation_steps)
+
+    def describe(self, num_prompts: Optional[int] = None) -> str:
+        ratio = self.micro_steps_per_generation / self.gradient_accumulation_steps
+        per_gen = f"{ratio:g} optimizer step(s) per generation" if ratio >= 1 else f"{1 / ratio:g} generations per optimizer step"
+        lines = [
+            "grouprl batch plan",
+            f"  generation: {self.prompts_per_generation} prompts x {self.num_generations} completions = "
+            f"{self.completions_per_generation} completions ({self.completions_per_process} per process, {self.num_processes} process(es))",
+            f"  micro-batches: {self.steps_per_generation} of {self.per_device_batch_size} completions per process, "
+            f"replayed {self.num_iterations}x (num_iterations)",
+            f"  optimizer step: {self.gradient_accumulation_steps} micro-batch(es) = {self.completions_per_optimizer_step} completions; {per_gen}",
+            f"  old logprobs: {'computed (samples are reused off-policy)' if self.old_logprobs_needed else 'not needed (on-policy)'}",
+        ]
+        if num_prompts is not None:
+            lines.append(f"  epoch: {num_prompts} prompts -> {self.optimizer_steps_per_epoch(num_prompts)} optimizer steps")
+        return "\n".join(lines)
+
+
+def plan_batches(config: GRPOConfig, num_processes: int = 1) -> BatchPlan:
+    """Derive the batch plan exactly as TRL does (§1.3, §2.13); reject impossible combinations."""
+    per_step = config.per_device_train_batch_size * num_processes
+    g = config.num_generations
+    if config.generation_batch_size is not None:
+        if config.generation_batch_size % per_step != 0:
+            raise ValueError(
+                f"GRPOConfig.generation_batch_size={config.generation_batch_size} must be divisible by "
+                f"per_device_train_batch_size ({config.per_device_train_batch_size}) x processes ({num_processes}) = {per_step}. "
+                f"Valid values include {', '.join(str(per_step * k) for k in range(1, 5))}."
+            )
+        steps_per_generation = config.generation_batch_size // per_step
+    else:
+        steps_per_generation = config.steps_per_generation or config.gradient_accumulation_steps
+    generation_batch = per_step * steps_per_generation
+    if generation_batch % g != 0:
+        valid_g = [d for d in range(2, generation_batch + 1) if generation_batch % d == 0]
+        fits = [b for b in range(1, 4 * g + 1) if (b * num_processes * steps_per_generation) % g == 0][:4]
+        raise ValueError(
+            f"The generation batch ({config.per_device_train_batch_size} per_device_train_batch_size x {num_processes} processes x "
+            f"{steps_per_generation} steps_per_generation = {generation_batch} completions) must be divisible by "
+            f"num_generations={g}, so that every prompt gets all its completions in the same generation. "
+            f"Valid num_generations for this batch: {valid_g or 'none (increase the batch)'}; "
+            f"or keep num_generations={g} and use per_device_train_batch_size in {fits}, "
+            "or raise steps_per_generation / gradient_accumulation_steps."
+        )
+    return BatchPlan(
+        num_processes=num_processes,
+        num_generations=g,
+        per_device_batch_size=config.per_device_train_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        steps_per_generation=steps_per_generation,
+        num_iterations=config.num_iterations,
+        completions_per_generation=generation_batch,
+        prompts_per_generation=generation_batch // g,
+    )
+
+
+def resolve_steps(value: float, total_steps: int) -> int:
+    """TrainingArguments convention: a value in (0, 1) is a fraction of the total optimizer steps."""
+    if 0 < value < 1:
+        return max(1, math.ceil(value * total_steps))
+    return int(value)

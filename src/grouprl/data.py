@@ -1,0 +1,209 @@
+"""Dataset rows -> PromptBatch: formats, chat template, extra columns, and a resumable prompt order.
+
+Formats (as in TRL): *standard* rows have a string ``prompt`` (tokenized as-is); *conversational*
+rows have a list of ``{"role", "content"}`` messages, rendered once with the tokenizer's chat
+template and a generation prompt. Every other column travels with the prompt to the reward
+functions.
+
+Order (TRL's RepeatSampler, §2.13): prompts are shuffled with a seeded generator (a new
+permutation each epoch), cut into generations of U = generation_batch_size / G unique prompts
+(the incomplete last one is dropped), and each prompt is repeated G times. Processes take
+contiguous slices of the G*U completions, so a group may straddle two processes; its global
+group id keeps it whole for the advantages. The sampler position is two integers, saved in
+checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import datasets
+import torch
+
+from .types import PromptBatch
+
+PROMPT_COLUMN = "prompt"
+KEPT_WHEN_REMOVING = ("prompt", "image", "images")
+
+
+def check_dataset(dataset: Any, name: str = "train_dataset") -> None:
+    """Fail early, with the field named, on a dataset the trainer cannot use."""
+    if dataset is None:
+        raise ValueError(f"GRPOTrainer needs a {name}: a datasets.Dataset or IterableDataset with a 'prompt' column.")
+    if not isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
+        raise TypeError(f"{name} must be a datasets.Dataset or datasets.IterableDataset, got {type(dataset).__name__}. "
+                        "Build one with datasets.Dataset.from_list([{'prompt': ...}, ...]).")
+    columns = dataset.column_names
+    if columns is not None and PROMPT_COLUMN not in columns:
+        raise ValueError(f"{name} has no 'prompt' column (columns: {columns}). Rename the column that holds the prompts, "
+                         "e.g. dataset.rename_column('question', 'prompt').")
+    if isinstance(dataset, datasets.Dataset):
+        if len(dataset) == 0:
+            raise ValueError(f"{name} is empty: it has no rows to sample prompts from.")
+        check_prompt(dataset[0][PROMPT_COLUMN], 0)
+
+
+def check_prompt(prompt: Any, row: int) -> None:
+    """A prompt is a string or a non-empty list of {'role': str, 'content': str | list} messages."""
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"Row {row}: 'prompt' must be a string or a non-empty list of messages "
+                         f"[{{'role': ..., 'content': ...}}], got {type(prompt).__name__}: {str(prompt)[:80]!r}.")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"Row {row}: message {i} of 'prompt' must be a dict with 'role' and 'content' keys, got {str(message)[:80]!r}.")
+        if not isinstance(message["role"], str):
+            raise ValueError(f"Row {row}: message {i} has role {message['role']!r}; roles are strings like 'user'.")
+
+
+def is_conversational(prompt: Any) -> bool:
+    return isinstance(prompt, list)
+
+
+class PromptTokenizer:
+    """Tokenizes prompts once: plain text as-is, conversations through the chat template."""
+
+    def __init__(self, tokenizer: Any, *, max_context: Optional[int], max_completion_length: int, chat_template_kwargs: Optional[dict] = None):
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.max_completion_length = max_completion_length
+        self.chat_template_kwargs = chat_template_kwargs or {}
+
+    def __call__(self, prompt: Any, row: int) -> list[int]:
+        check_prompt(prompt, row)
+        if is_conversational(prompt):
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise ValueError(f"Row {row} is conversational but the tokenizer has no chat_template; set tokenizer.chat_template "
+                                 "or use plain-string prompts.")
+            continue_final = prompt[-1]["role"] == "assistant"
+            ids = self.tokenizer.apply_chat_template(
+                prompt, tokenize=True, add_generation_prompt=not continue_final, continue_final_message=continue_final,
+                **self.chat_template_kwargs,
+            )
+            if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            ids = list(ids)
+        else:
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"Row {row}: the prompt {prompt!r} tokenizes to no tokens; generation needs at least one prompt token.")
+        if self.max_context is not None and len(ids) + self.max_completion_length > self.max_context:
+            raise ValueError(
+                f"Row {row}: the prompt has {len(ids)} tokens; with max_completion_length={self.max_completion_length} that needs "
+                f"{len(ids) + self.max_completion_length} positions but the model's context is {self.max_context}. "
+                f"Shorten or drop this prompt, or lower max_completion_length to at most {max(self.max_context - len(ids), 0)}."
+            )
+        return ids
+
+
+@dataclass
+class SamplerState:
+    epoch: int = 0
+    position: int = 0  # generations already drawn in this epoch (map-style) / rows consumed (iterable)
+
+
+class PromptSampler:
+    """Seeded, resumable order of prompt rows, one generation (U unique prompts) at a time."""
+
+    def __init__(self, dataset: Any, prompts_per_generation: int, *, shuffle: bool, seed: int):
+        self.dataset = dataset
+        self.prompts_per_generation = prompts_per_generation
+        self.shuffle = shuffle
+        self.seed = seed
+        self.state = SamplerState()
+        self.iterable = isinstance(dataset, datasets.IterableDataset)
+        self._stream: Optional[Iterator[dict]] = None
+        if not self.iterable and len(dataset) < prompts_per_generation:
+            raise ValueError(
+                f"train_dataset has {len(dataset)} prompts but one generation needs {prompts_per_generation} unique prompts "
+                "(generation_batch_size / num_generations). Use a larger dataset or a smaller per_device_train_batch_size / "
+                "steps_per_generation."
+            )
+
+    @property
+    def generations_per_epoch(self) -> Optional[int]:
+        return None if self.iterable else len(self.dataset) // self.prompts_per_generation
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def next_generation(self) -> tuple[list[int], list[dict]]:
+        """Dataset indices and rows of the next U prompts."""
+        if self.iterable:
+            return self._next_from_stream()
+        if self.state.position >= self.generations_per_epoch:
+            self.state = SamplerState(epoch=self.state.epoch + 1, position=0)
+        start = self.state.position * self.prompts_per_generation
+        indices = self._order(self.state.epoch)[start : start + self.prompts_per_generation]
+        self.state.position += 1
+        rows = [self.dataset[i] for i in indices]
+        return indices, rows
+
+    def _next_from_stream(self) -> tuple[list[int], list[dict]]:
+        indices, rows = [], []
+        while len(rows) < self.prompts_per_generation:
+            if self._stream is None:
+                self._stream = self._open_stream()
+            try:
+                row = next(self._stream)
+            except StopIteration:
+                if self.state.position == 0:
+                    raise ValueError("train_dataset (an IterableDataset) yielded no rows.") from None
+                self.state = SamplerState(epoch=self.state.epoch + 1, position=0)
+                self._stream, indices, rows = None, [], []  # drop the incomplete generation, as for map-style data
+                continue
+            indices.append(self.state.position)
+            rows.append(row)
+            self.state.position += 1
+        return indices, rows
+
+    def _open_stream(self) -> Iterator[dict]:
+        stream = self.dataset
+        if self.shuffle:
+            stream = stream.shuffle(seed=self.seed + self.state.epoch, buffer_size=1000)
+        return iter(stream.skip(self.state.position))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.state.epoch, "position": self.state.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = SamplerState(epoch=int(state["epoch"]), position=int(state["position"]))
+        self._stream = None
+
+
+def local_prompt_batch(
+    indices: list[int],
+    rows: list[dict],
+    *,
+    generation_index: int,
+    num_generations: int,
+    process_index: int,
+    num_processes: int,
+    tokenize: PromptTokenizer,
+    remove_unused_columns: bool,
+) -> PromptBatch:
+    """The slice of one global generation (U prompts x G completions) that this process samples."""
+    total = len(rows) * num_generations
+    per_process = total // num_processes
+    first, last = process_index * per_process, (process_index + 1) * per_process
+    prompts, prompt_ids, dataset_indices, group_ids, counts = [], [], [], [], []
+    columns: dict[str, list[Any]] = {}
+    for u, (index, row) in enumerate(zip(indices, rows)):
+        lo, hi = max(first, u * num_generations), min(last, (u + 1) * num_generations)
+        if lo >= hi:
+            continue
+        prompts.append(row[PROMPT_COLUMN])
+        prompt_ids.append(tokenize(row[PROMPT_COLUMN], index))
+        dataset_indices.append(index)
+        group_ids.append(generation_index * len(rows) + u)
+        counts.append(hi - lo)
+        for name, value in row.items():
+            if name == PROMPT_COLUMN or (remove_unused_columns and name not in KEPT_WHEN_REMOVING):
+                continue
+            columns.setdefault(name, []).append(value)
+    return PromptBatch(prompts, prompt_ids, columns, dataset_indices, group_ids, counts)

@@ -1,0 +1,103 @@
+"""A tiny, deterministic byte-level BPE tokenizer for the demo model.
+
+Why hand-built instead of trained: the demo must work offline and be bit-for-bit reproducible, and
+the arithmetic task only needs a handful of symbols. The vocabulary is
+
+* the 256 byte-level symbols (so *any* text round-trips exactly, whitespace included),
+* a few merges that turn the ChatML role names into single tokens (shorter chat prompts),
+* three special tokens: ``<|endoftext|>`` (eos and pad), ``<|im_start|>`` and ``<|im_end|>``.
+
+Digits are deliberately *not* merged: every number is spelled digit by digit, which keeps the
+vocabulary tiny and makes the answer a short, learnable token sequence.
+
+All merges stay inside runs of ASCII letters. That matters because ``AutoTokenizer`` in
+transformers 5 rebuilds a ``qwen2`` checkpoint's tokenizer as ``Qwen2Tokenizer`` (its own
+pre-tokenizer regex + ``ByteLevel(use_regex=False)``). Letter-only merges give identical ids under
+both the GPT-2 style ``ByteLevel`` regex used here and Qwen's regex, so the in-memory tokenizer and
+the reloaded one agree (checked in ``tests/test_demo_assets.py``).
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
+
+# Words that become single tokens. Only ASCII letters (see module docstring for why).
+MERGED_WORDS = ("user", "assistant", "system")
+
+# ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then an open assistant turn if
+# asked. `continue_final_message` needs nothing special: transformers renders the full conversation
+# and cuts it right after the final message's content.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """Map every byte to a printable unicode character (the GPT-2 byte-level alphabet).
+
+    Printable Latin-1 bytes map to themselves; the remaining bytes (control characters, space,
+    ...) are shifted to code points from 256 upwards so that no symbol is whitespace or invisible.
+    This is the convention ``tokenizers``' ByteLevel pre-tokenizer and decoder expect.
+    """
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\N{INVERTED EXCLAMATION MARK}"), ord("\N{NOT SIGN}") + 1),
+        *range(ord("\N{REGISTERED SIGN}"), ord("\N{LATIN SMALL LETTER Y WITH DIAERESIS}") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shift)
+            shift += 1
+    return mapping
+
+
+def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte alphabet (ids 0..255, in byte order) followed by left-to-right merges of MERGED_WORDS."""
+    alphabet = byte_to_unicode()
+    vocab = {alphabet[b]: b for b in range(256)}
+    merges: list[tuple[str, str]] = []
+    for word in MERGED_WORDS:
+        # "user" -> (u,s) (us,e) (use,r): every prefix becomes a token, the last one is the word.
+        for i in range(1, len(word)):
+            left, right = word[:i], word[i]
+            if (left, right) not in merges:
+                merges.append((left, right))
+            vocab.setdefault(word[: i + 1], len(vocab))
+    return vocab, merges
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the demo tokenizer (deterministic: same vocabulary and ids on every call).
+
+    Returns a transformers fast tokenizer with eos = pad = ``<|endoftext|>``, no bos token, a ChatML
+    ``chat_template`` and left padding disabled (padding side is left to the caller: the trainer
+    pads prompts on the left itself).
+    """
+    vocab, merges = _vocab_and_merges()
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    # ByteLevel on both ends: text -> bytes -> symbols and back, so whitespace is preserved exactly.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=128,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

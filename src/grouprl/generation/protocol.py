@@ -1,0 +1,34 @@
+"""The one interface the loop uses to sample completions.
+
+A backend turns token-id prompts into `Completion`s: sampled token ids with the EOS kept and
+nothing after it, the decoded text, why generation stopped, and (if the backend has them) the
+logprob of each sampled token under the sampling distribution. The loop never knows which backend
+it talks to: transformers `generate`, the fast in-process engine, a generation server or vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..types import Completion, SamplingParams
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
+        """Sample `num_samples` completions for each prompt; return them prompt-major (len = prompts x num_samples)."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the backend sample from `model`'s current weights (a no-op for in-process backends)."""
+        ...
+
+
+def cut_at_eos(token_ids: list[int], eos_token_ids: set[int]) -> tuple[list[int], str]:
+    """Keep tokens up to and including the first EOS; report 'stop' if one was found, else 'length'."""
+    for position, token in enumerate(token_ids):
+        if token in eos_token_ids:
+            return token_ids[: position + 1], "stop"
+    return token_ids, "length"

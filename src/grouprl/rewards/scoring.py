@@ -1,0 +1,187 @@
+"""Calling reward functions with TRL's contract, and checking what they return.
+
+Contract (TRL 1.16 §2.5): every reward function is called with keyword arguments ``prompts``,
+``completions``, ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric`` and every
+extra dataset column, each a per-completion list, and returns one value per completion: a number,
+or ``None`` for "not applicable" (stored as NaN and left out of sums and means).
+
+Async reward functions (coroutine functions, partials of them, objects with ``async __call__``)
+run concurrently on a background event loop while the sync ones run in order. A function that
+raises, returns the wrong count, a non-number or NaN stops the run with a `RewardFunctionError`
+naming the function and the first offending row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+import numbers
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+
+class RewardFunctionError(ValueError):
+    """A reward function failed or returned something that is not one number (or None) per completion."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    fn: Callable[..., Any]
+    name: str
+    is_async: bool
+
+
+def reward_name(fn: Any) -> str:
+    """TRL's naming: __name__, partials unwrapped, class instances by class name."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _is_async(fn: Any) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def prepare_reward_functions(reward_funcs: Any) -> list[RewardFunction]:
+    """Validate the user's reward_funcs (one or a list) and wrap them with their names."""
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if len(funcs) == 0:
+        raise ValueError("GRPOTrainer needs at least one reward function in reward_funcs.")
+    prepared = []
+    for i, fn in enumerate(funcs):
+        if isinstance(fn, str) or isinstance(fn, torch.nn.Module):
+            raise NotImplementedError(
+                f"reward_funcs[{i}]={fn!r}: reward models are not available in this version of grouprl yet; "
+                "pass a Python function that scores completions."
+            )
+        if not callable(fn):
+            raise TypeError(f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; pass a function f(prompts, completions, **kwargs) -> list[float].")
+        prepared.append(RewardFunction(fn=fn, name=reward_name(fn), is_async=_is_async(fn)))
+    return prepared
+
+
+class _BackgroundLoop:
+    """One daemon thread running an asyncio loop, shared by all async reward functions."""
+
+    _loop: Optional[asyncio.AbstractEventLoop] = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def run(cls, coroutine: Any) -> Any:
+        with cls._lock:
+            if cls._loop is None:
+                cls._loop = asyncio.new_event_loop()
+                threading.Thread(target=cls._loop.run_forever, name="grouprl-rewards", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coroutine, cls._loop)
+
+
+def score_completions(
+    functions: Sequence[RewardFunction],
+    *,
+    prompts: list[Any],  # (N,)
+    completions: list[Any],  # (N,)
+    completion_ids: list[list[int]],  # (N,)
+    columns: dict[str, list[Any]],  # each (N,)
+    trainer_state: Any = None,
+    log_metric: Optional[Callable[[str, float], None]] = None,
+    log_extra: Optional[Callable[[str, list], None]] = None,
+) -> torch.Tensor:
+    """Call every reward function once on all N completions; return (N, F) float32 with NaN for None."""
+    n = len(completions)
+    kwargs = dict(columns)
+    kwargs.update(
+        prompts=prompts,
+        completions=completions,
+        completion_ids=completion_ids,
+        trainer_state=trainer_state,
+        log_metric=log_metric or (lambda name, value: None),
+        log_extra=log_extra or (lambda column, values: None),
+    )
+
+    async def gather_async() -> list[Any]:
+        calls = [f.fn(**kwargs) for f in functions if f.is_async]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    pending = _BackgroundLoop.run(gather_async()) if any(f.is_async for f in functions) else None
+    outputs: dict[int, Any] = {}
+    for index, f in enumerate(functions):
+        if not f.is_async:
+            try:
+                outputs[index] = f.fn(**kwargs)
+            except Exception as err:  # noqa: BLE001 - re-raised with the row that fails
+                raise _locate_failure(f, kwargs, n, err) from err
+    if pending is not None:
+        async_indices = [i for i, f in enumerate(functions) if f.is_async]
+        for index, result in zip(async_indices, pending.result()):
+            if isinstance(result, BaseException):
+                raise RewardFunctionError(
+                    f"Reward function '{functions[index].name}' raised {type(result).__name__}: {result}"
+                ) from result
+            outputs[index] = result
+
+    scores = torch.empty((n, len(functions)), dtype=torch.float32)
+    for index, f in enumerate(functions):
+        scores[:, index] = _check_output(f.name, outputs[index], n, prompts)
+    return scores
+
+
+def _check_output(name: str, values: Any, n: int, prompts: list[Any]) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().tolist()
+    elif hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy arrays
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise RewardFunctionError(
+            f"Reward function '{name}' returned {type(values).__name__}; it must return a list with one number (or None) per completion ({n} here)."
+        )
+    if len(values) != n:
+        raise RewardFunctionError(
+            f"Reward function '{name}' returned {len(values)} values for {n} completions; it must return exactly one value "
+            "per completion (None if it does not apply)."
+        )
+    result = torch.empty(n, dtype=torch.float32)
+    for row, value in enumerate(values):
+        if value is None:
+            result[row] = float("nan")
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardFunctionError(
+                f"Reward function '{name}' returned {value!r} ({type(value).__name__}) for row {row} "
+                f"(prompt: {_short(prompts[row])}); rewards must be numbers or None."
+            )
+        if not math.isfinite(float(value)):
+            raise RewardFunctionError(
+                f"Reward function '{name}' returned {value} for row {row} (prompt: {_short(prompts[row])}); "
+                "rewards must be finite. Return None if the function does not apply to a completion."
+            )
+        result[row] = float(value)
+    return result
+
+
+def _locate_failure(f: RewardFunction, kwargs: dict[str, Any], n: int, err: Exception) -> RewardFunctionError:
+    """Re-run the failing function one row at a time to name the first row that raises."""
+    per_row_keys = [k for k, v in kwargs.items() if isinstance(v, list) and len(v) == n]
+    for row in range(n):
+        row_kwargs = {k: ([v[row]] if k in per_row_keys else v) for k, v in kwargs.items()}
+        try:
+            f.fn(**row_kwargs)
+        except Exception as row_err:  # noqa: BLE001
+            return RewardFunctionError(
+                f"Reward function '{f.name}' raised {type(row_err).__name__}: {row_err} on row {row} "
+                f"(prompt: {_short(kwargs['prompts'][row])}, completion: {_short(kwargs['completions'][row])})."
+            )
+    return RewardFunctionError(f"Reward function '{f.name}' raised {type(err).__name__}: {err} (on the batch of {n} completions).")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

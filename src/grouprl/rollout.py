@@ -1,0 +1,174 @@
+"""One generation: prompts -> completions -> rewards -> advantages -> TrainBatch.
+
+This is the "experience" half of a GRPO step. It samples G completions for each of the
+generation's prompts (this process's slice), scores them with the reward functions, gathers the
+rewards from every process so that each group is normalised whole, and packs this process's
+rows into padded tensors with a loss mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from transformers.utils import logging
+
+from .algorithms.advantages import group_advantages
+from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
+from .distributed import gather_rows, global_sum, local_rows
+from .generation.protocol import GenerationBackend
+from .metrics import MetricWindow, completion_length_stats, reward_stats
+from .rewards.scoring import RewardFunction, score_completions
+from .types import Completion, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
+
+logger = logging.get_logger("grouprl")
+
+
+@dataclass
+class RolloutSettings:
+    num_generations: int
+    scale_rewards: str
+    multi_objective_aggregation: str
+    mask_truncated_completions: bool
+    remove_unused_columns: bool
+    pad_token_id: int
+
+
+@dataclass
+class RolloutMaker:
+    """Everything one generation needs; built once by the trainer."""
+
+    accelerator: Accelerator
+    backend: GenerationBackend
+    sampler: PromptSampler
+    tokenize: PromptTokenizer
+    reward_functions: list[RewardFunction]
+    reward_weights: torch.Tensor  # (F,)
+    sampling: SamplingParams
+    settings: RolloutSettings
+    generations_made: int = 0
+    tokens_seen: int = 0
+    completion_extras: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns of the last generation
+
+    def sample(self) -> Rollout:
+        indices, rows = self.sampler.next_generation()
+        prompts = local_prompt_batch(
+            indices,
+            rows,
+            generation_index=self.generations_made,
+            num_generations=self.settings.num_generations,
+            process_index=self.accelerator.process_index,
+            num_processes=self.accelerator.num_processes,
+            tokenize=self.tokenize,
+            remove_unused_columns=self.settings.remove_unused_columns,
+        )
+        self.generations_made += 1
+        return Rollout(prompts, generate_for(self.backend, prompts, self.sampling))
+
+    def score(self, rollout: Rollout, trainer_state: Any, window: MetricWindow) -> tuple[Rewards, torch.Tensor]:
+        """Rewards of the global batch and this process's advantages (N,); logs reward/length metrics."""
+        row_prompt = rollout.row_prompt
+        batch = rollout.prompts
+        conversational = is_conversational(batch.prompts[0])
+        self.completion_extras = {}
+        per_function = score_completions(
+            self.reward_functions,
+            prompts=[batch.prompts[b] for b in row_prompt],
+            completions=[[{"role": "assistant", "content": c.text}] if conversational else c.text for c in rollout.completions],
+            completion_ids=[c.token_ids for c in rollout.completions],
+            columns={name: [values[b] for b in row_prompt] for name, values in batch.columns.items()},
+            trainer_state=trainer_state,
+            log_metric=window.add,
+            log_extra=self.completion_extras.__setitem__,
+        )
+        n_local = len(rollout.completions)
+        rewards = Rewards(gather_rows(self.accelerator, per_function), [f.name for f in self.reward_functions], self.reward_weights)
+        advantages, stats = group_advantages(
+            rewards.per_function,
+            rewards.weights,
+            group_size=self.settings.num_generations,
+            scale_rewards=self.settings.scale_rewards,
+            aggregation=self.settings.multi_objective_aggregation,
+        )
+        window.add_all(reward_stats(rewards.per_function, rewards.names, stats["total"], stats["group_std"]))
+        unscorable = int(stats["unscorable"].sum())
+        if unscorable:
+            logger.warning(
+                "All reward functions returned None for %d of %d completions; those rows get advantage 0 and are left out "
+                "of their group's mean and std.", unscorable, len(stats["unscorable"]),
+            )
+        lengths = torch.tensor([len(c.token_ids) for c in rollout.completions])
+        stopped = torch.tensor([c.finish_reason == "stop" for c in rollout.completions])
+        window.add_all(completion_length_stats(gather_rows(self.accelerator, lengths), gather_rows(self.accelerator, stopped)))
+        prompt_tokens = sum(len(batch.prompt_ids[b]) for b in row_prompt)
+        self.tokens_seen += int(global_sum(self.accelerator, prompt_tokens + int(lengths.sum())))
+        window.add("num_tokens", self.tokens_seen)
+        return rewards, advantages[local_rows(self.accelerator, n_local)]
+
+    def make_train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
+        batch = pack_rollout(rollout, advantages, self.settings.pad_token_id, self.settings.mask_truncated_completions)
+        batch.num_loss_tokens = global_sum(self.accelerator, float(batch.loss_mask.sum()))
+        return batch
+
+
+def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:
+    """Ask the backend for each prompt's num_samples completions; return them in row order.
+
+    Prompts on a process usually all need G samples; a group cut by a process boundary needs
+    fewer, so prompts are sent in one call per distinct sample count.
+    """
+    by_count: dict[int, list[int]] = {}
+    for b, count in enumerate(prompts.num_samples):
+        by_count.setdefault(count, []).append(b)
+    per_prompt: dict[int, list[Completion]] = {}
+    for count, members in by_count.items():
+        completions = backend.generate([prompts.prompt_ids[b] for b in members], count, params)
+        if len(completions) != len(members) * count:
+            raise RuntimeError(f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(members)} prompts x {count}.")
+        for completion in completions:
+            per_prompt.setdefault(members[completion.prompt_index], []).append(completion)
+    ordered = []
+    for b in range(len(prompts)):
+        for completion in per_prompt.get(b, []):
+            completion.prompt_index = b
+            ordered.append(completion)
+    return ordered
+
+
+def pack_rollout(rollout: Rollout, advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool) -> TrainBatch:
+    """Left-pad prompts and right-pad completions into tensors; build the masks."""
+    rows = rollout.row_prompt
+    prompt_ids = [rollout.prompts.prompt_ids[b] for b in rows]
+    completion_ids = [c.token_ids for c in rollout.completions]
+    n = len(rows)
+    width_p = max(len(p) for p in prompt_ids)
+    width_c = max(1, max(len(c) for c in completion_ids))
+    prompt_tensor = torch.full((n, width_p), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, width_p), dtype=torch.bool)
+    completion_tensor = torch.full((n, width_c), pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((n, width_c), dtype=torch.bool)
+    has_sampler_logprobs = all(c.sampler_logprobs is not None for c in rollout.completions)
+    sampler_logprobs = torch.zeros((n, width_c)) if has_sampler_logprobs else None
+    for r, (p, completion) in enumerate(zip(prompt_ids, rollout.completions)):
+        prompt_tensor[r, width_p - len(p) :] = torch.tensor(p, dtype=torch.long)
+        prompt_mask[r, width_p - len(p) :] = True
+        length = len(completion.token_ids)
+        completion_tensor[r, :length] = torch.tensor(completion.token_ids, dtype=torch.long)
+        completion_mask[r, :length] = True
+        if sampler_logprobs is not None:
+            sampler_logprobs[r, :length] = torch.tensor(completion.sampler_logprobs, dtype=torch.float32)
+    loss_mask = completion_mask.clone()
+    if mask_truncated:  # truncated completions keep their rewards in the group statistics but train nothing
+        truncated = torch.tensor([c.finish_reason != "stop" for c in rollout.completions])
+        loss_mask[truncated] = False
+    return TrainBatch(
+        prompt_ids=prompt_tensor,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_tensor,
+        completion_mask=completion_mask,
+        loss_mask=loss_mask,
+        advantages=advantages.float(),
+        sampler_logprobs=sampler_logprobs,
+    )

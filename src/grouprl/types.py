@@ -1,0 +1,133 @@
+"""Typed data passed between the stages of one GRPO step.
+
+Shapes use: B unique prompts on this process, N completions on this process (N = sum of
+``PromptBatch.num_samples``), P prompt length (left-padded), T completion length (right-padded).
+Rows are group-major: the completions of one prompt are consecutive. Mask polarity is the same
+everywhere: ``True`` = this token is real / trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class PromptBatch:
+    """The unique prompts this process generates for, with their dataset rows."""
+
+    prompts: list[Any]  # (B,) str (standard) or list of messages (conversational)
+    prompt_ids: list[list[int]]  # (B,) tokenized once, chat template applied
+    columns: dict[str, list[Any]]  # extra dataset columns, each (B,), forwarded to reward functions
+    dataset_indices: list[int]  # (B,) row index in the dataset, for error messages
+    group_ids: list[int]  # (B,) global group index; a group straddling processes has one id
+    num_samples: list[int]  # (B,) completions this process samples for the prompt (G unless split)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def row_index(self) -> list[int]:
+        """(N,) prompt index of each completion row."""
+        return [b for b, n in enumerate(self.num_samples) for _ in range(n)]
+
+
+@dataclass
+class SamplingParams:
+    """What a generation backend needs to sample; `extra` overrides the named fields (generation_kwargs)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: Optional[float] = None
+    repetition_penalty: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    """One sampled completion. `token_ids` keep the EOS; nothing after the first EOS is kept."""
+
+    prompt_index: int  # index into the prompt list given to the backend
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (ended with EOS) or "length" (hit max_new_tokens)
+    sampler_logprobs: Optional[list[float]] = None  # logprob of each sampled token under the sampling distribution
+
+
+@dataclass
+class Rollout:
+    """Prompts plus their N completions on this process, in group-major order."""
+
+    prompts: PromptBatch
+    completions: list[Completion]  # (N,)
+
+    def __post_init__(self) -> None:
+        expected = sum(self.prompts.num_samples)
+        if len(self.completions) != expected:
+            raise ValueError(f"Rollout: the backend returned {len(self.completions)} completions, expected {expected}.")
+
+    @property
+    def row_prompt(self) -> list[int]:
+        return self.prompts.row_index()
+
+
+@dataclass
+class Rewards:
+    """Rewards of the gathered (global) generation batch."""
+
+    per_function: torch.Tensor  # (N_global, F) float; NaN = "not applicable" (the function returned None)
+    names: list[str]  # (F,)
+    weights: torch.Tensor  # (F,)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """(N_global,) weighted sum over applicable functions; NaN where no function applied."""
+        weighted = self.per_function * self.weights.unsqueeze(0)
+        total = torch.nansum(weighted, dim=1)
+        unscorable = torch.isnan(self.per_function).all(dim=1)
+        return total.masked_fill(unscorable, float("nan"))
+
+
+@dataclass
+class TrainBatch:
+    """Tensors the loss needs, for n rows (a generation batch or one micro-batch of it)."""
+
+    prompt_ids: torch.Tensor  # (n, P) long, left-padded
+    prompt_mask: torch.Tensor  # (n, P) bool
+    completion_ids: torch.Tensor  # (n, T) long, right-padded
+    completion_mask: torch.Tensor  # (n, T) bool, real completion tokens (EOS included)
+    loss_mask: torch.Tensor  # (n, T) bool, tokens the loss trains on
+    advantages: torch.Tensor  # (n,) float
+    old_logprobs: Optional[torch.Tensor] = None  # (n, T) float, None = on-policy (ratio 1 with gradient)
+    sampler_logprobs: Optional[torch.Tensor] = None  # (n, T) float, from the generation backend
+    num_loss_tokens: float = 0.0  # loss tokens of the whole generation batch over all processes (DAPO denominator)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def _tensor_fields(self) -> list[str]:
+        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def select(self, rows: torch.Tensor) -> "TrainBatch":
+        """Rows `rows` (indices), with padding trimmed to the longest selected prompt and completion."""
+        picked = replace(self, **{name: getattr(self, name)[rows] for name in self._tensor_fields()})
+        return picked.trimmed()
+
+    def trimmed(self) -> "TrainBatch":
+        """Drop prompt columns that are padding in every row (left) and completion columns likewise (right)."""
+        keep_prompt = self.prompt_mask.any(dim=0).nonzero()
+        start = int(keep_prompt[0]) if len(keep_prompt) else self.prompt_mask.shape[1]
+        keep_completion = self.completion_mask.any(dim=0).nonzero()
+        end = int(keep_completion[-1]) + 1 if len(keep_completion) else 0
+        changes: dict[str, torch.Tensor] = {"prompt_ids": self.prompt_ids[:, start:], "prompt_mask": self.prompt_mask[:, start:]}
+        for name in ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "sampler_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = value[:, :end]
+        return replace(self, **changes)
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        return replace(self, **{name: getattr(self, name).to(device) for name in self._tensor_fields()})

@@ -1,0 +1,112 @@
+"""GRPOConfig defaults (TRL 1.16), parsing, validation and the batch plan."""
+
+import pytest
+from transformers import HfArgumentParser
+
+from grouprl import GRPOConfig, plan_batches
+from grouprl.config import NOT_YET_BUILT
+
+TRL_DEFAULTS = {
+    "learning_rate": 1e-6, "logging_steps": 10, "gradient_checkpointing": True, "bf16": True, "remove_unused_columns": False,
+    "num_generations": 8, "max_completion_length": 512, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None,
+    "repetition_penalty": 1.0, "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "delta": None, "loss_type": "dapo",
+    "importance_sampling_level": "token", "scale_rewards": "group", "num_iterations": 1, "mask_truncated_completions": False,
+    "multi_objective_aggregation": "sum_then_normalize", "top_entropy_quantile": 1.0, "use_bias_correction_kl": True,
+    "shuffle_dataset": True, "generation_batch_size": None, "steps_per_generation": None, "sync_ref_model": False,
+    "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512, "vllm_mode": "colocate", "vllm_importance_sampling_mode": "sequence_mask",
+    "vllm_importance_sampling_clip_max": 3.0, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "entropy_target": 0.2, "entropy_coef_delta": 0.005,
+    "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0, "seed": 42, "save_steps": 500,
+    "lr_scheduler_type": "linear", "num_train_epochs": 3.0, "max_steps": -1,
+}
+
+
+def test_defaults_match_trl():
+    config = GRPOConfig()
+    for name, value in TRL_DEFAULTS.items():
+        assert getattr(config, name) == value, name
+    assert GRPOConfig(fp16=True).bf16 is False
+
+
+@pytest.mark.parametrize("given,expected", [(True, "group"), (False, "none"), ("batch", "batch"), ("none", "none")])
+def test_scale_rewards_aliases(given, expected):
+    assert GRPOConfig(scale_rewards=given).scale_rewards == expected
+
+
+def test_hf_argument_parser_round_trip():
+    parser = HfArgumentParser(GRPOConfig)
+    (config,) = parser.parse_args_into_dataclasses(args=[
+        "--output_dir", "x", "--num_generations", "4", "--loss-type", "grpo", "--scale_rewards", "false",
+        "--generation_kwargs", '{"top_k": 5}', "--reward_weights", "1.0", "0.5", "--report_to", "tensorboard", "--no_gradient_checkpointing",
+    ])
+    assert (config.num_generations, config.loss_type, config.scale_rewards) == (4, "grpo", "none")
+    assert config.generation_kwargs == {"top_k": 5}
+    assert config.reward_weights == [1.0, 0.5]
+    assert config.report_to == ["tensorboard"]
+    assert config.gradient_checkpointing is False
+
+
+def test_not_yet_built_features_raise_not_implemented():
+    for name in ("beta", "use_vllm", "importance_sampling_level"):
+        value = {"beta": 0.1, "use_vllm": True, "importance_sampling_level": "sequence"}[name]
+        assert name in NOT_YET_BUILT
+        with pytest.raises(NotImplementedError, match=name):
+            GRPOConfig(**{name: value})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_generations": 1}, "num_generations=1"),
+    ({"loss_type": "ppo"}, "loss_type"),
+    ({"generation_batch_size": 16, "steps_per_generation": 2}, "either generation_batch_size or steps_per_generation"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"generation_kwargs": "{not json"}, "generation_kwargs"),
+    ({"bf16": True, "fp16": True}, "bf16 and fp16"),
+])
+def test_invalid_fields_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOConfig(**kwargs)
+
+
+def test_plan_defaults_follow_trl():
+    plan = plan_batches(GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4), num_processes=2)
+    assert plan.steps_per_generation == 2  # defaults to GA
+    assert plan.completions_per_generation == 8 * 2 * 2
+    assert plan.prompts_per_generation == 8
+    assert not plan.old_logprobs_needed  # spg == GA and one iteration: on-policy
+
+
+def test_plan_from_generation_batch_size():
+    plan = plan_batches(GRPOConfig(per_device_train_batch_size=4, generation_batch_size=32, num_generations=8), num_processes=2)
+    assert plan.steps_per_generation == 4
+    assert plan.old_logprobs_needed  # GA 1 % (4 * 1) != 0: reused off-policy
+
+
+@pytest.mark.parametrize("kwargs,needed", [
+    ({"gradient_accumulation_steps": 2, "steps_per_generation": 1}, False),
+    ({"gradient_accumulation_steps": 1, "steps_per_generation": 2}, True),
+    ({"gradient_accumulation_steps": 2, "num_iterations": 2}, True),
+])
+def test_old_logprobs_rule(kwargs, needed):
+    config = GRPOConfig(per_device_train_batch_size=8, num_generations=4, **kwargs)
+    assert plan_batches(config).old_logprobs_needed is needed
+
+
+def test_indivisible_generation_batch_names_fields_and_valid_values():
+    with pytest.raises(ValueError) as err:
+        plan_batches(GRPOConfig(per_device_train_batch_size=3, num_generations=4))
+    message = str(err.value)
+    assert "num_generations=4" in message and "per_device_train_batch_size" in message
+    assert "Valid num_generations for this batch: [3]" in message
+    assert "[4, 8, 12, 16]" in message  # per-device sizes that work with G=4
+
+
+def test_generation_batch_size_must_divide_by_processes():
+    with pytest.raises(ValueError, match="divisible by per_device_train_batch_size"):
+        plan_batches(GRPOConfig(per_device_train_batch_size=4, generation_batch_size=12, num_generations=4), num_processes=2)
+
+
+def test_plan_description_mentions_sizes():
+    plan = plan_batches(GRPOConfig(per_device_train_batch_size=8, num_generations=4))
+    text = plan.describe(num_prompts=20)
+    assert "2 prompts x 4 completions = 8 completions" in text
+    assert "20 prompts -> 10 optimizer steps" in text

@@ -1,0 +1,123 @@
+"""The reward call contract: kwargs, None, async, partials, callable objects, and clear errors."""
+
+import asyncio
+import functools
+import math
+import time
+
+import numpy as np
+import pytest
+
+from grouprl.rewards.scoring import RewardFunctionError, prepare_reward_functions, reward_name, score_completions
+
+PROMPTS = ["a", "b", "c"]
+COMPLETIONS = ["x", "yy", "zzz"]
+
+
+def score(funcs, **extra):
+    return score_completions(prepare_reward_functions(funcs), prompts=PROMPTS, completions=COMPLETIONS,
+                             completion_ids=[[1], [2, 2], [3, 3, 3]], columns={"answer": ["1", "2", "3"]}, **extra)
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def test_contract_kwargs_are_passed():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra, **kwargs):
+        seen.update(prompts=prompts, answer=answer, ids=completion_ids, state=trainer_state)
+        return [0.0] * len(completions)
+
+    score([spy], trainer_state="STATE")
+    assert seen == {"prompts": PROMPTS, "answer": ["1", "2", "3"], "ids": [[1], [2, 2], [3, 3, 3]], "state": "STATE"}
+
+
+def test_none_becomes_nan_and_numpy_accepted():
+    out = score([lambda completions, **k: [None, 1, 2.5], lambda completions, **k: np.array([1.0, 2.0, 3.0])])
+    assert math.isnan(out[0, 0]) and out[1:, 0].tolist() == [1.0, 2.5]
+    assert out[:, 1].tolist() == [1.0, 2.0, 3.0]
+
+
+class Scorer:
+    def __call__(self, completions, **kwargs):
+        return [1.0] * len(completions)
+
+
+def test_names_partials_and_callable_objects():
+    partial = functools.partial(length_reward)
+    assert [reward_name(f) for f in (length_reward, partial, Scorer())] == ["length_reward", "length_reward", "Scorer"]
+    assert score([partial, Scorer()]).tolist() == [[1.0, 1.0], [2.0, 1.0], [3.0, 1.0]]
+
+
+def test_async_functions_run_concurrently():
+    async def slow_a(completions, **kwargs):
+        await asyncio.sleep(0.3)
+        return [1.0] * len(completions)
+
+    async def slow_b(completions, **kwargs):
+        await asyncio.sleep(0.3)
+        return [2.0] * len(completions)
+
+    start = time.perf_counter()
+    out = score([slow_a, length_reward, slow_b])
+    elapsed = time.perf_counter() - start
+    assert out[:, 0].tolist() == [1.0] * 3 and out[:, 2].tolist() == [2.0] * 3
+    assert elapsed < 0.55, f"two 0.3 s async rewards took {elapsed:.2f} s: not concurrent"
+
+
+def test_wrong_length_names_function():
+    with pytest.raises(RewardFunctionError, match="'short' returned 2 values for 3 completions"):
+        def short(completions, **kwargs):
+            return [1.0, 2.0]
+        score([short])
+
+
+def test_non_number_names_function_and_row():
+    def texty(completions, **kwargs):
+        return [1.0, "good", 0.0]
+    with pytest.raises(RewardFunctionError, match=r"'texty' returned 'good' \(str\) for row 1"):
+        score([texty])
+
+
+def test_nan_names_function_and_row():
+    def nanny(completions, **kwargs):
+        return [1.0, 2.0, float("nan")]
+    with pytest.raises(RewardFunctionError, match="'nanny' returned nan for row 2"):
+        score([nanny])
+
+
+def test_raising_function_names_first_failing_row():
+    def picky(completions, **kwargs):
+        return [1.0 / (len(c) - 2) for c in completions]  # fails on "yy"
+    with pytest.raises(RewardFunctionError, match=r"'picky' raised ZeroDivisionError.*row 1") as err:
+        score([picky])
+    assert "'yy'" in str(err.value)
+
+
+def test_async_raising_names_function():
+    async def broken(completions, **kwargs):
+        raise KeyError("gold")
+    with pytest.raises(RewardFunctionError, match="'broken' raised KeyError"):
+        score([broken])
+
+
+def test_log_metric_reaches_callback():
+    logged = []
+
+    def with_metric(completions, log_metric, **kwargs):
+        log_metric("custom/len", 7.0)
+        return [0.0] * len(completions)
+
+    score([with_metric], log_metric=lambda name, value: logged.append((name, value)))
+    assert logged == [("custom/len", 7.0)]
+
+
+def test_bad_reward_funcs_argument():
+    with pytest.raises(ValueError, match="at least one reward function"):
+        prepare_reward_functions([])
+    with pytest.raises(TypeError, match="not a callable"):
+        prepare_reward_functions([3])
+    with pytest.raises(NotImplementedError, match="reward models"):
+        prepare_reward_functions("some/reward-model")
