@@ -1,0 +1,219 @@
+"""End-to-end GRPOTrainer runs on tiny local models: formats, metrics, resume, invariance, bad input."""
+
+import json
+import os
+
+import datasets
+import pytest
+import torch
+from helpers import ScriptedBackend, max_difference, parameters
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grouprl import GRPOConfig, GRPOTrainer, RewardFunctionError
+
+TRL_STEP_METRICS = [
+    "loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std", "num_tokens", "entropy",
+    "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+    "completions/mean_terminated_length", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+    "clip_ratio/low_min", "clip_ratio/high_max", "step_time", "epoch", "step",
+]
+
+
+def distinct_tokens(completion_ids, **kwargs):
+    return [float(len(set(ids))) for ids in completion_ids]
+
+
+def make_config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
+                  learning_rate=0.1, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def prompts(n=12, conversational=False):
+    texts = [f"{i}+{i % 5}=" for i in range(n)]
+    rows = [[{"role": "user", "content": t}] for t in texts] if conversational else texts
+    return datasets.Dataset.from_dict({"prompt": rows, "answer": [str(i + i % 5) for i in range(n)]})
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_train_both_formats_changes_every_parameter(tiny_model_dir, tmp_path, conversational):
+    seen_columns = []
+
+    def reward_with_column(completions, answer, **kwargs):
+        seen_columns.append((type(completions[0]), len(answer)))
+        return distinct_tokens(**kwargs)
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward_with_column, args=make_config(tmp_path, max_steps=3),
+                          train_dataset=prompts(conversational=conversational))
+    before = parameters(trainer.model)
+    trainer.train()
+    after = parameters(trainer.model)
+    unchanged = [name for name in before if torch.equal(before[name], after[name])]
+    assert not unchanged, f"parameters that did not train: {unchanged}"
+    assert seen_columns[0] == ((list if conversational else str), 6)
+    history = trainer.state.log_history
+    for name in TRL_STEP_METRICS:
+        assert name in history[0], name
+    assert "rewards/reward_with_column/mean" in history[0]
+    assert history[-1]["train_loss"] is not None and history[-1]["step"] == 3
+    lines = [json.loads(line) for line in open(os.path.join(trainer.args.output_dir, "metrics.jsonl"))]
+    assert [line["step"] for line in lines] == [1, 2, 3, 3]
+
+
+def test_save_model_loads_with_from_pretrained(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=1), train_dataset=prompts())
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    AutoTokenizer.from_pretrained(str(tmp_path / "final"))
+    saved = parameters(model)
+    for name, value in parameters(trainer.model).items():
+        assert torch.equal(saved[name], value), name
+
+
+def test_resume_continues_exactly(tiny_model_dir, tmp_path):
+    """4 steps in one run == 2 steps, crash, resume, 2 steps (with a generation straddling the checkpoint)."""
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, steps_per_generation=3, per_device_train_batch_size=3, bf16=False)
+
+    full = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "a", **common), train_dataset=prompts())
+    full.train()
+    expected = parameters(full.model)
+
+    def crash_after_step_2(completion_ids, trainer_state, **kwargs):
+        if trainer_state.global_step >= 2:
+            raise RuntimeError("simulated crash")
+        return distinct_tokens(completion_ids)
+
+    crashed = GRPOTrainer(model=tiny_model_dir, reward_funcs=crash_after_step_2, args=make_config(tmp_path / "b", **common), train_dataset=prompts())
+    with pytest.raises(RewardFunctionError, match="simulated crash"):
+        crashed.train()
+    assert sorted(os.listdir(tmp_path / "b" / "out")) == ["checkpoint-2", "metrics.jsonl"]
+
+    resumed = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "b", **common), train_dataset=prompts())
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    assert max_difference(expected, parameters(resumed.model)) == 0.0
+    losses = [e["loss"] for e in full.state.log_history if "loss" in e]
+    assert losses == [e["loss"] for e in resumed.state.log_history if "loss" in e]
+
+
+def _scripted(tokenizer):
+    eos = tokenizer.eos_token_id
+
+    def script(prompt_ids, sample):  # different lengths per sample, some without EOS
+        body = [(prompt_ids[-1] + 7 * sample + k) % 200 + 3 for k in range(1 + (sample * 3 + len(prompt_ids)) % 6)]
+        return body + ([eos] if sample % 3 else [])
+
+    return ScriptedBackend(script, eos, tokenizer)
+
+
+def _one_step(model_dir, tmp_path, loss_type, **batching):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = make_config(tmp_path, max_steps=1, num_generations=4, loss_type=loss_type, bf16=False, gradient_checkpointing=False,
+                         max_grad_norm=0, lr_scheduler_type="constant", **batching)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # update = gradient: compares gradients, not Adam's sign-like steps
+    trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
+                          processing_class=tokenizer, optimizers=(sgd, None), generation_backend=_scripted(tokenizer))
+    trainer.train()
+    return parameters(trainer.model), trainer
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_gradient_accumulation_invariance(tiny_model_dir, tmp_path, loss_type):
+    """One step on 8 completions == 2 accumulated micro-batches of 4 on the same completions."""
+    whole, _ = _one_step(tiny_model_dir, tmp_path / "a", loss_type, per_device_train_batch_size=8)
+    split, trainer = _one_step(tiny_model_dir, tmp_path / "b", loss_type, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert trainer.plan.steps_per_generation == 2
+    base = parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    assert max_difference(whole, base) > 1e-4  # the step did something
+    assert max_difference(whole, split) < 1e-6
+
+
+def test_mask_truncated_completions_train_only_finished(tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = make_config(tmp_path, max_steps=1, mask_truncated_completions=True, bf16=False)
+    never_ends = ScriptedBackend(lambda ids, s: [5 + s] * 8, tokenizer.eos_token_id, tokenizer)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), generation_backend=never_ends)
+    before = parameters(trainer.model)
+    trainer.train()
+    assert max_difference(before, parameters(trainer.model)) == 0.0  # every completion truncated: nothing to learn from
+    assert trainer.state.log_history[0]["completions/clipped_ratio"] == 1.0
+
+
+def test_tokenizer_without_pad_token_falls_back_to_eos(tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = None
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=1),
+                          train_dataset=prompts(), processing_class=tokenizer)
+    assert tokenizer.pad_token == tokenizer.eos_token
+    trainer.train()
+
+
+# ---- bad input: clear messages, raised before any model is loaded where possible ----------------
+
+MISSING_MODEL = "/nonexistent/model"  # reaching the model loader would raise OSError instead
+
+
+@pytest.mark.parametrize("dataset,match", [
+    (datasets.Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
+    (datasets.Dataset.from_dict({"question": ["1+1="]}), "no 'prompt' column"),
+    (datasets.Dataset.from_dict({"prompt": [[{"text": "hi"}]]}), "Row 0: message 0"),
+    (None, "needs a train_dataset"),
+])
+def test_bad_dataset_fails_before_model_load(tmp_path, dataset, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=dataset)
+
+
+def test_indivisible_batch_fails_before_model_load(tmp_path):
+    with pytest.raises(ValueError, match="must be divisible by num_generations=4"):
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path, num_generations=4), train_dataset=prompts())
+
+
+def test_num_generations_below_two(tmp_path):
+    with pytest.raises(ValueError, match="at least 2 completions per prompt"):
+        make_config(tmp_path, num_generations=1)
+
+
+def test_reward_weights_length_mismatch(tmp_path):
+    with pytest.raises(ValueError, match="reward_weights has 2 weights but there are 1"):
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path, reward_weights=[1.0, 2.0]), train_dataset=prompts())
+
+
+def test_iterable_dataset_needs_max_steps(tmp_path):
+    with pytest.raises(ValueError, match="max_steps must be set"):
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=-1),
+                    train_dataset=prompts().to_iterable_dataset())
+
+
+def test_iterable_dataset_trains(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=2),
+                          train_dataset=prompts().to_iterable_dataset())
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+@pytest.mark.parametrize("reward,match", [
+    (lambda completions, **k: [1.0], r"returned 1 values for 6 completions"),
+    (lambda completions, **k: ["high"] * len(completions), r"returned 'high' \(str\) for row 0"),
+    (lambda completions, **k: [float("nan")] * len(completions), "returned nan for row 0"),
+    (lambda completions, **k: [1 / 0 for _ in completions], "raised ZeroDivisionError.*row 0"),
+])
+def test_bad_rewards_name_function_and_row(tiny_model_dir, tmp_path, reward, match):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward, args=make_config(tmp_path), train_dataset=prompts())
+    with pytest.raises(RewardFunctionError, match="'<lambda>' " + match):
+        trainer.train()
+
+
+def test_prompt_longer_than_context(tiny_model_dir, tmp_path):
+    long = datasets.Dataset.from_dict({"prompt": ["1+1=" * 40] * 6})
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=long)
+    with pytest.raises(ValueError, match=r"Row \d: the prompt has \d+ tokens.*context is 128"):
+        trainer.train()
+
+
+def test_features_not_built_yet_are_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(NotImplementedError, match="peft_config"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(), peft_config=object())
