@@ -103,7 +103,7 @@ class GRPOTrainer:
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
         if args.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            _enable_checkpointing(self.model, args.gradient_checkpointing_kwargs or {"use_reentrant": False})
         self.model.config.use_cache = False
 
         steps_per_epoch = None
@@ -232,6 +232,14 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
         log_with=args.report_to or None,
         project_dir=args.logging_dir or os.path.join(args.output_dir, "runs"),
     )
+
+
+def _enable_checkpointing(model: PreTrainedModel, kwargs: dict) -> None:
+    # transformers >= 5.x renamed gradient checkpointing to activation checkpointing.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _load_model(model: Any, args: GRPOConfig) -> PreTrainedModel:
