@@ -217,3 +217,29 @@ def test_prompt_longer_than_context(tiny_model_dir, tmp_path):
 def test_features_not_built_yet_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(NotImplementedError, match="peft_config"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(), peft_config=object())
+
+
+def test_generation_buffer_serves_spg_times_iterations_micro_steps(tiny_model_dir, tmp_path):
+    """TRL's schedule: GA=3, spg=4, mu=2 -> each generation (6 prompts x 4) feeds 8 micro-steps, in order."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    backend = _scripted(tokenizer)
+    config = make_config(tmp_path, per_device_train_batch_size=6, num_generations=4, gradient_accumulation_steps=3,
+                         steps_per_generation=4, num_iterations=2, max_steps=8, shuffle_dataset=False, learning_rate=1e-3)
+    data = datasets.Dataset.from_dict({"prompt": [f"q{i}=" for i in range(18)]})
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=data, generation_backend=backend)
+    assert trainer.plan.old_logprobs_needed
+    trainer.train()
+    # 8 optimizer steps x 3 micro-steps = 24 micro-steps = 3 generations of 8 micro-steps each
+    assert len(backend.calls) == 3
+    decoded = [[tokenizer.decode(p) for p in prompts] for prompts, n in backend.calls]
+    assert decoded == [[f"q{i}=" for i in range(6 * g, 6 * g + 6)] for g in range(3)]
+    assert all(n == 4 for _, n in backend.calls)
+
+
+def test_num_iterations_trains_off_policy(tiny_model_dir, tmp_path):
+    """With mu=2 the second pass sees ratios != 1: clipping fires somewhere with a large step size."""
+    config = make_config(tmp_path, num_iterations=2, max_steps=4, learning_rate=0.05, epsilon=0.05)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
+    trainer.train()
+    regions = [e["clip_ratio/region_mean"] for e in trainer.state.log_history if "clip_ratio/region_mean" in e]
+    assert max(regions) > 0.0
