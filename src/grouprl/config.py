@@ -146,6 +146,7 @@ class GRPOConfig:
     use_transformers_continuous_batching: bool = field(default=False, metadata=_meta("Use transformers continuous batching."))
     transformers_continuous_batching_config: Optional[Union[dict, str]] = field(default=None, metadata=_meta("Continuous batching config."))
     use_transformers_paged: bool = field(default=False, metadata=_meta("Deprecated alias of use_transformers_continuous_batching."))
+    generation_engine: str = field(default="auto", metadata=_meta("grouprl: 'engine' (fast in-process sampler: one prefill per prompt, finished rows leave the batch), 'transformers' (model.generate), or 'auto' (engine when the model and options allow it)."))
 
     # ---- vLLM (TRL §1.4) ----
     use_vllm: bool = field(default=False, metadata=_meta("Generate with vLLM."))
@@ -241,6 +242,7 @@ class GRPOConfig:
         _check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
         _check_choice("eval_strategy", self.eval_strategy, EVAL_STRATEGIES)
         _check_choice("vllm_mode", self.vllm_mode, ("colocate", "server"))
+        _check_choice("generation_engine", self.generation_engine, ("auto", "engine", "transformers"))
         _check_choice(
             "vllm_importance_sampling_mode",
             self.vllm_importance_sampling_mode,

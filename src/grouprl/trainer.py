@@ -20,6 +20,7 @@ from . import loop
 from .checkpoint import load_training_state, resolve_resume_path, restore_rng_state
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, PromptTokenizer, check_dataset
+from .generation.engine import FastGenerator, engine_supports
 from .generation.hf import TransformersGenerator
 from .generation.protocol import GenerationBackend
 from .rewards.scoring import prepare_reward_functions
@@ -119,10 +120,7 @@ class GRPOTrainer:
         )
         prepared_model, optimizer = self.accelerator.prepare(self.model, optimizer)
 
-        backend = generation_backend or TransformersGenerator(
-            self.accelerator.unwrap_model(prepared_model), self.processing_class, self.eos_token_ids,
-            self.processing_class.pad_token_id, cache_implementation=args.cache_implementation,
-        )
+        backend = generation_backend or _default_backend(self.accelerator.unwrap_model(prepared_model), self.processing_class, self.eos_token_ids, args)
         self.generation_backend = backend
         sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset, seed=args.data_seed)
         max_context = getattr(self.model.config, "max_position_embeddings", None)
@@ -232,6 +230,16 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
         log_with=args.report_to or None,
         project_dir=args.logging_dir or os.path.join(args.output_dir, "runs"),
     )
+
+
+def _default_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: GRPOConfig) -> GenerationBackend:
+    """The fast engine where it applies (generation_engine='auto' or 'engine'), else transformers generate."""
+    reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
+    if args.generation_engine == "engine" and reason:
+        raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
+    if args.generation_engine == "transformers" or reason:
+        return TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation)
+    return FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id)
 
 
 def _enable_checkpointing(model: PreTrainedModel, kwargs: dict) -> None:

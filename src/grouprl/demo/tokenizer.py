@@ -82,9 +82,9 @@ def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Build the demo tokenizer (deterministic: same vocabulary and ids on every call).
 
-    Returns a transformers fast tokenizer with eos = pad = ``<|endoftext|>``, no bos token, a ChatML
-    ``chat_template`` and left padding disabled (padding side is left to the caller: the trainer
-    pads prompts on the left itself).
+    Returns a transformers fast tokenizer with eos = pad = ``<|endoftext|>``, no bos token and a
+    ChatML ``chat_template``. Padding side stays the default (right); generation code asks for left
+    padding explicitly.
     """
     vocab, merges = _vocab_and_merges()
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -96,7 +96,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         additional_special_tokens=[IM_START, IM_END],
-        model_max_length=128,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE

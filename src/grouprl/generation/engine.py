@@ -1,0 +1,142 @@
+"""Fast in-process sampler for GRPO: one prefill per prompt, shared by its G samples, and a decode
+batch that shrinks as sequences finish.
+
+transformers `generate` with ``num_return_sequences=G`` copies each prompt G times before the
+prefill, so the prompt is processed G times; it also keeps finished rows in the batch (padding
+them) until the longest sequence ends. GRPO's batches are exactly the case where both hurt: G
+samples of the same prompt, with lengths that vary widely. This engine:
+
+1. prefills the B distinct prompts once (left-padded, positions from the attention mask) and
+   repeats the KV cache rows G times (`share_prefix=True`);
+2. samples with the same processing as transformers (`sampling.py`) and records each sampled
+   token's logprob under the processed distribution;
+3. drops rows from the KV cache and the decode batch as soon as they emit an EOS.
+
+It works with any transformers causal LM whose cache supports `batch_repeat_interleave` and
+`batch_select_indices` (DynamicCache: Llama, Qwen2/3, Mistral, Gemma, ...). With the same seed and
+no row dropped it draws exactly the tokens `generate` draws; once rows are dropped the random
+stream is consumed differently, so samples then agree in distribution, not token for token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from transformers import DynamicCache
+
+from ..algorithms.logprobs import position_ids_from_mask
+from ..types import Completion, SamplingParams
+from .sampling import process_logits, sample_tokens
+
+SUPPORTED_EXTRA = {"min_new_tokens"}
+
+
+def engine_supports(model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]) -> Optional[str]:
+    """None if FastGenerator can serve this model and options, else the reason it cannot."""
+    unsupported = set(generation_kwargs) - SUPPORTED_EXTRA
+    if unsupported:
+        return f"generation_kwargs {sorted(unsupported)} need transformers generate"
+    if cache_implementation is not None:
+        return "cache_implementation is a transformers generate option"
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False) or hasattr(config, "vision_config"):
+        return "the model is not a decoder-only text model"
+    if any(t not in (None, "full_attention", "sliding_attention") for t in getattr(config, "layer_types", None) or []):
+        return "the model has non-attention layers (its cache cannot drop rows)"
+    return None
+
+
+class FastGenerator:
+    """A `GenerationBackend` that samples from the training model in the same process."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], pad_token_id: int, *, share_prefix: bool = True):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.share_prefix = share_prefix
+        self.decode_batch_sizes: list[int] = []  # rows in the decode batch at each step of the last call
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
+        unsupported = set(params.extra) - SUPPORTED_EXTRA
+        if unsupported:
+            raise ValueError(f"FastGenerator does not support generation_kwargs {sorted(unsupported)}; use generation_backend='transformers'.")
+        if not prompt_ids:
+            return []
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            tokens, logprobs = self._sample(prompt_ids, num_samples, params, device)
+        finally:
+            self.model.train(was_training)
+        completions = []
+        eos = set(self.eos_token_ids)
+        for row, (ids, lps) in enumerate(zip(tokens, logprobs)):
+            finish = "stop" if ids and ids[-1] in eos else "length"
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            completions.append(Completion(row // num_samples, ids, text, finish, lps))
+        return completions
+
+    def _sample(self, prompt_ids: list[list[int]], g: int, params: SamplingParams, device: torch.device) -> tuple[list[list[int]], list[list[float]]]:
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for b, p in enumerate(prompt_ids):
+            ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[b, width - len(p) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        if not self.share_prefix:
+            ids, mask = ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]  # (B or B*G, V)
+        if self.share_prefix:
+            cache.batch_repeat_interleave(g)
+            logits, ids, mask = logits.repeat_interleave(g, 0), ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
+
+        rows = ids.shape[0]
+        history, history_mask = ids, mask.bool()  # (R, L) for the repetition penalty
+        positions = mask.sum(dim=1)  # (R,) position of the next token
+        active = torch.arange(rows, device=device)  # original row of each decode-batch row
+        out_tokens: list[list[int]] = [[] for _ in range(rows)]
+        out_logprobs: list[list[float]] = [[] for _ in range(rows)]
+        eos = torch.tensor(self.eos_token_ids, device=device)
+        min_new = int(params.extra.get("min_new_tokens", 0))
+        self.decode_batch_sizes = []
+        for step in range(params.max_new_tokens):
+            self.decode_batch_sizes.append(len(active))
+            if step < min_new:
+                logits[:, eos] = -float("inf")
+            processed = process_logits(
+                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                repetition_penalty=params.repetition_penalty, history=history, history_mask=history_mask,
+            )
+            next_tokens, next_logprobs = sample_tokens(processed)
+            for r, t, lp in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
+                out_tokens[r].append(t)
+                out_logprobs[r].append(lp)
+            if step == params.max_new_tokens - 1:
+                break
+            alive = ~torch.isin(next_tokens, eos)
+            if not bool(alive.any()):
+                break
+            if not bool(alive.all()):  # drop finished rows from the cache and every per-row tensor
+                keep = alive.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                active, next_tokens, mask, positions = active[keep], next_tokens[keep], mask[keep], positions[keep]
+                history, history_mask = history[keep], history_mask[keep]
+            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+            history = torch.cat([history, next_tokens[:, None]], dim=1)
+            history_mask = torch.cat([history_mask, history_mask.new_ones((len(active), 1))], dim=1)
+            out = self.model(input_ids=next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+            positions = positions + 1
+        return out_tokens, out_logprobs

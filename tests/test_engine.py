@@ -1,0 +1,118 @@
+"""The fast generation engine against transformers generate, a separate forward pass, and itself."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from grouprl.algorithms.logprobs import completion_logprobs
+from grouprl.generation.engine import FastGenerator, engine_supports
+from grouprl.generation.sampling import process_logits
+from grouprl.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _prompts(tokenizer):
+    return [tokenizer("12+7=")["input_ids"], tokenizer("3+4=")["input_ids"]]
+
+
+def _hf_generate(model, tokenizer, prompts, g, **sampling):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=g,
+                         pad_token_id=tokenizer.pad_token_id, **sampling)
+    return out[:, width:].tolist()
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_same_seed_same_tokens_as_transformers(model_and_tokenizer, share_prefix):
+    """No EOS -> no row leaves the batch -> the random stream is consumed exactly as generate does."""
+    model, tokenizer = model_and_tokenizer
+    prompts = _prompts(tokenizer)
+    engine = FastGenerator(model, tokenizer, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id, share_prefix=share_prefix)
+    torch.manual_seed(0)
+    ours = engine.generate(prompts, 4, SamplingParams(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95))
+    torch.manual_seed(0)
+    theirs = _hf_generate(model, tokenizer, prompts, 4, max_new_tokens=10, min_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95)
+    assert [c.token_ids for c in ours] == theirs
+    assert [c.prompt_index for c in ours] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_processing_matches_transformers_warpers():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    history = torch.randint(0, 50, (4, 6))
+    ours = process_logits(logits, temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.3,
+                          history=history, history_mask=torch.ones_like(history, dtype=torch.bool))
+    theirs = logits.clone()
+    for processor in (RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.7), TopKLogitsWarper(20),
+                      TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)):
+        theirs = processor(history, theirs)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    finite = ~torch.isinf(ours)
+    assert torch.allclose(ours[finite], theirs[finite], atol=1e-6)
+
+
+def test_repetition_penalty_ignores_padding():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    history = torch.tensor([[0, 2]])
+    out = process_logits(logits, temperature=1.0, repetition_penalty=2.0, history=history, history_mask=torch.tensor([[False, True]]))
+    assert out.tolist() == [[1.0, 2.0, 1.5]]  # token 0 is padding: not penalised
+
+
+def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompts = _prompts(tokenizer)
+    engine = FastGenerator(model, tokenizer, eos_token_ids=list(model.generation_config.eos_token_id), pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(1)
+    completions = engine.generate(prompts, 3, SamplingParams(max_new_tokens=12, temperature=0.7))
+    for c in completions:
+        p = torch.tensor([prompts[c.prompt_index]])
+        ids = torch.tensor([c.token_ids])
+        logps, _ = completion_logprobs(model, p, torch.ones_like(p, dtype=torch.bool), ids, torch.ones_like(ids, dtype=torch.bool), temperature=0.7)
+        assert torch.allclose(logps[0], torch.tensor(c.sampler_logprobs), atol=1e-5)
+
+
+def test_finished_rows_leave_the_batch(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    eos = list(range(0, 60))  # a quarter of the vocabulary ends a sequence: lengths vary a lot
+    engine = FastGenerator(model, tokenizer, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(3)
+    completions = engine.generate(_prompts(tokenizer), 8, SamplingParams(max_new_tokens=16))
+    sizes = engine.decode_batch_sizes
+    assert sizes[0] == 16 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 16
+    for c in completions:
+        ended = [i for i, t in enumerate(c.token_ids) if t in eos]
+        assert ended in ([], [len(c.token_ids) - 1])  # nothing after the first EOS
+        assert (c.finish_reason == "stop") == bool(ended)
+        assert len(c.sampler_logprobs) == len(c.token_ids)
+    assert len({len(c.token_ids) for c in completions}) > 1
+
+
+def test_prefix_sharing_gives_the_same_samples_with_eos(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    eos = list(range(0, 60))
+    runs = []
+    for share in (True, False):
+        engine = FastGenerator(model, tokenizer, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, share_prefix=share)
+        torch.manual_seed(5)
+        runs.append([c.token_ids for c in engine.generate(_prompts(tokenizer), 6, SamplingParams(max_new_tokens=12))])
+    assert runs[0] == runs[1]
+
+
+def test_engine_declines_what_it_cannot_do(model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    assert engine_supports(model, {}, None) is None
+    assert "num_beams" in engine_supports(model, {"num_beams": 2}, None)
+    assert "cache_implementation" in engine_supports(model, {}, "static")
