@@ -18,7 +18,8 @@ import argparse
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,10 @@ DEMO_ARCH: dict[str, int] = {
 CORRECT_PROB = 0.4
 """In the pretraining data the shown answer is correct with this probability, else off by 1..3."""
 HELDOUT_SEED = 1234
-"""Seed of the evaluation rows (pretraining draws its problems from a differently seeded RNG)."""
+"""Seed of the evaluation rows (pretraining draws its problems from a differently seeded RNG).
+
+With only 50 x 50 possible problems the pretraining stream covers all of them, so "held-out" means
+independently drawn rows and noise-free answers, not unseen problems."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,9 +182,7 @@ class _ExampleEncoder:
         return prompt, self._ids(("answer", answer), str(answer)) + [stop]
 
 
-def _collate(
-    examples: Sequence[tuple[list[int], list[int]]], pad_id: int
-) -> dict[str, torch.Tensor]:
+def _collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad (prompt + target) sequences; labels are -100 except on the target tokens, so the
     loss teaches only *what to answer and when to stop*, not how to write prompts."""
     length = max(len(p) + len(t) for p, t in examples)
@@ -193,6 +195,18 @@ def _collate(
         labels[row, len(prompt) : len(ids)] = torch.tensor(target)
         attention_mask[row, : len(ids)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _sample_batch(
+    encoder: _ExampleEncoder, rng: random.Random, batch_size: int, correct_prob: float
+) -> dict[str, torch.Tensor]:
+    """A fresh batch: random problems, noisy answers, each rendered plain or ChatML with prob 1/2."""
+    examples = []
+    for _ in range(batch_size):
+        a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
+        answer = noisy_answer(a, b, rng, correct_prob)
+        examples.append(encoder.encode(a, b, answer, conversational=rng.random() < 0.5))
+    return _collate(examples, encoder.tokenizer.pad_token_id)
 
 
 def pretrain_demo_model(
@@ -232,33 +246,32 @@ def pretrain_demo_model(
     # (tied) embedding gradients and Adam second moments underflow into denormal floats, which are
     # orders of magnitude slower on CPUs. Flushing them to zero keeps every step equally fast.
     flush_ok = torch.set_flush_denormal(True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.train()
-        running, start = 0.0, time.perf_counter()
-        for step in range(steps):
-            examples = []
-            for _ in range(batch_size):
-                a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
-                answer = noisy_answer(a, b, rng, correct_prob)
-                examples.append(encoder.encode(a, b, answer, conversational=rng.random() < 0.5))
-            batch = _collate(examples, tokenizer.pad_token_id)
-            loss = model(**batch).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            running += loss.item()
-            if log_every and (step + 1) % log_every == 0:
-                print(
-                    f"step {step + 1}/{steps}  loss {running / log_every:.4f}  "
-                    f"lr {scheduler.get_last_lr()[0]:.2e}  {time.perf_counter() - start:.0f}s",
-                    flush=True,
-                )
-                running = 0.0
-    if flush_ok:
-        torch.set_flush_denormal(False)  # restore the default for the rest of the process
+    try:
+        # Nothing in a step draws from torch's RNG today (no dropout); seeding anyway keeps the recipe
+        # deterministic if that changes, and fork_rng leaves the caller's RNG state alone.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model.train()
+            running, start = 0.0, time.perf_counter()
+            for step in range(steps):
+                batch = _sample_batch(encoder, rng, batch_size, correct_prob)
+                loss = model(**batch).loss
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                running += loss.item()
+                if log_every and (step + 1) % log_every == 0:
+                    print(
+                        f"step {step + 1}/{steps}  loss {running / log_every:.4f}  "
+                        f"lr {scheduler.get_last_lr()[0]:.2e}  {time.perf_counter() - start:.0f}s",
+                        flush=True,
+                    )
+                    running = 0.0
+    finally:
+        if flush_ok:
+            torch.set_flush_denormal(False)  # back to the default for the rest of the process
     model.eval()
     _save(model, tokenizer, Path(output_dir))
 
@@ -291,29 +304,49 @@ def generate_completions(
     strings, or ``[{"role": "assistant", "content": ...}]`` for conversational prompts (the shape
     reward functions receive), and ``stopped[i]`` says whether the model emitted a stop token."""
     texts, conversational = _prompt_texts(tokenizer, prompts)
-    stop_ids = set(model.generation_config.eos_token_id or [tokenizer.eos_token_id])
+    eos = model.generation_config.eos_token_id
+    stop_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+    # Pass every sampling knob explicitly so the result does not depend on generation_config defaults
+    # (transformers otherwise applies top_k=50); greedy decoding resets them to "unset".
+    if do_sample:
+        decoding = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    else:
+        decoding = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     completions: list[Any] = []
     stopped: list[bool] = []
     model.eval()
     for start in range(0, len(texts), batch_size):
         # Left padding keeps every prompt flush against its first generated token.
         enc = tokenizer(
-            texts[start : start + batch_size], return_tensors="pt", padding=True,
-            padding_side="left", add_special_tokens=False,
-        )
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {
-            "do_sample": False, "temperature": None, "top_k": None, "top_p": None,
-        }
+            texts[start : start + batch_size],
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+        ).to(model.device)
         out = model.generate(
-            input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id, **sampling,
+            input_ids=enc["input_ids"],
+            attention_mask=enc["attention_mask"],
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            **decoding,
         )
         for row in out[:, enc["input_ids"].shape[1] :].tolist():
-            stop_at = next((i for i, t in enumerate(row) if t in stop_ids), None)
+            stop_at = next((i for i, token in enumerate(row) if token in stop_ids), None)
             stopped.append(stop_at is not None)
             text = tokenizer.decode(row[:stop_at], skip_special_tokens=True)
             completions.append([{"role": "assistant", "content": text}] if conversational else text)
     return completions, stopped
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed torch for a block and restore the caller's RNG state afterwards (CPU, and the CUDA
+    device the model is on), so evaluations are reproducible without side effects."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def sampled_accuracy(
@@ -330,8 +363,7 @@ def sampled_accuracy(
     state is left untouched."""
     prompts = [p for p in dataset["prompt"] for _ in range(num_samples)]
     answers = [a for a in dataset["answer"] for _ in range(num_samples)]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with _seeded(seed, model.device):
         completions, _ = generate_completions(
             model, tokenizer, prompts, do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens
         )
@@ -353,8 +385,7 @@ def stop_rate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, datase
               max_new_tokens: int = 8) -> float:
     """Fraction of sampled completions that end with a stop token within ``max_new_tokens`` (a
     format check: the model should answer a number and stop)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with _seeded(seed, model.device):
         _, stopped = generate_completions(model, tokenizer, dataset["prompt"], do_sample=True,
                                           max_new_tokens=max_new_tokens)
     return sum(stopped) / len(stopped)

@@ -17,10 +17,10 @@ from typing import Any
 
 DEFAULTS = dict(
     output_dir="grouprl-demo",
-    max_steps=60,
+    max_steps=80,
     prompts_per_step=16,
     num_generations=8,
-    learning_rate=3e-3,
+    learning_rate=1e-3,
     seed=0,
     eval_rows=256,
 )
