@@ -22,7 +22,8 @@ from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, PromptTokenizer, check_dataset
 from .generation.hf import TransformersGenerator
 from .generation.protocol import GenerationBackend
-from .rewards.scoring import prepare_reward_functions
+from .rewards.models import check_reward_funcs, load_reward_functions
+from .rewards.scoring import prepare_reward_functions, reward_name
 from .rollout import RolloutMaker, RolloutSettings
 from .types import SamplingParams
 
@@ -37,10 +38,14 @@ class GRPOTrainer:
             or a ``PreTrainedModel``.
         reward_funcs: one reward function or a list; each is called as
             ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)``
-            and returns one float (or None) per completion.
+            and returns one float (or None) per completion. An entry may also be a reward model: a model
+            id / path (AutoModelForSequenceClassification, num_labels=1) or a ``PreTrainedModel``.
         args: a ``GRPOConfig`` (default: ``GRPOConfig(output_dir="<model name>-GRPO")``).
         train_dataset: ``datasets.Dataset`` or ``IterableDataset`` with a ``prompt`` column.
+        eval_dataset: a ``Dataset`` or a dict of name -> ``Dataset`` for ``evaluate()`` / ``eval_strategy``.
         processing_class: the tokenizer (default: loaded from the model; pad token falls back to EOS).
+        reward_processing_classes: tokenizer(s) of the reward models: one, or a list with one entry per
+            reward function (None = load the reward model's own tokenizer).
         optimizers: ``(optimizer, lr_scheduler)``; either may be None to use AdamW / ``lr_scheduler_type``.
         generation_backend: grouprl extension: any object with the ``GenerationBackend`` protocol
             (default: transformers ``generate`` on the policy).
@@ -69,7 +74,6 @@ class GRPOTrainer:
             ("rollout_func", rollout_func, "custom rollout functions"),
             ("environment_factory", environment_factory, "environments"),
             ("callbacks", callbacks, "trainer callbacks"),
-            ("reward_processing_classes", reward_processing_classes, "reward models"),
         ):
             if value:
                 raise NotImplementedError(f"GRPOTrainer({name}=...): {feature} is not available in this version of grouprl yet.")
@@ -85,19 +89,24 @@ class GRPOTrainer:
         if isinstance(train_dataset, __import__("datasets").IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.reward_functions = prepare_reward_functions(reward_funcs)
-        weights = args.reward_weights or [1.0] * len(self.reward_functions)
-        if len(weights) != len(self.reward_functions):
+        reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
+        weights = args.reward_weights or [1.0] * len(reward_funcs)
+        if len(weights) != len(reward_funcs):
             raise ValueError(
-                f"GRPOConfig.reward_weights has {len(weights)} weights but there are {len(self.reward_functions)} reward functions "
-                f"({', '.join(f.name for f in self.reward_functions)}); give one weight per function."
+                f"GRPOConfig.reward_weights has {len(weights)} weights but there are {len(reward_funcs)} reward functions "
+                f"({', '.join(map(_describe_reward, reward_funcs))}); give one weight per function."
             )
-        self.reward_func_names = [f.name for f in self.reward_functions]
 
         set_seed(args.seed)
         self.model = _load_model(model, args)
         self.processing_class = _load_tokenizer(processing_class, self.model, args)
         self.eos_token_ids = _eos_token_ids(self.processing_class, self.model)
+        self.reward_functions = prepare_reward_functions(load_reward_functions(
+            reward_funcs, reward_processing_classes, model_init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code,
+            chat_template_kwargs=args.chat_template_kwargs, batch_size=args.per_device_train_batch_size, device=self.accelerator.device,
+        ))
+        self.reward_funcs = [f.fn for f in self.reward_functions]
+        self.reward_func_names = [f.name for f in self.reward_functions]
         if args.disable_dropout:
             for module in self.model.modules():
                 if isinstance(module, torch.nn.Dropout):
@@ -292,6 +301,10 @@ def _make_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Opt
         [g for g in groups if g["params"]], lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
         fused=args.optim == "adamw_torch_fused",
     )
+
+
+def _describe_reward(entry: Any) -> str:
+    return entry if isinstance(entry, str) else (type(entry).__name__ if isinstance(entry, torch.nn.Module) else reward_name(entry))
 
 
 def _is_tied(model: PreTrainedModel, key: str) -> bool:
