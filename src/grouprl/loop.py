@@ -97,7 +97,7 @@ def generation_micro_batches(run: TrainingRun) -> list[TrainBatch]:
             )
             batch.old_logprobs = old.cpu()
     order = torch.randperm(len(batch))  # global RNG, seeded: reproducible and restored on resume
-    size = plan.per_device_batch_size
+    size = len(batch) // plan.steps_per_generation  # per_device_batch_size, or fewer when GFPO dropped rows
     micro = [batch.select(order[i * size : (i + 1) * size]) for i in range(plan.steps_per_generation)]
     return micro * plan.num_iterations
 
@@ -197,6 +197,8 @@ def write_log(run: TrainingRun, writer: Optional[JsonlWriter], progress: Any) ->
     if writer is not None:
         writer.write(entry)
         progress.write(format_log_line(entry, run.total_steps)) if not progress.disable else print(format_log_line(entry, run.total_steps), flush=True)
+    if run.rollouts.completion_log is not None:  # log_completions: parquet, console table, tracker tables
+        run.rollouts.completion_log.write(run.state.global_step, run.accelerator)
 
 
 def should_save(config: GRPOConfig, step: int, save_steps: int, steps_per_epoch: Optional[int]) -> bool:

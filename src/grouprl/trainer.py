@@ -18,6 +18,7 @@ from transformers.utils import logging
 
 from . import loop
 from .checkpoint import load_training_state, resolve_resume_path, restore_rng_state
+from .completion_log import CompletionLog
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, PromptTokenizer, check_dataset
 from .generation.hf import TransformersGenerator
@@ -153,6 +154,7 @@ class GRPOTrainer:
                 mask_truncated_completions=args.mask_truncated_completions,
                 remove_unused_columns=args.remove_unused_columns, pad_token_id=self.processing_class.pad_token_id,
             ),
+            completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts) if args.log_completions else None,
         )
         self.state = TrainerState(max_steps=total_steps, logging_steps=args.logging_steps, save_steps=args.save_steps)
         self.run = loop.TrainingRun(
