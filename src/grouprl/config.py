@@ -50,8 +50,6 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
     "max_tool_calling_iterations": (None, "tool calling"),
     "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
-    "eval_strategy": ("no", "evaluation during training"),
-    "num_generations_eval": (None, "evaluation"),
     "dataloader_num_workers": (0, "dataloader worker processes (prompts are tokenized in-process)"),
 }
 

@@ -16,11 +16,12 @@ from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerState, get_scheduler
 from transformers.utils import logging
 
-from . import loop
+from . import evaluation, loop
 from .checkpoint import load_training_state, resolve_resume_path, restore_rng_state
 from .completion_log import CompletionLog
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, PromptTokenizer, check_dataset
+from .evaluation import check_eval_setup
 from .generation.hf import TransformersGenerator
 from .generation.protocol import GenerationBackend
 from .rewards.models import check_reward_funcs, load_reward_functions
@@ -89,6 +90,7 @@ class GRPOTrainer:
         check_dataset(train_dataset, "train_dataset")
         if isinstance(train_dataset, __import__("datasets").IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
+        check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
         weights = args.reward_weights or [1.0] * len(reward_funcs)
@@ -162,6 +164,8 @@ class GRPOTrainer:
             optimizer=optimizer, scheduler=scheduler, rollouts=rollouts, state=self.state, total_steps=total_steps,
             steps_per_epoch=steps_per_epoch,
         )
+        if args.eval_strategy != "no":
+            self.run.evaluate = self.evaluate
         if self.accelerator.is_main_process:
             logger.warning(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
 
@@ -207,8 +211,14 @@ class GRPOTrainer:
         self.processing_class.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
         return model.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        raise NotImplementedError("GRPOTrainer.evaluate(): evaluation is not available in this version of grouprl yet.")
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sample and score every eval prompt (num_generations_eval each); return and log eval_* metrics.
+
+        Works before, during (eval_strategy) and without train(); `eval_dataset` overrides the
+        trainer's (a Dataset or a dict name -> Dataset, reported as eval_<name>_*).
+        """
+        metrics = evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
+        return {k: v for k, v in metrics.items() if not ignore_keys or not any(k.endswith(f"_{key}") for key in ignore_keys)}
 
     def _load_checkpoint(self, path: str) -> None:
         from safetensors.torch import load_file
