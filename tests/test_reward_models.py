@@ -11,19 +11,9 @@ from grouprl.demo.tokenizer import build_tokenizer
 from grouprl.rewards.models import RewardModel, load_reward_functions, match_processing_classes
 
 
-@pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory):
-    """A random tiny Qwen2ForSequenceClassification (num_labels=1) with the demo tokenizer, saved locally."""
-    tokenizer = build_tokenizer()
-    config = tiny_qwen2_config(tokenizer, hidden_size=32, num_hidden_layers=1, intermediate_size=64)
-    config.num_labels = 1
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        model = Qwen2ForSequenceClassification(config)
-    path = tmp_path_factory.mktemp("rm") / "tiny-rm"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+@pytest.fixture
+def reward_model_dir(tiny_reward_model_dir):
+    return tiny_reward_model_dir
 
 
 def make_config(tmp_path, **overrides):
