@@ -80,8 +80,15 @@ def test_eval_setup_errors_before_model_load(tmp_path):
     with pytest.raises(ValueError, match="eval_strategy='steps' needs an eval_dataset"):
         GRPOTrainer("/nonexistent/model", reward_funcs=distinct_tokens, args=make_config(tmp_path, eval_strategy="steps"), train_dataset=prompts(12))
     with pytest.raises(ValueError, match=r"eval batch .* must be divisible by num_generations_eval=4"):
-        GRPOTrainer("/nonexistent/model", reward_funcs=distinct_tokens, args=make_config(tmp_path, num_generations_eval=4),
+        GRPOTrainer("/nonexistent/model", reward_funcs=distinct_tokens, args=make_config(tmp_path, num_generations_eval=4, eval_strategy="epoch"),
                     train_dataset=prompts(12), eval_dataset=prompts(4))
     with pytest.raises(ValueError, match="no 'prompt' column"):
-        GRPOTrainer("/nonexistent/model", reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(12),
-                    eval_dataset={"x": datasets.Dataset.from_dict({"question": ["a"]})})
+        GRPOTrainer("/nonexistent/model", reward_funcs=distinct_tokens, args=make_config(tmp_path, eval_strategy="steps"),
+                    train_dataset=prompts(12), eval_dataset={"x": datasets.Dataset.from_dict({"question": ["a"]})})
+
+
+def test_stored_eval_dataset_is_checked_when_evaluated(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, num_generations_eval=4),
+                          train_dataset=prompts(12), eval_dataset=prompts(4))  # eval_strategy "no": only stored, as in TRL
+    with pytest.raises(ValueError, match="must be divisible by num_generations_eval=4"):
+        trainer.evaluate()

@@ -42,7 +42,9 @@ logger = logging.get_logger("grouprl")
 
 
 def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int) -> None:
-    """Fail before any model is loaded on an eval setup that cannot work."""
+    """Check an eval setup that will be used: by the trainer when eval_strategy != "no" (before any
+    model is loaded), and by every evaluate() call. As in TRL, an eval_dataset that is only stored
+    is not checked at construction."""
     if config.eval_strategy != "no" and eval_dataset is None:
         raise ValueError(f"GRPOConfig.eval_strategy={config.eval_strategy!r} needs an eval_dataset; pass one or set eval_strategy='no'.")
     if eval_dataset is None:

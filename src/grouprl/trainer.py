@@ -90,7 +90,8 @@ class GRPOTrainer:
         check_dataset(train_dataset, "train_dataset")
         if isinstance(train_dataset, __import__("datasets").IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
-        check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
+        if args.eval_strategy != "no":
+            check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
         weights = args.reward_weights or [1.0] * len(reward_funcs)
@@ -215,10 +216,10 @@ class GRPOTrainer:
         """Sample and score every eval prompt (num_generations_eval each); return and log eval_* metrics.
 
         Works before, during (eval_strategy) and without train(); `eval_dataset` overrides the
-        trainer's (a Dataset or a dict name -> Dataset, reported as eval_<name>_*).
+        trainer's (a Dataset or a dict name -> Dataset, reported as eval_<name>_*). `ignore_keys`
+        is accepted for compatibility: it names model outputs, which evaluation does not collect.
         """
-        metrics = evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
-        return {k: v for k, v in metrics.items() if not ignore_keys or not any(k.endswith(f"_{key}") for key in ignore_keys)}
+        return evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
 
     def _load_checkpoint(self, path: str) -> None:
         from safetensors.torch import load_file
