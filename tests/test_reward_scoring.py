@@ -87,6 +87,25 @@ def test_sync_functions_run_concurrently_with_each_other_and_async_ones():
     assert elapsed < 0.55, f"three 0.3 s rewards took {elapsed:.2f} s: not concurrent"
 
 
+def test_function_that_only_works_in_the_main_thread_is_retried_there_and_kept_there():
+    import threading
+
+    calls = []
+
+    def main_thread_only(completions, **kwargs):  # like math_verify.parse with its default signal-based timeout
+        calls.append(threading.current_thread() is threading.main_thread())
+        if not calls[-1]:
+            raise ValueError("signal only works in main thread of the main interpreter")
+        return [1.0] * len(completions)
+
+    functions = prepare_reward_functions([length_reward, main_thread_only])
+    run = lambda: score_completions(functions, prompts=PROMPTS, completions=COMPLETIONS,  # noqa: E731
+                                    completion_ids=[[1], [2, 2], [3, 3, 3]], columns={})
+    assert run()[:, 1].tolist() == [1.0] * 3
+    assert calls == [False, True] and functions[1].main_thread_only
+    assert run()[:, 1].tolist() == [1.0] * 3 and calls[2:] == [True]  # no second failed attempt
+
+
 def test_logging_from_several_threads_is_kept():
     logged = []
 

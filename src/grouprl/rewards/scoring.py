@@ -9,8 +9,9 @@ Concurrency: async reward functions (coroutine functions, partials of them, obje
 ``async __call__``) run concurrently on a background event loop; meanwhile the sync ones run
 concurrently too, the first in the calling thread and the others in worker threads, so a slow
 checker or a reward model does not serialise the others. (TRL runs sync functions one after the
-other; a sync function that is not thread-safe should be made async or combined with the others
-into one function.) Results are put back in the order of ``reward_funcs``. A function that raises,
+other.) A function that fails in a worker thread is retried in the calling thread and, if it works
+there (code that is not thread-safe, e.g. signal-based timeouts), stays there from then on.
+Results are put back in the order of ``reward_funcs``. A function that raises,
 returns the wrong count, a non-number or NaN stops the run with a `RewardFunctionError` naming the
 function and the first offending row.
 """
@@ -28,17 +29,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger("grouprl")
 
 
 class RewardFunctionError(ValueError):
     """A reward function failed or returned something that is not one number (or None) per completion."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class RewardFunction:
     fn: Callable[..., Any]
     name: str
     is_async: bool
+    main_thread_only: bool = False  # set once the function failed in a worker thread but works in the main one
 
 
 def reward_name(fn: Any) -> str:
@@ -132,11 +137,21 @@ def score_completions(
 
     pending = _BackgroundLoop.run(gather_async()) if async_indices else None
     outputs: dict[int, Any] = {}
-    if sync_indices:
-        with ThreadPoolExecutor(max_workers=max(1, len(sync_indices) - 1), thread_name_prefix="grouprl-reward") as pool:
-            futures = {i: pool.submit(call_sync, i) for i in sync_indices[1:]}
-            outputs[sync_indices[0]] = call_sync(sync_indices[0])
-            outputs.update({i: future.result() for i, future in futures.items()})
+    here = [i for i in sync_indices if functions[i].main_thread_only] or sync_indices[:1]  # run in the calling thread
+    elsewhere = [i for i in sync_indices if i not in here]
+    with ThreadPoolExecutor(max_workers=max(1, len(elsewhere)), thread_name_prefix="grouprl-reward") as pool:
+        futures = {i: pool.submit(call_sync, i) for i in elsewhere}
+        outputs.update({i: call_sync(i) for i in here})
+        outputs.update({i: future.result() for i, future in futures.items()})
+    for i in elsewhere:
+        if isinstance(outputs[i], _Failure):
+            # Code that is not thread-safe (signal-based timeouts such as math-verify's defaults, shared
+            # tokenizers, ...) works in the main thread, as it would in TRL: retry there, and keep it there.
+            outputs[i] = call_sync(i)
+            if not isinstance(outputs[i], _Failure):
+                functions[i].main_thread_only = True
+                logger.warning("Reward function '%s' failed in a worker thread but works in the main thread; it runs there from now "
+                               "on (in sequence with the other sync reward functions).", functions[i].name)
     if pending is not None:
         for index, result in zip(async_indices, pending.result()):
             outputs[index] = _Failure(result) if isinstance(result, Exception) else result
