@@ -22,3 +22,24 @@ def long_context_model_dir(tmp_path_factory):
     from grouprl.demo.model import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_long") / "model", seed=0, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory):
+    """A random tiny Qwen2ForSequenceClassification (num_labels=1) with the demo tokenizer, saved as "tiny-rm"."""
+    import torch
+    from transformers import Qwen2ForSequenceClassification
+
+    from grouprl.demo.model import tiny_qwen2_config
+    from grouprl.demo.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = tiny_qwen2_config(tokenizer, hidden_size=32, num_hidden_layers=1, intermediate_size=64)
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = Qwen2ForSequenceClassification(config)
+    path = tmp_path_factory.mktemp("rm") / "tiny-rm"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -11,6 +11,7 @@ import yaml
 
 from grouprl.cli import main, parse_train_args, resolve_reward_function
 from grouprl.demo.task import arithmetic_reward
+from grouprl.rewards import BUILTIN_REWARDS, accuracy_reward
 
 
 def test_help_exits_cleanly():
@@ -30,6 +31,36 @@ def test_reward_resolution(tmp_path, monkeypatch):
         resolve_reward_function("nonsense")
     with pytest.raises(ValueError, match="has no attribute 'missing'"):
         resolve_reward_function("my_rewards.missing")
+
+
+def test_builtin_reward_names_as_trl_cli(tmp_path):
+    from grouprl.config import GRPOConfig
+
+    assert resolve_reward_function("accuracy_reward") is accuracy_reward
+    for name in ("reasoning_accuracy_reward", "think_format_reward"):
+        assert resolve_reward_function(name).__name__ == name
+    overlong = resolve_reward_function("get_soft_overlong_punishment")
+    assert (overlong.max_completion_len, overlong.soft_punish_cache) == (1280, 256)  # as trl grpo
+    cosine = resolve_reward_function("get_cosine_scaled_reward", GRPOConfig(output_dir=str(tmp_path), max_completion_length=64))
+    assert cosine.max_len == 64 and cosine.__name__ == "cosine_scaled_reward"
+    assert resolve_reward_function("get_repetition_penalty_reward").ngram_size == 3
+    assert set(BUILTIN_REWARDS) >= {"accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment"}
+
+
+def test_train_command_with_reward_model_and_eval_split(tiny_model_dir, tiny_reward_model_dir, tmp_path):
+    rows = {"prompt": [f"{i}+1=" for i in range(8)]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict({"prompt": ["9+1=", "8+2="]})}
+                         ).save_to_disk(str(tmp_path / "data"))
+    out = tmp_path / "out"
+    code = main(["train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(tmp_path / "data"),
+                 "--reward_model_name_or_path", tiny_reward_model_dir, "--reward_funcs", "get_repetition_penalty_reward",
+                 "--eval_strategy", "steps", "--eval_steps", "1", "--per_device_eval_batch_size", "4",
+                 "--output_dir", str(out), "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "6",
+                 "--max_steps", "1", "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"])
+    assert code == 0
+    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert "rewards/tiny-rm/mean" in lines[0] and "rewards/repetition_penalty_reward/mean" in lines[0]
+    assert "eval_rewards/tiny-rm/mean" in lines[1]
 
 
 def test_yaml_sets_defaults_and_flags_override(tmp_path):

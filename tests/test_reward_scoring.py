@@ -67,6 +67,78 @@ def test_async_functions_run_concurrently():
     assert elapsed < 0.55, f"two 0.3 s async rewards took {elapsed:.2f} s: not concurrent"
 
 
+def test_sync_functions_run_concurrently_with_each_other_and_async_ones():
+    """A slow sync checker does not serialise the step: 2 sync + 1 async, each 0.3 s, take ~0.3 s; order is kept."""
+    def sleepy(value):
+        def reward(completions, **kwargs):
+            time.sleep(0.3)
+            return [value] * len(completions)
+        reward.__name__ = f"sleepy_{value}"
+        return reward
+
+    async def slow_async(completions, **kwargs):
+        await asyncio.sleep(0.3)
+        return [9.0] * len(completions)
+
+    start = time.perf_counter()
+    out = score([sleepy(1.0), slow_async, sleepy(2.0), length_reward])
+    elapsed = time.perf_counter() - start
+    assert out[0].tolist() == [1.0, 9.0, 2.0, 1.0]
+    assert elapsed < 0.55, f"three 0.3 s rewards took {elapsed:.2f} s: not concurrent"
+
+
+def test_function_that_only_works_in_the_main_thread_is_retried_there_and_kept_there():
+    import threading
+
+    calls = []
+
+    def main_thread_only(completions, **kwargs):  # like math_verify.parse with its default signal-based timeout
+        calls.append(threading.current_thread() is threading.main_thread())
+        if not calls[-1]:
+            raise ValueError("signal only works in main thread of the main interpreter")
+        return [1.0] * len(completions)
+
+    functions = prepare_reward_functions([length_reward, main_thread_only])
+    run = lambda: score_completions(functions, prompts=PROMPTS, completions=COMPLETIONS,  # noqa: E731
+                                    completion_ids=[[1], [2, 2], [3, 3, 3]], columns={})
+    assert run()[:, 1].tolist() == [1.0] * 3
+    assert calls == [False, True] and functions[1].main_thread_only
+    assert run()[:, 1].tolist() == [1.0] * 3 and calls[2:] == [True]  # no second failed attempt
+
+
+def test_logging_from_several_threads_is_kept():
+    logged = []
+
+    def make(name):
+        def reward(completions, log_metric, log_extra, **kwargs):
+            for k in range(200):
+                log_metric(name, float(k))
+            log_extra(name, list(completions))
+            return [0.0] * len(completions)
+        reward.__name__ = name
+        return reward
+
+    extras = {}
+    score([make("a"), make("b"), make("c")], log_metric=lambda n, v: logged.append(n), log_extra=extras.__setitem__)
+    assert sorted(set(logged)) == ["a", "b", "c"] and len(logged) == 600
+    assert sorted(extras) == ["a", "b", "c"]
+
+
+def test_first_failing_function_in_list_order_is_reported():
+    def ok(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    def bad_one(completions, **kwargs):
+        raise RuntimeError("one")
+
+    def bad_two(completions, **kwargs):
+        time.sleep(0.05)
+        raise RuntimeError("two")
+
+    with pytest.raises(RewardFunctionError, match="'bad_one' raised RuntimeError: one"):
+        score([ok, bad_one, bad_two])
+
+
 def test_wrong_length_names_function():
     with pytest.raises(RewardFunctionError, match="'short' returned 2 values for 3 completions"):
         def short(completions, **kwargs):
@@ -102,6 +174,14 @@ def test_async_raising_names_function():
     with pytest.raises(RewardFunctionError, match="'broken' raised KeyError"):
         score([broken])
 
+    async def picky_async(completions, **kwargs):
+        if "zzz" in completions:
+            raise ValueError("too long")
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=r"'picky_async' raised ValueError: too long on row 2"):
+        score([picky_async])
+
 
 def test_log_metric_reaches_callback():
     logged = []
@@ -119,5 +199,5 @@ def test_bad_reward_funcs_argument():
         prepare_reward_functions([])
     with pytest.raises(TypeError, match="not a callable"):
         prepare_reward_functions([3])
-    with pytest.raises(NotImplementedError, match="reward models"):
+    with pytest.raises(TypeError, match="reward model .*load_reward_functions"):
         prepare_reward_functions("some/reward-model")

@@ -4,9 +4,10 @@
 """
 
 from .config import BatchPlan, GRPOConfig, plan_batches
+from .gfpo import GFPOConfig, GFPOTrainer
 from .rewards.scoring import RewardFunctionError
 from .trainer import GRPOTrainer
 
 __version__ = "0.1.0"
 
-__all__ = ["BatchPlan", "GRPOConfig", "GRPOTrainer", "RewardFunctionError", "plan_batches", "__version__"]
+__all__ = ["BatchPlan", "GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer", "RewardFunctionError", "plan_batches", "__version__"]

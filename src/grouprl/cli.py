@@ -29,7 +29,7 @@ class ScriptArguments:
     dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on."})
     dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset (needs --max_steps)."})
     reward_funcs: Optional[list[str]] = field(default=None, metadata={"help": "Reward functions: built-in names or dotted import paths (pkg.module.func)."})
-    reward_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "A sequence-classification reward model."})
+    reward_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "A sequence-classification reward model (id or path), scored first."})
 
 
 @dataclass
@@ -43,12 +43,22 @@ class ModelArguments:
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters."})
 
 
-def resolve_reward_function(name: str) -> Callable:
-    """A built-in reward name or a dotted import path (the current directory is importable)."""
-    from .rewards import BUILTIN_REWARDS
+def resolve_reward_function(name: str, config: Any = None) -> Callable:
+    """A built-in reward name or a dotted import path (the current directory is importable).
+
+    Factories that need the run's settings (``get_cosine_scaled_reward``: max_len =
+    max_completion_length) are built from ``config``.
+    """
+    from .rewards import BUILTIN_REWARDS, CONFIGURED_REWARDS
 
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
+    if name in CONFIGURED_REWARDS:
+        if config is None:
+            from .config import GRPOConfig
+
+            config = GRPOConfig()
+        return CONFIGURED_REWARDS[name](config)
     if "." in name:
         module_name, _, attribute = name.rpartition(".")
         if os.getcwd() not in sys.path:
@@ -60,23 +70,32 @@ def resolve_reward_function(name: str) -> Callable:
         if not hasattr(module, attribute):
             raise ValueError(f"--reward_funcs {name}: module {module_name!r} has no attribute {attribute!r}.")
         return getattr(module, attribute)
-    raise ValueError(f"--reward_funcs {name}: not a built-in reward ({', '.join(sorted(BUILTIN_REWARDS))}) and not a dotted path pkg.module.func.")
+    names = ", ".join(sorted([*BUILTIN_REWARDS, *CONFIGURED_REWARDS]))
+    raise ValueError(f"--reward_funcs {name}: not a built-in reward ({names}) and not a dotted path pkg.module.func.")
 
 
-def load_train_dataset(script: ScriptArguments) -> Any:
+def load_train_dataset(script: ScriptArguments, split: Optional[str] = None) -> Any:
+    """The train split (or `split`) of --dataset_name. A single data file has only a train split."""
     import datasets
 
     name = script.dataset_name
+    split = split or script.dataset_train_split
     if name is None:
         raise ValueError("grouprl train needs --dataset_name (a Hub id, a local dataset directory or a data file).")
     extension = os.path.splitext(name)[1].lstrip(".")
+    single = (os.path.isfile(name) and extension in ("json", "jsonl", "csv", "parquet")) or (
+        os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")))
+    if single and split != script.dataset_train_split:
+        raise ValueError(f"--dataset_name {name} holds a single split, so it has no {split!r} split to evaluate on; use a "
+                         "DatasetDict directory or Hub id with that split, or --eval_strategy no.")
     if os.path.isfile(name) and extension in ("json", "jsonl", "csv", "parquet"):
         builder = "json" if extension == "jsonl" else extension
         return datasets.load_dataset(builder, data_files=name, split="train", streaming=script.dataset_streaming)
+    if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
+        return datasets.load_from_disk(name)[split]
     if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
-        loaded = datasets.load_from_disk(name)
-        return loaded[script.dataset_train_split] if isinstance(loaded, datasets.DatasetDict) else loaded
-    return datasets.load_dataset(name, script.dataset_config, split=script.dataset_train_split, streaming=script.dataset_streaming)
+        return datasets.load_from_disk(name)
+    return datasets.load_dataset(name, script.dataset_config, split=split, streaming=script.dataset_streaming)
 
 
 def build_parser() -> Any:
@@ -114,16 +133,19 @@ def train_command(argv: list[str]) -> int:
         raise ValueError("grouprl train needs --model_name_or_path.")
     if model_args.use_peft:
         raise NotImplementedError("--use_peft: LoRA training is not available in this version of grouprl yet.")
+    reward_funcs: list[Any] = [resolve_reward_function(name, config) for name in script.reward_funcs or []]
     if script.reward_model_name_or_path:
-        raise NotImplementedError("--reward_model_name_or_path: reward models are not available in this version of grouprl yet.")
-    if not script.reward_funcs:
-        raise ValueError("grouprl train needs at least one --reward_funcs (a built-in name or a dotted path pkg.module.func).")
-    reward_funcs = [resolve_reward_function(name) for name in script.reward_funcs]
+        reward_funcs.insert(0, script.reward_model_name_or_path)  # as trl grpo: the reward model comes first
+    if not reward_funcs:
+        raise ValueError("grouprl train needs at least one --reward_funcs (a built-in name or a dotted path pkg.module.func) "
+                         "or a --reward_model_name_or_path.")
     init_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
     if model_args.attn_implementation:
         init_kwargs["attn_implementation"] = model_args.attn_implementation
     config.model_init_kwargs = {**init_kwargs, **(config.model_init_kwargs or {})}
-    trainer = GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=reward_funcs, args=config, train_dataset=load_train_dataset(script))
+    eval_dataset = load_train_dataset(script, script.dataset_test_split) if config.eval_strategy != "no" else None
+    trainer = GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=reward_funcs, args=config,
+                          train_dataset=load_train_dataset(script), eval_dataset=eval_dataset)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
     print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')}")

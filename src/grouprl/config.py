@@ -47,12 +47,9 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
     "use_vllm": (False, "vLLM generation"),
     "use_transformers_continuous_batching": (False, "transformers continuous batching"),
     "use_transformers_paged": (False, "transformers continuous batching"),
-    "log_completions": (False, "completion logging"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
     "max_tool_calling_iterations": (None, "tool calling"),
     "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
-    "eval_strategy": ("no", "evaluation during training"),
-    "num_generations_eval": (None, "evaluation"),
     "dataloader_num_workers": (0, "dataloader worker processes (prompts are tokenized in-process)"),
 }
 

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from accelerate import Accelerator
@@ -31,6 +31,7 @@ from .algorithms.losses import dapo_denominator, masked_mean, policy_loss
 from .checkpoint import save_checkpoint
 from .config import BatchPlan, GRPOConfig, resolve_steps
 from .distributed import global_mean
+from .evaluation import should_evaluate
 from .metrics import JsonlWriter, MetricWindow, PhaseTimer, format_log_line
 from .rollout import RolloutMaker
 from .types import TrainBatch
@@ -53,6 +54,7 @@ class TrainingRun:
     steps_per_epoch: Optional[int]
     window: MetricWindow = field(default_factory=MetricWindow)
     pending: deque = field(default_factory=deque)  # micro-batches (TrainBatch) not yet trained on
+    evaluate: Optional[Callable[[], Any]] = None  # runs evaluation and logs it (set when eval_strategy != "no")
     step_losses: list[float] = field(default_factory=list)
 
     @property
@@ -97,7 +99,7 @@ def generation_micro_batches(run: TrainingRun) -> list[TrainBatch]:
             )
             batch.old_logprobs = old.cpu()
     order = torch.randperm(len(batch))  # global RNG, seeded: reproducible and restored on resume
-    size = plan.per_device_batch_size
+    size = len(batch) // plan.steps_per_generation  # per_device_batch_size, or fewer when GFPO dropped rows
     micro = [batch.select(order[i * size : (i + 1) * size]) for i in range(plan.steps_per_generation)]
     return micro * plan.num_iterations
 
@@ -168,6 +170,8 @@ def train(run: TrainingRun) -> dict[str, float]:
         run.window.add_all({"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "step_time": time.perf_counter() - step_started})
         if state.global_step % logging_steps == 0 or (config.logging_first_step and state.global_step == 1):
             write_log(run, writer, progress)
+        if run.evaluate is not None and should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch):
+            run.evaluate()
         if should_save(config, state.global_step, save_steps, run.steps_per_epoch):
             save(run)
         progress.update(1)
@@ -197,6 +201,8 @@ def write_log(run: TrainingRun, writer: Optional[JsonlWriter], progress: Any) ->
     if writer is not None:
         writer.write(entry)
         progress.write(format_log_line(entry, run.total_steps)) if not progress.disable else print(format_log_line(entry, run.total_steps), flush=True)
+    if run.rollouts.completion_log is not None:  # log_completions: parquet, console table, tracker tables
+        run.rollouts.completion_log.write(run.state.global_step, run.accelerator)
 
 
 def should_save(config: GRPOConfig, step: int, save_steps: int, steps_per_epoch: Optional[int]) -> bool:

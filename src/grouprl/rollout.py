@@ -9,13 +9,14 @@ rows into padded tensors with a loss mask.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
 from transformers.utils import logging
 
 from .algorithms.advantages import group_advantages
+from .completion_log import CompletionLog, prompt_text
 from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
 from .distributed import gather_rows, global_sum, local_rows
 from .generation.protocol import GenerationBackend
@@ -51,6 +52,7 @@ class RolloutMaker:
     generations_made: int = 0
     tokens_seen: int = 0
     completion_extras: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns of the last generation
+    completion_log: Optional[CompletionLog] = None  # set when log_completions is on
 
     def sample(self) -> Rollout:
         indices, rows = self.sampler.next_generation()
@@ -68,27 +70,26 @@ class RolloutMaker:
         return Rollout(prompts, generate_for(self.backend, prompts, self.sampling))
 
     def score(self, rollout: Rollout, trainer_state: Any, window: MetricWindow) -> tuple[Rewards, torch.Tensor]:
-        """Rewards of the global batch and this process's advantages (N,); logs reward/length metrics."""
-        row_prompt = rollout.row_prompt
-        batch = rollout.prompts
-        conversational = is_conversational(batch.prompts[0])
-        self.completion_extras = {}
-        per_function = score_completions(
-            self.reward_functions,
-            prompts=[batch.prompts[b] for b in row_prompt],
-            completions=[[{"role": "assistant", "content": c.text}] if conversational else c.text for c in rollout.completions],
-            completion_ids=[c.token_ids for c in rollout.completions],
-            columns={name: [values[b] for b in row_prompt] for name, values in batch.columns.items()},
-            trainer_state=trainer_state,
-            log_metric=window.add,
-            log_extra=self.completion_extras.__setitem__,
-        )
-        n_local = len(rollout.completions)
+        """Rewards of the global batch and this process's advantages (N,); logs reward/length metrics.
+
+        A subclass may drop rows between scoring and advantages (`keep_rows`, GFPO); the rollout
+        then shrinks in place to the kept completions and the returned values cover those only.
+        """
+        self.log_lengths(rollout, window)
+        per_function = self.reward_table(rollout, trainer_state, window)  # (n_local, F)
         rewards = Rewards(gather_rows(self.accelerator, per_function), [f.name for f in self.reward_functions], self.reward_weights)
+        group_size = self.settings.num_generations
+        keep = self.keep_rows(rollout, rewards)  # (N_global,) bool or None
+        if keep is not None:
+            local_keep = keep[local_rows(self.accelerator, len(rollout.completions))]
+            shrink_rollout(rollout, local_keep)
+            self.completion_extras = {name: [v for v, k in zip(values, local_keep.tolist()) if k] for name, values in self.completion_extras.items()}
+            group_size = int(keep.view(-1, group_size).sum(dim=1)[0])
+            rewards = Rewards(rewards.per_function[keep], rewards.names, rewards.weights)
         advantages, stats = group_advantages(
             rewards.per_function,
             rewards.weights,
-            group_size=self.settings.num_generations,
+            group_size=group_size,
             scale_rewards=self.settings.scale_rewards,
             aggregation=self.settings.multi_objective_aggregation,
         )
@@ -99,13 +100,52 @@ class RolloutMaker:
                 "All reward functions returned None for %d of %d completions; those rows get advantage 0 and are left out "
                 "of their group's mean and std.", unscorable, len(stats["unscorable"]),
             )
+        local = advantages[local_rows(self.accelerator, len(rollout.completions))]
+        if self.completion_log is not None:
+            self.record_completions(rollout, rewards, local)
+        return rewards, local
+
+    def reward_table(self, rollout: Rollout, trainer_state: Any, window: MetricWindow) -> torch.Tensor:
+        """(n_local, F) rewards of this process's completions; log_extra columns land in completion_extras."""
+        row_prompt = rollout.row_prompt
+        batch = rollout.prompts
+        conversational = is_conversational(batch.prompts[0])
+        self.completion_extras = {}
+        return score_completions(
+            self.reward_functions,
+            prompts=[batch.prompts[b] for b in row_prompt],
+            completions=[[{"role": "assistant", "content": c.text}] if conversational else c.text for c in rollout.completions],
+            completion_ids=[c.token_ids for c in rollout.completions],
+            columns={name: [values[b] for b in row_prompt] for name, values in batch.columns.items()},
+            trainer_state=trainer_state,
+            log_metric=window.add,
+            log_extra=self.completion_extras.__setitem__,
+        )
+
+    def keep_rows(self, rollout: Rollout, rewards: Rewards) -> Optional[torch.Tensor]:
+        """Which rows of the global batch train (None = all). GRPO keeps every row."""
+        return None
+
+    def log_lengths(self, rollout: Rollout, window: MetricWindow) -> None:
+        """completions/* metrics and the running num_tokens, over everything generated."""
         lengths = torch.tensor([len(c.token_ids) for c in rollout.completions])
         stopped = torch.tensor([c.finish_reason == "stop" for c in rollout.completions])
         window.add_all(completion_length_stats(gather_rows(self.accelerator, lengths), gather_rows(self.accelerator, stopped)))
-        prompt_tokens = sum(len(batch.prompt_ids[b]) for b in row_prompt)
+        prompt_tokens = sum(len(rollout.prompts.prompt_ids[b]) for b in rollout.row_prompt)
         self.tokens_seen += int(global_sum(self.accelerator, prompt_tokens + int(lengths.sum())))
         window.add("num_tokens", self.tokens_seen)
-        return rewards, advantages[local_rows(self.accelerator, n_local)]
+
+    def record_completions(self, rollout: Rollout, rewards: Rewards, advantages: torch.Tensor) -> None:
+        batch, rows = rollout.prompts, local_rows(self.accelerator, len(rollout.completions))
+        texts = {b: prompt_text(batch.prompts[b], batch.prompt_ids[b], self.tokenize.tokenizer) for b in set(rollout.row_prompt)}
+        self.completion_log.record(
+            self.accelerator,
+            prompts=[texts[b] for b in rollout.row_prompt],
+            completions=[c.text for c in rollout.completions],
+            rewards={name: rewards.per_function[rows, k] for k, name in enumerate(rewards.names)},
+            advantages=advantages,
+            extras=self.completion_extras,
+        )
 
     def make_train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
         batch = pack_rollout(rollout, advantages, self.settings.pad_token_id, self.settings.mask_truncated_completions)
@@ -135,6 +175,16 @@ def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: Sampl
             completion.prompt_index = b
             ordered.append(completion)
     return ordered
+
+
+def shrink_rollout(rollout: Rollout, keep: torch.Tensor) -> None:
+    """Keep only the completions where `keep` (n,) is True; each prompt's num_samples follows."""
+    kept = keep.tolist()
+    counts = [0] * len(rollout.prompts)
+    for b, k in zip(rollout.row_prompt, kept):
+        counts[b] += int(k)
+    rollout.completions = [c for c, k in zip(rollout.completions, kept) if k]
+    rollout.prompts.num_samples = counts
 
 
 def pack_rollout(rollout: Rollout, advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool) -> TrainBatch:

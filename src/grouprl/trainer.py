@@ -16,14 +16,17 @@ from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerState, get_scheduler
 from transformers.utils import logging
 
-from . import loop
+from . import evaluation, loop
 from .checkpoint import load_training_state, resolve_resume_path, restore_rng_state
+from .completion_log import CompletionLog
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, PromptTokenizer, check_dataset
+from .evaluation import check_eval_setup
 from .generation.engine import FastGenerator, engine_supports
 from .generation.hf import TransformersGenerator
 from .generation.protocol import GenerationBackend
-from .rewards.scoring import prepare_reward_functions
+from .rewards.models import check_reward_funcs, load_reward_functions
+from .rewards.scoring import prepare_reward_functions, reward_name
 from .rollout import RolloutMaker, RolloutSettings
 from .types import SamplingParams
 
@@ -38,10 +41,14 @@ class GRPOTrainer:
             or a ``PreTrainedModel``.
         reward_funcs: one reward function or a list; each is called as
             ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)``
-            and returns one float (or None) per completion.
+            and returns one float (or None) per completion. An entry may also be a reward model: a model
+            id / path (AutoModelForSequenceClassification, num_labels=1) or a ``PreTrainedModel``.
         args: a ``GRPOConfig`` (default: ``GRPOConfig(output_dir="<model name>-GRPO")``).
         train_dataset: ``datasets.Dataset`` or ``IterableDataset`` with a ``prompt`` column.
+        eval_dataset: a ``Dataset`` or a dict of name -> ``Dataset`` for ``evaluate()`` / ``eval_strategy``.
         processing_class: the tokenizer (default: loaded from the model; pad token falls back to EOS).
+        reward_processing_classes: tokenizer(s) of the reward models: one, or a list with one entry per
+            reward function (None = load the reward model's own tokenizer).
         optimizers: ``(optimizer, lr_scheduler)``; either may be None to use AdamW / ``lr_scheduler_type``.
         generation_backend: grouprl extension: any object with the ``GenerationBackend`` protocol
             (default: transformers ``generate`` on the policy).
@@ -70,7 +77,6 @@ class GRPOTrainer:
             ("rollout_func", rollout_func, "custom rollout functions"),
             ("environment_factory", environment_factory, "environments"),
             ("callbacks", callbacks, "trainer callbacks"),
-            ("reward_processing_classes", reward_processing_classes, "reward models"),
         ):
             if value:
                 raise NotImplementedError(f"GRPOTrainer({name}=...): {feature} is not available in this version of grouprl yet.")
@@ -85,20 +91,27 @@ class GRPOTrainer:
         check_dataset(train_dataset, "train_dataset")
         if isinstance(train_dataset, __import__("datasets").IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
+        if args.eval_strategy != "no":
+            check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.reward_functions = prepare_reward_functions(reward_funcs)
-        weights = args.reward_weights or [1.0] * len(self.reward_functions)
-        if len(weights) != len(self.reward_functions):
+        reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
+        weights = args.reward_weights or [1.0] * len(reward_funcs)
+        if len(weights) != len(reward_funcs):
             raise ValueError(
-                f"GRPOConfig.reward_weights has {len(weights)} weights but there are {len(self.reward_functions)} reward functions "
-                f"({', '.join(f.name for f in self.reward_functions)}); give one weight per function."
+                f"GRPOConfig.reward_weights has {len(weights)} weights but there are {len(reward_funcs)} reward functions "
+                f"({', '.join(map(_describe_reward, reward_funcs))}); give one weight per function."
             )
-        self.reward_func_names = [f.name for f in self.reward_functions]
 
         set_seed(args.seed)
         self.model = _load_model(model, args)
         self.processing_class = _load_tokenizer(processing_class, self.model, args)
         self.eos_token_ids = _eos_token_ids(self.processing_class, self.model)
+        self.reward_functions = prepare_reward_functions(load_reward_functions(
+            reward_funcs, reward_processing_classes, model_init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code,
+            chat_template_kwargs=args.chat_template_kwargs, batch_size=args.per_device_train_batch_size, device=self.accelerator.device,
+        ))
+        self.reward_funcs = [f.fn for f in self.reward_functions]
+        self.reward_func_names = [f.name for f in self.reward_functions]
         if args.disable_dropout:
             for module in self.model.modules():
                 if isinstance(module, torch.nn.Dropout):
@@ -142,6 +155,7 @@ class GRPOTrainer:
                 mask_truncated_completions=args.mask_truncated_completions,
                 remove_unused_columns=args.remove_unused_columns, pad_token_id=self.processing_class.pad_token_id,
             ),
+            completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts) if args.log_completions else None,
         )
         self.state = TrainerState(max_steps=total_steps, logging_steps=args.logging_steps, save_steps=args.save_steps)
         self.run = loop.TrainingRun(
@@ -149,6 +163,8 @@ class GRPOTrainer:
             optimizer=optimizer, scheduler=scheduler, rollouts=rollouts, state=self.state, total_steps=total_steps,
             steps_per_epoch=steps_per_epoch,
         )
+        if args.eval_strategy != "no":
+            self.run.evaluate = self.evaluate
         if self.accelerator.is_main_process:
             logger.warning(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
 
@@ -194,8 +210,14 @@ class GRPOTrainer:
         self.processing_class.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
         return model.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        raise NotImplementedError("GRPOTrainer.evaluate(): evaluation is not available in this version of grouprl yet.")
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sample and score every eval prompt (num_generations_eval each); return and log eval_* metrics.
+
+        Works before, during (eval_strategy) and without train(); `eval_dataset` overrides the
+        trainer's (a Dataset or a dict name -> Dataset, reported as eval_<name>_*). `ignore_keys`
+        is accepted for compatibility: it names model outputs, which evaluation does not collect.
+        """
+        return evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
 
     def _load_checkpoint(self, path: str) -> None:
         from safetensors.torch import load_file
@@ -300,6 +322,10 @@ def _make_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Opt
         [g for g in groups if g["params"]], lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
         fused=args.optim == "adamw_torch_fused",
     )
+
+
+def _describe_reward(entry: Any) -> str:
+    return entry if isinstance(entry, str) else (type(entry).__name__ if isinstance(entry, torch.nn.Module) else reward_name(entry))
 
 
 def _is_tied(model: PreTrainedModel, key: str) -> bool:

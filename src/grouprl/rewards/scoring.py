@@ -5,10 +5,15 @@ Contract (TRL 1.16 §2.5): every reward function is called with keyword argument
 extra dataset column, each a per-completion list, and returns one value per completion: a number,
 or ``None`` for "not applicable" (stored as NaN and left out of sums and means).
 
-Async reward functions (coroutine functions, partials of them, objects with ``async __call__``)
-run concurrently on a background event loop while the sync ones run in order. A function that
-raises, returns the wrong count, a non-number or NaN stops the run with a `RewardFunctionError`
-naming the function and the first offending row.
+Concurrency: async reward functions (coroutine functions, partials of them, objects with
+``async __call__``) run concurrently on a background event loop; meanwhile the sync ones run
+concurrently too, the first in the calling thread and the others in worker threads, so a slow
+checker or a reward model does not serialise the others. (TRL runs sync functions one after the
+other.) A function that fails in a worker thread is retried in the calling thread and, if it works
+there (code that is not thread-safe, e.g. signal-based timeouts), stays there from then on.
+Results are put back in the order of ``reward_funcs``. A function that raises,
+returns the wrong count, a non-number or NaN stops the run with a `RewardFunctionError` naming the
+function and the first offending row.
 """
 
 from __future__ import annotations
@@ -19,21 +24,26 @@ import inspect
 import math
 import numbers
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger("grouprl")
 
 
 class RewardFunctionError(ValueError):
     """A reward function failed or returned something that is not one number (or None) per completion."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class RewardFunction:
     fn: Callable[..., Any]
     name: str
     is_async: bool
+    main_thread_only: bool = False  # set once the function failed in a worker thread but works in the main one
 
 
 def reward_name(fn: Any) -> str:
@@ -56,10 +66,10 @@ def prepare_reward_functions(reward_funcs: Any) -> list[RewardFunction]:
         raise ValueError("GRPOTrainer needs at least one reward function in reward_funcs.")
     prepared = []
     for i, fn in enumerate(funcs):
-        if isinstance(fn, str) or isinstance(fn, torch.nn.Module):
-            raise NotImplementedError(
-                f"reward_funcs[{i}]={fn!r}: reward models are not available in this version of grouprl yet; "
-                "pass a Python function that scores completions."
+        if isinstance(fn, (str, torch.nn.Module)):
+            raise TypeError(
+                f"reward_funcs[{i}] is a reward model ({fn if isinstance(fn, str) else type(fn).__name__}); load it first with "
+                "grouprl.rewards.models.load_reward_functions (GRPOTrainer does this for you)."
             )
         if not callable(fn):
             raise TypeError(f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; pass a function f(prompts, completions, **kwargs) -> list[float].")
@@ -95,41 +105,72 @@ def score_completions(
 ) -> torch.Tensor:
     """Call every reward function once on all N completions; return (N, F) float32 with NaN for None."""
     n = len(completions)
+    lock = threading.Lock()  # functions in several threads may log at once
+
+    def locked(callback: Optional[Callable]) -> Callable:
+        def call(*args: Any) -> None:
+            if callback is not None:
+                with lock:
+                    callback(*args)
+        return call
+
     kwargs = dict(columns)
     kwargs.update(
         prompts=prompts,
         completions=completions,
         completion_ids=completion_ids,
         trainer_state=trainer_state,
-        log_metric=log_metric or (lambda name, value: None),
-        log_extra=log_extra or (lambda column, values: None),
+        log_metric=locked(log_metric),
+        log_extra=locked(log_extra),
     )
+    async_indices = [i for i, f in enumerate(functions) if f.is_async]
+    sync_indices = [i for i, f in enumerate(functions) if not f.is_async]
 
     async def gather_async() -> list[Any]:
-        calls = [f.fn(**kwargs) for f in functions if f.is_async]
-        return await asyncio.gather(*calls, return_exceptions=True)
+        return await asyncio.gather(*(functions[i].fn(**kwargs) for i in async_indices), return_exceptions=True)
 
-    pending = _BackgroundLoop.run(gather_async()) if any(f.is_async for f in functions) else None
+    def call_sync(index: int) -> Any:
+        try:
+            return functions[index].fn(**kwargs)
+        except Exception as err:  # noqa: BLE001 - reported below with the failing row
+            return _Failure(err)
+
+    pending = _BackgroundLoop.run(gather_async()) if async_indices else None
     outputs: dict[int, Any] = {}
-    for index, f in enumerate(functions):
-        if not f.is_async:
-            try:
-                outputs[index] = f.fn(**kwargs)
-            except Exception as err:  # noqa: BLE001 - re-raised with the row that fails
-                raise _locate_failure(f, kwargs, n, err) from err
+    here = [i for i in sync_indices if functions[i].main_thread_only] or sync_indices[:1]  # run in the calling thread
+    elsewhere = [i for i in sync_indices if i not in here]
+    with ThreadPoolExecutor(max_workers=max(1, len(elsewhere)), thread_name_prefix="grouprl-reward") as pool:
+        futures = {i: pool.submit(call_sync, i) for i in elsewhere}
+        outputs.update({i: call_sync(i) for i in here})
+        outputs.update({i: future.result() for i, future in futures.items()})
+    for i in elsewhere:
+        if isinstance(outputs[i], _Failure):
+            # Code that is not thread-safe (signal-based timeouts such as math-verify's defaults, shared
+            # tokenizers, ...) works in the main thread, as it would in TRL: retry there, and keep it there.
+            outputs[i] = call_sync(i)
+            if not isinstance(outputs[i], _Failure):
+                functions[i].main_thread_only = True
+                logger.warning("Reward function '%s' failed in a worker thread but works in the main thread; it runs there from now "
+                               "on (in sequence with the other sync reward functions).", functions[i].name)
     if pending is not None:
-        async_indices = [i for i, f in enumerate(functions) if f.is_async]
         for index, result in zip(async_indices, pending.result()):
-            if isinstance(result, BaseException):
-                raise RewardFunctionError(
-                    f"Reward function '{functions[index].name}' raised {type(result).__name__}: {result}"
-                ) from result
-            outputs[index] = result
+            outputs[index] = _Failure(result) if isinstance(result, Exception) else result
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result
+    for index, f in enumerate(functions):  # the first failing function in reward_funcs order
+        if isinstance(outputs[index], _Failure):
+            error = outputs[index].error
+            raise _locate_failure(f, kwargs, n, error) from error
 
     scores = torch.empty((n, len(functions)), dtype=torch.float32)
     for index, f in enumerate(functions):
         scores[:, index] = _check_output(f.name, outputs[index], n, prompts)
     return scores
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: Exception
 
 
 def _check_output(name: str, values: Any, n: int, prompts: list[Any]) -> torch.Tensor:
@@ -173,7 +214,9 @@ def _locate_failure(f: RewardFunction, kwargs: dict[str, Any], n: int, err: Exce
     for row in range(n):
         row_kwargs = {k: ([v[row]] if k in per_row_keys else v) for k, v in kwargs.items()}
         try:
-            f.fn(**row_kwargs)
+            result = f.fn(**row_kwargs)
+            if f.is_async:
+                _BackgroundLoop.run(result).result()
         except Exception as row_err:  # noqa: BLE001
             return RewardFunctionError(
                 f"Reward function '{f.name}' raised {type(row_err).__name__}: {row_err} on row {row} "

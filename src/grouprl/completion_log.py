@@ -1,0 +1,137 @@
+"""log_completions: a table of what the model wrote and how it was scored (TRL 1.16 §1.6).
+
+After each generation the latest table is kept: one row per completion of the (global) generation
+batch with ``step``, ``prompt``, ``completion``, one column per reward function (its name; NaN
+where it returned None), ``advantage``, and every column a reward function added with
+``log_extra(column, values)``. At each logging step the main process
+
+- writes it to ``output_dir/completions/completions_<step>.parquet`` (always),
+- prints it as a rich table (the first ``num_completions_to_print`` rows; all if None),
+- sends it to wandb and/or trackio when they are active trackers (``log_unique_prompts``:
+  one row per prompt there).
+
+Conversational prompts are shown as the chat-template text the model saw.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from .data import is_conversational
+
+FIXED_COLUMNS = ("step", "prompt", "completion", "advantage")
+
+
+@dataclass
+class CompletionLog:
+    output_dir: str
+    num_completions_to_print: Optional[int] = None
+    log_unique_prompts: bool = False
+    table: dict[str, list[Any]] = field(default_factory=dict)  # the latest generation, global rows
+
+    def record(
+        self,
+        accelerator: Accelerator,
+        prompts: list[str],  # (n,) this process's rows
+        completions: list[str],  # (n,)
+        rewards: dict[str, torch.Tensor],  # name -> (n,) with NaN for None
+        advantages: torch.Tensor,  # (n,)
+        extras: dict[str, list[Any]],  # log_extra columns, each (n,)
+    ) -> None:
+        """Keep this generation's rows (gathered from every process; call on all processes)."""
+        n = len(completions)
+        table: dict[str, list[Any]] = {"prompt": list(prompts), "completion": list(completions)}
+        for name, values in rewards.items():
+            table[name] = [None if math.isnan(v) else v for v in values.tolist()]
+        table["advantage"] = advantages.tolist()
+        for name, values in extras.items():
+            values = list(values)
+            if len(values) != n:
+                raise ValueError(f"log_extra({name!r}, values): got {len(values)} values for {n} completions; give one per completion.")
+            table[name if name not in table else f"{name} (log_extra)"] = values
+        if accelerator.num_processes > 1:
+            table = {name: gather_object(values) for name, values in table.items()}
+        self.table = table
+
+    def write(self, step: int, accelerator: Accelerator) -> Optional[str]:
+        """Parquet file, console table, tracker tables for the latest generation (main process only)."""
+        if not self.table or not accelerator.is_main_process:
+            return None
+        n = len(self.table["completion"])
+        table = {"step": [step] * n, **self.table}
+        path = os.path.join(self.output_dir, "completions", f"completions_{step:05d}.parquet")
+        write_parquet(table, path)
+        print_table(table, self.num_completions_to_print)
+        send_to_trackers(accelerator, table, step, unique_prompts=self.log_unique_prompts)
+        return path
+
+
+def prompt_text(prompt: Any, prompt_ids: list[int], tokenizer: Any) -> str:
+    """What the model was shown: the string itself, or the rendered chat template."""
+    return tokenizer.decode(prompt_ids, skip_special_tokens=False) if is_conversational(prompt) else prompt
+
+
+def write_parquet(table: dict[str, list[Any]], path: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {}
+    for name, values in table.items():
+        try:
+            columns[name] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # mixed types in a log_extra column: keep them as text
+            columns[name] = pa.array([None if v is None else str(v) for v in values])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = path + ".tmp"
+    pq.write_table(pa.table(columns), temporary)
+    os.replace(temporary, path)
+
+
+def print_table(table: dict[str, list[Any]], limit: Optional[int]) -> None:
+    rows = len(table["completion"]) if limit is None else min(limit, len(table["completion"]))
+    if rows <= 0:
+        return
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich is optional: plain lines instead
+        for r in range(rows):
+            print(" | ".join(f"{name}={_cell(values[r])}" for name, values in table.items()), flush=True)
+        return
+    shown = Table(show_header=True, header_style="bold magenta", show_lines=True)
+    for name in table:
+        shown.add_column(name, style="bright_yellow" if name == "completion" else None)
+    for r in range(rows):
+        shown.add_row(*(_cell(values[r]) for values in table.values()))
+    Console().print(shown)
+
+
+def send_to_trackers(accelerator: Accelerator, table: dict[str, list[Any]], step: int, *, unique_prompts: bool) -> None:
+    """A `completions` table for wandb / trackio, only when they are among the active trackers."""
+    active = {getattr(tracker, "name", None) for tracker in accelerator.trackers}
+    if not active & {"wandb", "trackio"}:
+        return
+    import pandas as pd
+
+    frame = pd.DataFrame(table)
+    if unique_prompts:
+        frame = frame.drop_duplicates(subset=["prompt"])
+    if "wandb" in active:
+        import wandb
+
+        accelerator.get_tracker("wandb", unwrap=True).log({"completions": wandb.Table(dataframe=frame)}, step=step)
+    if "trackio" in active:
+        import trackio
+
+        trackio.log({"completions": trackio.Table(dataframe=frame)}, step=step)
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,183 @@
+"""Evaluation: sample every eval prompt, score it, report TRL's metrics with an ``eval_`` prefix.
+
+Each eval prompt (in dataset order, once) gets ``num_generations_eval`` completions (default:
+``num_generations``), sampled like training completions, in batches of
+``per_device_eval_batch_size`` completions per process. They are scored by the reward functions
+and their advantages computed exactly as in training; then one forward pass gives ``eval_loss``
+(the policy loss at ratio 1, i.e. what a training step would minimise on these samples) and
+``eval_entropy``. Nothing is trained, no checkpoint or data order changes, and GFPO does not filter.
+
+Metric names are TRL's with a prefix: ``eval_reward``, ``eval_reward_std``,
+``eval_rewards/<name>/mean|std``, ``eval_frac_reward_zero_std``, ``eval_completions/...``,
+``eval_loss``, ``eval_entropy``, plus ``eval_runtime``, ``eval_samples_per_second``,
+``eval_steps_per_second``. A dict of eval datasets is evaluated one by one as ``eval_<name>_*``.
+
+Sampling runs on a forked RNG seeded with ``seed``: evaluation does not move the training RNG
+(so a run with evaluation trains exactly like one without), and evaluating the same weights twice
+gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import fields, replace
+from typing import Any, Iterator, Optional
+
+import datasets
+import torch
+from transformers.utils import logging
+
+from .algorithms.logprobs import completion_logprobs
+from .algorithms.losses import masked_mean, policy_loss
+from .config import GRPOConfig, resolve_steps
+from .data import check_dataset, local_prompt_batch
+from .distributed import global_mean
+from .metrics import JsonlWriter, MetricWindow
+from .rollout import RolloutMaker, generate_for
+from .types import Rollout
+
+logger = logging.get_logger("grouprl")
+
+
+def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int) -> None:
+    """Check an eval setup that will be used: by the trainer when eval_strategy != "no" (before any
+    model is loaded), and by every evaluate() call. As in TRL, an eval_dataset that is only stored
+    is not checked at construction."""
+    if config.eval_strategy != "no" and eval_dataset is None:
+        raise ValueError(f"GRPOConfig.eval_strategy={config.eval_strategy!r} needs an eval_dataset; pass one or set eval_strategy='no'.")
+    if eval_dataset is None:
+        return
+    named = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
+    for name, dataset in named.items():
+        check_dataset(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
+    size = config.num_generations_eval or config.num_generations
+    if size < 1:
+        raise ValueError(f"GRPOConfig.num_generations_eval={config.num_generations_eval} must be >= 1.")
+    batch = config.per_device_eval_batch_size * num_processes
+    if batch % size != 0:
+        fits = [b for b in range(1, 4 * size + 1) if (b * num_processes) % size == 0][:4]
+        raise ValueError(
+            f"The eval batch (per_device_eval_batch_size={config.per_device_eval_batch_size} x {num_processes} processes = {batch} "
+            f"completions) must be divisible by num_generations_eval={size} (default: num_generations), so each prompt's "
+            f"completions are scored together. Use per_device_eval_batch_size in {fits} or change num_generations_eval."
+        )
+
+
+def should_evaluate(config: GRPOConfig, step: int, total_steps: int, steps_per_epoch: Optional[int]) -> bool:
+    if config.eval_strategy == "steps":
+        every = resolve_steps(config.eval_steps if config.eval_steps is not None else config.logging_steps, total_steps)
+        return step % every == 0
+    if config.eval_strategy == "epoch":
+        return bool(steps_per_epoch) and step % steps_per_epoch == 0
+    return False
+
+
+def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
+    """Evaluate on a Dataset (or a dict name -> Dataset); log the metrics and return them."""
+    if eval_dataset is None:
+        raise ValueError("evaluate() needs an eval_dataset: pass it to GRPOTrainer(eval_dataset=...) or to evaluate().")
+    check_eval_setup(run.config, eval_dataset, run.accelerator.num_processes)
+    if isinstance(eval_dataset, dict):
+        metrics: dict[str, float] = {}
+        for name, dataset in eval_dataset.items():
+            metrics.update(evaluate(run, dataset, f"{metric_key_prefix}_{name}"))
+        return metrics
+    started = time.time()
+    window, batches, completions = _sample_and_score(run, eval_dataset)
+    runtime = time.time() - started
+    summary = {k: v for k, v in window.summary().items() if k != "num_tokens"}
+    metrics = {f"{metric_key_prefix}_{k}": v for k, v in summary.items()}
+    metrics.update({
+        f"{metric_key_prefix}_runtime": runtime,
+        f"{metric_key_prefix}_samples_per_second": completions / max(runtime, 1e-9),
+        f"{metric_key_prefix}_steps_per_second": batches / max(runtime, 1e-9),
+    })
+    _log(run, metrics)
+    return metrics
+
+
+def _eval_rollouts(run: Any, num_generations: int) -> RolloutMaker:
+    """A plain RolloutMaker sharing the training one's parts, with G_eval and its own counters."""
+    base = {f.name: getattr(run.rollouts, f.name) for f in fields(RolloutMaker)}
+    base.update(settings=replace(run.rollouts.settings, num_generations=num_generations), completion_log=None,
+                completion_extras={}, generations_made=0, tokens_seen=0)
+    return RolloutMaker(**base)
+
+
+def _chunks(dataset: Any, size: int) -> Iterator[tuple[list[int], list[dict]]]:
+    rows = iter(dataset)
+    for start in itertools.count(0, size):
+        chunk = list(itertools.islice(rows, size))
+        if not chunk:
+            return
+        yield list(range(start, start + len(chunk))), chunk
+
+
+def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
+    config, accelerator = run.config, run.accelerator
+    size = config.num_generations_eval or config.num_generations
+    prompts_per_batch = config.per_device_eval_batch_size * accelerator.num_processes // size
+    rollouts = _eval_rollouts(run, size)
+    window, batches, completions = MetricWindow(), 0, 0
+    was_training = run.model.training
+    run.model.eval()
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(config.seed)
+            for number, (indices, rows) in enumerate(_chunks(dataset, prompts_per_batch)):
+                if (len(rows) * size) % accelerator.num_processes:
+                    logger.warning("evaluation: the last %d prompts cannot be split evenly over %d processes and are skipped.",
+                                   len(rows), accelerator.num_processes)
+                    break
+                prompts = local_prompt_batch(
+                    indices, rows, generation_index=number, num_generations=size, process_index=accelerator.process_index,
+                    num_processes=accelerator.num_processes, tokenize=rollouts.tokenize,
+                    remove_unused_columns=rollouts.settings.remove_unused_columns,
+                )
+                with accelerator.autocast():
+                    rollout = Rollout(prompts, generate_for(rollouts.backend, prompts, rollouts.sampling))
+                _, advantages = rollouts.score(rollout, run.state, window)
+                _add_loss(run, rollouts.make_train_batch(rollout, advantages), window)
+                batches += 1
+                completions += len(rows) * size
+    finally:
+        run.model.train(was_training)
+    if isinstance(dataset, datasets.Dataset) and batches == 0:
+        raise ValueError("evaluation: the eval dataset produced no complete batch.")
+    return window, batches, completions
+
+
+def _add_loss(run: Any, batch: Any, window: MetricWindow) -> None:
+    """eval_loss / eval_entropy: the policy loss at ratio 1 on these samples (no gradient)."""
+    config, accelerator = run.config, run.accelerator
+    b = batch.to(accelerator.device)
+    with torch.no_grad(), accelerator.autocast():
+        logprobs, entropy = completion_logprobs(
+            run.model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+            temperature=config.temperature, rows_per_chunk=config.per_device_eval_batch_size,
+        )
+        loss, stats = policy_loss(
+            config.loss_type, logprobs, None, b.advantages, b.loss_mask,
+            epsilon_low=config.epsilon, epsilon_high=config.effective_epsilon_high, grad_accum_steps=1,
+            max_completion_length=config.max_completion_length,
+            token_denominator=max(batch.num_loss_tokens, 1.0) / accelerator.num_processes,
+        )
+    window.add("loss", global_mean(accelerator, loss.item()))
+    window.add("entropy", global_mean(accelerator, masked_mean(entropy, b.completion_mask).item()))
+    for name, value in stats.items():
+        window.add(name, global_mean(accelerator, value.item()))
+
+
+def _log(run: Any, metrics: dict[str, float]) -> None:
+    """Like a training log entry: log_history, trackers, metrics.jsonl and one console line."""
+    entry = {**metrics, "epoch": run.state.epoch, "step": run.state.global_step}
+    run.state.log_history.append(entry)
+    numbers = {k: v for k, v in entry.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}
+    run.accelerator.log(numbers, step=run.state.global_step)
+    if run.accelerator.is_main_process:
+        JsonlWriter(f"{run.config.output_dir}/metrics.jsonl").write(entry)
+        shown = [f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith(("_reward", "_loss", "_reward_std")) and isinstance(v, float)]
+        print(f"eval at step {run.state.global_step} | " + " | ".join(shown), flush=True)
