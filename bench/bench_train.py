@@ -1,0 +1,94 @@
+"""One GRPO training benchmark run: `python bench_train.py --framework grouprl|trl --workload W1`.
+
+The script is the same for both frameworks except the import (grouprl is a drop-in for TRL);
+run it with each framework's own interpreter. Prints one JSON line with the measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from workloads import WORKLOADS, model_dir, parameter_count, peak_rss_mb, prompts_for  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--framework", choices=["grouprl", "trl"], required=True)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--output_dir", default="/tmp/grouprl-bench")
+    parser.add_argument("--steps", type=int, default=None, help="Override the workload's step count (smoke tests).")
+    args = parser.parse_args()
+    if args.framework == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+    else:
+        from grouprl import GRPOConfig, GRPOTrainer
+
+    workload = WORKLOADS[args.workload]
+    if args.steps:
+        workload.steps = args.steps
+    path = model_dir(workload)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts = prompts_for(workload)
+    dataset = Dataset.from_dict({"prompt": prompts * workload.steps})
+    generated = []
+
+    def count_tokens(completion_ids, **kwargs):  # reward = length; also records generated tokens per step
+        generated.append(sum(len(c) for c in completion_ids))
+        return [float(len(c)) for c in completion_ids]
+
+    config = GRPOConfig(
+        output_dir=os.path.join(args.output_dir, f"{args.framework}-{workload.name}"),
+        per_device_train_batch_size=workload.prompts * workload.num_generations,
+        num_generations=workload.num_generations,
+        max_completion_length=workload.max_completion_length,
+        max_steps=workload.steps,
+        learning_rate=1e-6,
+        bf16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        seed=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=count_tokens, args=config, train_dataset=dataset, processing_class=tokenizer)
+    started = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - started
+    steps = [e for e in trainer.state.log_history if "step_time" in e]
+    timed = steps[1:] or steps  # the first step is warm-up
+    step_seconds = sum(e["step_time"] for e in timed) / len(timed)
+    tokens = generated[1:] or generated
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+    n_params = parameter_count(workload)
+    mean_generated = sum(tokens) / len(tokens)
+    completions = workload.prompts * workload.num_generations
+    # Useful work: one forward per prompt token and generated token to sample, and a forward + backward
+    # (3 forward-equivalents) over every trained sequence. Recomputation is not useful work.
+    useful_flops = 2 * n_params * (prompt_tokens + mean_generated) + 6 * n_params * (prompt_tokens * workload.num_generations + mean_generated)
+    print(json.dumps({
+        "framework": args.framework,
+        "workload": workload.name,
+        "seconds_per_step": step_seconds,
+        "generated_tokens_per_step": mean_generated,
+        "completions_per_step": completions,
+        "generated_tokens_per_second": mean_generated / step_seconds,
+        "peak_rss_mib": peak_rss_mb(),
+        "useful_gflops_per_second": useful_flops / step_seconds / 1e9,
+        "parameters": n_params,
+        "total_seconds": total,
+    }))
+
+
+if __name__ == "__main__":
+    main()
