@@ -44,7 +44,7 @@ def test_gradient_accumulation_divides(loss_type):
 
 
 def test_clip_statistics_by_hand():
-    _, stats = clipped_surrogate(LOGPS, OLD, ADV, MASK, epsilon_low=0.2, epsilon_high=0.2)
+    _, stats = clipped_surrogate(LOGPS, LOGPS - OLD, LOGPS - OLD, ADV[:, None], MASK, epsilon_low=0.2, epsilon_high=0.2)
     assert stats["clip_ratio/low_mean"].item() == pytest.approx(1 / 5)  # row 1 token 1 (0.5 < 0.8, A < 0)
     assert stats["clip_ratio/high_mean"].item() == pytest.approx(1 / 5)  # row 0 token 1 (1.5 > 1.2, A > 0)
     assert stats["clip_ratio/region_mean"].item() == pytest.approx(2 / 5)
@@ -53,7 +53,7 @@ def test_clip_statistics_by_hand():
 
 
 def test_asymmetric_clip_epsilon_high():
-    per_token, _ = clipped_surrogate(LOGPS, OLD, ADV, MASK, epsilon_low=0.2, epsilon_high=0.28)
+    per_token, _ = clipped_surrogate(LOGPS, LOGPS - OLD, LOGPS - OLD, ADV[:, None], MASK, epsilon_low=0.2, epsilon_high=0.28)
     assert per_token[0, 1].item() == pytest.approx(-1.28)  # 1.5 clipped at 1 + 0.28
     assert per_token[1, 1].item() == pytest.approx(0.8)  # lower bound unchanged
 

@@ -85,13 +85,7 @@ class RolloutMaker:
         )
         n_local = len(rollout.completions)
         rewards = Rewards(gather_rows(self.accelerator, per_function), [f.name for f in self.reward_functions], self.reward_weights)
-        advantages, stats = group_advantages(
-            rewards.per_function,
-            rewards.weights,
-            group_size=self.settings.num_generations,
-            scale_rewards=self.settings.scale_rewards,
-            aggregation=self.settings.multi_objective_aggregation,
-        )
+        advantages, stats = self.global_advantages(rewards)
         window.add_all(reward_stats(rewards.per_function, rewards.names, stats["total"], stats["group_std"]))
         unscorable = int(stats["unscorable"].sum())
         if unscorable:
@@ -106,6 +100,16 @@ class RolloutMaker:
         self.tokens_seen += int(global_sum(self.accelerator, prompt_tokens + int(lengths.sum())))
         window.add("num_tokens", self.tokens_seen)
         return rewards, advantages[local_rows(self.accelerator, n_local)]
+
+    def global_advantages(self, rewards: Rewards) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Advantages (N_global,) of gathered rewards, and group_advantages' statistics."""
+        return group_advantages(
+            rewards.per_function,
+            rewards.weights,
+            group_size=self.settings.num_generations,
+            scale_rewards=self.settings.scale_rewards,
+            aggregation=self.settings.multi_objective_aggregation,
+        )
 
     def make_train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
         batch = pack_rollout(rollout, advantages, self.settings.pad_token_id, self.settings.mask_truncated_completions)
