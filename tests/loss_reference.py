@@ -45,7 +45,7 @@ def reference_policy_loss(
         if loss_type == "vespo":
             s = 0.0
             for t in tokens:
-                s += min(max(float(log_ratio[t]), -20.0), 20.0)
+                s += min(max(float(log_ratio[t].detach()), -20.0), 20.0)
                 if sampler_weights is not None:
                     rho = float(sampler_weights[i, t])
                     s += min(max(math.log(rho) if rho > 0 else -math.inf, math.log(1e-8)), 20.0)
