@@ -50,15 +50,18 @@ def active_adapter(model: Any) -> str:
 
 
 def head_has_adapter(model: Any) -> bool:
-    """True if the output embedding (LM head) of a PeftModel carries an adapter or is a trained copy."""
+    """True if the output embedding (LM head) of a PeftModel carries an adapter or a trained copy."""
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
 
     head = model.get_output_embeddings()
-    for module in model.modules():
-        if isinstance(module, BaseTunerLayer) and getattr(module, "get_base_layer", lambda: None)() is head:
+    wrappers = (BaseTunerLayer, ModulesToSaveWrapper)
+    if isinstance(head, wrappers):
+        return True
+    for module in model.modules():  # a wrapper whose wrapped (base) layer is the head
+        if isinstance(module, wrappers) and any(child is head for child in module.modules()):
             return True
-    return any(name.split(".")[-1] == "lm_head" and "modules_to_save" in type(module).__name__.lower()
-               for name, module in model.named_modules())
+    return False
 
 
 def add_reference_adapter(model: Any) -> str:

@@ -12,10 +12,12 @@ from typing import Any, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from .adapters import is_peft_model
+
 
 def load_model(model: Any, model_init_kwargs: Optional[dict], trust_remote_code: bool) -> PreTrainedModel:
     """A PreTrainedModel as given, or loaded from an id / path with `model_init_kwargs` (dtype float32 by default)."""
-    if isinstance(model, PreTrainedModel):
+    if isinstance(model, PreTrainedModel) or is_peft_model(model):
         return model
     if not isinstance(model, str):
         raise TypeError(f"model must be a model id / path (str) or a transformers PreTrainedModel, got {type(model).__name__}.")
