@@ -159,6 +159,16 @@ def test_lora_trains_adapters_only(tiny_model_dir, tmp_path, beta):
         assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 0.0
 
 
+def test_lora_with_trl_defaults_gradient_checkpointing_and_bf16(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, beta=0.1, max_steps=2, gradient_checkpointing=True, bf16=True)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=varied, args=config, train_dataset=prompts(),
+                          peft_config=peft.LoraConfig(**LORA))
+    lora_before, base_before = _split(parameters(trainer.model))
+    trainer.train()
+    lora_after, base_after = _split(parameters(trainer.model))
+    assert max_difference(base_before, base_after) == 0.0 and max_difference(lora_before, lora_after) > 0
+
+
 def test_pre_wrapped_peft_model_with_beta_keeps_a_frozen_reference_adapter(tiny_model_dir, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model = peft.get_peft_model(base, peft.LoraConfig(**LORA, init_lora_weights=False))  # a non-zero ("trained") adapter

@@ -90,8 +90,8 @@ class Rollout:
             group_ids=[p.group_ids[b] for b in prompt_indices],
             num_samples=[p.num_samples[b] for b in prompt_indices],
         )
-        rows = self.prompt_rows(prompt_indices)
-        completions = [replace(self.completions[r], prompt_index=new_index[self.row_prompt[r]]) for r in rows]
+        row_prompt = self.row_prompt
+        completions = [replace(self.completions[r], prompt_index=new_index[row_prompt[r]]) for r in self.prompt_rows(prompt_indices)]
         return Rollout(prompts, completions)
 
     @staticmethod
