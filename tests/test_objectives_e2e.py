@@ -171,9 +171,10 @@ def test_lora_with_trl_defaults_gradient_checkpointing_and_bf16(tiny_model_dir, 
 
 def test_pre_wrapped_peft_model_with_beta_keeps_a_frozen_reference_adapter(tiny_model_dir, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
     model = peft.get_peft_model(base, peft.LoraConfig(**LORA, init_lora_weights=False))  # a non-zero ("trained") adapter
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=make_config(tmp_path, beta=0.1, max_steps=2),
+    trainer = GRPOTrainer(model=model, reward_funcs=varied, args=make_config(tmp_path, beta=0.1, max_steps=2),
                           train_dataset=prompts(), processing_class=tokenizer)
     before = parameters(trainer.model)
     trainer.train()
