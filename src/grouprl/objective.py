@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-
 from .algorithms.entropy import entropy_threshold, high_entropy_mask
 from .algorithms.filters import off_policy_mask
 from .algorithms.logprobs import completion_logprobs
