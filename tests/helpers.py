@@ -14,8 +14,9 @@ class ScriptedBackend:
     cannot hide a bug.
     """
 
-    def __init__(self, script: Callable[[list[int], int], list[int]], eos_token_id: int, tokenizer=None):
+    def __init__(self, script: Callable[[list[int], int], list[int]], eos_token_id: int, tokenizer=None, sampler_logprobs=None):
         self.script, self.eos, self.tokenizer = script, eos_token_id, tokenizer
+        self.sampler_logprobs = sampler_logprobs  # optional (prompt_ids, sample_index, tokens) -> one logprob per token
         self.calls = []
 
     def sync_weights(self, model):
@@ -28,7 +29,8 @@ class ScriptedBackend:
             for s in range(num_samples):
                 tokens = list(self.script(list(ids), s))[: params.max_new_tokens]
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
-                out.append(Completion(p, tokens, text, "stop" if tokens and tokens[-1] == self.eos else "length"))
+                logprobs = self.sampler_logprobs(list(ids), s, tokens) if self.sampler_logprobs else None
+                out.append(Completion(p, tokens, text, "stop" if tokens and tokens[-1] == self.eos else "length", logprobs))
         return out
 
 
@@ -38,3 +40,17 @@ def parameters(model) -> dict[str, torch.Tensor]:
 
 def max_difference(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+class GradientRecorder(torch.optim.SGD):
+    """SGD with lr=0 that records every optimizer step's gradients: all steps see the same weights,
+    so the gradients of several steps can be compared with one bigger step's."""
+
+    def __init__(self, params):
+        self.named = list(params)
+        super().__init__([p for _, p in self.named], lr=0.0)
+        self.steps = []
+
+    def step(self, closure=None):
+        self.steps.append({name: p.grad.detach().clone() for name, p in self.named if p.grad is not None})
+        return super().step(closure)

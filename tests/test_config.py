@@ -47,11 +47,19 @@ def test_hf_argument_parser_round_trip():
 
 
 def test_not_yet_built_features_raise_not_implemented():
-    for name in ("beta", "use_vllm", "importance_sampling_level"):
-        value = {"beta": 0.1, "use_vllm": True, "importance_sampling_level": "sequence"}[name]
+    for name in ("use_vllm", "max_tool_calling_iterations", "ds3_gather_for_generation"):
+        value = {"use_vllm": True, "max_tool_calling_iterations": 3, "ds3_gather_for_generation": False}[name]
         assert name in NOT_YET_BUILT
         with pytest.raises(NotImplementedError, match=name):
             GRPOConfig(**{name: value})
+
+
+def test_objective_fields_are_built():
+    for name in ("beta", "sync_ref_model", "importance_sampling_level", "delta", "top_entropy_quantile", "entropy_coef",
+                 "use_adaptive_entropy", "off_policy_mask_threshold", "router_aux_loss_coef", "cast_lm_head_to_fp32"):
+        assert name not in NOT_YET_BUILT, name
+    GRPOConfig(beta=0.1, importance_sampling_level="sequence", loss_type="grpo", delta=2.0, top_entropy_quantile=0.2,
+               entropy_coef=0.01, use_adaptive_entropy=True, off_policy_mask_threshold=0.5, cast_lm_head_to_fp32=True)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -61,6 +69,12 @@ def test_not_yet_built_features_raise_not_implemented():
     ({"temperature": 0.0}, "temperature"),
     ({"generation_kwargs": "{not json"}, "generation_kwargs"),
     ({"bf16": True, "fp16": True}, "bf16 and fp16"),
+    ({"sync_ref_model": True}, "sync_ref_model=True needs a reference model"),
+    ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
+    ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None}, "clip_min and/or"),
+    ({"vllm_importance_sampling_clip_min": 4.0}, "must be < vllm_importance_sampling_clip_max"),
+    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min"),
+    ({"max_dynamic_sampling_rounds": -1}, "max_dynamic_sampling_rounds"),
 ])
 def test_invalid_fields_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -110,3 +124,26 @@ def test_plan_description_mentions_sizes():
     text = plan.describe(num_prompts=20)
     assert "2 prompts x 4 completions = 8 completions" in text
     assert "20 prompts -> 10 optimizer steps" in text
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"loss_type": "luspo"}, "luspo' is meant for importance_sampling_level='sequence'"),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "vespo' computes its own sequence-level weight"),
+    ({"loss_type": "dapo", "importance_sampling_level": "sequence"}, "GSPO uses loss_type='grpo'"),
+    ({"loss_type": "bnpo", "importance_sampling_level": "sequence"}, "GSPO uses loss_type='grpo'"),
+    ({"loss_type": "dr_grpo", "importance_sampling_level": "sequence"}, "GSPO uses loss_type='grpo'"),
+    ({"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 5.0}, "GSPO uses loss_type='grpo'"),
+    ({"loss_type": "cispo"}, "epsilon_high"),
+    ({"delta": 1.1}, "delta=1.1 is not above"),
+])
+def test_dubious_combinations_warn(kwargs, fragment):
+    messages = GRPOConfig(**kwargs).dubious_combinations()
+    assert any(fragment in m for m in messages), messages
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"loss_type": "grpo", "importance_sampling_level": "sequence"}, {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    {"loss_type": "cispo", "epsilon_high": 5.0}, {"delta": 2.0},
+])
+def test_sensible_combinations_do_not_warn(kwargs):
+    assert GRPOConfig(**kwargs).dubious_combinations() == []

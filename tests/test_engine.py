@@ -80,7 +80,7 @@ def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer):
     for c in completions:
         p = torch.tensor([prompts[c.prompt_index]])
         ids = torch.tensor([c.token_ids])
-        logps, _ = completion_logprobs(model, p, torch.ones_like(p, dtype=torch.bool), ids, torch.ones_like(ids, dtype=torch.bool), temperature=0.7)
+        logps = completion_logprobs(model, p, torch.ones_like(p, dtype=torch.bool), ids, torch.ones_like(ids, dtype=torch.bool), temperature=0.7).logprobs
         assert torch.allclose(logps[0], torch.tensor(c.sampler_logprobs), atol=1e-5)
 
 

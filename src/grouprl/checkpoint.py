@@ -19,6 +19,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .adapters import save_pretrained
+
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 LOOP_STATE = "loop_state.pt"
 TRAINING_STATE = "training_state.pt"
@@ -91,7 +93,7 @@ def save_checkpoint(
     staging = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
-    model.save_pretrained(staging, safe_serialization=True)
+    save_pretrained(model, staging)  # a LoRA policy writes its adapter only
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
     torch.save(

@@ -34,16 +34,6 @@ DICT_FIELDS = (
 # field -> (the value that means "off", what the feature is). Setting any other value raises
 # NotImplementedError until the feature lands; the entry is then removed.
 NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
-    "beta": (0.0, "the KL penalty against a reference model"),
-    "sync_ref_model": (False, "reference-model syncing"),
-    "importance_sampling_level": ("token", "sequence-level importance sampling (GSPO)"),
-    "delta": (None, "two-sided clipping (delta)"),
-    "top_entropy_quantile": (1.0, "high-entropy token masking"),
-    "entropy_coef": (0.0, "the entropy bonus"),
-    "use_adaptive_entropy": (False, "the adaptive entropy controller"),
-    "off_policy_mask_threshold": (None, "off-policy sequence masking"),
-    "router_aux_loss_coef": (None, "the MoE router auxiliary loss"),
-    "cast_lm_head_to_fp32": (False, "an fp32 LM head"),
     "use_vllm": (False, "vLLM generation"),
     "use_transformers_continuous_batching": (False, "transformers continuous batching"),
     "use_transformers_paged": (False, "transformers continuous batching"),
@@ -202,6 +192,12 @@ class GRPOConfig:
     # ---- tools (TRL §1.7) ----
     max_tool_calling_iterations: Optional[int] = field(default=None, metadata=_meta("Maximum tool-calling turns per rollout."))
 
+    # ---- grouprl extensions (not in TRL) ----
+    dynamic_sampling: bool = field(default=False, metadata=_meta(
+        "DAPO dynamic sampling: drop groups whose rewards all tie and refill the generation batch from further generations."))
+    max_dynamic_sampling_rounds: int = field(default=4, metadata=_meta(
+        "With dynamic_sampling: at most this many extra generations per batch; if the batch is still not full, train on the groups found."))
+
     def __post_init__(self) -> None:
         if self.output_dir is None:
             self.output_dir = "trainer_output"
@@ -284,6 +280,30 @@ class GRPOConfig:
         lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"GRPOConfig: vllm_importance_sampling_clip_min ({lo}) must be < vllm_importance_sampling_clip_max ({hi}).")
+        if self.vllm_importance_sampling_mode.endswith("truncate") and lo is None and hi is None:
+            raise ValueError(
+                f"GRPOConfig.vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} clips the importance weights: "
+                "set vllm_importance_sampling_clip_min and/or vllm_importance_sampling_clip_max."
+            )
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"GRPOConfig.top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 keeps every token).")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(f"GRPOConfig.entropy_coef_min ({self.entropy_coef_min}) must be <= entropy_coef_max ({self.entropy_coef_max}).")
+        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
+            raise ValueError("GRPOConfig.sapo_temperature_pos and sapo_temperature_neg must be > 0.")
+        if self.delta is not None and self.delta <= 0:
+            raise ValueError(f"GRPOConfig.delta={self.delta} must be > 0 (it caps the ratio; suggested > 1 + epsilon).")
+        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:
+            raise ValueError(f"GRPOConfig.off_policy_mask_threshold={self.off_policy_mask_threshold} must be >= 0.")
+        if self.sync_ref_model and self.beta == 0.0:
+            raise ValueError(
+                "GRPOConfig.sync_ref_model=True needs a reference model, but beta=0.0 means none is used. Set beta > 0 (e.g. 0.04) "
+                "or sync_ref_model=False."
+            )
+        if self.ref_model_sync_steps < 1 or not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ValueError("GRPOConfig: ref_model_sync_steps must be >= 1 and ref_model_mixup_alpha in [0, 1].")
+        if self.max_dynamic_sampling_rounds < 0:
+            raise ValueError(f"GRPOConfig.max_dynamic_sampling_rounds={self.max_dynamic_sampling_rounds} must be >= 0.")
         if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
             raise ValueError(f"GRPOConfig.reward_weights must be a list of numbers, got {self.reward_weights!r}.")
         for name, (off_value, feature) in NOT_YET_BUILT.items():
@@ -296,6 +316,34 @@ class GRPOConfig:
     @property
     def effective_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def entropy_bonus_enabled(self) -> bool:
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+    def dubious_combinations(self) -> list[str]:
+        """Warnings for settings that run but probably do not do what was meant (TRL's, plus a few)."""
+        found = []
+        sequence = self.importance_sampling_level == "sequence"
+        if self.loss_type == "luspo" and not sequence:
+            found.append("loss_type='luspo' is meant for importance_sampling_level='sequence'; with 'token' each token's loss "
+                         "is multiplied by its sequence length.")
+        if self.loss_type == "vespo" and sequence:
+            found.append("loss_type='vespo' computes its own sequence-level weight from token log-ratios; "
+                         "importance_sampling_level='sequence' only changes the logged ratios. Use 'token'.")
+        if sequence and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            found.append(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: the sequence-level loss is "
+                         "summed over tokens, so long sequences weigh more. GSPO uses loss_type='grpo'.")
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            found.append(f"loss_type='cispo' caps the importance weight at epsilon_high (an absolute value), which is unset and "
+                         f"falls back to epsilon={self.epsilon}, so every weight is capped below 1. MiniMax-M1 suggests epsilon_high=5.0.")
+        if self.delta is not None and self.delta <= 1.0 + self.effective_epsilon_high:
+            found.append(f"delta={self.delta} is not above 1 + epsilon_high ({1.0 + self.effective_epsilon_high}): it caps ratios "
+                         "inside the trust region too. INTELLECT-2 suggests a delta above 1 + epsilon_high.")
+        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
+            found.append(f"entropy_coef={self.entropy_coef} is outside [entropy_coef_min, entropy_coef_max]; the adaptive "
+                         "controller will move it back inside.")
+        return found
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -29,3 +29,15 @@ def local_rows(accelerator: Accelerator, rows_per_process: int) -> slice:
     """This process's slice of a gathered (global) batch."""
     start = accelerator.process_index * rows_per_process
     return slice(start, start + rows_per_process)
+
+
+def gather_varlen(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
+    """Concatenate 1-D tensors of different lengths from every process (padding removed).
+
+    Values must be >= 0 (entropies): the padding is a negative sentinel that is filtered out.
+    """
+    if accelerator.num_processes == 1:
+        return values
+    padded = accelerator.pad_across_processes(values.float(), dim=0, pad_index=-1.0)
+    gathered = accelerator.gather(padded)
+    return gathered[gathered >= 0]

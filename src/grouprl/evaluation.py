@@ -155,14 +155,14 @@ def _add_loss(run: Any, batch: Any, window: MetricWindow) -> None:
     config, accelerator = run.config, run.accelerator
     b = batch.to(accelerator.device)
     with torch.no_grad(), accelerator.autocast():
-        logprobs, entropy = completion_logprobs(
+        out = completion_logprobs(
             run.model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
             temperature=config.temperature, rows_per_chunk=config.per_device_eval_batch_size,
         )
+        logprobs, entropy = out.logprobs, out.entropy
+        settings = {**run.loss_settings, "beta": 0.0}  # no reference pass in evaluation: the KL term is left out
         loss, stats = policy_loss(
-            config.loss_type, logprobs, None, b.advantages, b.loss_mask,
-            epsilon_low=config.epsilon, epsilon_high=config.effective_epsilon_high, grad_accum_steps=1,
-            max_completion_length=config.max_completion_length,
+            config.loss_type, logprobs, None, b.advantages, b.loss_mask, **settings, grad_accum_steps=1,
             token_denominator=max(batch.num_loss_tokens, 1.0) / accelerator.num_processes,
         )
     window.add("loss", global_mean(accelerator, loss.item()))

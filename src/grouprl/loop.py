@@ -2,10 +2,12 @@
 
     until max steps:
         for each of gradient_accumulation_steps micro-batches:
-            if no micro-batch is buffered: generate -> score -> advantages -> (old logprobs) ->
-                shuffle rows -> split into steps_per_generation micro-batches, queued num_iterations times
-            forward the micro-batch -> policy loss -> backward
-        clip gradients -> optimizer step -> LR step -> log -> checkpoint
+            if no micro-batch is buffered: generate -> score -> advantages -> (old / reference
+                logprobs, sampler IS weights) -> shuffle rows -> split into steps_per_generation
+                micro-batches, queued num_iterations times                      (experience.py)
+            forward the micro-batch -> policy loss -> backward                  (objective.py)
+        clip gradients -> optimizer step -> LR step -> entropy controller / reference sync
+        -> log -> checkpoint
 
 The buffer semantics are TRL's (§2.13): one generation feeds steps_per_generation x num_iterations
 micro-steps, replayed in the same order each iteration, independently of where optimizer steps
@@ -26,15 +28,16 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from .algorithms.logprobs import completion_logprobs
-from .algorithms.losses import dapo_denominator, masked_mean, policy_loss
+from .algorithms.entropy import EntropyController
 from .checkpoint import save_checkpoint
 from .config import BatchPlan, GRPOConfig, resolve_steps
-from .distributed import global_mean
+from .distributed import global_mean, global_sum
 from .evaluation import should_evaluate
+from .experience import generation_micro_batches
 from .metrics import JsonlWriter, MetricWindow, PhaseTimer, format_log_line
+from .objective import loss_settings, train_micro_batch
+from .reference import Reference, mix_into_reference
 from .rollout import RolloutMaker
-from .types import TrainBatch
 
 
 @dataclass
@@ -52,10 +55,16 @@ class TrainingRun:
     state: Any  # transformers.TrainerState
     total_steps: int
     steps_per_epoch: Optional[int]
+    reference: Optional[Reference] = None  # beta != 0
+    entropy_controller: Optional[EntropyController] = None  # entropy bonus on
+    aux_loss_coef: float = 0.0  # MoE router load-balancing loss weight (0 = off)
     window: MetricWindow = field(default_factory=MetricWindow)
     pending: deque = field(default_factory=deque)  # micro-batches (TrainBatch) not yet trained on
     evaluate: Optional[Callable[[], Any]] = None  # runs evaluation and logs it (set when eval_strategy != "no")
     step_losses: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.loss_settings = loss_settings(self.config)
 
     @property
     def timer(self) -> PhaseTimer:
@@ -69,6 +78,8 @@ class TrainingRun:
             "tokens_seen": self.rollouts.tokens_seen,
             "step_losses": list(self.step_losses),
             "window": {k: list(v) for k, v in self.window.values.items()},
+            "entropy_controller": self.entropy_controller.state_dict() if self.entropy_controller else None,
+            "reference_model": self.reference.state_dict() if self.reference and self.config.sync_ref_model else None,
         }
 
     def load_loop_state(self, state: dict[str, Any]) -> None:
@@ -80,55 +91,10 @@ class TrainingRun:
         self.window.clear()
         for name, values in state["window"].items():
             self.window.values[name].extend(values)
-
-
-def generation_micro_batches(run: TrainingRun) -> list[TrainBatch]:
-    """Generate and score one generation batch; return its micro-batches in training order."""
-    config, plan, accelerator = run.config, run.plan, run.accelerator
-    with run.timer.phase("generate"), accelerator.autocast():
-        rollout = run.rollouts.sample()
-    with run.timer.phase("reward"):
-        _, advantages = run.rollouts.score(rollout, run.state, run.window)
-    batch = run.rollouts.make_train_batch(rollout, advantages)
-    if plan.old_logprobs_needed:  # samples will be reused after an optimizer step: remember pi_old
-        with run.timer.phase("old_logprobs"), torch.no_grad(), accelerator.autocast():
-            b = batch.to(accelerator.device)
-            old, _ = completion_logprobs(
-                run.model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
-                temperature=config.temperature, rows_per_chunk=plan.per_device_batch_size, with_entropy=False,
-            )
-            batch.old_logprobs = old.cpu()
-    order = torch.randperm(len(batch))  # global RNG, seeded: reproducible and restored on resume
-    size = len(batch) // plan.steps_per_generation  # per_device_batch_size, or fewer when GFPO dropped rows
-    micro = [batch.select(order[i * size : (i + 1) * size]) for i in range(plan.steps_per_generation)]
-    return micro * plan.num_iterations
-
-
-def train_micro_batch(run: TrainingRun, micro: TrainBatch) -> float:
-    """Forward, loss and backward of one micro-batch; returns the (already GA-scaled) loss."""
-    config, plan, accelerator = run.config, run.plan, run.accelerator
-    b = micro.to(accelerator.device)
-    with run.timer.phase("forward"), accelerator.autocast():
-        logprobs, entropy = completion_logprobs(
-            run.model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, temperature=config.temperature
-        )
-        loss, stats = policy_loss(
-            config.loss_type, logprobs, b.old_logprobs, b.advantages, b.loss_mask,
-            epsilon_low=config.epsilon,
-            epsilon_high=config.effective_epsilon_high,
-            grad_accum_steps=plan.gradient_accumulation_steps,
-            max_completion_length=config.max_completion_length,
-            token_denominator=dapo_denominator(
-                micro.num_loss_tokens, num_processes=plan.num_processes,
-                grad_accum_steps=plan.gradient_accumulation_steps, steps_per_generation=plan.steps_per_generation,
-            ),
-        )
-    with run.timer.phase("backward"):
-        accelerator.backward(loss)
-    run.window.add("entropy", global_mean(accelerator, masked_mean(entropy, b.completion_mask).item()))
-    for name, value in stats.items():
-        run.window.add(name, global_mean(accelerator, value.item()))
-    return loss.item()
+        if self.entropy_controller is not None and state.get("entropy_controller"):
+            self.entropy_controller.load_state_dict(state["entropy_controller"])
+        if self.reference is not None:
+            self.reference.load_state_dict(state.get("reference_model"))
 
 
 def optimizer_step(run: TrainingRun) -> tuple[float, float]:
@@ -164,6 +130,7 @@ def train(run: TrainingRun) -> dict[str, float]:
                 step_loss += train_micro_batch(run, micro)
         grad_norm, learning_rate = optimizer_step(run)
         state.global_step += 1
+        end_of_step_updates(run)
         state.epoch = state.global_step / run.steps_per_epoch if run.steps_per_epoch else None
         loss = global_mean(accelerator, step_loss)
         run.step_losses.append(loss)
@@ -191,6 +158,17 @@ def train(run: TrainingRun) -> dict[str, float]:
     if writer is not None:
         writer.write(final)
     return final
+
+
+def end_of_step_updates(run: TrainingRun) -> None:
+    """Controllers that act once per optimizer step: the entropy coefficient, the TR-DPO reference sync."""
+    controller, accelerator = run.entropy_controller, run.accelerator
+    if controller is not None:
+        total = global_sum(accelerator, controller.window_sum)
+        count = global_sum(accelerator, controller.window_count)
+        run.window.add("entropy_coef", controller.end_step(total, count))
+    if run.config.sync_ref_model and run.state.global_step % run.config.ref_model_sync_steps == 0:
+        mix_into_reference(run.reference.model, accelerator.unwrap_model(run.model), run.config.ref_model_mixup_alpha)
 
 
 def write_log(run: TrainingRun, writer: Optional[JsonlWriter], progress: Any) -> None:

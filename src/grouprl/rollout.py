@@ -86,13 +86,7 @@ class RolloutMaker:
             self.completion_extras = {name: [v for v, k in zip(values, local_keep.tolist()) if k] for name, values in self.completion_extras.items()}
             group_size = int(keep.view(-1, group_size).sum(dim=1)[0])
             rewards = Rewards(rewards.per_function[keep], rewards.names, rewards.weights)
-        advantages, stats = group_advantages(
-            rewards.per_function,
-            rewards.weights,
-            group_size=group_size,
-            scale_rewards=self.settings.scale_rewards,
-            aggregation=self.settings.multi_objective_aggregation,
-        )
+        advantages, stats = self.global_advantages(rewards, group_size)
         window.add_all(reward_stats(rewards.per_function, rewards.names, stats["total"], stats["group_std"]))
         unscorable = int(stats["unscorable"].sum())
         if unscorable:
@@ -145,6 +139,16 @@ class RolloutMaker:
             rewards={name: rewards.per_function[rows, k] for k, name in enumerate(rewards.names)},
             advantages=advantages,
             extras=self.completion_extras,
+        )
+
+    def global_advantages(self, rewards: Rewards, group_size: Optional[int] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Advantages (N_global,) of gathered rewards (groups of `group_size`, default G), and group_advantages' statistics."""
+        return group_advantages(
+            rewards.per_function,
+            rewards.weights,
+            group_size=group_size or self.settings.num_generations,
+            scale_rewards=self.settings.scale_rewards,
+            aggregation=self.settings.multi_objective_aggregation,
         )
 
     def make_train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:

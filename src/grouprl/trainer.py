@@ -13,18 +13,24 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import set_seed
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerState, get_scheduler
+from transformers import PreTrainedModel, TrainerState, get_scheduler
 from transformers.utils import logging
 
 from . import evaluation, loop
-from .checkpoint import load_training_state, resolve_resume_path, restore_rng_state
+from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, load_adapter_weights, require_peft, save_pretrained, wrap_with_lora
+from .algorithms.entropy import EntropyController
 from .completion_log import CompletionLog
+from .checkpoint import load_training_state, resolve_resume_path, restore_rng_state
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, PromptTokenizer, check_dataset
 from .evaluation import check_eval_setup
 from .generation.engine import FastGenerator, engine_supports
 from .generation.hf import TransformersGenerator
 from .generation.protocol import GenerationBackend
+from .models import (
+    cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, is_tied, load_model, load_tokenizer, router_aux_loss_coef,
+)
+from .reference import Reference, separate_reference_model
 from .rewards.models import check_reward_funcs, load_reward_functions
 from .rewards.scoring import prepare_reward_functions, reward_name
 from .rollout import RolloutMaker, RolloutSettings
@@ -72,7 +78,6 @@ class GRPOTrainer:
         generation_backend: Optional[GenerationBackend] = None,
     ):
         for name, value, feature in (
-            ("peft_config", peft_config, "LoRA training"),
             ("tools", tools, "tool calling"),
             ("rollout_func", rollout_func, "custom rollout functions"),
             ("environment_factory", environment_factory, "environments"),
@@ -101,24 +106,52 @@ class GRPOTrainer:
                 f"GRPOConfig.reward_weights has {len(weights)} weights but there are {len(reward_funcs)} reward functions "
                 f"({', '.join(map(_describe_reward, reward_funcs))}); give one weight per function."
             )
+        for message in args.dubious_combinations():
+            logger.warning(message)
+        use_peft = peft_config is not None or is_peft_model(model)
+        if use_peft:
+            require_peft()
+            if args.sync_ref_model:
+                raise NotImplementedError("GRPOConfig.sync_ref_model=True with LoRA: the reference is the frozen base model "
+                                          "(adapters off), which syncing would overwrite. Use sync_ref_model=False.")
+        if args.dynamic_sampling and self.accelerator.num_processes > 1:
+            raise NotImplementedError("GRPOConfig.dynamic_sampling=True is only available on one process in this version of grouprl.")
 
         set_seed(args.seed)
-        self.model = _load_model(model, args)
-        self.processing_class = _load_tokenizer(processing_class, self.model, args)
-        self.eos_token_ids = _eos_token_ids(self.processing_class, self.model)
+        self.model = load_model(model, args.model_init_kwargs, args.trust_remote_code)
+        if peft_config is not None and is_peft_model(self.model):
+            raise ValueError("model is already a PeftModel; pass either a PeftModel or peft_config, not both.")
+        reference_model = None
+        if args.beta != 0.0 and not use_peft:  # before any change to the policy
+            reference_model = separate_reference_model(model, self.model, lambda m: load_model(m, args.model_init_kwargs, args.trust_remote_code))
+        self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code)
+        self.eos_token_ids = eos_token_ids(self.processing_class, self.model)
         self.reward_functions = prepare_reward_functions(load_reward_functions(
             reward_funcs, reward_processing_classes, model_init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code,
             chat_template_kwargs=args.chat_template_kwargs, batch_size=args.per_device_train_batch_size, device=self.accelerator.device,
         ))
         self.reward_funcs = [f.fn for f in self.reward_functions]
         self.reward_func_names = [f.name for f in self.reward_functions]
-        if args.disable_dropout:
-            for module in self.model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+        for prepared in (m for m in (self.model, reference_model) if m is not None):
+            if args.disable_dropout:
+                disable_dropout(prepared)
+            if args.cast_lm_head_to_fp32:
+                if is_peft_model(prepared) and head_has_adapter(prepared):
+                    raise ValueError("cast_lm_head_to_fp32=True, but the LM head carries a LoRA adapter; take lm_head out of the "
+                                     "adapter's target_modules / modules_to_save, or leave cast_lm_head_to_fp32=False.")
+                cast_lm_head_to_fp32(prepared)
+        aux_loss_coef = router_aux_loss_coef(args.router_aux_loss_coef, self.model)
         if args.gradient_checkpointing:
-            _enable_checkpointing(self.model, args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            enable_checkpointing(self.model, args.gradient_checkpointing_kwargs or {"use_reentrant": False})
         self.model.config.use_cache = False
+        reference_adapter = None
+        if peft_config is not None:
+            self.model = wrap_with_lora(self.model, peft_config)
+            if args.cast_lm_head_to_fp32 and head_has_adapter(self.model):
+                raise ValueError("cast_lm_head_to_fp32=True, but peft_config puts an adapter on the LM head; take lm_head out of "
+                                 "target_modules / modules_to_save, or leave cast_lm_head_to_fp32=False.")
+        elif use_peft and args.beta != 0.0:  # a pre-wrapped adapter may be trained already: keep a frozen copy as pi_ref
+            reference_adapter = add_reference_adapter(self.model)
 
         steps_per_epoch = None
         if not isinstance(train_dataset, __import__("datasets").IterableDataset):
@@ -158,10 +191,20 @@ class GRPOTrainer:
             completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts) if args.log_completions else None,
         )
         self.state = TrainerState(max_steps=total_steps, logging_steps=args.logging_steps, save_steps=args.save_steps)
+        reference, self.ref_model = None, None
+        if args.beta != 0.0:
+            self.ref_model = reference_model.to(self.accelerator.device) if reference_model is not None else None
+            reference = Reference(model=self.ref_model, adapter=reference_adapter)
+        entropy_controller = None
+        if args.entropy_bonus_enabled:
+            entropy_controller = EntropyController(
+                coef=args.entropy_coef, adaptive=args.use_adaptive_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
+                coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max,
+            )
         self.run = loop.TrainingRun(
             config=args, plan=self.plan, accelerator=self.accelerator, model=prepared_model, tokenizer=self.processing_class,
             optimizer=optimizer, scheduler=scheduler, rollouts=rollouts, state=self.state, total_steps=total_steps,
-            steps_per_epoch=steps_per_epoch,
+            steps_per_epoch=steps_per_epoch, reference=reference, entropy_controller=entropy_controller, aux_loss_coef=aux_loss_coef,
         )
         if args.eval_strategy != "no":
             self.run.evaluate = self.evaluate
@@ -198,7 +241,7 @@ class GRPOTrainer:
         output_dir = output_dir or self.args.output_dir
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            self.accelerator.unwrap_model(self.run.model).save_pretrained(output_dir, safe_serialization=True)
+            save_pretrained(self.accelerator.unwrap_model(self.run.model), output_dir)  # a LoRA policy: the adapter only
             self.processing_class.save_pretrained(output_dir)
 
     def push_to_hub(self, commit_message: str = "End of training", **kwargs: Any) -> Any:
@@ -223,14 +266,17 @@ class GRPOTrainer:
         from safetensors.torch import load_file
 
         model = self.accelerator.unwrap_model(self.run.model)
-        weights = {}
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".safetensors"):
-                weights.update(load_file(os.path.join(path, name)))
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if not _is_tied(model, k)]
-        if missing or unexpected:
-            raise ValueError(f"Checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+        if is_peft_model(model):
+            load_adapter_weights(model, path)
+        else:
+            weights = {}
+            for name in sorted(os.listdir(path)):
+                if name.endswith(".safetensors"):
+                    weights.update(load_file(os.path.join(path, name)))
+            missing, unexpected = model.load_state_dict(weights, strict=False)
+            missing = [k for k in missing if not is_tied(model, k)]
+            if missing or unexpected:
+                raise ValueError(f"Checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
         training, loop_state = load_training_state(path)
         self.run.optimizer.load_state_dict(training["optimizer"])
         self.run.scheduler.load_state_dict(training["scheduler"])
@@ -254,63 +300,6 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
     )
 
 
-def _default_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: GRPOConfig) -> GenerationBackend:
-    """The fast engine where it applies (generation_engine='auto' or 'engine'), else transformers generate."""
-    reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
-    if args.generation_engine == "engine" and reason:
-        raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
-    if args.generation_engine == "transformers" or reason:
-        return TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation)
-    return FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id)
-
-
-def _enable_checkpointing(model: PreTrainedModel, kwargs: dict) -> None:
-    # transformers >= 5.x renamed gradient checkpointing to activation checkpointing.
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _load_model(model: Any, args: GRPOConfig) -> PreTrainedModel:
-    if isinstance(model, PreTrainedModel):
-        return model
-    if not isinstance(model, str):
-        raise TypeError(f"model must be a model id / path (str) or a transformers PreTrainedModel, got {type(model).__name__}.")
-    kwargs = dict(args.model_init_kwargs or {})
-    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", "float32"))
-    if isinstance(dtype, str) and dtype != "auto":
-        dtype = getattr(torch, dtype)
-    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    try:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **kwargs)
-    except OSError as err:
-        raise OSError(f"Could not load the model {model!r}: {err}") from err
-
-
-def _load_tokenizer(processing_class: Any, model: PreTrainedModel, args: GRPOConfig) -> Any:
-    tokenizer = processing_class
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path, trust_remote_code=args.trust_remote_code)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token before training.")
-        tokenizer.pad_token = tokenizer.eos_token  # as TRL: padding is masked out, so reusing EOS is safe
-    return tokenizer
-
-
-def _eos_token_ids(tokenizer: Any, model: PreTrainedModel) -> list[int]:
-    """EOS ids of the tokenizer and the model's generation config (TRL: the union)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if configured is not None:
-        ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    if not ids:
-        raise ValueError("Neither the tokenizer nor the model's generation_config defines an EOS token; completions could never end.")
-    return sorted(ids)
-
-
 def _make_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Optimizer:
     # As transformers: no weight decay on biases and normalisation weights (the 1-D parameters).
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -324,14 +313,19 @@ def _make_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Opt
     )
 
 
+def _tracker_config(args: GRPOConfig) -> dict[str, Any]:
+    return {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}
+
+
 def _describe_reward(entry: Any) -> str:
     return entry if isinstance(entry, str) else (type(entry).__name__ if isinstance(entry, torch.nn.Module) else reward_name(entry))
 
 
-def _is_tied(model: PreTrainedModel, key: str) -> bool:
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    return key in tied
-
-
-def _tracker_config(args: GRPOConfig) -> dict[str, Any]:
-    return {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}
+def _default_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: GRPOConfig) -> GenerationBackend:
+    """The fast engine where it applies (generation_engine='auto' or 'engine'), else transformers generate."""
+    reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
+    if args.generation_engine == "engine" and reason:
+        raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
+    if args.generation_engine == "transformers" or reason:
+        return TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation)
+    return FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id)

@@ -73,6 +73,41 @@ class Rollout:
     def row_prompt(self) -> list[int]:
         return self.prompts.row_index()
 
+    def prompt_rows(self, prompt_indices: list[int]) -> list[int]:
+        """Row indices (into `completions`) of the given prompts' completions, in order."""
+        wanted = set(prompt_indices)
+        return [r for r, b in enumerate(self.row_prompt) if b in wanted]
+
+    def select_prompts(self, prompt_indices: list[int]) -> "Rollout":
+        """The rollout restricted to some prompts (whole groups), renumbered."""
+        p = self.prompts
+        new_index = {b: k for k, b in enumerate(prompt_indices)}
+        prompts = PromptBatch(
+            prompts=[p.prompts[b] for b in prompt_indices],
+            prompt_ids=[p.prompt_ids[b] for b in prompt_indices],
+            columns={name: [values[b] for b in prompt_indices] for name, values in p.columns.items()},
+            dataset_indices=[p.dataset_indices[b] for b in prompt_indices],
+            group_ids=[p.group_ids[b] for b in prompt_indices],
+            num_samples=[p.num_samples[b] for b in prompt_indices],
+        )
+        row_prompt = self.row_prompt
+        completions = [replace(self.completions[r], prompt_index=new_index[row_prompt[r]]) for r in self.prompt_rows(prompt_indices)]
+        return Rollout(prompts, completions)
+
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        """One rollout holding the prompts and completions of `parts`, in order."""
+        prompts = PromptBatch([], [], {}, [], [], [])
+        completions: list[Completion] = []
+        for part in parts:
+            offset = len(prompts)
+            for name, values in part.prompts.columns.items():
+                prompts.columns.setdefault(name, []).extend(values)
+            for name in ("prompts", "prompt_ids", "dataset_indices", "group_ids", "num_samples"):
+                getattr(prompts, name).extend(getattr(part.prompts, name))
+            completions.extend(replace(c, prompt_index=c.prompt_index + offset) for c in part.completions)
+        return Rollout(prompts, completions)
+
 
 @dataclass
 class Rewards:
@@ -82,6 +117,13 @@ class Rewards:
     names: list[str]  # (F,)
     weights: torch.Tensor  # (F,)
 
+    def select(self, rows: list[int]) -> "Rewards":
+        return Rewards(self.per_function[rows], self.names, self.weights)
+
+    @staticmethod
+    def concat(parts: list["Rewards"]) -> "Rewards":
+        return Rewards(torch.cat([p.per_function for p in parts]), parts[0].names, parts[0].weights)
+
     @property
     def total(self) -> torch.Tensor:
         """(N_global,) weighted sum over applicable functions; NaN where no function applied."""
@@ -89,6 +131,9 @@ class Rewards:
         total = torch.nansum(weighted, dim=1)
         unscorable = torch.isnan(self.per_function).all(dim=1)
         return total.masked_fill(unscorable, float("nan"))
+
+
+PER_TOKEN_FIELDS = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "sampler_logprobs", "ref_logprobs", "is_weights")
 
 
 @dataclass
@@ -103,6 +148,8 @@ class TrainBatch:
     advantages: torch.Tensor  # (n,) float
     old_logprobs: Optional[torch.Tensor] = None  # (n, T) float, None = on-policy (ratio 1 with gradient)
     sampler_logprobs: Optional[torch.Tensor] = None  # (n, T) float, from the generation backend
+    ref_logprobs: Optional[torch.Tensor] = None  # (n, T) float, reference policy (beta != 0)
+    is_weights: Optional[torch.Tensor] = None  # (n, T) float, sampler-mismatch correction rho (a row's value repeated for sequence modes)
     num_loss_tokens: float = 0.0  # loss tokens of the whole generation batch over all processes (DAPO denominator)
 
     def __len__(self) -> int:
@@ -123,7 +170,7 @@ class TrainBatch:
         keep_completion = self.completion_mask.any(dim=0).nonzero()
         end = int(keep_completion[-1]) + 1 if len(keep_completion) else 0
         changes: dict[str, torch.Tensor] = {"prompt_ids": self.prompt_ids[:, start:], "prompt_mask": self.prompt_mask[:, start:]}
-        for name in ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "sampler_logprobs"):
+        for name in PER_TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value[:, :end]

@@ -12,9 +12,15 @@ derives them, so a sequence's logprobs do not depend on how much padding its bat
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
+
+
+class TokenLogprobs(NamedTuple):
+    logprobs: torch.Tensor  # (n, T) logprob of each completion token, with gradient if enabled
+    entropy: Optional[torch.Tensor]  # (n, T) entropy of the next-token distribution, or None
+    aux_loss: Optional[torch.Tensor]  # scalar MoE router load-balancing loss, or None
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -41,41 +47,53 @@ def completion_logprobs(
     temperature: float,
     rows_per_chunk: Optional[int] = None,
     with_entropy: bool = True,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Return logprobs (n, T) of the completion tokens and their entropies (n, T) or None.
+    entropy_grad: bool = False,
+    with_aux_loss: bool = False,
+) -> TokenLogprobs:
+    """Logprobs (n, T) of the completion tokens, their entropies (n, T) or None, the MoE aux loss or None.
 
-    Runs the model on `rows_per_chunk` rows at a time (all rows when None). Entropy is computed
-    without gradient: it is a metric here, not part of the objective.
+    Runs the model on `rows_per_chunk` rows at a time (all rows when None). The entropy is detached
+    unless `entropy_grad` (it is part of the objective only when the entropy bonus is on). With
+    `with_aux_loss` the model is asked for its router logits and returns its load-balancing loss
+    (averaged over chunks).
     """
     n, completion_len = completion_ids.shape
     if completion_len == 0:
         empty = completion_ids.new_zeros((n, 0), dtype=torch.float32)
-        return empty, (empty if with_entropy else None)
+        return TokenLogprobs(empty, empty if with_entropy else None, None)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     positions = position_ids_from_mask(attention_mask)
     chunk = rows_per_chunk or n
-    logps_parts, entropy_parts = [], []
+    logps_parts, entropy_parts, aux_parts = [], [], []
     for start in range(0, n, chunk):
         rows = slice(start, start + chunk)
-        logits = _completion_logits(model, input_ids[rows], attention_mask[rows], positions[rows], completion_len)
+        logits, aux = _completion_logits(model, input_ids[rows], attention_mask[rows], positions[rows], completion_len, with_aux_loss)
         logps, entropy = selected_logprobs(logits, completion_ids[rows], temperature)
         logps_parts.append(logps)
         if with_entropy:
-            entropy_parts.append(entropy.detach())
+            entropy_parts.append(entropy if entropy_grad else entropy.detach())
+        if aux is not None:
+            aux_parts.append(aux)
         del logits
     logps = torch.cat(logps_parts)
-    return logps, (torch.cat(entropy_parts) if with_entropy else None)
+    entropy = torch.cat(entropy_parts) if with_entropy else None
+    aux_loss = torch.stack(aux_parts).mean() if aux_parts else None
+    return TokenLogprobs(logps, entropy, aux_loss)
 
 
 def _completion_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, completion_len: int
-) -> torch.Tensor:
-    """Logits predicting each completion token: (n, T, V)."""
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, completion_len: int,
+    with_aux_loss: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Logits predicting each completion token (n, T, V), and the router aux loss if asked for."""
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+    if with_aux_loss:
+        kwargs["output_router_logits"] = True
     try:
-        logits = model(**kwargs, logits_to_keep=completion_len + 1).logits
+        output = model(**kwargs, logits_to_keep=completion_len + 1)
     except TypeError:  # models without `logits_to_keep` return logits for every position
-        logits = model(**kwargs).logits
+        output = model(**kwargs)
+    aux = getattr(output, "aux_loss", None) if with_aux_loss else None
     # The logit at position t predicts token t + 1: drop the last one, keep the T before it.
-    return logits[:, -(completion_len + 1) : -1, :]
+    return output.logits[:, -(completion_len + 1) : -1, :], aux

@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from grouprl.demo.task import MAX_OPERAND, arithmetic_reward, format_problem, make_arithmetic_dataset
 from grouprl.demo.tokenizer import EOS_TOKEN, IM_END, build_tokenizer
@@ -375,26 +382,33 @@ def greedy_accuracy(
     model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, dataset: Any, max_new_tokens: int = 8
 ) -> float:
     """Fraction of prompts whose greedy (argmax) completion :func:`arithmetic_reward` scores 1."""
-    completions, _ = generate_completions(model, tokenizer, dataset["prompt"], do_sample=False,
-                                          max_new_tokens=max_new_tokens)
+    completions, _ = generate_completions(
+        model, tokenizer, dataset["prompt"], do_sample=False, max_new_tokens=max_new_tokens
+    )
     rewards = arithmetic_reward(completions, dataset["answer"])
     return sum(rewards) / len(rewards)
 
 
-def stop_rate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, dataset: Any, seed: int = 0,
-              max_new_tokens: int = 8) -> float:
+def stop_rate(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: Any,
+    seed: int = 0,
+    max_new_tokens: int = 8,
+) -> float:
     """Fraction of sampled completions that end with a stop token within ``max_new_tokens`` (a
     format check: the model should answer a number and stop)."""
     with _seeded(seed, model.device):
-        _, stopped = generate_completions(model, tokenizer, dataset["prompt"], do_sample=True,
-                                          max_new_tokens=max_new_tokens)
+        _, stopped = generate_completions(
+            model, tokenizer, dataset["prompt"], do_sample=True, max_new_tokens=max_new_tokens
+        )
     return sum(stopped) / len(stopped)
 
 
-def evaluate_demo_model(path: str | Path = DEMO_MODEL_DIR, num_rows: int = 256, num_samples: int = 4) -> dict[str, float]:
+def evaluate_demo_model(
+    path: str | Path = DEMO_MODEL_DIR, num_rows: int = 256, num_samples: int = 4
+) -> dict[str, float]:
     """Held-out metrics of a checkpoint, for both prompt formats (rows seeded with HELDOUT_SEED)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     metrics: dict[str, float] = {}

@@ -50,6 +50,8 @@ def engine_supports(model: torch.nn.Module, generation_kwargs: dict, cache_imple
 class FastGenerator:
     """A `GenerationBackend` that samples from the training model in the same process."""
 
+    needs_importance_correction = False  # samples come from the trained weights themselves
+
     def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], pad_token_id: int, *, share_prefix: bool = True):
         self.model = model
         self.tokenizer = tokenizer

@@ -17,6 +17,9 @@ from ..types import Completion, SamplingParams
 
 @runtime_checkable
 class GenerationBackend(Protocol):
+    # Optional class attribute `needs_importance_correction` (default True): False for backends that
+    # sample from the training weights in the same process, whose sampler logprobs need no correction.
+
     def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
         """Sample `num_samples` completions for each prompt; return them prompt-major (len = prompts x num_samples)."""
         ...
