@@ -243,3 +243,18 @@ def test_num_iterations_trains_off_policy(tiny_model_dir, tmp_path):
     trainer.train()
     regions = [e["clip_ratio/region_mean"] for e in trainer.state.log_history if "clip_ratio/region_mean" in e]
     assert max(regions) > 0.0
+
+
+def test_default_bf16_declined_on_cpu_without_bf16_units(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    import grouprl.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "cpu_has_fast_bf16", lambda: False)
+    config = make_config(tmp_path, max_steps=1)  # bf16 left at TRL's default (True)
+    assert config.bf16 and config.bf16_from_default
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
+    assert trainer.accelerator.mixed_precision == "no"
+    assert "training in fp32" in caplog.text
+    explicit = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=1, bf16=True),
+                           train_dataset=prompts())
+    assert explicit.accelerator.mixed_precision == "bf16"
+    assert "expect steps ~100x slower" in caplog.text

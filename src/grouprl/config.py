@@ -201,6 +201,7 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if self.output_dir is None:
             self.output_dir = "trainer_output"
+        self.bf16_from_default = self.bf16 is None  # TRL's default; the trainer may decline it on CPUs without bf16 units
         if self.bf16 is None:
             self.bf16 = not self.fp16
         if self.disable_tqdm is None:
