@@ -53,7 +53,8 @@ def main() -> None:
         max_completion_length=workload.max_completion_length,
         max_steps=workload.steps,
         learning_rate=1e-6,
-        bf16=True,
+        bf16=False,  # this CPU has no bf16 units: emulated bf16 is ~100x slower (see docs/benchmarks.md)
+        use_cpu=True,
         logging_steps=1,
         save_strategy="no",
         report_to="none",

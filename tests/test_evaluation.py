@@ -5,7 +5,6 @@ import os
 
 import datasets
 import pytest
-import torch
 from helpers import ScriptedBackend, max_difference, parameters
 from transformers import AutoTokenizer
 
