@@ -24,7 +24,7 @@ ROOT = os.path.dirname(HERE)
 def run_json(command: list[str]) -> list[dict]:
     print("$", " ".join(command), flush=True)
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
     if result.returncode != 0 or not lines:
         print(result.stderr[-3000:], file=sys.stderr)
         return [{"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"}]
