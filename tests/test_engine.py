@@ -116,3 +116,24 @@ def test_engine_declines_what_it_cannot_do(model_and_tokenizer):
     assert engine_supports(model, {}, None) is None
     assert "num_beams" in engine_supports(model, {"num_beams": 2}, None)
     assert "cache_implementation" in engine_supports(model, {}, "static")
+
+
+def test_chunked_logprobs_equal_naive_in_value_and_gradient(monkeypatch):
+    import grouprl.algorithms.logprobs as lp
+
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 40) * 2).requires_grad_()
+    tokens = torch.randint(0, 40, (3, 5))
+    weights = torch.randn(3, 5)
+
+    def naive():
+        logp_all = torch.log_softmax(logits.float() / 0.7, dim=-1)
+        return logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+    expected_logps, expected_entropy = naive()
+    (grad_expected,) = torch.autograd.grad((expected_logps * weights).sum() + expected_entropy.sum(), logits)
+    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 40 * 4)  # 4 positions per chunk: several chunks, one partial
+    logps, entropy = lp.selected_logprobs(logits, tokens, 0.7)
+    (grad,) = torch.autograd.grad((logps * weights).sum() + entropy.sum(), logits)
+    assert torch.allclose(logps, expected_logps, atol=1e-6) and torch.allclose(entropy, expected_entropy, atol=1e-5)
+    assert torch.allclose(grad, grad_expected, atol=1e-6)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.utils.checkpoint
 
 
 class TokenLogprobs(NamedTuple):
@@ -28,12 +29,40 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def selected_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logprob of `tokens` (n, T) under softmax(logits / temperature), and the entropy, in fp32."""
-    scaled = logits.float() / temperature  # (n, T, V)
+CHUNK_ELEMENTS = 1 << 25  # fp32 logits per chunk of positions (128 MiB), bounds the temporaries below
+
+
+def _chunk_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, V) logits, (m,) tokens -> logprob of each token and entropy, both (m,), in fp32."""
+    scaled = logits.float() / temperature  # (m, V)
     logp_all = torch.log_softmax(scaled, dim=-1)
-    logps = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (n, T)
-    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)  # (n, T)
+    logps = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    return logps, entropy
+
+
+def selected_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprob of `tokens` (n, T) under softmax(logits / temperature), and the entropy, in fp32.
+
+    Works through the (n * T) positions in chunks of about CHUNK_ELEMENTS logits. With gradient
+    enabled each chunk is checkpointed: autograd keeps only the logits themselves and recomputes
+    the chunk's fp32 copy, log-softmax and probabilities in backward, instead of holding about four
+    fp32 (n, T, V) tensors (measured on W3, docs/benchmarks.md). Values and gradients are those of
+    the unchunked computation.
+    """
+    n, t, vocab = logits.shape
+    flat_logits, flat_tokens = logits.reshape(n * t, vocab), tokens.reshape(n * t)
+    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    checkpointed = torch.is_grad_enabled() and logits.requires_grad
+    parts = []
+    for start in range(0, n * t, step):
+        args = (flat_logits[start : start + step], flat_tokens[start : start + step], temperature)
+        if checkpointed:
+            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args))
+    logps = torch.cat([p[0] for p in parts]).view(n, t)
+    entropy = torch.cat([p[1] for p in parts]).view(n, t)
     return logps, entropy
 
 
