@@ -32,38 +32,46 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 CHUNK_ELEMENTS = 1 << 25  # fp32 logits per chunk of positions (128 MiB), bounds the temporaries below
 
 
-def _chunk_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m, V) logits, (m,) tokens -> logprob of each token and entropy, both (m,), in fp32."""
-    scaled = logits.float() / temperature  # (m, V)
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    logps = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
-    return logps, entropy
+def _chunk_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(m, V) logits, (m,) tokens -> (m,) fp32 logprob of each token (no (m, V) log-softmax kept)."""
+    scaled = logits.float() / temperature
+    return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
-def selected_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(m, V) logits -> (m,) fp32 entropy of softmax(logits / temperature)."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp_all.exp() * logp_all).sum(dim=-1)
+
+
+def selected_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, *, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logprob of `tokens` (n, T) under softmax(logits / temperature), and the entropy, in fp32.
 
     Works through the (n * T) positions in chunks of about CHUNK_ELEMENTS logits. With gradient
-    enabled each chunk is checkpointed: autograd keeps only the logits themselves and recomputes
-    the chunk's fp32 copy, log-softmax and probabilities in backward, instead of holding about four
-    fp32 (n, T, V) tensors (measured on W3, docs/benchmarks.md). Values and gradients are those of
-    the unchunked computation.
+    enabled each chunk is checkpointed: autograd keeps only the logits themselves and recomputes the
+    chunk's fp32 copy and softmax in backward, instead of holding several fp32 (n, T, V) tensors
+    (measured on W3, docs/benchmarks.md). The entropy is computed without gradient unless
+    `entropy_grad` (entropy bonus). Values and gradients are those of the unchunked computation.
     """
     n, t, vocab = logits.shape
     flat_logits, flat_tokens = logits.reshape(n * t, vocab), tokens.reshape(n * t)
     step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     checkpointed = torch.is_grad_enabled() and logits.requires_grad
-    parts = []
+    logps, entropies = [], []
     for start in range(0, n * t, step):
-        args = (flat_logits[start : start + step], flat_tokens[start : start + step], temperature)
+        chunk, chunk_tokens = flat_logits[start : start + step], flat_tokens[start : start + step]
         if checkpointed:
-            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            logps.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, chunk, chunk_tokens, temperature, use_reentrant=False))
         else:
-            parts.append(_chunk_logprobs(*args))
-    logps = torch.cat([p[0] for p in parts]).view(n, t)
-    entropy = torch.cat([p[1] for p in parts]).view(n, t)
-    return logps, entropy
+            logps.append(_chunk_logprobs(chunk, chunk_tokens, temperature))
+        if entropy_grad and checkpointed:
+            entropies.append(torch.utils.checkpoint.checkpoint(_chunk_entropy, chunk, temperature, use_reentrant=False))
+        else:
+            with torch.no_grad():
+                entropies.append(_chunk_entropy(chunk, temperature))
+    return torch.cat(logps).view(n, t), torch.cat(entropies).view(n, t)
 
 
 def completion_logprobs(
@@ -98,7 +106,7 @@ def completion_logprobs(
     for start in range(0, n, chunk):
         rows = slice(start, start + chunk)
         logits, aux = _completion_logits(model, input_ids[rows], attention_mask[rows], positions[rows], completion_len, with_aux_loss)
-        logps, entropy = selected_logprobs(logits, completion_ids[rows], temperature)
+        logps, entropy = selected_logprobs(logits, completion_ids[rows], temperature, entropy_grad=entropy_grad)
         logps_parts.append(logps)
         if with_entropy:
             entropy_parts.append(entropy if entropy_grad else entropy.detach())
