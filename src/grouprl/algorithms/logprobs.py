@@ -60,8 +60,9 @@ def selected_logprobs(
     step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     checkpointed = torch.is_grad_enabled() and logits.requires_grad
     logps, entropies = [], []
-    for start in range(0, n * t, step):
-        chunk, chunk_tokens = flat_logits[start : start + step], flat_tokens[start : start + step]
+    # torch.split, not slicing: one SplitBackward concatenates the chunk gradients once, where each
+    # slice's backward would write a zero-filled full-size gradient (40 s of W3's backward).
+    for chunk, chunk_tokens in zip(flat_logits.split(step), flat_tokens.split(step)):
         if checkpointed:
             logps.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, chunk, chunk_tokens, temperature, use_reentrant=False))
         else:
