@@ -3,8 +3,8 @@
 GRPO's importance ratio compares the policy's probability of each *sampled* token with the
 probability it had when sampled; sampling used logits / temperature, so training must too
 (TRL PR #3029). Only completion positions are scored: the model is asked for the last T+1 logits
-(`logits_to_keep`), and the log-softmax is taken one row chunk at a time so the fp32 copy of the
-logits never covers the whole batch.
+(`logits_to_keep`), and the log-softmax runs over checkpointed chunks of positions, so autograd
+keeps the logits alone rather than several fp32 (rows, T, vocab) tensors.
 
 Positions are derived from the attention mask (left-padded prompts), the same way `generate`
 derives them, so a sequence's logprobs do not depend on how much padding its batch needed.
