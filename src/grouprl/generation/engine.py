@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from ..algorithms.logprobs import position_ids_from_mask
 from ..types import Completion, SamplingParams
+from .protocol import left_pad
 from .sampling import process_logits, sample_tokens
 
 SUPPORTED_EXTRA = {"min_new_tokens"}
@@ -86,12 +87,7 @@ class FastGenerator:
         return completions
 
     def _sample(self, prompt_ids: list[list[int]], g: int, params: SamplingParams, device: torch.device) -> tuple[list[list[int]], list[list[float]]]:
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for b, p in enumerate(prompt_ids):
-            ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[b, width - len(p) :] = 1
+        ids, mask = left_pad(prompt_ids, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         if not self.share_prefix:
             ids, mask = ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..types import Completion, SamplingParams
-from .protocol import cut_at_eos
+from .protocol import cut_at_eos, left_pad
 
 
 class TransformersGenerator:
@@ -28,12 +28,8 @@ class TransformersGenerator:
         if not prompt_ids:
             return []
         device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompt_ids)
-        input_ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for row, ids in enumerate(prompt_ids):  # left padding: the last prompt token is next to the completion
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids) :] = 1
+        input_ids, attention_mask = left_pad(prompt_ids, self.pad_token_id)
+        width = input_ids.shape[1]
         kwargs: dict[str, Any] = dict(
             do_sample=True,
             max_new_tokens=params.max_new_tokens,

@@ -35,3 +35,14 @@ def cut_at_eos(token_ids: list[int], eos_token_ids: set[int]) -> tuple[list[int]
         if token in eos_token_ids:
             return token_ids[: position + 1], "stop"
     return token_ids, "length"
+
+
+def left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) token ids and (B, P) long attention mask, left-padded so each prompt ends next to its completion."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, p in enumerate(prompt_ids):
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
