@@ -133,11 +133,11 @@ def test_chunked_logprobs_equal_naive_in_value_and_gradient(monkeypatch):
     expected_logps, expected_entropy = naive()
     (grad_expected,) = torch.autograd.grad((expected_logps * weights).sum() + expected_entropy.sum(), logits)
     monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 40 * 4)  # 4 positions per chunk: several chunks, one partial
-    logps, entropy = lp.selected_logprobs(logits, tokens, 0.7, entropy_grad=True)
+    logps, entropy = lp.logits_logprobs(logits, tokens, 0.7, entropy="grad")
     (grad,) = torch.autograd.grad((logps * weights).sum() + entropy.sum(), logits)
     assert torch.allclose(logps, expected_logps, atol=1e-6) and torch.allclose(entropy, expected_entropy, atol=1e-5)
     assert torch.allclose(grad, grad_expected, atol=1e-6)
-    logps, entropy = lp.selected_logprobs(logits, tokens, 0.7)  # entropy as a metric: no gradient through it
+    logps, entropy = lp.logits_logprobs(logits, tokens, 0.7)  # entropy as a metric: no gradient through it
     assert not entropy.requires_grad and torch.allclose(entropy, expected_entropy, atol=1e-5)
     (grad_logps_only,) = torch.autograd.grad((logps * weights).sum(), logits)
     (expected_logps_only,) = torch.autograd.grad((naive()[0] * weights).sum(), logits)
