@@ -68,22 +68,28 @@ def _image_only(processor_class):
 
 def tiny_qwen2_vl(seed: int = 0):
     """Qwen2-VL: 4x4-pixel patches merged 2x2, so a 16x16 image is 4 image tokens, 16x24 is 6."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLProcessor,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     tokenizer = build_vlm_tokenizer(("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
                                     "<|vision_start|><|image_pad|><|vision_end|>")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                                                 "mrope_section": [2, 1, 1]},
-            bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-        ),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=4, temporal_patch_size=2,
-                           spatial_merge_size=2, in_channels=3),
+            "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,
+        },
+        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4, "temporal_patch_size": 2,
+                           "spatial_merge_size": 2, "in_channels": 3},
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )
@@ -101,8 +107,16 @@ def tiny_qwen2_vl(seed: int = 0):
 
 def tiny_llava(seed: int = 0):
     """LLaVA: a 1-layer CLIP vision tower on 16x16 images (4x4 patches: 16 image tokens) and a tiny Llama."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
-    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+    from transformers.models.llava.image_processing_pil_llava import (
+        LlavaImageProcessorPil,
+    )
 
     tokenizer = build_vlm_tokenizer(("<image>",), "<image>")
     eos, image_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids("<image>")

@@ -46,7 +46,7 @@ class CompletionLog:
         rewards: dict[str, torch.Tensor],  # name -> (n,) with NaN for None
         advantages: torch.Tensor,  # (n,)
         extras: dict[str, list[Any]],  # log_extra columns, each (n,)
-        images: Optional[list[list[Any]]] = None,  # (n,) each row's prompt images (VLMs)
+        images: list[list[Any]] | None = None,  # (n,) each row's prompt images (VLMs)
     ) -> None:
         """Keep this generation's rows (gathered from every process; call on all processes)."""
         n = len(completions)

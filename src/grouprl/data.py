@@ -88,7 +88,7 @@ class PromptTokenizer:
         self.check_fits(ids, prompt, row)
         return ids
 
-    def encode_row(self, row: dict, index: int) -> tuple[Any, list[int], Optional[Any]]:
+    def encode_row(self, row: dict, index: int) -> tuple[Any, list[int], Any | None]:
         """The prompt as reward functions see it, its token ids, and its processed images (None: text only)."""
         if row_images(row, index):
             raise ValueError(f"Row {index} has images but the prompts are tokenized by a tokenizer; images need the model's "

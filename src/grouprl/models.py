@@ -12,7 +12,14 @@ import types
 from typing import Any, Optional
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 from .adapters import is_peft_model
 from .multimodal import is_vision_language_config, text_tokenizer

@@ -24,12 +24,19 @@ positions counted over real tokens, as for text.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
-from .data import PROMPT_COLUMN, PromptTokenizer, check_prompt, is_conversational, row_images
+from .data import (
+    PROMPT_COLUMN,
+    PromptTokenizer,
+    check_prompt,
+    is_conversational,
+    row_images,
+)
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
@@ -103,7 +110,7 @@ class MultimodalPromptTokenizer(PromptTokenizer):
         if is_conversational(prompt) and getattr(self.processor, "chat_template", None) is None:
             raise ValueError(f"Row {row} is conversational but the processor has no chat_template; set processor.chat_template.")
 
-    def encode_row(self, row: dict, index: int) -> tuple[Any, list[int], Optional[PromptImages]]:
+    def encode_row(self, row: dict, index: int) -> tuple[Any, list[int], PromptImages | None]:
         prompt, images = row[PROMPT_COLUMN], row_images(row, index)
         if not is_conversational(prompt):
             if images:
@@ -148,7 +155,7 @@ def make_prompt_tokenizer(processing_class: Any, **kwargs: Any) -> PromptTokeniz
     return MultimodalPromptTokenizer(processing_class, **kwargs) if is_processor(processing_class) else PromptTokenizer(processing_class, **kwargs)
 
 
-def collate(inputs: Sequence[Optional[PromptImages]], prompt_width: int, total_width: int) -> dict[str, torch.Tensor]:
+def collate(inputs: Sequence[PromptImages | None], prompt_width: int, total_width: int) -> dict[str, torch.Tensor]:
     """Model inputs for rows whose prompts are left-padded to `prompt_width` inside sequences of `total_width`.
 
     Per-token fields end where each row's prompt ends (column prompt_width - 1), zeros elsewhere;
@@ -180,7 +187,7 @@ def computes_own_positions(model: torch.nn.Module) -> bool:
 
 
 def forward_inputs(
-    model: torch.nn.Module, inputs: Sequence[Optional[PromptImages]], prompt_width: int, total_width: int, device: torch.device
+    model: torch.nn.Module, inputs: Sequence[PromptImages | None], prompt_width: int, total_width: int, device: torch.device
 ) -> dict[str, Any]:
     """Extra keyword arguments of a forward over these rows: their image inputs, and position_ids=None
     where the model builds M-RoPE positions itself (given the attention mask, padding is skipped)."""

@@ -24,7 +24,7 @@ class PromptBatch:
     dataset_indices: list[int]  # (B,) row index in the dataset, for error messages
     group_ids: list[int]  # (B,) global group index; a group straddling processes has one id
     num_samples: list[int]  # (B,) completions this process samples for the prompt (G unless split)
-    multimodal: Optional[list[Any]] = None  # (B,) multimodal.PromptImages or None per prompt; None = no images at all
+    multimodal: list[Any] | None = None  # (B,) multimodal.PromptImages or None per prompt; None = no images at all
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -157,7 +157,7 @@ class TrainBatch:
     ref_logprobs: Optional[torch.Tensor] = None  # (n, T) float, reference policy (beta != 0)
     is_weights: Optional[torch.Tensor] = None  # (n, T) float, sampler-mismatch correction rho (a row's value repeated for sequence modes)
     num_loss_tokens: float = 0.0  # loss tokens of the whole generation batch over all processes (DAPO denominator)
-    multimodal: Optional[list[Any]] = None  # (n,) each row's prompt images (multimodal.PromptImages or None), collated per forward
+    multimodal: list[Any] | None = None  # (n,) each row's prompt images (multimodal.PromptImages or None), collated per forward
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]

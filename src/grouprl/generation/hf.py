@@ -7,7 +7,8 @@ sampled placeholder has no image features behind it, and the training forward wo
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class TransformersGenerator:
         self.model = model
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, multimodal: Optional[list[Any]] = None) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, multimodal: list[Any] | None = None) -> list[Completion]:
         """`multimodal`: (prompts,) each prompt's `multimodal.PromptImages` or None."""
         if not prompt_ids:
             return []
