@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
-from vlm_models import image, sharpen, tiny_llava, tiny_qwen2_vl
+from vlm_models import image, save_tiny_llava, sharpen, tiny_llava, tiny_qwen2_vl
 
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.algorithms.logprobs import completion_logprobs
@@ -217,10 +217,7 @@ def test_qwen2_vl_trains_with_multi_image_prompts_reference_and_importance_sampl
 
 def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path):
     peft = pytest.importorskip("peft")
-    model, processor = tiny_llava()
-    path = str(tmp_path / "tiny-llava")
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
+    path = save_tiny_llava(tmp_path / "tiny-llava")
     data = datasets.Dataset.from_list([{"prompt": user(f"what is {i}?"), "image": image(i)} for i in range(8)])
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)")
     config = vlm_config(tmp_path, log_multimodal=False)
@@ -277,10 +274,7 @@ def test_the_readme_example_trains(tmp_path, monkeypatch):
         readme = handle.read()
     section = readme.split("## Vision-language models", 1)[1]
     script = section.split("```python\n", 1)[1].split("```", 1)[0]
-    model, processor = tiny_llava()
-    path = str(tmp_path / "tiny-llava")
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
+    path = save_tiny_llava(tmp_path / "tiny-llava")
     for hub, local in (('"Qwen/Qwen2.5-VL-3B-Instruct"', repr(path)), ('output_dir="vlm-GRPO"', 'output_dir="vlm-GRPO", max_steps=2, logging_steps=1')):
         assert script.count(hub) == 1, hub
         script = script.replace(hub, local)
@@ -291,3 +285,17 @@ def test_the_readme_example_trains(tmp_path, monkeypatch):
     assert trainer.state.global_step == 2 and "rewards/color_reward/mean" in trainer.state.log_history[0]
     table = pq.read_table(tmp_path / "vlm-GRPO" / "completions" / "completions_00002.parquet").to_pydict()
     assert all(len(images) == 1 for images in table["image"])
+
+
+def test_the_command_line_trains_a_vlm_from_a_dataset_with_images(tmp_path):
+    from grouprl.cli import main
+
+    path = save_tiny_llava(tmp_path / "tiny-llava")
+    datasets.Dataset.from_list([{"prompt": user(f"what is {i}?"), "image": image(i)} for i in range(4)]).save_to_disk(str(tmp_path / "data"))
+    out = tmp_path / "out"
+    code = main(["train", "--model_name_or_path", path, "--dataset_name", str(tmp_path / "data"), "--reward_funcs",
+                 "get_repetition_penalty_reward", "--output_dir", str(out), "--num_generations", "2", "--per_device_train_batch_size", "4",
+                 "--max_completion_length", "6", "--max_steps", "1", "--logging_steps", "1", "--save_strategy", "no",
+                 "--disable_tqdm", "true", "--report_to", "none"])
+    assert code == 0
+    assert {"model.safetensors", "processor_config.json"} <= set(os.listdir(out))  # the trained VLM and its processor

@@ -142,6 +142,14 @@ def tiny_llava(seed: int = 0):
     return model, processor
 
 
+def save_tiny_llava(path) -> str:
+    """The tiny LLaVA and its processor saved like a Hub checkpoint (AutoModelForImageTextToText / AutoProcessor load it)."""
+    model, processor = tiny_llava()
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
 def image(seed: int, height: int = 16, width: int = 16) -> Image.Image:
     """A random RGB image (deterministic in `seed`)."""
     pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
