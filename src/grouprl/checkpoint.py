@@ -119,6 +119,20 @@ def save_checkpoint(
     return final
 
 
+def load_model_weights(model: torch.nn.Module, path: str) -> None:
+    """Load a checkpoint's (full) model weights into `model`.
+
+    Through transformers' own loader, because `save_pretrained` writes some models' weights under
+    their original checkpoint names (vision-language models among them: ``visual.*`` for
+    ``model.visual.*``), which only `from_pretrained` maps back. Loaded in fp32, so every saved value,
+    bf16 or fp32 (an fp32 LM head), is copied into the model exactly.
+    """
+    saved = type(model).from_pretrained(path, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"Checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+
+
 def load_training_state(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(optimizer/scheduler/rng state, loop state) of a checkpoint."""
     training = torch.load(os.path.join(path, TRAINING_STATE), map_location="cpu", weights_only=False)

@@ -72,7 +72,7 @@ def batch_logprobs(run: "TrainingRun", model: torch.nn.Module, batch: TrainBatch
         b = batch.to(run.accelerator.device)
         out = completion_logprobs(
             model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
-            temperature=run.config.temperature, rows_per_chunk=run.plan.per_device_batch_size, with_entropy=False,
+            temperature=run.config.temperature, rows_per_chunk=run.plan.per_device_batch_size, with_entropy=False, multimodal=b.multimodal,
         )
     return out.logprobs.float().cpu()
 

@@ -53,7 +53,7 @@ def train_micro_batch(run: "TrainingRun", micro: Any) -> float:
     with run.timer.phase("forward"), accelerator.autocast():
         out = completion_logprobs(
             run.model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, temperature=config.temperature,
-            entropy_grad=bonus is not None, with_aux_loss=run.aux_loss_coef != 0.0,
+            entropy_grad=bonus is not None, with_aux_loss=run.aux_loss_coef != 0.0, multimodal=b.multimodal,
         )
         token_keep = None
         if config.top_entropy_quantile < 1.0:

@@ -16,18 +16,21 @@ probability it had when sampled; sampling used logits / temperature, so training
 
 Positions are derived from the attention mask (left-padded prompts), the same way `generate`
 derives them, so a sequence's logprobs do not depend on its batch's padding or bucket.
+Vision-language rows add their image inputs, collated per bucket (`multimodal.forward_inputs`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+
+from ..multimodal import forward_inputs
 
 
 class TokenLogprobs(NamedTuple):
@@ -161,6 +164,7 @@ def completion_logprobs(
     entropy_grad: bool = False,
     with_aux_loss: bool = False,
     bucket_by_length: bool = True,
+    multimodal: Sequence[Any] | None = None,  # (n,) each row's multimodal.PromptImages or None (VLMs)
 ) -> TokenLogprobs:
     """Logprobs (n, T) of the completion tokens, their entropies (n, T) or None, the MoE aux loss or None.
 
@@ -186,9 +190,10 @@ def completion_logprobs(
         p = max(max(prompt_lens[r] for r in rows), 1)
         t = max(max(completion_lens[r] for r in rows), 1)
         index = torch.tensor(rows, device=prompt_ids.device)
+        images = {} if multimodal is None else forward_inputs(model, [multimodal[r] for r in rows], p, p + t, prompt_ids.device)
         logps, entropy, aux = _bucket_logprobs(
             model, prompt_ids[index, -p:], prompt_mask[index, -p:], completion_ids[index, :t], completion_mask[index, :t],
-            temperature, entropy=entropy_mode, with_aux_loss=with_aux_loss,
+            temperature, entropy=entropy_mode, with_aux_loss=with_aux_loss, extra=images,
         )
         logps_parts.append(F.pad(logps, (0, completion_len - t)))
         if entropy is not None:
@@ -207,12 +212,13 @@ def completion_logprobs(
 
 def _bucket_logprobs(
     model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor, temperature: float, *, entropy: str, with_aux_loss: bool,
+    completion_mask: torch.Tensor, temperature: float, *, entropy: str, with_aux_loss: bool, extra: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     completion_len = completion_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask), "use_cache": False}
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask), "use_cache": False,
+              **(extra or {})}
     if with_aux_loss:
         kwargs["output_router_logits"] = True
     head = separable_head(model)
