@@ -24,6 +24,7 @@ from .checkpoint import load_training_state, resolve_resume_path, restore_rng_st
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, PromptTokenizer, check_dataset
 from .evaluation import check_eval_setup
+from .metrics import JsonlWriter
 from .generation.engine import FastGenerator, engine_supports
 from .generation.hf import TransformersGenerator
 from .generation.protocol import GenerationBackend
@@ -284,6 +285,8 @@ class GRPOTrainer:
         self.run.load_loop_state(loop_state)
         restored = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
         self.state.global_step, self.state.epoch, self.state.log_history = restored.global_step, restored.epoch, restored.log_history
+        if self.accelerator.is_main_process:  # drop what the interrupted run logged after this checkpoint
+            JsonlWriter(os.path.join(self.args.output_dir, "metrics.jsonl")).rewrite(self.state.log_history)
         logger.warning(f"Resumed from {path} at step {self.state.global_step}.")
 
 
