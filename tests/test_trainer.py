@@ -205,6 +205,7 @@ def test_iterable_dataset_trains(tiny_model_dir, tmp_path):
     (lambda completions, **k: [1.0], r"returned 1 values for 6 completions"),
     (lambda completions, **k: ["high"] * len(completions), r"returned 'high' \(str\) for row 0"),
     (lambda completions, **k: [float("nan")] * len(completions), "returned nan for row 0"),
+    (lambda completions, **k: [1e39] * len(completions), "returned 1e\\+39 for row 0.*finite float32"),  # inf once stored as float32
     (lambda completions, **k: [1 / 0 for _ in completions], "raised ZeroDivisionError.*row 0"),
 ])
 def test_bad_rewards_name_function_and_row(tiny_model_dir, tmp_path, reward, match):

@@ -254,8 +254,8 @@ def guard_advantages(run: "TrainingRun", advantages: torch.Tensor) -> None:
     bad = (~finite).nonzero().flatten().tolist()
     raise NonFiniteError(
         f"Advantages are not finite at step {run.state.global_step + 1}: {len(bad)} of {len(advantages)} rows are NaN or inf "
-        f"(first: row {bad[0]}). The rewards themselves were finite, so their group mean or std overflowed: keep rewards "
-        "in a moderate range (|reward| well below 1e30) or rescale them."
+        f"(first: row {bad[0]}). The rewards were finite, so the advantage computation produced them: check a custom "
+        "RolloutMaker or group filter, and keep rewards in a moderate range."
     )
 
 
@@ -282,13 +282,10 @@ def guard_gradients(run: "TrainingRun", grad_norm: float) -> None:
     # Under fp16 loss scaling an inf gradient is routine: the scaler skips that step and lowers the scale.
     if math.isfinite(grad_norm) or run.accelerator.scaler is not None:
         return
-    model = run.accelerator.unwrap_model(run.model)
-    first = next((name for name, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())), None)
     raise NonFiniteError(
-        f"The gradients are not finite at step {run.state.global_step + 1} (grad_norm = {grad_norm}"
-        + (f"; first in parameter '{first}'" if first else "")
-        + ") although the loss was finite; the update was not applied. Lower learning_rate, keep max_grad_norm > 0, prefer "
-        "bf16 to fp16, and check custom layers or hooks on that parameter."
+        f"The gradients are not finite at step {run.state.global_step + 1} (grad_norm = {grad_norm}) although the loss was "
+        "finite; the update was not applied. Lower learning_rate, keep max_grad_norm > 0, prefer bf16 to fp16, and check "
+        "custom layers or backward hooks."
     )
 
 
