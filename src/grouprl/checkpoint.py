@@ -22,8 +22,11 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from transformers.utils import logging
 
 from .adapters import save_pretrained
+
+logger = logging.get_logger("grouprl")
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 LOOP_STATE = "loop_state.pt"
@@ -123,6 +126,10 @@ def save_checkpoint(
         _remove(final)
     os.rename(staging, final)
     _fsync_dir(output_dir)
+    later = [path for path in list_checkpoints(output_dir) if _step(path) > step]
+    if later:
+        logger.warning("%s has a higher step than the checkpoint-%d just written (left by an earlier run?); "
+                       "resume_from_checkpoint=True resumes from the highest step.", os.path.basename(later[-1]), step)
     if save_total_limit is not None:
         others = [path for path in list_checkpoints(output_dir) if path != final]  # oldest first
         for path in others[: max(len(others) - (save_total_limit - 1), 0)]:
@@ -135,6 +142,10 @@ def load_training_state(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     training = torch.load(os.path.join(path, TRAINING_STATE), map_location="cpu", weights_only=False)
     loop = torch.load(os.path.join(path, LOOP_STATE), map_location="cpu", weights_only=False)
     return training, loop
+
+
+def _step(path: str) -> int:
+    return int(CHECKPOINT_PATTERN.match(os.path.basename(path)).group(1))
 
 
 def _remove(path: str) -> None:
