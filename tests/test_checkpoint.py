@@ -13,7 +13,7 @@ from helpers import max_difference, parameters
 from transformers import AutoModelForCausalLM, TrainerState
 
 import grouprl
-import grouprl.checkpoint as checkpoint
+from grouprl import checkpoint
 from grouprl.checkpoint import latest_checkpoint, list_checkpoints, resolve_resume_path, save_checkpoint
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

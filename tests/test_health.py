@@ -239,7 +239,7 @@ def test_progress_bar_and_per_step_phase_times(tiny_model_dir, tmp_path, capsys)
     trainer.train()
     bar = capsys.readouterr().err.split("\r")[-1]
     assert "4/4" in bar and "reward=" in bar and "len=" in bar and ("step/s" in bar or "s/step" in bar)
-    entries = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")][:-1]
+    entries = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][:-1]
     phases = ("generate", "reward", "forward", "backward", "optimizer")
     for entry in entries:
         assert all(entry[f"time/{p}"] >= 0 for p in phases)

@@ -4,6 +4,7 @@ import base64
 import json
 import struct
 from html.parser import HTMLParser
+from pathlib import Path
 
 import datasets
 import pytest
@@ -54,7 +55,7 @@ def test_report_of_a_tiny_run_has_every_chart(tiny_model_dir, tmp_path):
                           args=config, train_dataset=data)
     trainer.train()
     report = write_report(config.output_dir)
-    page = ReportPage(open(report.html, encoding="utf-8").read())
+    page = ReportPage(Path(report.html).read_text(encoding="utf-8"))
     assert set(page.figures) == {f"chart-{chart.key}" for chart in CHARTS}
     for chart in CHARTS:
         css_class, sources = page.figures[f"chart-{chart.key}"]
@@ -62,7 +63,7 @@ def test_report_of_a_tiny_run_has_every_chart(tiny_model_dir, tmp_path):
         prefix = "data:image/png;base64,"
         assert sources[0].startswith(prefix)
         embedded = base64.b64decode(sources[0][len(prefix):])
-        assert embedded == open(report.charts[chart.key], "rb").read()  # the same chart as the PNG file next to the page
+        assert embedded == Path(report.charts[chart.key]).read_bytes()  # the same chart as the PNG file next to the page
         assert png_size(embedded) == (640, 330)
     assert "most completions truncated" in page.text  # the health findings (8-token completions of a random model)
     assert page.rows >= 1 + 3 * 4  # summary rows + a header and 4 completions of the first, middle and last tables
@@ -77,7 +78,7 @@ def test_report_says_what_was_not_logged_and_skips_a_cut_line(tmp_path, capsys):
         handle.write('{"step": 4, "rew')  # the line a kill cut short
     assert main(["report", str(tmp_path)]) == 0
     assert "report/index.html (5 of 9 charts drawn" in capsys.readouterr().out
-    page = ReportPage(open(tmp_path / "report" / "index.html", encoding="utf-8").read())
+    page = ReportPage((tmp_path / "report" / "index.html").read_text(encoding="utf-8"))
     css_class, sources = page.figures["chart-kl"]
     assert css_class == "chart missing" and sources == []
     assert "Not logged in this run: kl (logged with beta > 0)." in page.text

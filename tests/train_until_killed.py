@@ -10,8 +10,9 @@ import os
 import sys
 import time
 
-import grouprl.checkpoint as checkpoint
 from checkpoint_run import make_trainer
+
+from grouprl import checkpoint
 
 model_dir, output_dir, pause_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 write_weights = checkpoint.save_pretrained

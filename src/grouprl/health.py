@@ -228,11 +228,11 @@ class RunHealth:
         self.last_good: Optional[LastGoodState] = None
         self._mark: dict[str, int] = {}
 
-    def start_step(self, run: "TrainingRun") -> None:
+    def start_step(self, run: TrainingRun) -> None:
         self.last_good = LastGoodState(run.state.global_step, run.loop_state(with_reference=False), rng_state())
         self._mark = run.window.mark()
 
-    def end_step(self, run: "TrainingRun") -> dict[str, Any]:
+    def end_step(self, run: TrainingRun) -> dict[str, Any]:
         """After the optimizer step: close the phase timers, run the detectors; returns the step's metrics."""
         run.window.close_step()
         stats = run.window.summary(since=self._mark)
@@ -247,7 +247,7 @@ class RunHealth:
             logger.warning(summary)
 
 
-def guard_advantages(run: "TrainingRun", advantages: torch.Tensor) -> None:
+def guard_advantages(run: TrainingRun, advantages: torch.Tensor) -> None:
     finite = torch.isfinite(advantages)
     if bool(finite.all()):
         return
@@ -259,7 +259,7 @@ def guard_advantages(run: "TrainingRun", advantages: torch.Tensor) -> None:
     )
 
 
-def guard_loss(run: "TrainingRun", loss: float, loss_mask: torch.Tensor, **inputs: Optional[torch.Tensor]) -> None:
+def guard_loss(run: TrainingRun, loss: float, loss_mask: torch.Tensor, **inputs: Optional[torch.Tensor]) -> None:
     """`inputs`: the loss's tensors by readable name; per-token ones (n, T) are checked on loss tokens only."""
     if math.isfinite(loss):
         return
@@ -278,7 +278,7 @@ def guard_loss(run: "TrainingRun", loss: float, loss_mask: torch.Tensor, **input
     )
 
 
-def guard_gradients(run: "TrainingRun", grad_norm: float) -> None:
+def guard_gradients(run: TrainingRun, grad_norm: float) -> None:
     # Under fp16 loss scaling an inf gradient is routine: the scaler skips that step and lowers the scale.
     if math.isfinite(grad_norm) or run.accelerator.scaler is not None:
         return
@@ -289,12 +289,12 @@ def guard_gradients(run: "TrainingRun", grad_norm: float) -> None:
     )
 
 
-def stop_safely(train: Callable[["TrainingRun"], Any]) -> Callable[["TrainingRun"], Any]:
+def stop_safely(train: Callable[[TrainingRun], Any]) -> Callable[[TrainingRun], Any]:
     """Around `loop.train`: on NaN / inf or a failing reward function, save the last good state, then
     re-raise the error with where that state is."""
 
     @functools.wraps(train)
-    def wrapper(run: "TrainingRun") -> Any:
+    def wrapper(run: TrainingRun) -> Any:
         try:
             return train(run)
         except (NonFiniteError, RewardFunctionError) as err:
@@ -305,7 +305,7 @@ def stop_safely(train: Callable[["TrainingRun"], Any]) -> Callable[["TrainingRun
     return wrapper
 
 
-def save_last_good(run: "TrainingRun") -> str:
+def save_last_good(run: TrainingRun) -> str:
     """Checkpoint the state before the failing step (or, if the failure came after its optimizer step,
     e.g. in evaluation, the state after it); returns a sentence saying where it is."""
     good = run.health.last_good

@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 from .health import detect
 
-
 PHASES = ("generate", "reward", "old_logprobs", "ref_logprobs", "forward", "backward", "optimizer")  # in step order
 
 
