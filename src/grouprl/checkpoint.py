@@ -119,7 +119,7 @@ def save_checkpoint(
     )
     torch.save(loop_state, os.path.join(staging, LOOP_STATE))
     trainer_state.save_to_json(os.path.join(staging, TRAINER_STATE))
-    _fsync_tree(staging)  # the contents reach the disk before the marker and the rename can
+    _fsync_tree(staging)  # on disk before the marker and the rename claim the checkpoint is complete
     open(os.path.join(staging, COMPLETE_MARKER), "w").close()
     _fsync_dir(staging)
     if os.path.exists(final):  # a re-save of the same step replaces it

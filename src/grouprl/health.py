@@ -236,9 +236,10 @@ class RunHealth:
         """After the optimizer step: close the phase timers, run the detectors; returns the step's metrics."""
         run.window.close_step()
         stats = run.window.summary(since=self._mark)
-        findings = detect(stats, step=run.state.global_step, max_completion_length=run.config.max_completion_length,
-                          warmup=bool(run.config.warmup_steps))
-        self.monitor.observe(findings, run.state.global_step)
+        if run.accelerator.is_main_process:  # the metrics are global: one process warns
+            findings = detect(stats, step=run.state.global_step, max_completion_length=run.config.max_completion_length,
+                              warmup=bool(run.config.warmup_steps))
+            self.monitor.observe(findings, run.state.global_step)
         return stats
 
     def finish(self) -> None:

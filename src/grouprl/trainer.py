@@ -24,10 +24,10 @@ from .checkpoint import load_training_state, resolve_resume_path, restore_rng_st
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, PromptTokenizer, check_dataset
 from .evaluation import check_eval_setup
-from .metrics import JsonlWriter
 from .generation.engine import FastGenerator, engine_supports
 from .generation.hf import TransformersGenerator
 from .generation.protocol import GenerationBackend
+from .metrics import JsonlWriter
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, is_tied, load_model, load_tokenizer, router_aux_loss_coef,
 )
