@@ -149,7 +149,8 @@ def train_command(argv: list[str]) -> int:
                           train_dataset=load_train_dataset(script), eval_dataset=eval_dataset)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
-    print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')}")
+    print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')} "
+          f"(charts: grouprl report {config.output_dir})")
     if config.push_to_hub:
         trainer.push_to_hub()
     return 0
