@@ -21,6 +21,7 @@ from .algorithms.masks import tied_groups
 from .algorithms.importance import sampler_importance_weights
 from .algorithms.logprobs import completion_logprobs
 from .batching import length_grouped, regrouping_is_exact
+from .health import guard_advantages
 from .types import Rewards, Rollout, TrainBatch
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ def draw_batch(run: "TrainingRun") -> TrainBatch:
             rollout = run.rollouts.sample()
         with run.timer.phase("reward"):
             _, advantages = run.rollouts.score(rollout, run.state, run.window)
+    guard_advantages(run, advantages)
     return run.rollouts.make_train_batch(rollout, advantages)
 
 

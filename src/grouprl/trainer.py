@@ -27,6 +27,7 @@ from .evaluation import check_eval_setup
 from .generation.engine import FastGenerator, engine_supports
 from .generation.hf import TransformersGenerator
 from .generation.protocol import GenerationBackend
+from .metrics import JsonlWriter
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
 )
@@ -281,6 +282,8 @@ class GRPOTrainer:
         self.run.load_loop_state(loop_state)
         restored = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
         self.state.global_step, self.state.epoch, self.state.log_history = restored.global_step, restored.epoch, restored.log_history
+        if self.accelerator.is_main_process:  # drop what the interrupted run logged after this checkpoint
+            JsonlWriter(os.path.join(self.args.output_dir, "metrics.jsonl")).rewrite(self.state.log_history)
         logger.warning(f"Resumed from {path} at step {self.state.global_step}.")
 
 
