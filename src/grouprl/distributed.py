@@ -3,8 +3,10 @@ process order, so concatenating along dim 0 restores the global group-major orde
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 
 
 def gather_rows(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
@@ -41,3 +43,46 @@ def gather_varlen(accelerator: Accelerator, values: torch.Tensor) -> torch.Tenso
     padded = accelerator.pad_across_processes(values.float(), dim=0, pad_index=-1.0)
     gathered = accelerator.gather(padded)
     return gathered[gathered >= 0]
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """[value of process 0, value of process 1, ...] on every process (pickled; for small Python objects)."""
+    state = PartialState()
+    if state.num_processes == 1:
+        return [value]
+    gathered = [None] * state.num_processes
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def broadcast_from_main(value: Any) -> Any:
+    """The main process's `value` on every process (pickled; other processes pass None)."""
+    state = PartialState()
+    if state.num_processes == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_on_main(fn: Callable[[], Any]) -> Any:
+    """Run `fn` on the main process only and hand its result to every process.
+
+    An exception on the main process is re-raised on every process (as RuntimeError on the
+    others), so a failure there (an unreachable server, say) stops the whole job instead of
+    leaving the other processes waiting forever in the next collective.
+    """
+    state = PartialState()
+    result, error = None, None
+    if state.is_main_process:
+        try:
+            result = fn()
+        except Exception as err:  # handed to the other processes, then raised here too
+            error = err
+    if state.num_processes > 1:
+        result, message = broadcast_from_main((result, None if error is None else f"{type(error).__name__}: {error}"))
+        if message is not None and error is None:
+            raise RuntimeError(f"the main process failed: {message}")
+    if error is not None:
+        raise error
+    return result

@@ -19,6 +19,7 @@ from .algorithms.advantages import group_advantages
 from .completion_log import CompletionLog, prompt_text
 from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
 from .distributed import gather_rows, global_sum, local_rows
+from .generation.dispatch import generate_on_main_process
 from .generation.protocol import GenerationBackend
 from .metrics import MetricWindow, completion_length_stats, reward_stats
 from .rewards.scoring import RewardFunction, score_completions
@@ -161,8 +162,11 @@ def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: Sampl
     """Ask the backend for each prompt's num_samples completions; return them in row order.
 
     Prompts on a process usually all need G samples; a group cut by a process boundary needs
-    fewer, so prompts are sent in one call per distinct sample count.
+    fewer, so prompts are sent in one call per distinct sample count. A backend that only the main
+    process may use (`main_process_only`: a server) samples whole groups there for every process.
     """
+    if getattr(backend, "main_process_only", False):
+        return generate_on_main_process(backend, prompts, params)
     by_count: dict[int, list[int]] = {}
     for b, count in enumerate(prompts.num_samples):
         by_count.setdefault(count, []).append(b)

@@ -7,6 +7,7 @@ the dataset and reward functions, and only then is any model loaded.
 from __future__ import annotations
 
 import os
+from collections import deque
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -208,6 +209,8 @@ class GRPOTrainer:
         )
         if args.eval_strategy != "no":
             self.run.evaluate = self.evaluate
+        if self.accelerator.num_processes > 1:
+            set_seed(args.seed, device_specific=True)  # seed + process index: each process samples its own completions
         if self.accelerator.is_main_process:
             logger.warning(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
 
@@ -282,6 +285,14 @@ class GRPOTrainer:
         self.run.scheduler.load_state_dict(training["scheduler"])
         restore_rng_state(training["rng"])
         self.run.load_loop_state(loop_state)
+        processes = loop_state.get("processes")  # several processes: each one's RNG and buffered micro-batches
+        if processes is not None:
+            if len(processes) != self.accelerator.num_processes:
+                raise ValueError(f"Checkpoint {path} was written by {len(processes)} processes; resume it with the same number "
+                                 f"of processes (this run has {self.accelerator.num_processes}).")
+            own = processes[self.accelerator.process_index]
+            restore_rng_state(own["rng"])
+            self.run.pending = deque(own["pending"])
         restored = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
         self.state.global_step, self.state.epoch, self.state.log_history = restored.global_step, restored.epoch, restored.log_history
         logger.warning(f"Resumed from {path} at step {self.state.global_step}.")
@@ -313,15 +324,24 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
             logger.warning("grouprl: bf16=True on a CPU without native bf16 units (no AVX512-BF16/AMX): expect steps ~100x slower "
                            "than fp32. Set bf16=False unless you are measuring exactly this.")
     mixed_precision = "bf16" if bf16 else ("fp16" if args.fp16 else "no")
-    if AcceleratorState._shared_state and PartialState().num_processes == 1:
-        # A previous trainer in this process fixed the precision; one process may change it.
+    if (AcceleratorState._shared_state or PartialState._shared_state) and PartialState().num_processes == 1:
+        # A previous trainer (or an early PartialState()) in this process fixed the precision or the
+        # device; one process may change them.
         AcceleratorState._reset_state(reset_partial_state=True)
+    # accelerate joins a multi-process launch on a machine without an accelerator only when told
+    # cpu=True; otherwise every process would silently train alone.
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     return Accelerator(
         mixed_precision=mixed_precision,
-        cpu=args.use_cpu,
+        cpu=args.use_cpu or (launched and _no_accelerator()),
         log_with=args.report_to or None,
         project_dir=args.logging_dir or os.path.join(args.output_dir, "runs"),
     )
+
+
+def _no_accelerator() -> bool:
+    current = getattr(torch, "accelerator", None)
+    return current.current_accelerator() is None if current is not None else not torch.cuda.is_available()
 
 
 def _make_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Optimizer:
