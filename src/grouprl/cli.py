@@ -163,14 +163,25 @@ def demo_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_command, "demo": demo_command}
+def serve_command(argv: list[str]) -> int:
+    from .generation.server import add_serve_arguments, serve
+
+    parser = argparse.ArgumentParser(prog="grouprl serve", description="Serve a model for generation (OpenAI /v1/completions with "
+                                     "token ids and logprobs) and accept weight updates from a grouprl trainer.")
+    add_serve_arguments(parser)
+    serve(parser.parse_args(argv))
+    return 0
+
+
+COMMANDS = {"train": train_command, "serve": serve_command, "demo": demo_command}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: grouprl {train,demo} [flags]\n\n"
+        print("usage: grouprl {train,serve,demo} [flags]\n\n"
               "  train   train a model with GRPO (grouprl train --help lists every flag)\n"
+              "  serve   serve a model for generation to trainers (grouprl serve --help)\n"
               "  demo    run the built-in default: GRPO on small arithmetic with a bundled tiny model")
         return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
     return COMMANDS[argv[0]](argv[1:])

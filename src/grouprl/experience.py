@@ -30,6 +30,8 @@ logger = logging.get_logger("grouprl")
 def generation_micro_batches(run: "TrainingRun") -> list[TrainBatch]:
     """Generate and score one generation batch; return its micro-batches in training order."""
     config, plan = run.config, run.plan
+    with run.timer.phase("sync_weights"):
+        run.rollouts.sync_weights(run.accelerator.unwrap_model(run.model), run.state.global_step)
     batch = draw_batch(run)
     # An in-process sampler draws from the very weights being trained: nothing to correct, and the
     # extra forward pass for pi_old would be pure cost. Separate engines (server, vLLM) say they need it.

@@ -54,6 +54,13 @@ class RolloutMaker:
     tokens_seen: int = 0
     completion_extras: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns of the last generation
     completion_log: Optional[CompletionLog] = None  # set when log_completions is on
+    synced_step: Optional[int] = None  # optimizer step whose weights the backend samples from
+
+    def sync_weights(self, model: torch.nn.Module, step: int) -> None:
+        """Hand the policy's weights to the backend before sampling, at most once per optimizer step (as TRL)."""
+        if self.synced_step != step:
+            self.backend.sync_weights(model)
+            self.synced_step = step
 
     def sample(self) -> Rollout:
         indices, rows = self.sampler.next_generation()

@@ -25,9 +25,9 @@ from .checkpoint import load_training_state, resolve_resume_path, restore_rng_st
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, PromptTokenizer, check_dataset
 from .evaluation import check_eval_setup
-from .generation.engine import FastGenerator, engine_supports
-from .generation.hf import TransformersGenerator
+from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
+from .generation.vllm import require_vllm
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, is_tied, load_model, load_tokenizer, router_aux_loss_coef,
 )
@@ -115,6 +115,8 @@ class GRPOTrainer:
             if args.sync_ref_model:
                 raise NotImplementedError("GRPOConfig.sync_ref_model=True with LoRA: the reference is the frozen base model "
                                           "(adapters off), which syncing would overwrite. Use sync_ref_model=False.")
+        if args.use_vllm and args.vllm_mode == "colocate" and generation_backend is None:
+            require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")  # before any model is loaded
         if args.dynamic_sampling and self.accelerator.num_processes > 1:
             raise NotImplementedError("GRPOConfig.dynamic_sampling=True is only available on one process in this version of grouprl.")
 
@@ -167,7 +169,8 @@ class GRPOTrainer:
         )
         prepared_model, optimizer = self.accelerator.prepare(self.model, optimizer)
 
-        backend = generation_backend or _default_backend(self.accelerator.unwrap_model(prepared_model), self.processing_class, self.eos_token_ids, args)
+        backend = generation_backend or build_backend(self.accelerator.unwrap_model(prepared_model), self.processing_class, self.eos_token_ids,
+                                                      args, max_num_seqs=self.plan.completions_per_process)
         self.generation_backend = backend
         sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset, seed=args.data_seed)
         max_context = getattr(self.model.config, "max_position_embeddings", None)
@@ -363,13 +366,3 @@ def _tracker_config(args: GRPOConfig) -> dict[str, Any]:
 
 def _describe_reward(entry: Any) -> str:
     return entry if isinstance(entry, str) else (type(entry).__name__ if isinstance(entry, torch.nn.Module) else reward_name(entry))
-
-
-def _default_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: GRPOConfig) -> GenerationBackend:
-    """The fast engine where it applies (generation_engine='auto' or 'engine'), else transformers generate."""
-    reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
-    if args.generation_engine == "engine" and reason:
-        raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
-    if args.generation_engine == "transformers" or reason:
-        return TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation)
-    return FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id)
