@@ -1,4 +1,4 @@
-"""Multi-process training: 2 real CPU processes (gloo, torch.distributed.run) against 1 process.
+"""Multi-process training: 2 real CPU processes (accelerate launch, gloo) against 1 process.
 
 The same completions are injected into both (tests/distributed_worker.py), the global batch has a
 group straddling the two processes, and the optimizer is SGD (update = gradient), so any error in
@@ -7,6 +7,7 @@ in the weights.
 """
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -15,14 +16,24 @@ import torch
 from distributed_worker import SCENARIOS, run
 from helpers import max_difference
 
+from grouprl.launch import resolve_accelerate_config
+
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 
 
 def launch(nproc: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run a script on `nproc` CPU processes with torch.distributed.run (offline, free port, 1 thread each)."""
+    """Run a script on `nproc` CPU processes the way users do: accelerate launch with grouprl's bundled
+    multi_gpu config (on a machine without GPUs the processes join over gloo), 1 thread each."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", resolve_accelerate_config("multi_gpu"),
+               "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

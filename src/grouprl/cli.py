@@ -1,7 +1,9 @@
-"""Command line: ``grouprl train`` (mirrors ``trl grpo``) and ``grouprl demo``.
+"""Command line: ``grouprl train`` (mirrors ``trl grpo``), ``grouprl serve`` and ``grouprl demo``.
 
     grouprl train --model_name_or_path PATH --dataset_name NAME_OR_FILE --reward_funcs NAME_OR_DOTTED_PATH ...
     grouprl train --config run.yaml --learning_rate 1e-5      # YAML sets defaults, flags override
+    grouprl train --accelerate_config multi_gpu --num_processes 8 ...   # several processes via accelerate launch
+    grouprl serve --model PATH --port 8000                     # a generation server for trainers
     grouprl demo                                               # the built-in arithmetic task, ~2 minutes on a CPU
 
 Every GRPOConfig field is a flag (``--snake_case`` or ``--kebab-case``).
@@ -103,7 +105,11 @@ def build_parser() -> Any:
 
     from .config import GRPOConfig
 
-    return HfArgumentParser((ScriptArguments, GRPOConfig, ModelArguments), prog="grouprl train", description="Train a model with GRPO.")
+    epilog = ("Several processes: --accelerate_config NAME (single_gpu, multi_gpu, zero1, zero2, zero3, fsdp2, or an accelerate YAML "
+              "file) runs this command under `accelerate launch`; flags grouprl does not know (--num_processes, --num_machines, "
+              "--machine_rank, --main_process_ip, ...) go to accelerate launch.")
+    return HfArgumentParser((ScriptArguments, GRPOConfig, ModelArguments), prog="grouprl train", description="Train a model with GRPO.",
+                            epilog=epilog)
 
 
 def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArguments]:
@@ -126,6 +132,11 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArgume
 
 
 def train_command(argv: list[str]) -> int:
+    from .launch import launch_command, run_launch
+
+    command = launch_command(argv)
+    if command is not None:  # --accelerate_config: re-run this command under accelerate launch
+        return run_launch(command)
     script, config, model_args = parse_train_args(argv)
     from .trainer import GRPOTrainer
 
@@ -148,7 +159,8 @@ def train_command(argv: list[str]) -> int:
                           train_dataset=load_train_dataset(script), eval_dataset=eval_dataset)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
-    print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')}")
+    if trainer.accelerator.is_main_process:
+        print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')}")
     if config.push_to_hub:
         trainer.push_to_hub()
     return 0
