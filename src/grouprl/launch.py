@@ -64,4 +64,4 @@ def split_in_order(args: list[str], unknown: list[str]) -> tuple[list[str], list
 
 def run_launch(command: list[str]) -> int:
     print("grouprl: " + " ".join(command), flush=True)
-    return subprocess.run(command).returncode
+    return subprocess.run(command, check=False).returncode

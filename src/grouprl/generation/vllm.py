@@ -141,7 +141,9 @@ class VLLMServerGenerator(RemoteGenerator):
             run_on_main(lambda: None)
 
     def _send(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLWeightTransferEngine,
+        )
 
         if self._group is None:
             workers = int(self.request("GET", "/get_world_size")["world_size"])
