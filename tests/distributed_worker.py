@@ -24,7 +24,7 @@ from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.types import Completion
 
 NUM_GENERATIONS = 4
-# scenario -> (loss_type, main process samples for everyone (server-style dispatch), extra config)
+# scenario -> (loss_type, main process samples for everyone (server-style dispatch; None: the config's backend), extra config)
 SCENARIOS = {
     "dapo": ("dapo", False, {}),
     "grpo": ("grpo", False, {}),
@@ -35,6 +35,9 @@ SCENARIOS = {
     # one generation feeds 2 optimizer steps; a checkpoint after the first holds every process's
     # second micro-batch and RNG state
     "dapo_resume": ("dapo", False, {"gradient_accumulation_steps": 1, "steps_per_generation": 2, "resume": True}),
+    # a real `grouprl serve` (url in $GROUPRL_TEST_SERVER): only the main process talks to it; a fixed
+    # request seed makes its samples the same for 1 and 2 processes
+    "grpo_server": ("grpo", None, {"generation_engine": "server", "generation_kwargs": {"seed": 0}}),
 }
 
 
@@ -69,7 +72,7 @@ class GroupScript:
 
 
 def distinct_tokens(completion_ids, **kwargs):
-    return [float(len(set(ids))) for ids in completion_ids]
+    return [float(len(set(ids)) + sum(ids) % 5) for ids in completion_ids]
 
 
 def run(scenario: str, out_dir: str, model_dir: str) -> dict:
@@ -80,6 +83,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     accumulation = extra.pop("gradient_accumulation_steps", 2)
     micro_steps = extra.get("steps_per_generation") or accumulation
+    if extra.get("generation_engine") == "server":
+        extra["vllm_server_base_url"] = os.environ["GROUPRL_TEST_SERVER"]
     config = GRPOConfig(
         output_dir=os.path.join(out_dir, f"{scenario}-{processes}p"), per_device_train_batch_size=12 // (processes * micro_steps),
         gradient_accumulation_steps=accumulation, num_generations=NUM_GENERATIONS, max_completion_length=8, learning_rate=0.5,
@@ -93,7 +98,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         sgd = torch.optim.SGD(model.parameters(), lr=config.learning_rate)  # update = gradient, so a gradient bug shows
         trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=config, train_dataset=dataset, processing_class=tokenizer,
-                              optimizers=(sgd, None), generation_backend=GroupScript(tokenizer, main_only))
+                              optimizers=(sgd, None), generation_backend=None if main_only is None else GroupScript(tokenizer, main_only))
         score = trainer.run.rollouts.score
 
         def recording_score(rollout, trainer_state, window):

@@ -7,12 +7,12 @@ in the weights.
 """
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import free_port
 from distributed_worker import SCENARIOS, run
 from helpers import max_difference
 
@@ -30,14 +30,16 @@ def launch(nproc: int, args: list[str], timeout: float = 120) -> subprocess.Comp
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+
+@pytest.fixture(scope="module")
+def monkeypatch_session():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tiny_model_dir, tmp_path_factory):
+def two_process_runs(tiny_model_dir, tmp_path_factory, grouprl_server, monkeypatch_session):
+    monkeypatch_session.setenv("GROUPRL_TEST_SERVER", grouprl_server[0])
     out = tmp_path_factory.mktemp("two_process")
     result = launch(2, [WORKER, str(out), str(tiny_model_dir), *SCENARIOS])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

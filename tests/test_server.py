@@ -1,14 +1,11 @@
 """`grouprl serve` in a subprocess, and training through it (generation_engine='server' / TRL's use_vllm server mode)."""
 
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import datasets
 import pytest
 import torch
+from conftest import free_port
 from transformers import AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
@@ -16,31 +13,12 @@ from grouprl.algorithms.logprobs import completion_logprobs
 from grouprl.generation.remote import RemoteGenerator, ServerError
 from grouprl.types import SamplingParams
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    process = subprocess.Popen([sys.executable, "-m", "grouprl.cli", "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
-                                "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        RemoteGenerator(url, timeout=90)  # waits for /health
-    except ServerError:
-        process.kill()
-        raise AssertionError(process.stdout.read().decode()[-3000:]) from None
-    yield url, process
-    process.kill()
-    process.wait()
+@pytest.fixture
+def server(grouprl_server):
+    if grouprl_server[1].poll() is not None:
+        pytest.skip("the shared grouprl server was killed by an earlier test")
+    return grouprl_server
 
 
 def distinct_tokens(completion_ids, **kwargs):
@@ -48,9 +26,9 @@ def distinct_tokens(completion_ids, **kwargs):
 
 
 def config(tmp_path, url, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-                  learning_rate=0.05, max_steps=3, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-                  bf16=False, generation_engine="server", vllm_server_base_url=url, vllm_server_timeout=30)
+    values = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
+              "learning_rate": 0.05, "max_steps": 3, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+              "seed": 0, "bf16": False, "generation_engine": "server", "vllm_server_base_url": url, "vllm_server_timeout": 30}
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -130,7 +108,7 @@ def test_unreachable_server_fails_fast_with_the_settings(tiny_model_dir, tmp_pat
 
 
 def test_killed_server_gives_a_clear_error(server):
-    """Last in this file: it kills the shared server."""
+    """Last in this file (and after test_distributed.py): it kills the shared session server."""
     url, process = server
     client = RemoteGenerator(url, timeout=2, retries=1)
     assert client.generate([[5, 6]], 1, SamplingParams(max_new_tokens=2))
