@@ -38,6 +38,9 @@ SCENARIOS = {
     # a real `grouprl serve` (url in $GROUPRL_TEST_SERVER): only the main process talks to it; a fixed
     # request seed makes its samples the same for 1 and 2 processes
     "grpo_server": ("grpo", None, {"generation_engine": "server", "generation_kwargs": {"seed": 0}}),
+    # DAPO dynamic sampling: the groups of prompts with an even token sum tie and are dropped; the
+    # kept rows are dealt out again over the processes
+    "dapo_dynamic": ("dapo", False, {"dynamic_sampling": True, "max_dynamic_sampling_rounds": 2}),
 }
 
 
@@ -52,9 +55,9 @@ class GroupScript:
 
     needs_importance_correction = False
 
-    def __init__(self, tokenizer, main_process_only: bool):
+    def __init__(self, tokenizer, main_process_only: bool, ties: bool = False):
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
-        self.main_process_only = main_process_only
+        self.main_process_only, self.ties = main_process_only, ties
 
     def sync_weights(self, model):
         pass
@@ -64,6 +67,7 @@ class GroupScript:
         out = []
         for p, ids in enumerate(prompt_ids):
             for s in range(offset, offset + num_samples):
+                s = 0 if self.ties and sum(ids) % 2 == 0 else s  # every sample alike: the group's rewards tie
                 body = [(ids[-1] + 7 * s + k) % 200 + 3 for k in range(1 + (s * 3 + len(ids)) % 6)]
                 tokens = (body + ([self.eos] if s % 3 else []))[: params.max_new_tokens]
                 finish = "stop" if tokens[-1] == self.eos else "length"
@@ -98,7 +102,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         sgd = torch.optim.SGD(model.parameters(), lr=config.learning_rate)  # update = gradient, so a gradient bug shows
         trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=config, train_dataset=dataset, processing_class=tokenizer,
-                              optimizers=(sgd, None), generation_backend=None if main_only is None else GroupScript(tokenizer, main_only))
+                              optimizers=(sgd, None), generation_backend=None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling))
         score = trainer.run.rollouts.score
 
         def recording_score(rollout, trainer_state, window):

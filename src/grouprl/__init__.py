@@ -4,10 +4,12 @@
 """
 
 from .config import BatchPlan, GRPOConfig, plan_batches
+from .generation import RemoteGenerator, ServerError
 from .gfpo import GFPOConfig, GFPOTrainer
 from .rewards.scoring import RewardFunctionError
 from .trainer import GRPOTrainer
 
 __version__ = "0.1.0"
 
-__all__ = ["BatchPlan", "GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer", "RewardFunctionError", "plan_batches", "__version__"]
+__all__ = ["BatchPlan", "GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer", "RemoteGenerator", "RewardFunctionError", "ServerError",
+           "plan_batches", "__version__"]

@@ -3,10 +3,13 @@ process order, so concatenating along dim 0 restores the global group-major orde
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator, PartialState
+
+from .types import PromptBatch, Rollout
 
 
 def gather_rows(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
@@ -86,3 +89,41 @@ def run_on_main(fn: Callable[[], Any]) -> Any:
     if error is not None:
         raise error
     return result
+
+
+def whole_groups(rollout: Rollout) -> Rollout:
+    """The global generation batch on every process: each process's slice gathered, cut groups joined."""
+    parts = gather_objects(rollout)
+    if len(parts) == 1:
+        return rollout
+    prompts = PromptBatch([], [], {name: [] for name in rollout.prompts.columns}, [], [], [])
+    completions = []
+    for part in parts:
+        rows_of = [[] for _ in range(len(part.prompts))]
+        for completion, b in zip(part.completions, part.row_prompt):
+            rows_of[b].append(completion)
+        for b, rows in enumerate(rows_of):
+            if not (prompts.group_ids and prompts.group_ids[-1] == part.prompts.group_ids[b]):  # a new group
+                for name in ("prompts", "prompt_ids", "dataset_indices", "group_ids"):
+                    getattr(prompts, name).append(getattr(part.prompts, name)[b])
+                for name, values in part.prompts.columns.items():
+                    prompts.columns[name].append(values[b])
+                prompts.num_samples.append(0)
+            prompts.num_samples[-1] += len(rows)  # the tail of a group cut by the process boundary joins its head
+            completions.extend(replace(c, prompt_index=len(prompts) - 1) for c in rows)
+    return Rollout(prompts, completions)
+
+
+def own_rows(rollout: Rollout, advantages: torch.Tensor) -> tuple[Rollout, torch.Tensor]:
+    """This process's contiguous share of a global rollout's rows (groups may be cut), with their advantages."""
+    state = PartialState()
+    if state.num_processes == 1:
+        return rollout, advantages
+    n = len(rollout.completions)
+    start, end = n * state.process_index // state.num_processes, n * (state.process_index + 1) // state.num_processes
+    row_prompt = rollout.row_prompt[start:end]
+    chosen = list(dict.fromkeys(row_prompt))  # prompts with rows here, in order
+    prompts = rollout.select_prompts(chosen).prompts
+    prompts.num_samples = [row_prompt.count(b) for b in chosen]
+    completions = [replace(c, prompt_index=chosen.index(b)) for c, b in zip(rollout.completions[start:end], row_prompt)]
+    return Rollout(prompts, completions), advantages[start:end]

@@ -17,6 +17,7 @@ import torch
 from transformers.utils import logging
 
 from .algorithms.masks import tied_groups
+from .distributed import own_rows, whole_groups
 from .algorithms.importance import sampler_importance_weights
 from .algorithms.logprobs import completion_logprobs
 from .types import Rewards, Rollout, TrainBatch
@@ -85,12 +86,16 @@ def draw_batch(run: "TrainingRun") -> TrainBatch:
 
 
 def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
-    """DAPO dynamic sampling (single process): keep only groups whose rewards differ.
+    """DAPO dynamic sampling: keep only groups whose rewards differ.
 
     Draws generations until the kept groups fill one generation batch, or
     `max_dynamic_sampling_rounds` extra generations were drawn; then trains on the groups found
     (a smaller batch), or, if none carried any signal, on the last generation as it is. Advantages
     are computed over the kept groups. Reward and length metrics cover every generation drawn.
+    With several processes every process gathers each generation whole, so groups are kept or
+    dropped whole, and the kept rows are then dealt out evenly again (a process's share may cut a
+    group); if fewer rows were kept than processes x steps_per_generation, the last generation is
+    trained as it is, so that no process runs a micro-step without rows.
     """
     config = run.config
     group_size, needed = config.num_generations, run.plan.prompts_per_generation
@@ -102,14 +107,18 @@ def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
             rollout = run.rollouts.sample()
         with run.timer.phase("reward"):
             rewards, _ = run.rollouts.score(rollout, run.state, run.window)
+        rollout = whole_groups(rollout)  # every process sees the whole batch, so groups are kept or dropped whole
         drawn, rounds = drawn + len(rollout.completions), rounds + 1
-        tied = tied_groups(rewards.total, group_size)  # (prompts,): one process holds whole groups
+        tied = tied_groups(rewards.total, group_size)  # (prompts,)
         keep = [b for b in range(len(rollout.prompts)) if not tied[b]]
         if keep:
             kept_rollouts.append(rollout.select_prompts(keep))
             kept_rewards.append(rewards.select(rollout.prompt_rows(keep)))
         if sum(len(r.prompts) for r in kept_rollouts) >= needed:
             break
+    processes, micro_steps = run.plan.num_processes, run.plan.steps_per_generation
+    if processes > 1 and sum(len(r.completions) for r in kept_rollouts) < processes * micro_steps:
+        kept_rollouts = []  # too few rows to give every process a row in each micro-step (DDP needs them all)
     if kept_rollouts:
         rollout = Rollout.concat(kept_rollouts)
         rewards = Rewards.concat(kept_rewards)
@@ -118,8 +127,8 @@ def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
             rollout, rewards = rollout.select_prompts(first), rewards.select(rollout.prompt_rows(first))
     else:
         logger.warning(
-            "dynamic_sampling: every group of %d generation(s) had tied rewards; training on the last one "
-            "(all advantages are 0).", rounds,
+            "dynamic_sampling: the groups of %d generation(s) with differing rewards were too few (or none); training on "
+            "the last generation as it is.", rounds,
         )
     advantages, _ = run.rollouts.global_advantages(rewards)
     run.window.add_all({
@@ -127,4 +136,4 @@ def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
         "dynamic_sampling/generation_rounds": rounds,
         "dynamic_sampling/kept_groups": len(rollout.prompts) if kept_rollouts else 0,
     })
-    return rollout, advantages
+    return own_rows(rollout, advantages)

@@ -117,8 +117,6 @@ class GRPOTrainer:
                                           "(adapters off), which syncing would overwrite. Use sync_ref_model=False.")
         if args.use_vllm and args.vllm_mode == "colocate" and generation_backend is None:
             require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")  # before any model is loaded
-        if args.dynamic_sampling and self.accelerator.num_processes > 1:
-            raise NotImplementedError("GRPOConfig.dynamic_sampling=True is only available on one process in this version of grouprl.")
 
         set_seed(args.seed)
         self.model = load_model(model, args.model_init_kwargs, args.trust_remote_code)
