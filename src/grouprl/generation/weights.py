@@ -31,8 +31,10 @@ def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
                     continue  # adapter factors (merged already), frozen originals, other adapters' copies
                 name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(trained_copy, ".")
             with _gathered(param):
-                tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-                yield name, tensor.detach()
+                tensor = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+                # merged LoRA values vanish at unmerge, a gathered ZeRO-3 parameter when its context
+                # closes: hand out a copy that outlives them
+                yield name, tensor.clone() if peft or hasattr(param, "ds_id") else tensor
 
 
 @contextmanager
