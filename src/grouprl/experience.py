@@ -116,19 +116,21 @@ def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
             kept_rewards.append(rewards.select(rollout.prompt_rows(keep)))
         if sum(len(r.prompts) for r in kept_rollouts) >= needed:
             break
-    processes, micro_steps = run.plan.num_processes, run.plan.steps_per_generation
-    if processes > 1 and sum(len(r.completions) for r in kept_rollouts) < processes * micro_steps:
-        kept_rollouts = []  # too few rows to give every process a row in each micro-step (DDP needs them all)
+    kept_rows, processes, micro_steps = sum(len(r.completions) for r in kept_rollouts), run.plan.num_processes, run.plan.steps_per_generation
+    if processes > 1 and 0 < kept_rows < processes * micro_steps:  # each process needs a row in every micro-step (DDP)
+        logger.warning("dynamic_sampling: %d kept completions cannot feed %d processes x %d micro-steps; training on the last "
+                       "generation as it is.", kept_rows, processes, micro_steps)
+        kept_rollouts = []
     if kept_rollouts:
         rollout = Rollout.concat(kept_rollouts)
         rewards = Rewards.concat(kept_rewards)
         if len(rollout.prompts) > needed:  # the last generation overfilled the batch: drop the surplus groups
             first = list(range(needed))
             rollout, rewards = rollout.select_prompts(first), rewards.select(rollout.prompt_rows(first))
-    else:
+    elif kept_rows == 0:
         logger.warning(
-            "dynamic_sampling: the groups of %d generation(s) with differing rewards were too few (or none); training on "
-            "the last generation as it is.", rounds,
+            "dynamic_sampling: every group of %d generation(s) had tied rewards; training on the last one "
+            "(all advantages are 0).", rounds,
         )
     advantages, _ = run.rollouts.global_advantages(rewards)
     run.window.add_all({
