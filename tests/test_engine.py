@@ -13,6 +13,7 @@ from transformers.generation.logits_process import (
 
 from grouprl.algorithms.logprobs import completion_logprobs
 from grouprl.generation.engine import FastGenerator, engine_supports
+from grouprl.generation.shared_prefix import matches_standard_attention
 from grouprl.generation.sampling import process_logits
 from grouprl.types import SamplingParams
 
@@ -47,6 +48,19 @@ def test_same_seed_same_tokens_as_transformers(model_and_tokenizer, share_prefix
     theirs = _hf_generate(model, tokenizer, prompts, 4, max_new_tokens=10, min_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95)
     assert [c.token_ids for c in ours] == theirs
     assert [c.prompt_index for c in ours] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert matches_standard_attention(model)  # the prompt's KV was read once per prompt, not copied per sample
+
+
+def test_shared_prefix_attention_declines_models_it_does_not_reproduce():
+    """Gemma2 soft-caps attention scores and alternates sliding-window layers: the one-time probe must say no,
+    and the engine then decodes with the regular cache (same tokens as transformers)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=8, attn_logit_softcapping=1.0, sliding_window=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).eval()
+    assert not matches_standard_attention(model)
 
 
 def test_processing_matches_transformers_warpers():
@@ -133,11 +147,11 @@ def test_chunked_logprobs_equal_naive_in_value_and_gradient(monkeypatch):
     expected_logps, expected_entropy = naive()
     (grad_expected,) = torch.autograd.grad((expected_logps * weights).sum() + expected_entropy.sum(), logits)
     monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 40 * 4)  # 4 positions per chunk: several chunks, one partial
-    logps, entropy = lp.selected_logprobs(logits, tokens, 0.7, entropy_grad=True)
+    logps, entropy = lp.logits_logprobs(logits, tokens, 0.7, entropy="grad")
     (grad,) = torch.autograd.grad((logps * weights).sum() + entropy.sum(), logits)
     assert torch.allclose(logps, expected_logps, atol=1e-6) and torch.allclose(entropy, expected_entropy, atol=1e-5)
     assert torch.allclose(grad, grad_expected, atol=1e-6)
-    logps, entropy = lp.selected_logprobs(logits, tokens, 0.7)  # entropy as a metric: no gradient through it
+    logps, entropy = lp.logits_logprobs(logits, tokens, 0.7)  # entropy as a metric: no gradient through it
     assert not entropy.requires_grad and torch.allclose(entropy, expected_entropy, atol=1e-5)
     (grad_logps_only,) = torch.autograd.grad((logps * weights).sum(), logits)
     (expected_logps_only,) = torch.autograd.grad((naive()[0] * weights).sum(), logits)

@@ -19,4 +19,5 @@ def test_demo_raises_heldout_accuracy(tmp_path):
     rewards = [r for r in rewards if r is not None]
     assert rewards[-1] > rewards[0] + 0.05, rewards
     assert os.path.exists(tmp_path / "demo" / "reward_curve.png")
+    assert os.path.exists(tmp_path / "demo" / "report" / "index.html")
     assert json.load(open(tmp_path / "demo" / "summary.json")) == summary

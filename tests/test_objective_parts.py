@@ -35,6 +35,7 @@ def test_token_truncate_by_hand():
     assert stats["sampling/importance_sampling_ratio/min"] == pytest.approx(E(-0.8))
     assert stats["sampling/importance_sampling_ratio/mean"] == pytest.approx(sum(valid) / 5)
     assert stats["sampling/importance_sampling_ratio/max"] == pytest.approx(1.5)
+    assert stats["sampling/importance_sampling_masked_fraction"] == 0.0  # truncation never zeroes a weight
 
 
 def test_token_truncate_lower_bound_only():
@@ -43,8 +44,9 @@ def test_token_truncate_lower_bound_only():
 
 
 def test_token_mask_by_hand():
-    rho, _ = weights("token_mask", clip_min=0.5, clip_max=1.5)  # IcePop: outside [0.5, 1.5] -> 0
+    rho, stats = weights("token_mask", clip_min=0.5, clip_max=1.5)  # IcePop: outside [0.5, 1.5] -> 0
     assert torch.allclose(rho, torch.tensor([[0.0, 1.0, E(-0.3)], [1.0, 0.0, 1.0]]), atol=1e-6)
+    assert stats["sampling/importance_sampling_masked_fraction"] == pytest.approx(2 / 5)  # 2 of the 5 loss tokens
 
 
 def test_sequence_modes_use_the_product_of_token_ratios():
@@ -52,8 +54,9 @@ def test_sequence_modes_use_the_product_of_token_ratios():
     assert rho.shape == (2, 1)
     assert torch.allclose(rho, torch.tensor([[E(0.2)], [0.5]]), atol=1e-6)
     assert stats["sampling/importance_sampling_ratio/mean"] == pytest.approx((E(0.2) + 0.5) / 2)  # over sequences
-    rho, _ = weights("sequence_mask", clip_min=0.5, clip_max=3.0)
+    rho, stats = weights("sequence_mask", clip_min=0.5, clip_max=3.0)
     assert torch.allclose(rho, torch.tensor([[E(0.2)], [0.0]]), atol=1e-6)
+    assert stats["sampling/importance_sampling_masked_fraction"] == pytest.approx(1 / 2)  # 1 of 2 sequences
     rho, _ = weights("sequence_mask", clip_max=1.1)  # TRL default mode with only C_max
     assert torch.allclose(rho, torch.tensor([[0.0], [E(-0.8)]]), atol=1e-6)
 

@@ -1,10 +1,11 @@
-"""Command line: ``grouprl train`` (mirrors ``trl grpo``), ``grouprl serve`` and ``grouprl demo``.
+"""Command line: ``grouprl train`` (mirrors ``trl grpo``), ``grouprl serve``, ``grouprl demo`` and ``grouprl report``.
 
     grouprl train --model_name_or_path PATH --dataset_name NAME_OR_FILE --reward_funcs NAME_OR_DOTTED_PATH ...
     grouprl train --config run.yaml --learning_rate 1e-5      # YAML sets defaults, flags override
     grouprl train --accelerate_config multi_gpu --num_processes 8 ...   # several processes via accelerate launch
     grouprl serve --model PATH --port 8000                     # a generation server for trainers
     grouprl demo                                               # the built-in arithmetic task, ~2 minutes on a CPU
+    grouprl report OUTPUT_DIR                                  # HTML page with charts and completions of a run
 
 Every GRPOConfig field is a flag (``--snake_case`` or ``--kebab-case``).
 """
@@ -160,7 +161,8 @@ def train_command(argv: list[str]) -> int:
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
     if trainer.accelerator.is_main_process:
-        print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')}")
+        print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')} "
+              f"(charts: grouprl report {config.output_dir})")
     if config.push_to_hub:
         trainer.push_to_hub()
     return 0
@@ -185,16 +187,32 @@ def serve_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_command, "serve": serve_command, "demo": demo_command}
+
+
+def report_command(argv: list[str]) -> int:
+    from .report import write_report
+
+    parser = argparse.ArgumentParser(prog="grouprl report", description="Write a self-contained HTML report (and PNG charts) of a run.")
+    parser.add_argument("output_dir", help="The run's output_dir (holds metrics.jsonl).")
+    parser.add_argument("--out", default=None, help="Where to write index.html and the PNGs (default: OUTPUT_DIR/report).")
+    args = parser.parse_args(argv)
+    report = write_report(args.output_dir, args.out)
+    drawn = [key for key, png in report.charts.items() if png]
+    print(f"grouprl report: {report.html} ({len(drawn)} of {len(report.charts)} charts drawn; PNGs next to it)")
+    return 0
+
+
+COMMANDS = {"train": train_command, "serve": serve_command, "demo": demo_command, "report": report_command}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: grouprl {train,serve,demo} [flags]\n\n"
+        print("usage: grouprl {train,serve,demo,report} [flags]\n\n"
               "  train   train a model with GRPO (grouprl train --help lists every flag)\n"
               "  serve   serve a model for generation to trainers (grouprl serve --help)\n"
-              "  demo    run the built-in default: GRPO on small arithmetic with a bundled tiny model")
+              "  demo    run the built-in default: GRPO on small arithmetic with a bundled tiny model\n"
+              "  report  write an HTML report of a run: grouprl report OUTPUT_DIR")
         return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
     return COMMANDS[argv[0]](argv[1:])
 

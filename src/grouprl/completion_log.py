@@ -10,11 +10,14 @@ where it returned None), ``advantage``, and every column a reward function added
 - sends it to wandb and/or trackio when they are active trackers (``log_unique_prompts``:
   one row per prompt there).
 
-Conversational prompts are shown as the chat-template text the model saw.
+Conversational prompts are shown as the chat-template text the model saw. Prompts with images
+add an ``image`` column (each row's list of images) unless ``log_multimodal=False``: PNG bytes in
+the parquet file, ``<N image(s)>`` on the console, image lists in the wandb / trackio tables.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from dataclasses import dataclass, field
@@ -24,8 +27,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from .data import is_conversational
-
 FIXED_COLUMNS = ("step", "prompt", "completion", "advantage")
 
 
@@ -34,6 +35,7 @@ class CompletionLog:
     output_dir: str
     num_completions_to_print: Optional[int] = None
     log_unique_prompts: bool = False
+    log_multimodal: bool = True
     table: dict[str, list[Any]] = field(default_factory=dict)  # the latest generation, global rows
 
     def record(
@@ -44,6 +46,7 @@ class CompletionLog:
         rewards: dict[str, torch.Tensor],  # name -> (n,) with NaN for None
         advantages: torch.Tensor,  # (n,)
         extras: dict[str, list[Any]],  # log_extra columns, each (n,)
+        images: list[list[Any]] | None = None,  # (n,) each row's prompt images (VLMs)
     ) -> None:
         """Keep this generation's rows (gathered from every process; call on all processes)."""
         n = len(completions)
@@ -51,6 +54,8 @@ class CompletionLog:
         for name, values in rewards.items():
             table[name] = [None if math.isnan(v) else v for v in values.tolist()]
         table["advantage"] = advantages.tolist()
+        if images is not None and self.log_multimodal:
+            table["image"] = [list(row) for row in images]
         for name, values in extras.items():
             values = list(values)
             if len(values) != n:
@@ -73,17 +78,15 @@ class CompletionLog:
         return path
 
 
-def prompt_text(prompt: Any, prompt_ids: list[int], tokenizer: Any) -> str:
-    """What the model was shown: the string itself, or the rendered chat template."""
-    return tokenizer.decode(prompt_ids, skip_special_tokens=False) if is_conversational(prompt) else prompt
-
-
 def write_parquet(table: dict[str, list[Any]], path: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     columns = {}
     for name, values in table.items():
+        if name == "image":
+            columns[name] = pa.array([[png_bytes(image) for image in row] for row in values], type=pa.list_(pa.binary()))
+            continue
         try:
             columns[name] = pa.array(values)
         except (pa.ArrowInvalid, pa.ArrowTypeError):  # mixed types in a log_extra column: keep them as text
@@ -120,18 +123,34 @@ def send_to_trackers(accelerator: Accelerator, table: dict[str, list[Any]], step
         return
     import pandas as pd
 
-    frame = pd.DataFrame(table)
-    if unique_prompts:
-        frame = frame.drop_duplicates(subset=["prompt"])
+    def frame_for(backend: Any) -> Any:
+        frame = pd.DataFrame(table)
+        if "image" in frame:  # TRL: each row's images as the backend's Image objects
+            frame["image"] = [[backend.Image(image) for image in row] for row in frame["image"]]
+        return frame.drop_duplicates(subset=["prompt"]) if unique_prompts else frame
+
     if "wandb" in active:
         import wandb
 
-        accelerator.get_tracker("wandb", unwrap=True).log({"completions": wandb.Table(dataframe=frame)}, step=step)
+        accelerator.get_tracker("wandb", unwrap=True).log({"completions": wandb.Table(dataframe=frame_for(wandb))}, step=step)
     if "trackio" in active:
         import trackio
 
-        trackio.log({"completions": trackio.Table(dataframe=frame)}, step=step)
+        trackio.log({"completions": trackio.Table(dataframe=frame_for(trackio))}, step=step)
+
+
+def png_bytes(image: Any) -> bytes:
+    """A PIL image (or an array) encoded as PNG."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(image)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def _cell(value: Any) -> str:
+    if isinstance(value, list) and value and not isinstance(value[0], (str, int, float)):  # a row's images
+        return f"<{len(value)} image{'s' if len(value) > 1 else ''}>"
     return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -3,7 +3,8 @@
 Formats (as in TRL): *standard* rows have a string ``prompt`` (tokenized as-is); *conversational*
 rows have a list of ``{"role", "content"}`` messages, rendered once with the tokenizer's chat
 template and a generation prompt. Every other column travels with the prompt to the reward
-functions.
+functions. Rows with an ``image`` / ``images`` column go through the model's processor instead
+(``multimodal.py``).
 
 Order (TRL's RepeatSampler, §2.13): prompts are shuffled with a seeded generator (a new
 permutation each epoch), cut into generations of U = generation_batch_size / G unique prompts
@@ -72,11 +73,8 @@ class PromptTokenizer:
         self.chat_template_kwargs = chat_template_kwargs or {}
 
     def __call__(self, prompt: Any, row: int) -> list[int]:
-        check_prompt(prompt, row)
+        self.check(prompt, row)
         if is_conversational(prompt):
-            if getattr(self.tokenizer, "chat_template", None) is None:
-                raise ValueError(f"Row {row} is conversational but the tokenizer has no chat_template; set tokenizer.chat_template "
-                                 "or use plain-string prompts.")
             continue_final = prompt[-1]["role"] == "assistant"
             ids = self.tokenizer.apply_chat_template(
                 prompt, tokenize=True, add_generation_prompt=not continue_final, continue_final_message=continue_final,
@@ -87,6 +85,23 @@ class PromptTokenizer:
             ids = list(ids)
         else:
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        self.check_fits(ids, prompt, row)
+        return ids
+
+    def encode_row(self, row: dict, index: int) -> tuple[Any, list[int], Any | None]:
+        """The prompt as reward functions see it, its token ids, and its processed images (None: text only)."""
+        if row_images(row, index):
+            raise ValueError(f"Row {index} has images but the prompts are tokenized by a tokenizer; images need the model's "
+                             "processor (processing_class=AutoProcessor.from_pretrained(model), the default for vision-language models).")
+        return row[PROMPT_COLUMN], self(row[PROMPT_COLUMN], index), None
+
+    def check(self, prompt: Any, row: int) -> None:
+        check_prompt(prompt, row)
+        if is_conversational(prompt) and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"Row {row} is conversational but the tokenizer has no chat_template; set tokenizer.chat_template "
+                             "or use plain-string prompts.")
+
+    def check_fits(self, ids: list[int], prompt: Any, row: int) -> None:
         if not ids:
             raise ValueError(f"Row {row}: the prompt {prompt!r} tokenizes to no tokens; generation needs at least one prompt token.")
         if self.max_context is not None and len(ids) + self.max_completion_length > self.max_context:
@@ -95,7 +110,24 @@ class PromptTokenizer:
                 f"{len(ids) + self.max_completion_length} positions but the model's context is {self.max_context}. "
                 f"Shorten or drop this prompt, or lower max_completion_length to at most {max(self.max_context - len(ids), 0)}."
             )
-        return ids
+
+    def prompt_text(self, prompt: Any, prompt_ids: list[int]) -> str:
+        """What the model was shown: the string itself, or the rendered chat template."""
+        return self.tokenizer.decode(prompt_ids, skip_special_tokens=False) if is_conversational(prompt) else prompt
+
+
+def row_images(row: dict, index: int) -> list[Any]:
+    """A row's images (TRL): its `images` list, else `[image]`; [] when it has none (missing column or None)."""
+    if "images" in row:
+        images = row["images"]
+        if images is None:
+            return []
+        if not isinstance(images, (list, tuple)):
+            raise ValueError(f"Row {index}: 'images' must be a list of images, got {type(images).__name__}; "
+                             "use the 'image' column for a single image.")
+        return list(images)
+    image = row.get("image")
+    return [] if image is None else [image]
 
 
 @dataclass
@@ -191,14 +223,16 @@ def local_prompt_batch(
     total = len(rows) * num_generations
     per_process = total // num_processes
     first, last = process_index * per_process, (process_index + 1) * per_process
-    prompts, prompt_ids, dataset_indices, group_ids, counts = [], [], [], [], []
+    prompts, prompt_ids, multimodal, dataset_indices, group_ids, counts = [], [], [], [], [], []
     columns: dict[str, list[Any]] = {}
     for u, (index, row) in enumerate(zip(indices, rows)):
         lo, hi = max(first, u * num_generations), min(last, (u + 1) * num_generations)
         if lo >= hi:
             continue
-        prompts.append(row[PROMPT_COLUMN])
-        prompt_ids.append(tokenize(row[PROMPT_COLUMN], index))
+        prompt, ids, images = tokenize.encode_row(row, index)
+        prompts.append(prompt)
+        prompt_ids.append(ids)
+        multimodal.append(images)
         dataset_indices.append(index)
         group_ids.append(generation_index * len(rows) + u)
         counts.append(hi - lo)
@@ -206,4 +240,5 @@ def local_prompt_batch(
             if name == PROMPT_COLUMN or (remove_unused_columns and name not in KEPT_WHEN_REMOVING):
                 continue
             columns.setdefault(name, []).append(value)
-    return PromptBatch(prompts, prompt_ids, columns, dataset_indices, group_ids, counts)
+    has_images = any(m is not None for m in multimodal)
+    return PromptBatch(prompts, prompt_ids, columns, dataset_indices, group_ids, counts, multimodal if has_images else None)

@@ -97,6 +97,8 @@ def whole_groups(rollout: Rollout) -> Rollout:
     if len(parts) == 1:
         return rollout
     prompts = PromptBatch([], [], {name: [] for name in rollout.prompts.columns}, [], [], [])
+    with_images = any(part.prompts.multimodal is not None for part in parts)
+    prompts.multimodal = [] if with_images else None
     completions = []
     for part in parts:
         rows_of = [[] for _ in range(len(part.prompts))]
@@ -109,6 +111,8 @@ def whole_groups(rollout: Rollout) -> Rollout:
                 for name, values in part.prompts.columns.items():
                     prompts.columns[name].append(values[b])
                 prompts.num_samples.append(0)
+                if with_images:
+                    prompts.multimodal.append(None if part.prompts.multimodal is None else part.prompts.multimodal[b])
             prompts.num_samples[-1] += len(rows)  # the tail of a group cut by the process boundary joins its head
             completions.extend(replace(c, prompt_index=len(prompts) - 1) for c in rows)
     return Rollout(prompts, completions)

@@ -158,7 +158,7 @@ def _add_loss(run: Any, batch: Any, window: MetricWindow) -> None:
     with torch.no_grad(), accelerator.autocast():
         out = completion_logprobs(
             run.model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
-            temperature=config.temperature, rows_per_chunk=config.per_device_eval_batch_size,
+            temperature=config.temperature, rows_per_chunk=config.per_device_eval_batch_size, multimodal=b.multimodal,
         )
         logprobs, entropy = out.logprobs, out.entropy
         settings = {**run.loss_settings, "beta": 0.0}  # no reference pass in evaluation: the KL term is left out

@@ -6,7 +6,8 @@
                             logprobs are to be corrected
     -> sampler IS weights   if the backend returned sampler logprobs (any backend, not only vLLM)
     -> reference logprobs   if beta != 0
-    -> shuffle the rows, cut them into steps_per_generation micro-batches, queued num_iterations times
+    -> shuffle the rows, cut them into steps_per_generation micro-batches (rows of similar length
+       together within each optimizer step, batching.py), queued num_iterations times
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from .algorithms.masks import tied_groups
 from .distributed import own_rows, whole_groups
 from .algorithms.importance import sampler_importance_weights
 from .algorithms.logprobs import completion_logprobs
+from .batching import length_grouped, regrouping_is_exact
+from .health import guard_advantages
 from .types import Rewards, Rollout, TrainBatch
 
 if TYPE_CHECKING:
@@ -58,7 +61,11 @@ def generation_micro_batches(run: "TrainingRun") -> list[TrainBatch]:
             with run.reference.scoring(run.model, run.accelerator.unwrap_model(run.model)) as reference:
                 batch.ref_logprobs = batch_logprobs(run, reference, batch)
     order = torch.randperm(len(batch))  # global RNG, seeded: reproducible and restored on resume
-    micro = [batch.select(rows) for rows in torch.tensor_split(order, plan.steps_per_generation)]
+    parts = list(torch.tensor_split(order, plan.steps_per_generation))
+    if regrouping_is_exact(config.loss_type, config.top_entropy_quantile, [len(p) for p in parts]):
+        lengths = batch.prompt_mask.sum(dim=1) + batch.completion_mask.sum(dim=1)
+        parts = length_grouped(parts, lengths, grad_accum_steps=plan.gradient_accumulation_steps)
+    micro = [batch.select(rows) for rows in parts]
     return micro * plan.num_iterations
 
 
@@ -69,7 +76,7 @@ def batch_logprobs(run: "TrainingRun", model: torch.nn.Module, batch: TrainBatch
         b = batch.to(run.accelerator.device)
         out = completion_logprobs(
             model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
-            temperature=run.config.temperature, rows_per_chunk=run.plan.per_device_batch_size, with_entropy=False,
+            temperature=run.config.temperature, rows_per_chunk=run.plan.per_device_batch_size, with_entropy=False, multimodal=b.multimodal,
         )
     return out.logprobs.float().cpu()
 
@@ -82,6 +89,7 @@ def draw_batch(run: "TrainingRun") -> TrainBatch:
             rollout = run.rollouts.sample()
         with run.timer.phase("reward"):
             _, advantages = run.rollouts.score(rollout, run.state, run.window)
+    guard_advantages(run, advantages)
     return run.rollouts.make_train_batch(rollout, advantages)
 
 

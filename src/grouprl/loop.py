@@ -34,7 +34,8 @@ from .config import BatchPlan, GRPOConfig, resolve_steps
 from .distributed import gather_objects, global_mean, global_sum
 from .evaluation import should_evaluate
 from .experience import generation_micro_batches
-from .metrics import JsonlWriter, MetricWindow, PhaseTimer, format_log_line
+from .health import RunHealth, guard_gradients, stop_safely
+from .metrics import JsonlWriter, MetricWindow, PhaseTimer, format_log_line, progress_postfix
 from .objective import loss_settings, train_micro_batch
 from .reference import Reference, mix_into_reference
 from .rollout import RolloutMaker
@@ -62,6 +63,7 @@ class TrainingRun:
     pending: deque = field(default_factory=deque)  # micro-batches (TrainBatch) not yet trained on
     evaluate: Optional[Callable[[], Any]] = None  # runs evaluation and logs it (set when eval_strategy != "no")
     step_losses: list[float] = field(default_factory=list)
+    health: RunHealth = field(default_factory=RunHealth)  # detectors, NaN guards, last good state (health.py)
 
     def __post_init__(self) -> None:
         self.loss_settings = loss_settings(self.config)
@@ -70,8 +72,8 @@ class TrainingRun:
     def timer(self) -> PhaseTimer:
         return PhaseTimer(self.window)
 
-    def loop_state(self) -> dict[str, Any]:
-        return {
+    def loop_state(self, with_reference: bool = True) -> dict[str, Any]:
+        state = {
             "sampler": self.rollouts.sampler.state_dict(),
             "pending": list(self.pending),
             "generations_made": self.rollouts.generations_made,
@@ -79,8 +81,10 @@ class TrainingRun:
             "step_losses": list(self.step_losses),
             "window": {k: list(v) for k, v in self.window.values.items()},
             "entropy_controller": self.entropy_controller.state_dict() if self.entropy_controller else None,
-            "reference_model": self.reference.state_dict() if self.reference and self.config.sync_ref_model else None,
         }
+        if with_reference:  # a copy of a whole model: only when writing a checkpoint
+            state["reference_model"] = self.reference.state_dict() if self.reference and self.config.sync_ref_model else None
+        return state
 
     def load_loop_state(self, state: dict[str, Any]) -> None:
         self.rollouts.sampler.load_state_dict(state["sampler"])
@@ -102,25 +106,28 @@ def optimizer_step(run: TrainingRun) -> tuple[float, float]:
     with run.timer.phase("optimizer"):
         params = [p for p in run.model.parameters() if p.requires_grad]
         max_norm = run.config.max_grad_norm if run.config.max_grad_norm > 0 else float("inf")
-        grad_norm = run.accelerator.clip_grad_norm_(params, max_norm)
+        grad_norm = float(run.accelerator.clip_grad_norm_(params, max_norm))
+        guard_gradients(run, grad_norm)  # NaN / inf: stop before the update
         learning_rate = run.scheduler.get_last_lr()[0]
         run.optimizer.step()
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm), learning_rate
+    return grad_norm, learning_rate
 
 
+@stop_safely  # NaN / inf or a failing reward function: save the last good state, then stop
 def train(run: TrainingRun) -> dict[str, float]:
     config, state, accelerator = run.config, run.state, run.accelerator
     ga = run.plan.gradient_accumulation_steps
     logging_steps = resolve_steps(config.logging_steps, run.total_steps)
     save_steps = resolve_steps(config.save_steps, run.total_steps)
     writer = JsonlWriter(f"{config.output_dir}/metrics.jsonl") if accelerator.is_main_process else None
-    progress = tqdm(total=run.total_steps, initial=state.global_step, desc="grouprl", disable=config.disable_tqdm or not accelerator.is_main_process)
+    progress = tqdm(total=run.total_steps, initial=state.global_step, desc="grouprl", unit="step", disable=config.disable_tqdm or not accelerator.is_main_process)
     run.model.train()
     started, first_step = time.time(), state.global_step
     while state.global_step < run.total_steps:
         step_started = time.perf_counter()
+        run.health.start_step(run)
         step_loss = 0.0
         for k in range(ga):
             if not run.pending:
@@ -135,6 +142,7 @@ def train(run: TrainingRun) -> dict[str, float]:
         loss = global_mean(accelerator, step_loss)
         run.step_losses.append(loss)
         run.window.add_all({"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "step_time": time.perf_counter() - step_started})
+        step_stats = run.health.end_step(run)  # phase times, silent-failure detectors
         if state.global_step % logging_steps == 0 or (config.logging_first_step and state.global_step == 1):
             write_log(run, writer, progress)
         if run.evaluate is not None and should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch):
@@ -142,8 +150,10 @@ def train(run: TrainingRun) -> dict[str, float]:
         if should_save(config, state.global_step, save_steps, run.steps_per_epoch):
             save(run)
         progress.update(1)
-        progress.set_postfix(reward=run.window.summary().get("reward"), refresh=False)
+        if postfix := progress_postfix(step_stats):
+            progress.set_postfix(postfix, refresh=False)
     progress.close()
+    run.health.finish()
     runtime = time.time() - started
     steps_done = max(state.global_step - first_step, 1)
     final = {

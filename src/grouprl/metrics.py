@@ -14,16 +14,23 @@ import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
 
 class MetricWindow:
-    """Named lists of floats since the last log entry."""
+    """Named lists of floats since the last log entry.
+
+    Phase times are summed over an optimizer step and added once per step (`close_step`), so
+    `time/<phase>` is seconds per optimizer step (0 on a step that skipped the phase, e.g. no
+    generation) and the phases add up to about `step_time`.
+    """
 
     def __init__(self) -> None:
         self.values: dict[str, list[float]] = defaultdict(list)
+        self.phase_seconds: dict[str, float] = {}  # this optimizer step's seconds per phase, not yet added
+        self.phases_seen: list[str] = []  # every phase timed so far in the run, in first-seen order
 
     def add(self, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):
@@ -34,20 +41,41 @@ class MetricWindow:
         for name, value in stats.items():
             self.add(prefix + name, value)
 
-    def summary(self) -> dict[str, float | None]:
-        """Mean of each metric over the window, NaN entries dropped (None if none was valid)."""
+    def add_phase_time(self, name: str, seconds: float) -> None:
+        if name not in self.phases_seen:
+            self.phases_seen.append(name)
+        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds
+
+    def close_step(self) -> None:
+        """Add this optimizer step's seconds per phase as one value each."""
+        for name in self.phases_seen:
+            self.add(f"time/{name}", self.phase_seconds.get(name, 0.0))
+        self.phase_seconds = {}
+
+    def mark(self) -> dict[str, int]:
+        """A position in the window, for `summary(since=...)`."""
+        return {name: len(values) for name, values in self.values.items()}
+
+    def summary(self, since: Optional[dict[str, int]] = None) -> dict[str, float | None]:
+        """Mean of each metric over the window (or over the values added after the `since` mark),
+        NaN entries dropped (None if none was valid)."""
         out: dict[str, float | None] = {}
         for name, values in self.values.items():
+            if since is not None:
+                values = values[since.get(name, 0):]
+                if not values:
+                    continue
             valid = [v for v in values if not math.isnan(v)]
             out[name] = sum(valid) / len(valid) if valid else None
         return out
 
     def clear(self) -> None:
         self.values.clear()
+        self.phase_seconds = {}
 
 
 class PhaseTimer:
-    """Seconds spent per phase (generate, reward, logprobs, backward, optimizer) in the window."""
+    """Seconds spent per phase (generate, reward, old/ref logprobs, forward, backward, optimizer)."""
 
     def __init__(self, window: MetricWindow):
         self.window = window
@@ -58,7 +86,7 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.window.add(f"time/{name}", time.perf_counter() - start)
+            self.window.add_phase_time(name, time.perf_counter() - start)
 
 
 def completion_length_stats(lengths: torch.Tensor, terminated: torch.Tensor) -> dict[str, float]:
@@ -101,6 +129,12 @@ def format_log_line(entry: dict[str, Any], max_steps: int) -> str:
     return " | ".join(parts)
 
 
+def progress_postfix(step_stats: dict[str, Any]) -> dict[str, str]:
+    """Reward and mean completion length of one step for the progress bar (empty if it drew no samples)."""
+    shown = {"reward": step_stats.get("reward"), "len": step_stats.get("completions/mean_length")}
+    return {name: f"{value:.3g}" for name, value in shown.items() if isinstance(value, float)}
+
+
 class JsonlWriter:
     """Appends one JSON object per line; used for output_dir/metrics.jsonl."""
 
@@ -111,3 +145,11 @@ class JsonlWriter:
     def write(self, entry: dict[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(entry) + "\n")
+
+    def rewrite(self, entries: list[dict[str, Any]]) -> None:
+        """Replace the file by `entries` (on resume: the restored log history, so entries logged
+        after the checkpoint by the interrupted run do not appear twice)."""
+        temporary = self.path + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(entry) + "\n" for entry in entries)
+        os.replace(temporary, self.path)

@@ -1,7 +1,9 @@
 """Loading and preparing the policy (and reference) model and the tokenizer, as TRL does.
 
 Model-level options live here: the default dtype (float32), dropout off, the LM head in fp32
-(ScaleRL), activation checkpointing, EOS ids, and the MoE router aux-loss coefficient.
+(ScaleRL), activation checkpointing, EOS ids, and the MoE router aux-loss coefficient. A
+vision-language checkpoint (its config has a ``vision_config``) loads with
+AutoModelForImageTextToText and its processor with AutoProcessor.
 """
 
 from __future__ import annotations
@@ -10,9 +12,17 @@ import types
 from typing import Any, Optional
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 from .adapters import is_peft_model
+from .multimodal import is_vision_language_config, text_tokenizer
 
 
 def load_model(model: Any, model_init_kwargs: Optional[dict], trust_remote_code: bool) -> PreTrainedModel:
@@ -27,21 +37,27 @@ def load_model(model: Any, model_init_kwargs: Optional[dict], trust_remote_code:
         dtype = getattr(torch, dtype)
     kwargs.setdefault("trust_remote_code", trust_remote_code)
     try:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **kwargs)
+        hub_kwargs = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder") if k in kwargs}
+        config = AutoConfig.from_pretrained(model, trust_remote_code=kwargs["trust_remote_code"], **hub_kwargs)
+        auto = AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
+        return auto.from_pretrained(model, dtype=dtype, **kwargs)
     except OSError as err:
         raise OSError(f"Could not load the model {model!r}: {err}") from err
 
 
 def load_tokenizer(processing_class: Any, model: PreTrainedModel, trust_remote_code: bool) -> Any:
-    tokenizer = processing_class
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path, trust_remote_code=trust_remote_code)
+    """The processing class as given, or loaded from the model (a processor for vision-language models),
+    with its tokenizer set to pad on the left and to fall back to EOS for padding (TRL)."""
+    if processing_class is None:
+        auto = AutoProcessor if is_vision_language_config(model.config) else AutoTokenizer
+        processing_class = auto.from_pretrained(model.config._name_or_path, trust_remote_code=trust_remote_code)
+    tokenizer = text_tokenizer(processing_class)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token before training.")
         tokenizer.pad_token = tokenizer.eos_token  # as TRL: padding is masked out, so reusing EOS is safe
-    return tokenizer
+    return processing_class
 
 
 def eos_token_ids(tokenizer: Any, model: PreTrainedModel) -> list[int]:
@@ -114,8 +130,3 @@ def router_aux_loss_coef(configured: Optional[float], model: PreTrainedModel) ->
             "(its config has no output_router_logits). Leave router_aux_loss_coef=None (or 0)."
         )
     return float(configured)
-
-
-def is_tied(model: PreTrainedModel, key: str) -> bool:
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    return key in tied

@@ -18,6 +18,7 @@ from .algorithms.logprobs import completion_logprobs
 from .algorithms.losses import dapo_denominator, masked_mean, policy_loss
 from .config import GRPOConfig
 from .distributed import gather_varlen, global_mean
+from .health import guard_loss
 
 if TYPE_CHECKING:
     from .loop import TrainingRun
@@ -53,7 +54,7 @@ def train_micro_batch(run: "TrainingRun", micro: Any) -> float:
     with run.timer.phase("forward"), accelerator.autocast():
         out = completion_logprobs(
             run.model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, temperature=config.temperature,
-            entropy_grad=bonus is not None, with_aux_loss=run.aux_loss_coef != 0.0,
+            entropy_grad=bonus is not None, with_aux_loss=run.aux_loss_coef != 0.0, multimodal=b.multimodal,
         )
         token_keep = None
         if config.top_entropy_quantile < 1.0:
@@ -88,4 +89,7 @@ def train_micro_batch(run: "TrainingRun", micro: Any) -> float:
     if bonus is not None:
         effective = b.loss_mask if token_keep is None else b.loss_mask & token_keep
         bonus.observe(float((entropy * effective).sum()), float(effective.sum()))
-    return loss.item()
+    value = loss.item()
+    guard_loss(run, value, b.loss_mask, **{"policy log-probabilities": out.logprobs, "old log-probabilities": b.old_logprobs,
+               "reference log-probabilities": b.ref_logprobs, "sampler weights": b.is_weights, "advantages": b.advantages})
+    return value

@@ -16,12 +16,13 @@ from accelerate import Accelerator
 from transformers.utils import logging
 
 from .algorithms.advantages import group_advantages
-from .completion_log import CompletionLog, prompt_text
+from .completion_log import CompletionLog
 from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
 from .distributed import gather_rows, global_sum, local_rows
 from .generation.dispatch import generate_on_main_process
 from .generation.protocol import GenerationBackend
 from .metrics import MetricWindow, completion_length_stats, reward_stats
+from .multimodal import rows_images
 from .rewards.scoring import RewardFunction, score_completions
 from .types import Completion, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
 
@@ -139,7 +140,7 @@ class RolloutMaker:
 
     def record_completions(self, rollout: Rollout, rewards: Rewards, advantages: torch.Tensor) -> None:
         batch, rows = rollout.prompts, local_rows(self.accelerator, len(rollout.completions))
-        texts = {b: prompt_text(batch.prompts[b], batch.prompt_ids[b], self.tokenize.tokenizer) for b in set(rollout.row_prompt)}
+        texts = {b: self.tokenize.prompt_text(batch.prompts[b], batch.prompt_ids[b]) for b in set(rollout.row_prompt)}
         self.completion_log.record(
             self.accelerator,
             prompts=[texts[b] for b in rollout.row_prompt],
@@ -147,6 +148,7 @@ class RolloutMaker:
             rewards={name: rewards.per_function[rows, k] for k, name in enumerate(rewards.names)},
             advantages=advantages,
             extras=self.completion_extras,
+            images=rows_images(batch.columns, rollout.row_prompt) if batch.multimodal is not None else None,
         )
 
     def global_advantages(self, rewards: Rewards, group_size: Optional[int] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -169,8 +171,10 @@ def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: Sampl
     """Ask the backend for each prompt's num_samples completions; return them in row order.
 
     Prompts on a process usually all need G samples; a group cut by a process boundary needs
-    fewer, so prompts are sent in one call per distinct sample count. A backend that only the main
-    process may use (`main_process_only`: a server) samples whole groups there for every process.
+    fewer, so prompts are sent in one call per distinct sample count. Prompts with images also
+    pass each prompt's processed images (`multimodal=`; backends without it cannot serve VLMs). A
+    backend that only the main process may use (`main_process_only`: a server) samples whole
+    groups there for every process.
     """
     if getattr(backend, "main_process_only", False):
         return generate_on_main_process(backend, prompts, params)
@@ -179,7 +183,11 @@ def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: Sampl
         by_count.setdefault(count, []).append(b)
     per_prompt: dict[int, list[Completion]] = {}
     for count, members in by_count.items():
-        completions = backend.generate([prompts.prompt_ids[b] for b in members], count, params)
+        ids = [prompts.prompt_ids[b] for b in members]
+        if prompts.multimodal is None:
+            completions = backend.generate(ids, count, params)
+        else:
+            completions = backend.generate(ids, count, params, multimodal=[prompts.multimodal[b] for b in members])
         if len(completions) != len(members) * count:
             raise RuntimeError(f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(members)} prompts x {count}.")
         for completion in completions:
@@ -236,4 +244,5 @@ def pack_rollout(rollout: Rollout, advantages: torch.Tensor, pad_token_id: int, 
         loss_mask=loss_mask,
         advantages=advantages.float(),
         sampler_logprobs=sampler_logprobs,
+        multimodal=None if rollout.prompts.multimodal is None else [rollout.prompts.multimodal[b] for b in rows],
     )

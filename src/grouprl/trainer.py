@@ -21,16 +21,18 @@ from . import evaluation, loop
 from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, load_adapter_weights, require_peft, save_pretrained, wrap_with_lora
 from .algorithms.entropy import EntropyController
 from .completion_log import CompletionLog
-from .checkpoint import load_training_state, resolve_resume_path, restore_rng_state
+from .checkpoint import load_model_weights, load_training_state, resolve_resume_path, restore_rng_state
 from .config import GRPOConfig, plan_batches
-from .data import PromptSampler, PromptTokenizer, check_dataset
+from .data import PromptSampler, check_dataset
 from .evaluation import check_eval_setup
 from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
 from .generation.vllm import require_vllm
+from .metrics import JsonlWriter
 from .models import (
-    cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, is_tied, load_model, load_tokenizer, router_aux_loss_coef,
+    cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
 )
+from .multimodal import check_multimodal_setup, make_prompt_tokenizer, text_tokenizer
 from .reference import Reference, separate_reference_model
 from .rewards.models import check_reward_funcs, load_reward_functions
 from .rewards.scoring import prepare_reward_functions, reward_name
@@ -44,16 +46,18 @@ class GRPOTrainer:
     """Train a causal LM with GRPO. Drop-in for ``trl.GRPOTrainer`` (same arguments, same config).
 
     Args:
-        model: a model id / local path (loaded with AutoModelForCausalLM and ``args.model_init_kwargs``)
-            or a ``PreTrainedModel``.
+        model: a model id / local path (loaded with AutoModelForCausalLM, or AutoModelForImageTextToText for a
+            vision-language checkpoint, and ``args.model_init_kwargs``) or a ``PreTrainedModel``.
         reward_funcs: one reward function or a list; each is called as
             ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)``
             and returns one float (or None) per completion. An entry may also be a reward model: a model
             id / path (AutoModelForSequenceClassification, num_labels=1) or a ``PreTrainedModel``.
         args: a ``GRPOConfig`` (default: ``GRPOConfig(output_dir="<model name>-GRPO")``).
-        train_dataset: ``datasets.Dataset`` or ``IterableDataset`` with a ``prompt`` column.
+        train_dataset: ``datasets.Dataset`` or ``IterableDataset`` with a ``prompt`` column (and, for
+            vision-language models, an ``image`` or ``images`` column).
         eval_dataset: a ``Dataset`` or a dict of name -> ``Dataset`` for ``evaluate()`` / ``eval_strategy``.
-        processing_class: the tokenizer (default: loaded from the model; pad token falls back to EOS).
+        processing_class: the tokenizer, or for a vision-language model its processor (default: loaded from the
+            model with AutoTokenizer / AutoProcessor; pad token falls back to EOS).
         reward_processing_classes: tokenizer(s) of the reward models: one, or a list with one entry per
             reward function (None = load the reward model's own tokenizer).
         optimizers: ``(optimizer, lr_scheduler)``; either may be None to use AdamW / ``lr_scheduler_type``.
@@ -126,7 +130,9 @@ class GRPOTrainer:
         if args.beta != 0.0 and not use_peft:  # before any change to the policy
             reference_model = separate_reference_model(model, self.model, lambda m: load_model(m, args.model_init_kwargs, args.trust_remote_code))
         self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code)
-        self.eos_token_ids = eos_token_ids(self.processing_class, self.model)
+        check_multimodal_setup(train_dataset, self.processing_class)
+        tokenizer = text_tokenizer(self.processing_class)
+        self.eos_token_ids = eos_token_ids(tokenizer, self.model)
         self.reward_functions = prepare_reward_functions(load_reward_functions(
             reward_funcs, reward_processing_classes, model_init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code,
             chat_template_kwargs=args.chat_template_kwargs, batch_size=args.per_device_train_batch_size, device=self.accelerator.device,
@@ -167,17 +173,17 @@ class GRPOTrainer:
         )
         prepared_model, optimizer = self.accelerator.prepare(self.model, optimizer)
 
-        backend = generation_backend or build_backend(self.accelerator.unwrap_model(prepared_model), self.processing_class, self.eos_token_ids,
+        backend = generation_backend or build_backend(self.accelerator.unwrap_model(prepared_model), tokenizer, self.eos_token_ids,
                                                       args, max_num_seqs=self.plan.completions_per_process)
         self.generation_backend = backend
         sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset, seed=args.data_seed)
-        max_context = getattr(self.model.config, "max_position_embeddings", None)
+        max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         rollouts = RolloutMaker(
             accelerator=self.accelerator,
             backend=backend,
             sampler=sampler,
-            tokenize=PromptTokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
-                                     chat_template_kwargs=args.chat_template_kwargs),
+            tokenize=make_prompt_tokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
+                                           chat_template_kwargs=args.chat_template_kwargs),
             reward_functions=self.reward_functions,
             reward_weights=torch.tensor(weights, dtype=torch.float32),
             sampling=SamplingParams(
@@ -188,9 +194,10 @@ class GRPOTrainer:
                 num_generations=args.num_generations, scale_rewards=args.scale_rewards,
                 multi_objective_aggregation=args.multi_objective_aggregation,
                 mask_truncated_completions=args.mask_truncated_completions,
-                remove_unused_columns=args.remove_unused_columns, pad_token_id=self.processing_class.pad_token_id,
+                remove_unused_columns=args.remove_unused_columns, pad_token_id=tokenizer.pad_token_id,
             ),
-            completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts) if args.log_completions else None,
+            completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.log_multimodal)
+            if args.log_completions else None,
         )
         self.state = TrainerState(max_steps=total_steps, logging_steps=args.logging_steps, save_steps=args.save_steps)
         reference, self.ref_model = None, None
@@ -267,20 +274,11 @@ class GRPOTrainer:
         return evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
 
     def _load_checkpoint(self, path: str) -> None:
-        from safetensors.torch import load_file
-
         model = self.accelerator.unwrap_model(self.run.model)
         if is_peft_model(model):
             load_adapter_weights(model, path)
         else:
-            weights = {}
-            for name in sorted(os.listdir(path)):
-                if name.endswith(".safetensors"):
-                    weights.update(load_file(os.path.join(path, name)))
-            missing, unexpected = model.load_state_dict(weights, strict=False)
-            missing = [k for k in missing if not is_tied(model, k)]
-            if missing or unexpected:
-                raise ValueError(f"Checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+            load_model_weights(model, path)
         training, loop_state = load_training_state(path)
         self.run.optimizer.load_state_dict(training["optimizer"])
         self.run.scheduler.load_state_dict(training["scheduler"])
@@ -296,6 +294,8 @@ class GRPOTrainer:
             self.run.pending = deque(own["pending"])
         restored = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
         self.state.global_step, self.state.epoch, self.state.log_history = restored.global_step, restored.epoch, restored.log_history
+        if self.accelerator.is_main_process:  # drop what the interrupted run logged after this checkpoint
+            JsonlWriter(os.path.join(self.args.output_dir, "metrics.jsonl")).rewrite(self.state.log_history)
         logger.warning(f"Resumed from {path} at step {self.state.global_step}.")
 
 

@@ -24,6 +24,7 @@ class PromptBatch:
     dataset_indices: list[int]  # (B,) row index in the dataset, for error messages
     group_ids: list[int]  # (B,) global group index; a group straddling processes has one id
     num_samples: list[int]  # (B,) completions this process samples for the prompt (G unless split)
+    multimodal: list[Any] | None = None  # (B,) multimodal.PromptImages or None per prompt; None = no images at all
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -89,6 +90,7 @@ class Rollout:
             dataset_indices=[p.dataset_indices[b] for b in prompt_indices],
             group_ids=[p.group_ids[b] for b in prompt_indices],
             num_samples=[p.num_samples[b] for b in prompt_indices],
+            multimodal=None if p.multimodal is None else [p.multimodal[b] for b in prompt_indices],
         )
         row_prompt = self.row_prompt
         completions = [replace(self.completions[r], prompt_index=new_index[row_prompt[r]]) for r in self.prompt_rows(prompt_indices)]
@@ -105,6 +107,10 @@ class Rollout:
                 prompts.columns.setdefault(name, []).extend(values)
             for name in ("prompts", "prompt_ids", "dataset_indices", "group_ids", "num_samples"):
                 getattr(prompts, name).extend(getattr(part.prompts, name))
+            if part.prompts.multimodal is not None:
+                prompts.multimodal = (prompts.multimodal or [None] * offset) + part.prompts.multimodal
+            elif prompts.multimodal is not None:
+                prompts.multimodal += [None] * len(part.prompts)
             completions.extend(replace(c, prompt_index=c.prompt_index + offset) for c in part.completions)
         return Rollout(prompts, completions)
 
@@ -151,6 +157,7 @@ class TrainBatch:
     ref_logprobs: Optional[torch.Tensor] = None  # (n, T) float, reference policy (beta != 0)
     is_weights: Optional[torch.Tensor] = None  # (n, T) float, sampler-mismatch correction rho (a row's value repeated for sequence modes)
     num_loss_tokens: float = 0.0  # loss tokens of the whole generation batch over all processes (DAPO denominator)
+    multimodal: list[Any] | None = None  # (n,) each row's prompt images (multimodal.PromptImages or None), collated per forward
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -161,6 +168,8 @@ class TrainBatch:
     def select(self, rows: torch.Tensor) -> "TrainBatch":
         """Rows `rows` (indices), with padding trimmed to the longest selected prompt and completion."""
         picked = replace(self, **{name: getattr(self, name)[rows] for name in self._tensor_fields()})
+        if self.multimodal is not None:
+            picked.multimodal = [self.multimodal[r] for r in rows.tolist()]
         return picked.trimmed()
 
     def trimmed(self) -> "TrainBatch":

@@ -50,7 +50,9 @@ def sampler_importance_weights(
     d = (old - sampler) on loss tokens (0 elsewhere and where the sampler gave no logprob);
     rho = exp(d) per token, or exp(sum_t d) per sequence; *_truncate clamps rho into
     [clip_min, clip_max] (a missing bound is open); *_mask sets rho to 0 outside that range.
-    Returns rho and the sampling/* statistics TRL logs.
+    Returns rho and the sampling/* statistics TRL logs, plus grouprl's
+    sampling/importance_sampling_masked_fraction: the share of loss tokens (token modes) or of
+    sequences with loss tokens (sequence modes) whose weight is 0, i.e. that train nothing.
     """
     if mode not in IS_MODES:
         raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not one of {IS_MODES}.")
@@ -78,5 +80,6 @@ def sampler_importance_weights(
         "sampling/importance_sampling_ratio/min": counted.min().item() if counted.numel() else nan,
         "sampling/importance_sampling_ratio/mean": counted.mean().item() if counted.numel() else nan,
         "sampling/importance_sampling_ratio/max": counted.max().item() if counted.numel() else nan,
+        "sampling/importance_sampling_masked_fraction": (counted == 0).float().mean().item() if counted.numel() else nan,
     }
     return rho, stats

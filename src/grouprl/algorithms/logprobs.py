@@ -2,26 +2,41 @@
 
 GRPO's importance ratio compares the policy's probability of each *sampled* token with the
 probability it had when sampled; sampling used logits / temperature, so training must too
-(TRL PR #3029). Only completion positions are scored: the model is asked for the last T+1 logits
-(`logits_to_keep`), and the log-softmax runs over checkpointed chunks of positions, so autograd
-keeps the logits alone rather than several fp32 (rows, T, vocab) tensors.
+(TRL PR #3029). Three things keep this pass lean:
+
+- **No (rows, tokens, vocab) logits.** The model runs up to its final hidden states; the LM head is
+  applied here in checkpointed chunks of positions, each chunk reduced at once to the selected
+  token's logprob (and the entropy). Autograd keeps the (rows, tokens, hidden) states only, and
+  backward recomputes one chunk's logits at a time. Models whose head cannot be applied separately
+  (sharded by FSDP / ZeRO-3, or logits post-processed after the head) fall back to asking the model
+  for the completion logits, still reduced in checkpointed chunks.
+- **Only completion positions** are projected (`logits_to_keep`).
+- **Length buckets.** Rows are sorted by length and run in buckets, each trimmed to its own
+  longest prompt and completion, so a short completion does not pay for the longest one.
 
 Positions are derived from the attention mask (left-padded prompts), the same way `generate`
-derives them, so a sequence's logprobs do not depend on how much padding its batch needed.
+derives them, so a sequence's logprobs do not depend on its batch's padding or bucket.
+Vision-language rows add their image inputs, collated per bucket (`multimodal.forward_inputs`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
+
+from ..multimodal import forward_inputs
 
 
 class TokenLogprobs(NamedTuple):
     logprobs: torch.Tensor  # (n, T) logprob of each completion token, with gradient if enabled
-    entropy: Optional[torch.Tensor]  # (n, T) entropy of the next-token distribution, or None
-    aux_loss: Optional[torch.Tensor]  # scalar MoE router load-balancing loss, or None
+    entropy: torch.Tensor | None  # (n, T) entropy of the next-token distribution, or None
+    aux_loss: torch.Tensor | None  # scalar MoE router load-balancing loss, or None
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -30,49 +45,110 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 CHUNK_ELEMENTS = 1 << 25  # fp32 logits per chunk of positions (128 MiB), bounds the temporaries below
+BUCKET_OVERHEAD_TOKENS = 64  # what one extra forward costs, in padded tokens (measured: small on CPU)
 
 
-def _chunk_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(m, V) logits, (m,) tokens -> (m,) fp32 logprob of each token (no (m, V) log-softmax kept)."""
+# --- reductions of one chunk of positions --------------------------------------------------------
+
+
+def _reduce(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+    """(m, V) logits, (m,) tokens -> fp32 (m,) logprob of each token [, (m,) entropy]."""
     scaled = logits.float() / temperature
-    return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    normaliser = torch.logsumexp(scaled, dim=-1)
+    logps = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - normaliser
+    if not with_entropy:
+        return (logps,)
+    probs = torch.softmax(scaled, dim=-1)
+    return logps, normaliser - (probs * scaled).sum(dim=-1)
 
 
-def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(m, V) logits -> (m,) fp32 entropy of softmax(logits / temperature)."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp_all.exp() * logp_all).sum(dim=-1)
+def _chunked(
+    inputs: torch.Tensor, tokens: torch.Tensor, to_logits: Callable[[torch.Tensor], torch.Tensor], temperature: float,
+    *, entropy: str, differentiable: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Selected-token logprobs of `to_logits(inputs)` over (m, ...) positions, in chunks, and entropies.
 
-
-def selected_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, *, entropy_grad: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logprob of `tokens` (n, T) under softmax(logits / temperature), and the entropy, in fp32.
-
-    Works through the (n * T) positions in chunks of about CHUNK_ELEMENTS logits. With gradient
-    enabled each chunk is checkpointed: autograd keeps only the logits themselves and recomputes the
-    chunk's fp32 copy and softmax in backward, instead of holding several fp32 (n, T, V) tensors
-    (measured on W3, docs/benchmarks.md). The entropy is computed without gradient unless
-    `entropy_grad` (entropy bonus). Values and gradients are those of the unchunked computation.
+    `entropy` is "none", "value" (no gradient) or "grad" (part of the objective: the entropy bonus).
+    With gradient each chunk is checkpointed: backward recomputes that chunk's logits instead of
+    autograd holding them. torch.split, not slicing: one SplitBackward concatenates the chunk
+    gradients once, where each slice's backward would write a zero-filled full-size gradient
+    (measured 40 s on W3).
     """
-    n, t, vocab = logits.shape
-    flat_logits, flat_tokens = logits.reshape(n * t, vocab), tokens.reshape(n * t)
+    vocab = to_logits(inputs[:0]).shape[-1]
     step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    checkpointed = torch.is_grad_enabled() and logits.requires_grad
+
+    def reduce(x: torch.Tensor, t: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+        return _reduce(to_logits(x), t, temperature, with_entropy)
+
     logps, entropies = [], []
-    # torch.split, not slicing: one SplitBackward concatenates the chunk gradients once, where each
-    # slice's backward would write a zero-filled full-size gradient (40 s of W3's backward).
-    for chunk, chunk_tokens in zip(flat_logits.split(step), flat_tokens.split(step)):
-        if checkpointed:
-            logps.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, chunk, chunk_tokens, temperature, use_reentrant=False))
+    for chunk, chunk_tokens in zip(inputs.split(step), tokens.split(step)):
+        if not differentiable:
+            outs = reduce(chunk, chunk_tokens, entropy != "none")
         else:
-            logps.append(_chunk_logprobs(chunk, chunk_tokens, temperature))
-        if entropy_grad and checkpointed:
-            entropies.append(torch.utils.checkpoint.checkpoint(_chunk_entropy, chunk, temperature, use_reentrant=False))
-        else:
-            with torch.no_grad():
-                entropies.append(_chunk_entropy(chunk, temperature))
-    return torch.cat(logps).view(n, t), torch.cat(entropies).view(n, t)
+            outs = torch.utils.checkpoint.checkpoint(reduce, chunk, chunk_tokens, entropy == "grad", use_reentrant=False)
+            if entropy == "value":
+                with torch.no_grad():
+                    outs = (outs[0], reduce(chunk.detach(), chunk_tokens, True)[1])
+        logps.append(outs[0])
+        if entropy != "none":
+            entropies.append(outs[1])
+    return torch.cat(logps), (torch.cat(entropies) if entropies else None)
+
+
+def logits_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, *, entropy: str = "value"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logprob of `tokens` (n, T) under softmax(logits / temperature) in fp32, and the entropy (see `_chunked`)."""
+    n, t, vocab = logits.shape
+    differentiable = torch.is_grad_enabled() and logits.requires_grad
+    logps, entropies = _chunked(logits.reshape(n * t, vocab), tokens.reshape(n * t), lambda x: x, temperature, entropy=entropy, differentiable=differentiable)
+    return logps.view(n, t), (entropies.view(n, t) if entropies is not None else None)
+
+
+def head_logprobs(
+    hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, temperature: float,
+    *, entropy: str = "value",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like `selected_logprobs(head(hidden), ...)` without ever holding head(hidden) for all positions.
+
+    `hidden` (n, T, H) are the final hidden states predicting `tokens` (n, T); `head` maps (m, H)
+    to (m, V) logits (the model's LM head). Gradients flow to `hidden` and the head's parameters.
+    """
+    n, t, size = hidden.shape
+    differentiable = torch.is_grad_enabled() and (hidden.requires_grad or _has_trainable_parameters(head))
+    logps, entropies = _chunked(hidden.reshape(n * t, size), tokens.reshape(n * t), head, temperature, entropy=entropy, differentiable=differentiable)
+    return logps.view(n, t), (entropies.view(n, t) if entropies is not None else None)
+
+
+def _has_trainable_parameters(head: Callable) -> bool:
+    module = getattr(head, "__self__", None)
+    return isinstance(module, torch.nn.Module) and any(p.requires_grad for p in module.parameters())
+
+
+# --- the model pass ------------------------------------------------------------------------------
+
+
+def length_buckets(lengths: list[int], max_rows: int | None, overhead: int = BUCKET_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Partition row indices into buckets of similar length minimising padded tokens + overhead per bucket.
+
+    Rows are sorted longest first; an exact dynamic programme over contiguous runs of that order
+    picks the cut points (n is a micro-batch, so O(n^2) is nothing). No bucket exceeds `max_rows`.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    n = len(order)
+    cap = max_rows or n
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of bucketing the first j rows of `order`
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(max(0, j - cap), j):  # bucket = order[i:j], its longest row is order[i]
+            cost = best[i] + (j - i) * lengths[order[i]] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j] : j])
+        j = cut[j]
+    return buckets[::-1]
 
 
 def completion_logprobs(
@@ -83,55 +159,145 @@ def completion_logprobs(
     completion_mask: torch.Tensor,  # (n, T) bool
     *,
     temperature: float,
-    rows_per_chunk: Optional[int] = None,
+    rows_per_chunk: int | None = None,
     with_entropy: bool = True,
     entropy_grad: bool = False,
     with_aux_loss: bool = False,
+    bucket_by_length: bool = True,
+    multimodal: Sequence[Any] | None = None,  # (n,) each row's multimodal.PromptImages or None (VLMs)
 ) -> TokenLogprobs:
     """Logprobs (n, T) of the completion tokens, their entropies (n, T) or None, the MoE aux loss or None.
 
-    Runs the model on `rows_per_chunk` rows at a time (all rows when None). The entropy is detached
-    unless `entropy_grad` (it is part of the objective only when the entropy bonus is on). With
-    `with_aux_loss` the model is asked for its router logits and returns its load-balancing loss
-    (averaged over chunks).
+    Runs the model on length buckets of at most `rows_per_chunk` rows (one bucket of all rows when
+    `bucket_by_length` is False). Positions beyond a row's completion hold 0. The entropy is detached
+    unless `entropy_grad`. With `with_aux_loss` the model returns its router load-balancing loss
+    (averaged over buckets).
     """
     n, completion_len = completion_ids.shape
-    if completion_len == 0:
-        empty = completion_ids.new_zeros((n, 0), dtype=torch.float32)
+    if completion_len == 0 or n == 0:
+        empty = completion_ids.new_zeros((n, completion_len), dtype=torch.float32)
         return TokenLogprobs(empty, empty if with_entropy else None, None)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + T)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-    positions = position_ids_from_mask(attention_mask)
-    chunk = rows_per_chunk or n
-    logps_parts, entropy_parts, aux_parts = [], [], []
-    for start in range(0, n, chunk):
-        rows = slice(start, start + chunk)
-        logits, aux = _completion_logits(model, input_ids[rows], attention_mask[rows], positions[rows], completion_len, with_aux_loss)
-        logps, entropy = selected_logprobs(logits, completion_ids[rows], temperature, entropy_grad=entropy_grad)
-        logps_parts.append(logps)
-        if with_entropy:
-            entropy_parts.append(entropy if entropy_grad else entropy.detach())
+    prompt_lens = prompt_mask.sum(dim=1).tolist()
+    completion_lens = completion_mask.sum(dim=1).tolist()
+    if bucket_by_length:
+        buckets = length_buckets([p + c for p, c in zip(prompt_lens, completion_lens)], rows_per_chunk)
+    else:
+        chunk = rows_per_chunk or n
+        buckets = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
+    entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
+    logps_parts, entropy_parts, aux_parts, order = [], [], [], []
+    for rows in buckets:
+        p = max(max(prompt_lens[r] for r in rows), 1)
+        t = max(max(completion_lens[r] for r in rows), 1)
+        index = torch.tensor(rows, device=prompt_ids.device)
+        images = {} if multimodal is None else forward_inputs(model, [multimodal[r] for r in rows], p, p + t, prompt_ids.device)
+        logps, entropy, aux = _bucket_logprobs(
+            model, prompt_ids[index, -p:], prompt_mask[index, -p:], completion_ids[index, :t], completion_mask[index, :t],
+            temperature, entropy=entropy_mode, with_aux_loss=with_aux_loss, extra=images,
+        )
+        logps_parts.append(F.pad(logps, (0, completion_len - t)))
+        if entropy is not None:
+            entropy_parts.append(F.pad(entropy, (0, completion_len - t)))
         if aux is not None:
             aux_parts.append(aux)
-        del logits
-    logps = torch.cat(logps_parts)
-    entropy = torch.cat(entropy_parts) if with_entropy else None
+        order.extend(rows)
+    inverse = torch.empty(n, dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(n)
+    inverse = inverse.to(prompt_ids.device)
+    logps = torch.cat(logps_parts)[inverse]
+    entropy = torch.cat(entropy_parts)[inverse] if with_entropy else None
     aux_loss = torch.stack(aux_parts).mean() if aux_parts else None
     return TokenLogprobs(logps, entropy, aux_loss)
 
 
-def _completion_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, completion_len: int,
-    with_aux_loss: bool = False,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Logits predicting each completion token (n, T, V), and the router aux loss if asked for."""
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+def _bucket_logprobs(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor, temperature: float, *, entropy: str, with_aux_loss: bool, extra: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    completion_len = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + T)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask), "use_cache": False,
+              **(extra or {})}
     if with_aux_loss:
         kwargs["output_router_logits"] = True
-    try:
-        output = model(**kwargs, logits_to_keep=completion_len + 1)
-    except TypeError:  # models without `logits_to_keep` return logits for every position
-        output = model(**kwargs)
+    head = separable_head(model)
+    with _capture_head_input(head) as captured:
+        output = _forward(model, kwargs, completion_len)
     aux = getattr(output, "aux_loss", None) if with_aux_loss else None
-    # The logit at position t predicts token t + 1: drop the last one, keep the T before it.
-    return output.logits[:, -(completion_len + 1) : -1, :], aux
+    # Position t predicts token t + 1: drop the last one, keep the T before it.
+    if head is not None:
+        hidden = captured[0][:, -(completion_len + 1) : -1, :]
+        logps, entropies = head_logprobs(hidden, head.forward, completion_ids, temperature, entropy=entropy)
+    else:
+        logits = output.logits[:, -(completion_len + 1) : -1, :]
+        logps, entropies = logits_logprobs(logits, completion_ids, temperature, entropy=entropy)
+    return logps, entropies, aux
+
+
+def _forward(model: torch.nn.Module, kwargs: dict, completion_len: int):
+    try:
+        return model(**kwargs, logits_to_keep=completion_len + 1)
+    except TypeError:  # models without `logits_to_keep` compute every position
+        return model(**kwargs)
+
+
+# --- applying the LM head ourselves --------------------------------------------------------------
+
+_SEPARABLE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def separable_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's LM head if logits == head(final hidden state) exactly, else None.
+
+    Checked once per model by comparing both paths on a short input, so models that post-process
+    logits (soft-capping, scaling) are recognised without a list of architectures. Sharded models
+    (FSDP, DeepSpeed ZeRO-3) gather the head's weight only inside their own forward: not separable.
+    """
+    inner = getattr(model, "module", model)  # DDP / accelerate wrappers
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None or type(model).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine"):
+        return None
+    weight = getattr(head, "weight", None)
+    if weight is None or hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor" or weight.dim() != 2:
+        return None
+    if model not in _SEPARABLE:
+        _SEPARABLE[model] = _head_reproduces_logits(model, head)
+    return head if _SEPARABLE[model] else None
+
+
+@torch.no_grad()
+def _head_reproduces_logits(model: torch.nn.Module, head: torch.nn.Module) -> bool:
+    probe = torch.arange(1, 5, device=head.weight.device).unsqueeze(0) % head.weight.shape[0]
+    kwargs = {"input_ids": probe, "attention_mask": torch.ones_like(probe), "use_cache": False}
+    try:
+        with _capture_head_input(head) as captured:
+            _forward(model, kwargs, 2)
+        expected = _forward(model, kwargs, 2).logits.float()
+        return torch.allclose(head(captured[0]).float(), expected, rtol=1e-4, atol=1e-4)
+    except Exception:  # any model that cannot run this probe keeps the plain path
+        return False
+
+
+@contextlib.contextmanager
+def _capture_head_input(head: torch.nn.Module | None) -> Iterator[list]:
+    """Within the block, the model's head records its input and returns an empty (…, 0) logits tensor."""
+    captured: list[torch.Tensor] = []
+    if head is None:
+        yield captured
+        return
+
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        captured.append(hidden)
+        return hidden[..., :0]
+
+    own = head.__dict__.get("forward")  # an instance-level forward (e.g. the fp32 head) is kept and restored
+    head.forward = record
+    try:
+        yield captured
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own

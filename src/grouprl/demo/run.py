@@ -4,7 +4,8 @@ The bundled model (`grouprl/demo/tiny_arith`, recipe in `grouprl.demo.model`) wa
 addition problems whose shown answers are right only ~40% of the time, so it knows the format but
 samples the right sum rarely. GRPO with the verifiable `arithmetic_reward` (1 if the sum is right)
 should raise its sampled accuracy within a couple of minutes on a laptop CPU. The demo measures
-held-out accuracy before and after, and writes metrics.jsonl, reward_curve.png and summary.json.
+held-out accuracy before and after, and writes metrics.jsonl, reward_curve.png, summary.json and
+the run report (report/index.html, as `grouprl report` writes it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def run_demo(args: Any) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..config import GRPOConfig
+    from ..report import write_report
     from ..trainer import GRPOTrainer
     from .model import DEMO_MODEL_DIR, HELDOUT_SEED, sampled_accuracy
     from .task import arithmetic_reward, make_arithmetic_dataset
@@ -66,6 +68,8 @@ def run_demo(args: Any) -> dict[str, Any]:
         logging_steps=5,
         logging_first_step=True,
         save_strategy="no",
+        log_completions=True,  # sampled completions for the run report, not printed (num_completions_to_print=0)
+        num_completions_to_print=0,
         gradient_checkpointing=False,  # a 0.5M-parameter model: activations are tiny, recomputing them costs time
         report_to="none",
         seed=args.seed,
@@ -86,11 +90,13 @@ def run_demo(args: Any) -> dict[str, Any]:
     with open(os.path.join(args.output_dir, "summary.json"), "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2)
     plot = plot_reward_curve(os.path.join(args.output_dir, "metrics.jsonl"), os.path.join(args.output_dir, "reward_curve.png"))
+    report = write_report(args.output_dir)
     print(
         f"grouprl demo: held-out sampled accuracy {before:.3f} -> {after:.3f} after {summary['steps']} GRPO steps "
         f"({summary['seconds']} s)\n"
         f"  metrics (JSON lines): {os.path.join(args.output_dir, 'metrics.jsonl')}\n"
         f"  reward curve:         {plot}\n"
+        f"  run report (HTML):    {report.html}\n"
         f"  summary:              {os.path.join(args.output_dir, 'summary.json')}\n"
         f"  trained model:        {os.path.join(args.output_dir, 'model')}",
         flush=True,

@@ -18,6 +18,9 @@ from ..types import Completion, PromptBatch, SamplingParams
 
 def generate_on_main_process(backend: Any, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:
     """This process's completions (row order of `prompts`), sampled by the main process for everyone."""
+    if prompts.multimodal is not None:
+        raise NotImplementedError(f"{type(backend).__name__} samples text prompts only; prompts with images need an in-process "
+                                  "backend (generation_engine='auto' or 'transformers').")
     state = PartialState()
     local = list(zip(prompts.group_ids, prompts.prompt_ids, prompts.num_samples))
     everyone = gather_objects(local)  # [process] -> [(group id, prompt ids, samples wanted here)]

@@ -7,7 +7,8 @@ them) until the longest sequence ends. GRPO's batches are exactly the case where
 samples of the same prompt, with lengths that vary widely. This engine:
 
 1. prefills the B distinct prompts once (left-padded, positions from the attention mask) and
-   repeats the KV cache rows G times (`share_prefix=True`);
+   decodes all B * G rows against that one prompt cache (`share_prefix=True`, shared_prefix.py;
+   models whose attention it cannot reproduce get the prompt cache repeated G times instead);
 2. samples with the same processing as transformers (`sampling.py`) and records each sampled
    token's logprob under the processed distribution;
 3. drops rows from the KV cache and the decode batch as soon as they emit an EOS.
@@ -29,6 +30,7 @@ from ..algorithms.logprobs import position_ids_from_mask
 from ..types import Completion, SamplingParams
 from .protocol import left_pad
 from .sampling import process_logits, sample_tokens
+from .shared_prefix import SharedPrefixCache, decoding, matches_standard_attention
 
 SUPPORTED_EXTRA = {"min_new_tokens"}
 
@@ -89,14 +91,20 @@ class FastGenerator:
     def _sample(self, prompt_ids: list[list[int]], g: int, params: SamplingParams, device: torch.device) -> tuple[list[list[int]], list[list[float]]]:
         ids, mask = left_pad(prompt_ids, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
+        shared = self.share_prefix and matches_standard_attention(self.model)
         if not self.share_prefix:
             ids, mask = ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
-        cache = DynamicCache(config=self.model.config)
+        prefill = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         past_key_values=prefill, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]  # (B or B*G, V)
+        if shared:  # the prompt's keys/values stay once per prompt (shared_prefix.py)
+            cache = SharedPrefixCache(prefill, mask, g, params.max_new_tokens)
+        else:
+            cache = prefill
         if self.share_prefix:
-            cache.batch_repeat_interleave(g)
+            if not shared:
+                cache.batch_repeat_interleave(g)
             logits, ids, mask = logits.repeat_interleave(g, 0), ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
 
         rows = ids.shape[0]
@@ -107,6 +115,7 @@ class FastGenerator:
         out_logprobs: list[list[float]] = [[] for _ in range(rows)]
         eos = torch.tensor(self.eos_token_ids, device=device)
         min_new = int(params.extra.get("min_new_tokens", 0))
+        track_history = params.repetition_penalty != 1.0
         self.decode_batch_sizes = []
         for step in range(params.max_new_tokens):
             self.decode_batch_sizes.append(len(active))
@@ -127,14 +136,22 @@ class FastGenerator:
                 break
             if not bool(alive.all()):  # drop finished rows from the cache and every per-row tensor
                 keep = alive.nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
+                if shared:
+                    cache.select_rows(keep)
+                else:
+                    cache.batch_select_indices(keep)
                 active, next_tokens, mask, positions = active[keep], next_tokens[keep], mask[keep], positions[keep]
                 history, history_mask = history[keep], history_mask[keep]
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-            history = torch.cat([history, next_tokens[:, None]], dim=1)
-            history_mask = torch.cat([history_mask, history_mask.new_ones((len(active), 1))], dim=1)
-            out = self.model(input_ids=next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
-                             past_key_values=cache, use_cache=True)
+            if track_history:
+                history = torch.cat([history, next_tokens[:, None]], dim=1)
+                history_mask = torch.cat([history_mask, history_mask.new_ones((len(active), 1))], dim=1)
+            if shared:
+                with decoding(self.model, cache):
+                    out = self.model(input_ids=next_tokens[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True)
+            else:
+                mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+                out = self.model(input_ids=next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
+                                 past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1]
             positions = positions + 1
         return out_tokens, out_logprobs

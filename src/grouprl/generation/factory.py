@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from ..multimodal import image_token_ids
 from .engine import FastGenerator, engine_supports
 from .hf import TransformersGenerator
 from .protocol import GenerationBackend
@@ -32,7 +33,8 @@ def build_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[in
     if args.generation_engine == "engine" and reason:
         raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
     if args.generation_engine == "transformers" or reason:
-        return TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation)
+        return TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation,
+                                     suppress_token_ids=image_token_ids(model.config))
     return FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id)
 
 

@@ -1,11 +1,18 @@
-"""Reference generation backend: `transformers` `generate` with sampling."""
+"""Reference generation backend: `transformers` `generate` with sampling.
+
+It also serves vision-language models: prompts with images come with their processed images
+(`multimodal=`), and image placeholder tokens are never sampled (TRL suppresses them too: a
+sampled placeholder has no image features behind it, and the training forward would fail).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ..multimodal import collate
 from ..types import Completion, SamplingParams
 from .protocol import cut_at_eos, left_pad
 
@@ -13,23 +20,33 @@ from .protocol import cut_at_eos, left_pad
 class TransformersGenerator:
     """Samples with `model.generate` on the training model itself (no weight copy, no sync)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], pad_token_id: int, cache_implementation: str | None = None):
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], pad_token_id: int, cache_implementation: str | None = None,
+                 suppress_token_ids: Sequence[int] = ()):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.cache_implementation = cache_implementation
+        self.suppress_token_ids = list(suppress_token_ids)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, multimodal: list[Any] | None = None) -> list[Completion]:
+        """`multimodal`: (prompts,) each prompt's `multimodal.PromptImages` or None."""
         if not prompt_ids:
             return []
         device = next(self.model.parameters()).device
+        return_sequences = num_samples
+        if multimodal is not None:
+            # One row per sample, each with its prompt's own images: generate's num_return_sequences
+            # repeats image tensors per image, which pairs some models' multi-image prompts with the wrong images.
+            prompt_ids = [ids for ids in prompt_ids for _ in range(num_samples)]
+            multimodal, return_sequences = [m for m in multimodal for _ in range(num_samples)], 1
         input_ids, attention_mask = left_pad(prompt_ids, self.pad_token_id)
         width = input_ids.shape[1]
+        images = {k: v.to(device) for k, v in collate(multimodal, width, width).items()} if multimodal is not None else {}
         kwargs: dict[str, Any] = dict(
             do_sample=True,
             max_new_tokens=params.max_new_tokens,
@@ -38,25 +55,27 @@ class TransformersGenerator:
             top_k=params.top_k,  # 0 disables; None would fall back to generation_config's 50
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
-            num_return_sequences=num_samples,
+            num_return_sequences=return_sequences,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             use_cache=True,
         )
         if self.cache_implementation is not None:
             kwargs["cache_implementation"] = self.cache_implementation
+        if self.suppress_token_ids:
+            kwargs["suppress_tokens"] = self.suppress_token_ids
         kwargs.update(params.extra)
         was_training = self.model.training
         self.model.eval()  # generation needs the KV cache, which gradient checkpointing turns off in train mode
         try:
-            output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
+            output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **images, **kwargs)
         finally:
             self.model.train(was_training)
         sequences = output.sequences if hasattr(output, "sequences") else output
         new_tokens = sequences[:, width:].tolist()
-        if len(new_tokens) != len(prompt_ids) * num_samples:
+        if len(new_tokens) != len(prompt_ids) * return_sequences:
             raise RuntimeError(
-                f"transformers generate returned {len(new_tokens)} sequences for {len(prompt_ids)} prompts x {num_samples} samples; "
+                f"transformers generate returned {len(new_tokens)} sequences for {len(prompt_ids)} prompt rows x {return_sequences} samples; "
                 "check generation_kwargs (num_return_sequences / num_beams)."
             )
         eos = set(self.eos_token_ids)

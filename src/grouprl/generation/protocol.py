@@ -26,7 +26,11 @@ class GenerationBackend(Protocol):
     #     still called on every process (gathering sharded weights is collective).
 
     def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
-        """Sample `num_samples` completions for each prompt; return them prompt-major (len = prompts x num_samples)."""
+        """Sample `num_samples` completions for each prompt; return them prompt-major (len = prompts x num_samples).
+
+        Backends that serve vision-language models also take `multimodal=` (prompts,): each prompt's
+        `multimodal.PromptImages` or None; it is passed only when some prompt has images.
+        """
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> None:

@@ -33,6 +33,8 @@ from transformers.utils import logging
 
 logger = logging.get_logger("grouprl")
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 
 class RewardFunctionError(ValueError):
     """A reward function failed or returned something that is not one number (or None) per completion."""
@@ -199,10 +201,10 @@ def _check_output(name: str, values: Any, n: int, prompts: list[Any]) -> torch.T
                 f"Reward function '{name}' returned {value!r} ({type(value).__name__}) for row {row} "
                 f"(prompt: {_short(prompts[row])}); rewards must be numbers or None."
             )
-        if not math.isfinite(float(value)):
+        if not math.isfinite(float(value)) or abs(float(value)) > FLOAT32_MAX:  # rewards are stored as float32
             raise RewardFunctionError(
                 f"Reward function '{name}' returned {value} for row {row} (prompt: {_short(prompts[row])}); "
-                "rewards must be finite. Return None if the function does not apply to a completion."
+                "rewards must be finite float32 numbers (|reward| <= 3.4e38). Return None if the function does not apply to a completion."
             )
         result[row] = float(value)
     return result

@@ -1,0 +1,166 @@
+"""Decode attention that reads each prompt's KV cache once for all G samples of its group.
+
+GRPO decodes G samples of every prompt at once. With a regular KV cache each sample holds its own
+copy of the prompt's keys and values, and every decode step reads (and, with a growing cache,
+copies) R = B * G copies of them: on a CPU that memory traffic, not the matmuls, is most of a step
+(W2's ~400-token shared prompt). Here the cache keeps
+
+- the prompt part once per prompt: (B, kv_heads, P, head_dim), with its padding mask (B, P);
+- the sampled part per row, in a buffer allocated once for all new tokens: (R, kv_heads, N, head_dim),
+
+and attention over the two parts is one softmax: scores against the prompt part are computed per
+prompt for all its rows' queries together (a batched matmul over B, rows of a prompt gathered into
+G slots), scores against the row's own tokens per row, then normalised jointly. Rows that finish
+leave the buffer (`select_rows`); their slot in the per-prompt grid simply stays empty.
+
+The attention function is registered with transformers' AttentionInterface and switched on only for
+the decode steps (`decoding`). `matches_standard_attention` checks a model once: architectures whose
+attention layers do something this does not (sliding windows, sinks, soft-capping) fail the check
+and keep the regular cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from ..algorithms.logprobs import position_ids_from_mask
+
+NAME = "grouprl_shared_prefix"
+_ACTIVE: contextvars.ContextVar[SharedPrefixCache | None] = contextvars.ContextVar("grouprl_shared_prefix_cache", default=None)
+
+
+class SharedPrefixCache:
+    """Prompt keys/values once per prompt, sampled-token keys/values per row (see the module doc)."""
+
+    is_compileable = False
+
+    def __init__(self, prefill: DynamicCache, prompt_mask: torch.Tensor, samples_per_prompt: int, max_new_tokens: int):
+        self.prefix_keys = [layer.keys for layer in prefill.layers]  # each (B, KVH, P, D)
+        self.prefix_values = [layer.values for layer in prefill.layers]
+        self.prefix_mask = prompt_mask.bool()  # (B, P)
+        prompts, g = prompt_mask.shape[0], samples_per_prompt
+        device = prompt_mask.device
+        self.row_prompt = torch.arange(prompts, device=device).repeat_interleave(g)  # (R,) prompt of each row
+        self.row_slot = torch.arange(prompts * g, device=device) % g  # (R,) its place among the prompt's rows
+        self.slots = g
+        kvh, d = self.prefix_keys[0].shape[1], self.prefix_keys[0].shape[3]
+        dtype = self.prefix_keys[0].dtype
+        self.keys = [torch.empty(prompts * g, kvh, max_new_tokens, d, dtype=dtype, device=device) for _ in self.prefix_keys]
+        self.values = [torch.empty_like(k) for k in self.keys]
+        self.lengths = [0] * len(self.keys)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store one new token per row (key_states: (R, KVH, 1, D)); attention reads the buffers itself."""
+        t = self.lengths[layer_idx]
+        self.keys[layer_idx][:, :, t] = key_states[:, :, 0]
+        self.values[layer_idx][:, :, t] = value_states[:, :, 0]
+        self.lengths[layer_idx] = t + 1
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.prefix_mask.shape[1] + self.lengths[layer_idx]
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` (indices into the current rows)."""
+        self.row_prompt, self.row_slot = self.row_prompt[keep], self.row_slot[keep]
+        self.keys = [k[keep] for k in self.keys]
+        self.values = [v[keep] for v in self.values]
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query (R, H, 1, D) -> attention output (R, 1, H, D) over the row's prompt and its own tokens."""
+        rows, heads, _, d = query.shape
+        prefix_k, prefix_v = self.prefix_keys[layer_idx], self.prefix_values[layer_idx]
+        prompts, kvh, p, _ = prefix_k.shape
+        rep, g, t = heads // kvh, self.slots, self.lengths[layer_idx]
+        q = query.reshape(rows, kvh, rep, d)
+        # Against the prompt: place each row's query in its prompt's grid, one batched matmul per prompt.
+        grid = q.new_zeros(prompts, g, kvh, rep, d)
+        grid[self.row_prompt, self.row_slot] = q
+        grid = grid.permute(0, 2, 1, 3, 4).reshape(prompts, kvh, g * rep, d)
+        prefix_scores = torch.matmul(grid, prefix_k.transpose(-1, -2)) * scaling  # (B, KVH, G*rep, P)
+        prefix_scores = prefix_scores.masked_fill(~self.prefix_mask[:, None, None, :], float("-inf"))
+        prefix_scores = prefix_scores.view(prompts, kvh, g, rep, p).permute(0, 2, 1, 3, 4)[self.row_prompt, self.row_slot]
+        # Against the row's own sampled tokens.
+        own_k, own_v = self.keys[layer_idx][:, :, :t], self.values[layer_idx][:, :, :t]
+        own_scores = torch.matmul(q, own_k.transpose(-1, -2)) * scaling  # (R, KVH, rep, t)
+        peak = torch.maximum(prefix_scores.amax(dim=-1, keepdim=True), own_scores.amax(dim=-1, keepdim=True))
+        prefix_weights, own_weights = (prefix_scores - peak).exp(), (own_scores - peak).exp()
+        total = prefix_weights.sum(dim=-1, keepdim=True) + own_weights.sum(dim=-1, keepdim=True)
+        weight_grid = q.new_zeros(prompts, g, kvh, rep, p)
+        weight_grid[self.row_prompt, self.row_slot] = prefix_weights
+        weight_grid = weight_grid.permute(0, 2, 1, 3, 4).reshape(prompts, kvh, g * rep, p)
+        prefix_out = torch.matmul(weight_grid, prefix_v).view(prompts, kvh, g, rep, d).permute(0, 2, 1, 3, 4)
+        out = (prefix_out[self.row_prompt, self.row_slot] + torch.matmul(own_weights, own_v)) / total  # (R, KVH, rep, D)
+        return out.reshape(rows, 1, heads, d)
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
+    cache = _ACTIVE.get()
+    if cache is None or query.shape[2] != 1 or sliding_window is not None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("shared-prefix attention serves single-token decode steps of full-attention layers only")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return cache.attend(module.layer_idx, query, scale), None
+
+
+AttentionInterface.register(NAME, shared_prefix_attention)
+
+
+@contextlib.contextmanager
+def decoding(model: torch.nn.Module, cache: SharedPrefixCache) -> Iterator[None]:
+    """Within the block, `model`'s attention layers use `cache` through shared_prefix_attention."""
+    config = model.config
+    previous = config._attn_implementation
+    token = _ACTIVE.set(cache)
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+        _ACTIVE.reset(token)
+
+
+_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def matches_standard_attention(model: torch.nn.Module) -> bool:
+    """Whether decoding with SharedPrefixCache reproduces the model's own attention (checked once per model)."""
+    if model not in _VERIFIED:
+        _VERIFIED[model] = _probe(model)
+    return _VERIFIED[model]
+
+
+@torch.no_grad()
+def _probe(model: torch.nn.Module) -> bool:
+    """Two left-padded prompts, 2 samples each, 3 decode steps: compare logits with a regular cache."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = next(model.parameters()).device
+    ids = torch.tensor([[0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], device=device)
+    steps = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], device=device) % vocab  # tokens fed per step
+    try:
+        reference = DynamicCache(config=model.config)
+        model(input_ids=ids.repeat_interleave(2, 0), attention_mask=mask.repeat_interleave(2, 0),
+              position_ids=position_ids_from_mask(mask).repeat_interleave(2, 0), past_key_values=reference, use_cache=True)
+        prefill = DynamicCache(config=model.config)
+        model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), past_key_values=prefill, use_cache=True)
+        shared = SharedPrefixCache(prefill, mask, 2, steps.shape[0])
+        full_mask = mask.repeat_interleave(2, 0)
+        positions = full_mask.sum(dim=1)
+        for step in steps:
+            full_mask = torch.cat([full_mask, full_mask.new_ones(4, 1)], dim=1)
+            kwargs = {"input_ids": step[:, None], "position_ids": positions[:, None], "use_cache": True}
+            expected = model(**kwargs, attention_mask=full_mask, past_key_values=reference).logits
+            with decoding(model, shared):
+                got = model(**kwargs, past_key_values=shared).logits
+            if not torch.allclose(got.float(), expected.float(), rtol=1e-3, atol=1e-4):
+                return False
+            positions = positions + 1
+        return True
+    except Exception:  # noqa: BLE001 - any architecture this cannot serve keeps the regular cache
+        return False

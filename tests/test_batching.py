@@ -1,0 +1,25 @@
+"""Length-grouped micro-batches: hand-checked regrouping and when it is exact."""
+
+import torch
+
+from grouprl.batching import length_grouped, regrouping_is_exact
+
+
+def test_rows_are_sorted_by_length_within_each_optimizer_step_only():
+    lengths = torch.tensor([5, 50, 7, 40, 30, 6, 60, 8])
+    parts = [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4, 5]), torch.tensor([6, 7])]
+    # GA = 2: steps are parts (0, 1) and (2, 3); rows never cross a step boundary.
+    got = length_grouped(parts, lengths, grad_accum_steps=2)
+    assert [p.tolist() for p in got] == [[1, 3], [2, 0], [6, 4], [7, 5]]
+    # GA = 1: every part is its own step: nothing moves.
+    assert [p.tolist() for p in length_grouped(parts, lengths, grad_accum_steps=1)] == [p.tolist() for p in parts]
+    # A step spanning two generations (GA = 4, 2 parts per generation): the generation's parts regroup together.
+    got = length_grouped(parts[:2], lengths, grad_accum_steps=4)
+    assert [p.tolist() for p in got] == [[1, 3], [2, 0]]
+
+
+def test_regrouping_is_exact_only_where_row_weights_ignore_the_micro_batch():
+    assert regrouping_is_exact("dapo", 1.0, [3, 2])  # global token denominator: sizes may differ
+    assert regrouping_is_exact("grpo", 1.0, [2, 2]) and not regrouping_is_exact("grpo", 1.0, [3, 2])
+    assert not regrouping_is_exact("bnpo", 1.0, [2, 2])  # per-micro-batch token mean
+    assert not regrouping_is_exact("dapo", 0.8, [2, 2])  # per-micro-batch entropy quantile

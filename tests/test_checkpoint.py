@@ -1,0 +1,112 @@
+"""Crash-safe checkpoints: SIGKILL in the middle of a save, then an exact resume; rotation; leftovers."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from checkpoint_run import make_trainer
+from helpers import max_difference, parameters
+from transformers import AutoModelForCausalLM, TrainerState
+
+import grouprl
+from grouprl import checkpoint
+from grouprl.checkpoint import latest_checkpoint, list_checkpoints, resolve_resume_path, save_checkpoint
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def saved_weights(path):
+    return parameters(AutoModelForCausalLM.from_pretrained(path))
+
+
+def test_sigkill_while_saving_then_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path):
+    full = make_trainer(tiny_model_dir, tmp_path / "full")
+    full.train()
+
+    out = tmp_path / "killed"
+    source = os.path.dirname(os.path.dirname(os.path.abspath(grouprl.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, source, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}  # same threads, same floating-point sums as this process
+    child = subprocess.Popen([sys.executable, os.path.join(TESTS, "train_until_killed.py"), str(tiny_model_dir), str(out), "4"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not (out / "saving").exists():  # the child is inside checkpoint-4's save, weights written, the rest not yet
+        if child.poll() is not None or time.time() > deadline:
+            child.kill()
+            pytest.fail(f"the training subprocess never reached the save of step 4:\n{child.communicate()[0].decode()[-3000:]}")
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.communicate()
+    assert child.returncode == -signal.SIGKILL
+    assert sorted(os.listdir(out)) == [".tmp-checkpoint-4", "checkpoint-2", "metrics.jsonl", "saving"]
+    assert os.path.exists(out / ".tmp-checkpoint-4" / "model.safetensors")  # killed half-way through the save
+    assert latest_checkpoint(str(out)) == str(out / "checkpoint-2")  # the previous checkpoint is the one to resume
+
+    resumed = make_trainer(tiny_model_dir, out)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6
+    assert max_difference(parameters(full.model), parameters(resumed.model)) == 0.0
+    assert max_difference(saved_weights(tmp_path / "full" / "checkpoint-4"), saved_weights(out / "checkpoint-4")) == 0.0
+    assert not [name for name in os.listdir(out) if name.startswith(".")]  # the killed save's leftovers are gone
+
+
+class TinyModel(torch.nn.Linear):
+    def save_pretrained(self, path, **kwargs):
+        torch.save(self.state_dict(), os.path.join(path, "model.pt"))
+
+
+def tiny_state():
+    model = TinyModel(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return dict(model=model, tokenizer=None, optimizer=optimizer, scheduler=scheduler, trainer_state=TrainerState(), loop_state={})
+
+
+def steps_of(output_dir):
+    return [int(path.rsplit("-", 1)[1]) for path in list_checkpoints(str(output_dir))]
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path, caplog):
+    parts = tiny_state()
+    for step in (2, 4, 6):
+        save_checkpoint(str(tmp_path), step, **parts, save_total_limit=2)
+    assert steps_of(tmp_path) == [4, 6]
+    # resumed from an older checkpoint: the new checkpoint-3 is kept although higher steps exist
+    save_checkpoint(str(tmp_path), 3, **parts, save_total_limit=2)
+    assert steps_of(tmp_path) == [3, 6]
+    assert "checkpoint-6 has a higher step than the checkpoint-3 just written" in caplog.text
+    save_checkpoint(str(tmp_path), 5, **parts, save_total_limit=1)
+    assert steps_of(tmp_path) == [5]
+
+
+def test_kill_while_deleting_an_old_checkpoint_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    parts = tiny_state()
+    save_checkpoint(str(tmp_path), 2, **parts)
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def dies_mid_delete(path, *args, **kwargs):
+        if os.path.basename(path).startswith(checkpoint.DELETING_PREFIX):
+            os.remove(os.path.join(path, checkpoint.TRAINING_STATE))  # part of the files are gone, then the process dies
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", dies_mid_delete)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(str(tmp_path), 4, **parts, save_total_limit=1)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    assert steps_of(tmp_path) == [4]  # the half-deleted checkpoint-2 is not a checkpoint any more
+    assert resolve_resume_path(True, str(tmp_path)) == str(tmp_path / "checkpoint-4")
+    save_checkpoint(str(tmp_path), 6, **parts, save_total_limit=2)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-6"]  # leftovers removed by the next save
+
+
+def test_incomplete_directories_are_not_checkpoints(tmp_path):
+    save_checkpoint(str(tmp_path), 2, **tiny_state())
+    os.makedirs(tmp_path / "checkpoint-8")  # no completion marker (copied half-way, or another tool's)
+    assert resolve_resume_path(True, str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    with pytest.raises(ValueError, match="checkpoint-8' is not a complete grouprl checkpoint"):
+        resolve_resume_path(str(tmp_path / "checkpoint-8"), str(tmp_path))

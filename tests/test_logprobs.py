@@ -1,0 +1,115 @@
+"""Chunked LM-head logprobs and length buckets: equal to the naive full-logits computation."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+import grouprl.algorithms.logprobs as lp
+
+
+def naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
+    """One forward over the whole padded batch, full (n, L, V) logits, plain log_softmax."""
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1).long()
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=lp.position_ids_from_mask(mask)).logits
+    logits = logits[:, prompt_ids.shape[1] - 1 : -1].float() / temperature
+    logp_all = logits.log_softmax(-1)
+    logps = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logps * completion_mask, entropy * completion_mask
+
+
+def ragged_batch(vocab, seed=0):
+    """6 rows: prompts of 2..7 tokens (left-padded), completions of 1..9 tokens (right-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens, completion_lens = [2, 7, 3, 5, 7, 4], [9, 1, 4, 9, 2, 6]
+    n, p, t = 6, max(prompt_lens), max(completion_lens)
+    prompt_ids = torch.randint(1, vocab, (n, p), generator=g)
+    completion_ids = torch.randint(1, vocab, (n, t), generator=g)
+    prompt_mask = torch.arange(p).flip(0).unsqueeze(0) < torch.tensor(prompt_lens).unsqueeze(1)
+    completion_mask = torch.arange(t).unsqueeze(0) < torch.tensor(completion_lens).unsqueeze(1)
+    return prompt_ids * prompt_mask, prompt_mask, completion_ids * completion_mask, completion_mask
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+def parameter_grads(model, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(loss, params, allow_unused=True)
+
+
+@pytest.mark.parametrize("bucket_by_length", [True, False])
+def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypatch, bucket_by_length):
+    batch = ragged_batch(model.config.vocab_size)
+    weights = torch.randn(batch[2].shape, generator=torch.Generator().manual_seed(1))
+    expected_logps, expected_entropy = naive_logprobs(model, *batch, 0.7)
+    expected_grads = parameter_grads(model, (expected_logps * weights).sum() + expected_entropy.sum())
+
+    head = model.get_output_embeddings()
+    seen = []
+    real_forward = head.forward
+    monkeypatch.setattr(head, "forward", lambda x: seen.append(x.shape[0]) or real_forward(x))
+    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", model.config.vocab_size * 4)  # 4 positions per chunk
+    lp._SEPARABLE.clear()
+    out = lp.completion_logprobs(model, *batch, temperature=0.7, entropy_grad=True, bucket_by_length=bucket_by_length)
+    assert lp.separable_head(model) is head
+    masked_logps, masked_entropy = out.logprobs * batch[3], out.entropy * batch[3]
+    assert torch.allclose(masked_logps, expected_logps, atol=1e-5)
+    assert torch.allclose(masked_entropy, expected_entropy, atol=1e-4)
+    grads = parameter_grads(model, (masked_logps * weights).sum() + masked_entropy.sum())
+    for got, want in zip(grads, expected_grads):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-3)
+    # The head only ever saw chunks of <= 4 positions (the probe uses 3): no (rows, tokens, vocab) logits.
+    assert seen and max(seen) <= 4
+
+
+def test_head_path_holds_no_full_logits_in_memory(tiny_model_dir, monkeypatch):
+    """Autograd keeps the hidden states, not fp32 logits: saved tensors shrink by about vocab/hidden."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = ragged_batch(model.config.vocab_size)
+
+    def saved_bytes(separable: bool) -> int:
+        lp._SEPARABLE.clear()
+        if not separable:
+            lp._SEPARABLE[model] = False
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp.completion_logprobs(model, *batch, temperature=1.0, bucket_by_length=False)
+        return total
+
+    assert saved_bytes(True) < saved_bytes(False)
+
+
+def test_models_that_post_process_logits_use_the_plain_path():
+    """Gemma2 soft-caps its logits after the head: the one-time probe must notice and fall back."""
+    config = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # logits far beyond the cap, so capping changes them
+    assert lp.separable_head(model) is None
+    batch = ragged_batch(64)
+    out = lp.completion_logprobs(model, *batch, temperature=1.0)
+    expected, _ = naive_logprobs(model, *batch, 1.0)
+    assert torch.allclose(out.logprobs * batch[3], expected, atol=1e-5)
+
+
+def test_length_buckets_minimise_padding_plus_overhead():
+    # Two clear length clusters: with a small per-bucket overhead they are split, longest first.
+    assert lp.length_buckets([100, 10, 98, 12, 11, 99], max_rows=None, overhead=5) == [[0, 5, 2], [3, 4, 1]]
+    # A large overhead makes one bucket cheaper than two.
+    assert lp.length_buckets([100, 10, 98, 12, 11, 99], max_rows=None, overhead=1000) == [[0, 5, 2, 3, 4, 1]]
+    # max_rows caps every bucket.
+    capped = lp.length_buckets([5] * 7, max_rows=3, overhead=1)
+    assert len(capped) == 3 and max(len(b) for b in capped) == 3 and sorted(sum(capped, [])) == list(range(7))

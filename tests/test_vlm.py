@@ -1,0 +1,301 @@
+"""Vision-language models: image prompts through the processor, padding-proof batching, generation, training.
+
+Two architectures, built locally (tests/vlm_models.py): Qwen2-VL (M-RoPE positions from image grids,
+per-token mm_token_type_ids, pixel patches) and LLaVA (CLIP vision tower, 1-D positions, one pixel
+tensor per image).
+"""
+
+import io
+import math
+import os
+
+import datasets
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from vlm_models import image, save_tiny_llava, sharpen, tiny_llava, tiny_qwen2_vl
+
+from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.algorithms.logprobs import completion_logprobs
+from grouprl.data import PromptTokenizer
+from grouprl.generation.hf import TransformersGenerator
+from grouprl.generation.protocol import left_pad
+from grouprl.multimodal import (
+    MultimodalPromptTokenizer,
+    PromptImages,
+    attach_images,
+    collate,
+)
+from grouprl.rollout import pack_rollout
+from grouprl.types import Completion, PromptBatch, Rollout, SamplingParams
+
+BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava}
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def encoder(processor):
+    return MultimodalPromptTokenizer(processor, max_context=None, max_completion_length=8)
+
+
+# ---- data: images into messages, processor outputs per prompt -------------------------------------------
+
+
+def test_attach_images_puts_them_before_the_first_user_text_and_fills_empty_blocks():
+    a, b = image(1), image(2)
+    messages = [{"role": "system", "content": "be brief"}, *user("what is this?"), {"role": "assistant", "content": "ok"}, *user("and?")]
+    prepared = attach_images(messages, [a, b], row=0)
+    assert prepared[0]["content"] == [{"type": "text", "text": "be brief"}]
+    assert prepared[1]["content"] == [{"type": "image", "image": a}, {"type": "image", "image": b}, {"type": "text", "text": "what is this?"}]
+    assert prepared[3]["content"] == [{"type": "text", "text": "and?"}]  # only the first user message gets the images
+    assert messages[1]["content"] == "what is this?"  # the dataset's messages are left alone
+    placed = attach_images([{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image"}]}], [a], row=0)
+    assert placed[0]["content"][1] == {"type": "image", "image": a}
+    with pytest.raises(ValueError, match=r"Row 7: 2 image\(s\) .* but 1 empty image block"):
+        attach_images([{"role": "user", "content": [{"type": "image"}]}], [a, b], row=7)
+    with pytest.raises(ValueError, match="Row 3: message 0 has role 'robot'"):
+        attach_images([{"role": "robot", "content": "x"}], [], row=3)
+
+
+def test_processor_encodes_each_prompt_once_with_its_image_inputs():
+    model, processor = tiny_qwen2_vl()
+    # 4x4-pixel patches merged 2x2: a 16x16 image is 16 patches and 4 image tokens, a 16x24 one 24 and 6.
+    prompt, ids, inputs = encoder(processor).encode_row({"prompt": user("hi"), "images": [image(0), image(1, 16, 24)]}, 0)
+    image_id = model.config.image_token_id
+    assert [block["type"] for block in prompt[0]["content"]] == ["image", "image", "text"]  # what reward functions see (TRL)
+    assert sum(t == image_id for t in ids) == 10
+    assert inputs.per_image["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]
+    assert inputs.per_image["pixel_values"].shape[0] == 16 + 24
+    assert inputs.per_token["mm_token_type_ids"].tolist() == [int(t == image_id) for t in ids]
+    text_only = encoder(processor).encode_row({"prompt": user("hi"), "images": []}, 0)
+    assert text_only[0] == user("hi") and text_only[2] is None and image_id not in text_only[1]
+    with pytest.raises(ValueError, match="Row 5 has images but a plain-string prompt"):
+        encoder(processor).encode_row({"prompt": "hi", "image": image(0)}, 5)
+    with pytest.raises(ValueError, match="Row 2 has images but the prompts are tokenized by a tokenizer"):
+        PromptTokenizer(processor.tokenizer, max_context=None, max_completion_length=8).encode_row({"prompt": user("x"), "image": image(0)}, 2)
+
+
+def test_collate_left_aligns_per_token_fields_with_the_prompt_and_concatenates_image_fields():
+    a = PromptImages(per_token={"types": torch.tensor([0, 1, 1])}, per_image={"pixels": torch.ones(2, 3)})
+    b = PromptImages(per_token={"types": torch.tensor([1, 0])}, per_image={"pixels": torch.zeros(1, 3)})
+    batched = collate([a, None, b], prompt_width=4, total_width=6)  # prompts padded to 4 columns, then 2 completion columns
+    assert batched["types"].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]]
+    assert batched["pixels"].tolist() == [[1.0] * 3, [1.0] * 3, [0.0] * 3]
+    assert collate([None, None], 4, 6) == {}
+
+
+# ---- padding: a sample's logprobs do not depend on its batch ---------------------------------------------
+
+
+class Misaligned(torch.nn.Module):
+    """Negative control: a forward that gets a row's image inputs wrong, as a misaligned batch would."""
+
+    def __init__(self, model, how):
+        super().__init__()
+        self.inner, self.how = model, how
+
+    def forward(self, **kwargs):
+        if self.how == "images in reverse row order":
+            kwargs["pixel_values"] = kwargs["pixel_values"].flip(0)
+        else:  # "text positions": 1-D positions over real tokens, blind to the images' M-RoPE grid positions
+            kwargs["position_ids"] = (kwargs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return self.inner(**kwargs)
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_a_samples_logprobs_are_the_same_batched_with_shorter_or_longer_prompts(arch):
+    model, processor = BUILDERS[arch]()
+    sharpen(model, 5.0).eval()
+    encode = encoder(processor)
+    rows = [  # the sample, a shorter text-only prompt, a longer prompt with two images
+        {"prompt": user("look"), "images": [image(0, 16, 24)]},
+        {"prompt": user("hi"), "images": []},
+        {"prompt": user("compare these two pictures please"), "images": [image(1), image(2, 24, 16)]},
+    ]
+    encoded = [encode.encode_row(row, i) for i, row in enumerate(rows)]
+    completions = [[65, 66, 67, 68], [70, 71, 72, 73, 74, 75, 76], [80]]
+
+    def logprobs(indices, forward=model, bucket_by_length=False):  # False: every row in one forward, padded together
+        prompt_ids, prompt_mask = left_pad([encoded[i][1] for i in indices], 0)
+        completion_ids, completion_mask = left_pad([completions[i] for i in indices], 0)  # left-pad, then flip = right-pad
+        completion_ids, completion_mask = completion_ids.flip(1), completion_mask.flip(1)
+        completion_ids[completion_mask.bool()] = torch.cat([torch.tensor(completions[i]) for i in indices])
+        with torch.no_grad():
+            out = completion_logprobs(forward, prompt_ids, prompt_mask.bool(), completion_ids, completion_mask.bool(), temperature=1.0,
+                                      multimodal=[encoded[i][2] for i in indices], bucket_by_length=bucket_by_length)
+        return out.logprobs[indices.index(0), : len(completions[0])]
+
+    alone = logprobs([0])
+    for batch in ([1, 0], [0, 2], [2, 1, 0]):
+        torch.testing.assert_close(logprobs(batch), alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logprobs([2, 1, 0], bucket_by_length=True), alone, atol=1e-5, rtol=1e-5)  # the default: length buckets
+    # The check can fail: the same batch with the images' positions or rows wrong gives other logprobs.
+    control = Misaligned(model, "images in reverse row order" if arch == "llava" else "text positions")
+    assert (logprobs([2, 1, 0], control) - alone).abs().max() > 1e-3
+
+
+# ---- generation ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_generation_gives_each_sample_its_own_prompts_images(arch):
+    model, processor = BUILDERS[arch]()
+    sharpen(model)  # outputs that clearly depend on the images
+    encode = encoder(processor)
+    two = encode.encode_row({"prompt": user("a"), "images": [image(1), image(2)]}, 0)
+    swapped = encode.encode_row({"prompt": user("a"), "images": [image(2), image(1)]}, 0)
+    other = encode.encode_row({"prompt": user("something longer"), "images": [image(3)]}, 0)
+    generator = TransformersGenerator(model, processor.tokenizer, [0], 0, suppress_token_ids=[model.config.image_token_id])
+    greedy = SamplingParams(max_new_tokens=8, top_k=1)
+
+    def tokens(prompts, n):
+        return [c.token_ids for c in generator.generate([p[1] for p in prompts], n, greedy, multimodal=[p[2] for p in prompts])]
+
+    alone = tokens([two], 1)[0]
+    assert tokens([other, two], 2)[2:] == [alone, alone]  # batched, repeated G times, behind a longer prompt: unchanged
+    assert tokens([swapped], 1)[0] != alone  # the images, in their order, reach the model
+
+
+# ---- training end to end ------------------------------------------------------------------------------
+
+
+def vlm_config(tmp_path, **overrides):
+    values = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 6,
+                  "learning_rate": 0.05, "max_steps": 2, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "seed": 0,
+                  "bf16": False, "beta": 0.1, "log_completions": True, "num_completions_to_print": 0}
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def image_count_reward(prompts, completions, images, **kwargs):
+    # Reward functions get TRL's arguments: prompts with their image blocks, and the images column.
+    for prompt, row_images in zip(prompts, images):
+        blocks = prompt[0]["content"] if row_images else []
+        assert [b["image"] for b in blocks if b["type"] == "image"] == row_images
+    return [len(c[0]["content"]) / 10 + len(row_images) for c, row_images in zip(completions, images)]
+
+
+def test_qwen2_vl_trains_with_multi_image_prompts_reference_and_importance_sampling(tmp_path):
+    model, processor = tiny_qwen2_vl()
+    model.model.visual.requires_grad_(False)
+    # 1 or 2 images of different sizes per prompt, and one prompt without any.
+    rows = [{"prompt": user(f"describe {i}"), "images": [[image(i)], [image(i), image(i + 10, 16, 24)], []][i % 3]} for i in range(8)]
+    data = datasets.Dataset.from_list(rows)
+    # steps_per_generation=2 > gradient_accumulation_steps=1: the second step reuses samples (old logprobs, IS ratio).
+    config = vlm_config(tmp_path, steps_per_generation=2, save_strategy="steps", save_steps=1)
+    trainer = GRPOTrainer(model, image_count_reward, args=config, train_dataset=data, processing_class=processor)
+    assert trainer.generation_backend.suppress_token_ids == [model.config.image_token_id, model.config.video_token_id]
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.train()
+    for name, param in model.named_parameters():
+        changed = not torch.equal(param, before[name])
+        assert changed == (".visual." not in name), name  # every trainable parameter moved; the frozen vision tower did not
+    first, second = trainer.state.log_history[:2]
+    assert "time/old_logprobs" in first and "time/ref_logprobs" in first and second["kl"] > 0
+
+    table = pq.read_table(os.path.join(config.output_dir, "completions", "completions_00001.parquet")).to_pydict()
+    originals = {image(i).tobytes() for i in range(20)} | {image(i, 16, 24).tobytes() for i in range(20)}
+    for prompt, pngs in zip(table["prompt"], table["image"]):
+        assert len(pngs) == prompt.count("<|vision_start|>")  # each row logs its prompt's images...
+        assert all(Image.open(io.BytesIO(png)).tobytes() in originals for png in pngs)  # ...losslessly
+    assert "<|image_pad|><|image_pad|>" not in table["prompt"][0]  # a run of image tokens is shown as one
+
+    # The checkpoint after step 1 holds step 2's micro-batch, images included: resuming reproduces step 2 exactly.
+    final = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fresh, _ = tiny_qwen2_vl(seed=1)
+    fresh.model.visual.requires_grad_(False)
+    resumed = GRPOTrainer(fresh, image_count_reward, args=vlm_config(tmp_path, steps_per_generation=2), train_dataset=data,
+                          processing_class=processor)
+    resumed.train(resume_from_checkpoint=os.path.join(config.output_dir, "checkpoint-1"))
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param, final[name]), name
+
+
+def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path):
+    peft = pytest.importorskip("peft")
+    path = save_tiny_llava(tmp_path / "tiny-llava")
+    data = datasets.Dataset.from_list([{"prompt": user(f"what is {i}?"), "image": image(i)} for i in range(8)])
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    config = vlm_config(tmp_path, log_multimodal=False)
+    trainer = GRPOTrainer(path, lambda completions, image, **k: [len(c[0]["content"]) / 10 for c in completions], args=config,
+                          train_dataset=data, peft_config=lora)
+    assert type(trainer.processing_class).__name__ == "LlavaProcessor"  # loaded with AutoProcessor
+    policy = trainer.accelerator.unwrap_model(trainer.run.model)
+    before = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    trainer.train()
+    for name, param in policy.named_parameters():
+        assert param.requires_grad == ("lora_" in name), name
+        assert (not torch.equal(param, before[name])) == ("lora_B" in name or "lora_A" in name), name  # base and vision frozen
+    assert trainer.state.log_history[1]["kl"] > 0.0  # reference = the base model (adapter off), which the adapter left
+    metrics = trainer.evaluate(data.select(range(4)))  # evaluation runs the same image path
+    assert metrics["eval_reward"] >= 0.0 and math.isfinite(metrics["eval_loss"])
+    table = pq.read_table(os.path.join(config.output_dir, "completions", "completions_00002.parquet")).to_pydict()
+    assert "image" not in table and table["prompt"][0].count("<image>") == 1  # log_multimodal=False: no images stored
+    trainer.save_model()
+    assert {"adapter_model.safetensors", "processor_config.json"} <= set(os.listdir(config.output_dir))
+
+
+def test_images_without_a_processor_fail_before_training(tiny_model_dir, tmp_path):
+    data = datasets.Dataset.from_list([{"prompt": user("x"), "image": image(0)} for _ in range(4)])
+    with pytest.raises(ValueError, match="train_dataset has an 'image' column but processing_class is a .*not a processor"):
+        GRPOTrainer(tiny_model_dir, lambda completions, **k: [0.0] * len(completions), args=vlm_config(tmp_path, beta=0.0),
+                    train_dataset=data)
+
+
+def test_images_are_png_encoded_arrays_too():
+    from grouprl.completion_log import png_bytes
+
+    pixels = np.arange(48, dtype=np.uint8).reshape(4, 4, 3)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(png_bytes(pixels)))), pixels)
+
+
+def test_rollout_selection_concatenation_and_packing_keep_each_prompts_images():
+    # Dynamic sampling selects and concatenates rollouts; packing and micro-batching pick rows.
+    a, b = PromptImages(per_image={"x": torch.zeros(1)}), PromptImages(per_image={"x": torch.ones(1)})
+    batch = PromptBatch(["p0", "p1", "p2"], [[1], [2], [3]], {}, [0, 1, 2], [0, 1, 2], [2, 2, 2], [a, None, b])
+    picked = Rollout(batch, [Completion(i // 2, [5], "", "stop") for i in range(6)]).select_prompts([2, 0])
+    assert picked.prompts.multimodal == [b, a]
+    text = Rollout(PromptBatch(["q"], [[4]], {}, [3], [3], [2]), [Completion(0, [5], "", "stop")] * 2)
+    joined = Rollout.concat([text, picked, text])
+    assert joined.prompts.multimodal == [None, b, a, None]
+    packed = pack_rollout(joined, torch.zeros(8), 0, False)
+    assert packed.multimodal == [None, None, b, b, a, a, None, None]
+    assert packed.select(torch.tensor([4, 2])).multimodal == [a, b]
+    assert pack_rollout(text, torch.zeros(2), 0, False).multimodal is None
+
+
+def test_the_readme_example_trains(tmp_path, monkeypatch):
+    pytest.importorskip("peft")  # the example trains a LoRA adapter
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as handle:
+        readme = handle.read()
+    section = readme.split("## Vision-language models", 1)[1]
+    script = section.split("```python\n", 1)[1].split("```", 1)[0]
+    path = save_tiny_llava(tmp_path / "tiny-llava")
+    for hub, local in (('"Qwen/Qwen2.5-VL-3B-Instruct"', repr(path)), ('output_dir="vlm-GRPO"', 'output_dir="vlm-GRPO", max_steps=2, logging_steps=1')):
+        assert script.count(hub) == 1, hub
+        script = script.replace(hub, local)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(script, "README.md", "exec"), namespace)  # noqa: S102 (the README's own code)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 2 and "rewards/color_reward/mean" in trainer.state.log_history[0]
+    table = pq.read_table(tmp_path / "vlm-GRPO" / "completions" / "completions_00002.parquet").to_pydict()
+    assert all(len(images) == 1 for images in table["image"])
+
+
+def test_the_command_line_trains_a_vlm_from_a_dataset_with_images(tmp_path):
+    from grouprl.cli import main
+
+    path = save_tiny_llava(tmp_path / "tiny-llava")
+    datasets.Dataset.from_list([{"prompt": user(f"what is {i}?"), "image": image(i)} for i in range(4)]).save_to_disk(str(tmp_path / "data"))
+    out = tmp_path / "out"
+    code = main(["train", "--model_name_or_path", path, "--dataset_name", str(tmp_path / "data"), "--reward_funcs",
+                 "get_repetition_penalty_reward", "--output_dir", str(out), "--num_generations", "2", "--per_device_train_batch_size", "4",
+                 "--max_completion_length", "6", "--max_steps", "1", "--logging_steps", "1", "--save_strategy", "no",
+                 "--disable_tqdm", "true", "--report_to", "none"])
+    assert code == 0
+    assert {"model.safetensors", "processor_config.json"} <= set(os.listdir(out))  # the trained VLM and its processor

@@ -1,0 +1,166 @@
+"""Tiny vision-language models built locally (no hub): Qwen2-VL and LLaVA (CLIP vision + Llama).
+
+Each builder returns ``(model, processor)``: a randomly initialised model of a few thousand
+parameters and a real transformers processor (PIL image processor with explicit sizes, the demo's
+byte-level BPE tokenizer plus the architecture's image tokens, and a chat template that emits them).
+The processor expands each image placeholder to as many image tokens as the vision tower yields,
+exactly as with a Hub checkpoint.
+
+Images are small numpy-made RGB arrays, so tests need no files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from grouprl.demo.tokenizer import EOS_TOKEN, IM_END, IM_START, _vocab_and_merges
+
+# ChatML with content blocks: an image block renders as `image_markup`, a text block as its text.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'image' %}{{- IMAGE_MARKUP }}"
+    "{%- elif block['type'] == 'text' %}{{- block['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_vlm_tokenizer(image_tokens: tuple[str, ...], image_markup: str) -> PreTrainedTokenizerFast:
+    vocab, merges = _vocab_and_merges()
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START, IM_END, *image_tokens], clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE_MARKUP", repr(image_markup))
+    return tokenizer
+
+
+def _seeded(seed: int):
+    rng = torch.random.fork_rng(devices=[])
+    rng.__enter__()
+    torch.manual_seed(seed)
+    return rng
+
+
+def _image_only(processor_class):
+    """The processor without its video processor, whose base class needs torchvision (not installed here)."""
+
+    class ImageOnly(processor_class):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+    ImageOnly.__name__ = processor_class.__name__
+    return ImageOnly
+
+
+def tiny_qwen2_vl(seed: int = 0):
+    """Qwen2-VL: 4x4-pixel patches merged 2x2, so a 16x16 image is 4 image tokens, 16x24 is 6."""
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLProcessor,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokenizer = build_vlm_tokenizer(("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+                                    "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                                "mrope_section": [2, 1, 1]},
+            "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,
+        },
+        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4, "temporal_patch_size": 2,
+                           "spatial_merge_size": 2, "in_channels": 3},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    rng = _seeded(seed)
+    try:
+        model = Qwen2VLForConditionalGeneration(config)
+    finally:
+        rng.__exit__(None, None, None)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    image_processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32)
+    processor = _image_only(Qwen2VLProcessor)(image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    return model, processor
+
+
+def tiny_llava(seed: int = 0):
+    """LLaVA: a 1-layer CLIP vision tower on 16x16 images (4x4 patches: 16 image tokens) and a tiny Llama."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+    from transformers.models.llava.image_processing_pil_llava import (
+        LlavaImageProcessorPil,
+    )
+
+    tokenizer = build_vlm_tokenizer(("<image>",), "<image>")
+    eos, image_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids("<image>")
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=16, patch_size=4, projection_dim=16),
+        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                bos_token_id=eos, eos_token_id=eos, pad_token_id=eos),
+        image_token_id=image_id, image_seq_length=16, vision_feature_layer=-2, vision_feature_select_strategy="default",
+    )
+    rng = _seeded(seed)
+    try:
+        model = LlavaForConditionalGeneration(config)
+    finally:
+        rng.__exit__(None, None, None)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    image_processor = LlavaImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=4,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=tokenizer.chat_template)
+    return model, processor
+
+
+def save_tiny_llava(path) -> str:
+    """The tiny LLaVA and its processor saved like a Hub checkpoint (AutoModelForImageTextToText / AutoProcessor load it)."""
+    model, processor = tiny_llava()
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def image(seed: int, height: int = 16, width: int = 16) -> Image.Image:
+    """A random RGB image (deterministic in `seed`)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, mode="RGB")
+
+
+def sharpen(model: torch.nn.Module, factor: float = 20.0) -> torch.nn.Module:
+    """Scale every weight matrix but the embeddings, so a random tiny model's outputs depend clearly on its
+    images: generation tests can then tell which images a prompt was given from its greedy completion."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and "embed" not in name:
+                param.mul_(factor)
+    return model
