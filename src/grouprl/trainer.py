@@ -292,6 +292,10 @@ class GRPOTrainer:
             own = processes[self.accelerator.process_index]
             restore_rng_state(own["rng"])
             self.run.pending = deque(own["pending"])
+        elif self.accelerator.num_processes > 1:  # written by one process (or a last-good save): its buffer is not ours
+            logger.warning(f"{path} holds one process's buffered micro-batches; each of the {self.accelerator.num_processes} processes "
+                           "starts with a fresh generation instead.")
+            self.run.pending.clear()
         restored = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
         self.state.global_step, self.state.epoch, self.state.log_history = restored.global_step, restored.epoch, restored.log_history
         if self.accelerator.is_main_process:  # drop what the interrupted run logged after this checkpoint
