@@ -1,6 +1,9 @@
 """Shared fixtures: tiny locally built models (no hub access) and a scripted generation backend."""
 
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -43,3 +46,31 @@ def tiny_reward_model_dir(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def grouprl_server(tiny_model_dir):
+    """`grouprl serve` of the tiny model in a subprocess: (base url, process). test_server.py's last test kills it."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from grouprl.generation.remote import RemoteGenerator, ServerError
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen([sys.executable, "-m", "grouprl.cli", "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
+                                "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        RemoteGenerator(url, timeout=120)  # waits for /health
+    except ServerError:
+        process.kill()
+        raise AssertionError(process.stdout.read().decode()[-3000:]) from None
+    yield url, process
+    process.kill()
+    process.wait()

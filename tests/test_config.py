@@ -47,8 +47,8 @@ def test_hf_argument_parser_round_trip():
 
 
 def test_not_yet_built_features_raise_not_implemented():
-    for name in ("use_vllm", "max_tool_calling_iterations", "ds3_gather_for_generation"):
-        value = {"use_vllm": True, "max_tool_calling_iterations": 3, "ds3_gather_for_generation": False}[name]
+    for name in ("max_tool_calling_iterations", "ds3_gather_for_generation"):
+        value = {"max_tool_calling_iterations": 3, "ds3_gather_for_generation": False}[name]
         assert name in NOT_YET_BUILT
         with pytest.raises(NotImplementedError, match=name):
             GRPOConfig(**{name: value})

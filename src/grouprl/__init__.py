@@ -4,6 +4,7 @@
 """
 
 from .config import BatchPlan, GRPOConfig, plan_batches
+from .generation import RemoteGenerator, ServerError
 from .gfpo import GFPOConfig, GFPOTrainer
 from .health import NonFiniteError
 from .report import write_report
@@ -13,6 +14,6 @@ from .trainer import GRPOTrainer
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchPlan", "GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer", "NonFiniteError", "RewardFunctionError", "plan_batches",
-    "write_report", "__version__",
+    "BatchPlan", "GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer", "NonFiniteError", "RemoteGenerator", "RewardFunctionError",
+    "ServerError", "plan_batches", "write_report", "__version__",
 ]

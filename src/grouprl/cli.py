@@ -1,7 +1,9 @@
-"""Command line: ``grouprl train`` (mirrors ``trl grpo``), ``grouprl demo`` and ``grouprl report``.
+"""Command line: ``grouprl train`` (mirrors ``trl grpo``), ``grouprl serve``, ``grouprl demo`` and ``grouprl report``.
 
     grouprl train --model_name_or_path PATH --dataset_name NAME_OR_FILE --reward_funcs NAME_OR_DOTTED_PATH ...
     grouprl train --config run.yaml --learning_rate 1e-5      # YAML sets defaults, flags override
+    grouprl train --accelerate_config multi_gpu --num_processes 8 ...   # several processes via accelerate launch
+    grouprl serve --model PATH --port 8000                     # a generation server for trainers
     grouprl demo                                               # the built-in arithmetic task, ~2 minutes on a CPU
     grouprl report OUTPUT_DIR                                  # HTML page with charts and completions of a run
 
@@ -104,7 +106,11 @@ def build_parser() -> Any:
 
     from .config import GRPOConfig
 
-    return HfArgumentParser((ScriptArguments, GRPOConfig, ModelArguments), prog="grouprl train", description="Train a model with GRPO.")
+    epilog = ("Several processes: --accelerate_config NAME (single_gpu, multi_gpu, zero1, zero2, zero3, fsdp2, or an accelerate YAML "
+              "file) runs this command under `accelerate launch`; flags grouprl does not know (--num_processes, --num_machines, "
+              "--machine_rank, --main_process_ip, ...) go to accelerate launch.")
+    return HfArgumentParser((ScriptArguments, GRPOConfig, ModelArguments), prog="grouprl train", description="Train a model with GRPO.",
+                            epilog=epilog)
 
 
 def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArguments]:
@@ -127,6 +133,11 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArgume
 
 
 def train_command(argv: list[str]) -> int:
+    from .launch import launch_command, run_launch
+
+    command = launch_command(argv)
+    if command is not None:  # --accelerate_config: re-run this command under accelerate launch
+        return run_launch(command)
     script, config, model_args = parse_train_args(argv)
     from .trainer import GRPOTrainer
 
@@ -149,8 +160,9 @@ def train_command(argv: list[str]) -> int:
                           train_dataset=load_train_dataset(script), eval_dataset=eval_dataset)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
-    print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')} "
-          f"(charts: grouprl report {config.output_dir})")
+    if trainer.accelerator.is_main_process:
+        print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')} "
+              f"(charts: grouprl report {config.output_dir})")
     if config.push_to_hub:
         trainer.push_to_hub()
     return 0
@@ -163,6 +175,18 @@ def demo_command(argv: list[str]) -> int:
     add_demo_arguments(parser)
     run_demo(parser.parse_args(argv))
     return 0
+
+
+def serve_command(argv: list[str]) -> int:
+    from .generation.server import add_serve_arguments, serve
+
+    parser = argparse.ArgumentParser(prog="grouprl serve", description="Serve a model for generation (OpenAI /v1/completions with "
+                                     "token ids and logprobs) and accept weight updates from a grouprl trainer.")
+    add_serve_arguments(parser)
+    serve(parser.parse_args(argv))
+    return 0
+
+
 
 
 def report_command(argv: list[str]) -> int:
@@ -178,14 +202,15 @@ def report_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_command, "demo": demo_command, "report": report_command}
+COMMANDS = {"train": train_command, "serve": serve_command, "demo": demo_command, "report": report_command}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: grouprl {train,demo,report} [flags]\n\n"
+        print("usage: grouprl {train,serve,demo,report} [flags]\n\n"
               "  train   train a model with GRPO (grouprl train --help lists every flag)\n"
+              "  serve   serve a model for generation to trainers (grouprl serve --help)\n"
               "  demo    run the built-in default: GRPO on small arithmetic with a bundled tiny model\n"
               "  report  write an HTML report of a run: grouprl report OUTPUT_DIR")
         return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)

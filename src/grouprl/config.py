@@ -34,7 +34,6 @@ DICT_FIELDS = (
 # field -> (the value that means "off", what the feature is). Setting any other value raises
 # NotImplementedError until the feature lands; the entry is then removed.
 NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
-    "use_vllm": (False, "vLLM generation"),
     "use_transformers_continuous_batching": (False, "transformers continuous batching"),
     "use_transformers_paged": (False, "transformers continuous batching"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
@@ -133,7 +132,9 @@ class GRPOConfig:
     use_transformers_continuous_batching: bool = field(default=False, metadata=_meta("Use transformers continuous batching."))
     transformers_continuous_batching_config: Optional[Union[dict, str]] = field(default=None, metadata=_meta("Continuous batching config."))
     use_transformers_paged: bool = field(default=False, metadata=_meta("Deprecated alias of use_transformers_continuous_batching."))
-    generation_engine: str = field(default="auto", metadata=_meta("grouprl: 'engine' (fast in-process sampler: one prefill per prompt, finished rows leave the batch), 'transformers' (model.generate), or 'auto' (engine when the model and options allow it)."))
+    generation_engine: str = field(default="auto", metadata=_meta("grouprl: 'engine' (fast in-process sampler: one prefill per prompt, finished rows leave the batch), 'transformers' (model.generate), 'auto' (engine when the model and options allow it), or 'server' (a `grouprl serve` server at vllm_server_base_url / vllm_server_host:vllm_server_port)."))
+    generation_server_retries: int = field(default=3, metadata=_meta("grouprl: retries of a failed request to a generation server (connection error, timeout, 502/503/504), with backoff; each attempt waits up to vllm_server_timeout seconds."))
+    generation_server_weight_transfer: str = field(default="http", metadata=_meta("grouprl: how weights reach a grouprl server after each optimizer step: 'http' (safetensors over HTTP) or 'broadcast' (torch.distributed broadcast over a group of the trainer's main process and the server, on vllm_group_port: gloo on CPU, NCCL on GPU)."))
 
     # ---- vLLM (TRL §1.4) ----
     use_vllm: bool = field(default=False, metadata=_meta("Generate with vLLM."))
@@ -144,7 +145,7 @@ class GRPOConfig:
     vllm_server_base_url: Optional[str] = field(default=None, metadata=_meta("Server URL (overrides host/port)."))
     vllm_server_host: str = field(default="0.0.0.0", metadata=_meta("Server host."))
     vllm_server_port: int = field(default=8000, metadata=_meta("Server port."))
-    vllm_server_timeout: float = field(default=240.0, metadata=_meta("Seconds to wait for the server."))
+    vllm_server_timeout: float = field(default=240.0, metadata=_meta("Seconds to wait for the server at start-up, and for each request."))
     vllm_group_port: int = field(default=51216, metadata=_meta("Weight-update rendezvous port."))
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata=_meta("Colocate: vLLM memory fraction."))
     vllm_max_model_length: Optional[int] = field(default=None, metadata=_meta("Colocate: context length."))
@@ -236,7 +237,10 @@ class GRPOConfig:
         _check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
         _check_choice("eval_strategy", self.eval_strategy, EVAL_STRATEGIES)
         _check_choice("vllm_mode", self.vllm_mode, ("colocate", "server"))
-        _check_choice("generation_engine", self.generation_engine, ("auto", "engine", "transformers"))
+        _check_choice("generation_engine", self.generation_engine, ("auto", "engine", "transformers", "server"))
+        _check_choice("generation_server_weight_transfer", self.generation_server_weight_transfer, ("http", "broadcast"))
+        if self.generation_server_retries < 0 or self.vllm_server_timeout <= 0:
+            raise ValueError("GRPOConfig: generation_server_retries must be >= 0 and vllm_server_timeout > 0 (seconds).")
         _check_choice(
             "vllm_importance_sampling_mode",
             self.vllm_importance_sampling_mode,

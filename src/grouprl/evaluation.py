@@ -119,6 +119,7 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
     config, accelerator = run.config, run.accelerator
     size = config.num_generations_eval or config.num_generations
     prompts_per_batch = config.per_device_eval_batch_size * accelerator.num_processes // size
+    run.rollouts.sync_weights(accelerator.unwrap_model(run.model), run.state.global_step)  # a server samples the current weights
     rollouts = _eval_rollouts(run, size)
     window, batches, completions = MetricWindow(), 0, 0
     was_training = run.model.training

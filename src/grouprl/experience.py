@@ -18,6 +18,7 @@ import torch
 from transformers.utils import logging
 
 from .algorithms.masks import tied_groups
+from .distributed import own_rows, whole_groups
 from .algorithms.importance import sampler_importance_weights
 from .algorithms.logprobs import completion_logprobs
 from .batching import length_grouped, regrouping_is_exact
@@ -33,6 +34,8 @@ logger = logging.get_logger("grouprl")
 def generation_micro_batches(run: "TrainingRun") -> list[TrainBatch]:
     """Generate and score one generation batch; return its micro-batches in training order."""
     config, plan = run.config, run.plan
+    with run.timer.phase("sync_weights"):
+        run.rollouts.sync_weights(run.accelerator.unwrap_model(run.model), run.state.global_step)
     batch = draw_batch(run)
     # An in-process sampler draws from the very weights being trained: nothing to correct, and the
     # extra forward pass for pi_old would be pure cost. Separate engines (server, vLLM) say they need it.
@@ -91,12 +94,16 @@ def draw_batch(run: "TrainingRun") -> TrainBatch:
 
 
 def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
-    """DAPO dynamic sampling (single process): keep only groups whose rewards differ.
+    """DAPO dynamic sampling: keep only groups whose rewards differ.
 
     Draws generations until the kept groups fill one generation batch, or
     `max_dynamic_sampling_rounds` extra generations were drawn; then trains on the groups found
     (a smaller batch), or, if none carried any signal, on the last generation as it is. Advantages
     are computed over the kept groups. Reward and length metrics cover every generation drawn.
+    With several processes every process gathers each generation whole, so groups are kept or
+    dropped whole, and the kept rows are then dealt out evenly again (a process's share may cut a
+    group); if fewer rows were kept than processes x steps_per_generation, the last generation is
+    trained as it is, so that no process runs a micro-step without rows.
     """
     config = run.config
     group_size, needed = config.num_generations, run.plan.prompts_per_generation
@@ -108,21 +115,27 @@ def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
             rollout = run.rollouts.sample()
         with run.timer.phase("reward"):
             rewards, _ = run.rollouts.score(rollout, run.state, run.window)
+        rollout = whole_groups(rollout)  # every process sees the whole batch, so groups are kept or dropped whole
         drawn, rounds = drawn + len(rollout.completions), rounds + 1
-        tied = tied_groups(rewards.total, group_size)  # (prompts,): one process holds whole groups
+        tied = tied_groups(rewards.total, group_size)  # (prompts,)
         keep = [b for b in range(len(rollout.prompts)) if not tied[b]]
         if keep:
             kept_rollouts.append(rollout.select_prompts(keep))
             kept_rewards.append(rewards.select(rollout.prompt_rows(keep)))
         if sum(len(r.prompts) for r in kept_rollouts) >= needed:
             break
+    kept_rows, processes, micro_steps = sum(len(r.completions) for r in kept_rollouts), run.plan.num_processes, run.plan.steps_per_generation
+    if processes > 1 and 0 < kept_rows < processes * micro_steps:  # each process needs a row in every micro-step (DDP)
+        logger.warning("dynamic_sampling: %d kept completions cannot feed %d processes x %d micro-steps; training on the last "
+                       "generation as it is.", kept_rows, processes, micro_steps)
+        kept_rollouts = []
     if kept_rollouts:
         rollout = Rollout.concat(kept_rollouts)
         rewards = Rewards.concat(kept_rewards)
         if len(rollout.prompts) > needed:  # the last generation overfilled the batch: drop the surplus groups
             first = list(range(needed))
             rollout, rewards = rollout.select_prompts(first), rewards.select(rollout.prompt_rows(first))
-    else:
+    elif kept_rows == 0:
         logger.warning(
             "dynamic_sampling: every group of %d generation(s) had tied rewards; training on the last one "
             "(all advantages are 0).", rounds,
@@ -133,4 +146,4 @@ def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
         "dynamic_sampling/generation_rounds": rounds,
         "dynamic_sampling/kept_groups": len(rollout.prompts) if kept_rollouts else 0,
     })
-    return rollout, advantages
+    return own_rows(rollout, advantages)

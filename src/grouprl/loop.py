@@ -29,9 +29,9 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from .algorithms.entropy import EntropyController
-from .checkpoint import save_checkpoint
+from .checkpoint import rng_state, save_checkpoint
 from .config import BatchPlan, GRPOConfig, resolve_steps
-from .distributed import global_mean, global_sum
+from .distributed import gather_objects, global_mean, global_sum
 from .evaluation import should_evaluate
 from .experience import generation_micro_batches
 from .health import RunHealth, guard_gradients, stop_safely
@@ -205,6 +205,8 @@ def save(run: TrainingRun) -> Optional[str]:
     """Checkpoint the run (main process writes; all processes wait for it)."""
     run.accelerator.wait_for_everyone()
     path = None
+    # every process's RNG and buffered micro-batches (the loop state below is the main process's)
+    processes = gather_objects({"rng": rng_state(), "pending": list(run.pending)}) if run.accelerator.num_processes > 1 else None
     if run.accelerator.is_main_process:
         path = save_checkpoint(
             run.config.output_dir,
@@ -214,7 +216,7 @@ def save(run: TrainingRun) -> Optional[str]:
             optimizer=run.optimizer,
             scheduler=run.scheduler,
             trainer_state=run.state,
-            loop_state=run.loop_state(),
+            loop_state={**run.loop_state(), "processes": processes},
             save_total_limit=run.config.save_total_limit,
         )
     run.accelerator.wait_for_everyone()

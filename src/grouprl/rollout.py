@@ -19,6 +19,7 @@ from .algorithms.advantages import group_advantages
 from .completion_log import CompletionLog
 from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
 from .distributed import gather_rows, global_sum, local_rows
+from .generation.dispatch import generate_on_main_process
 from .generation.protocol import GenerationBackend
 from .metrics import MetricWindow, completion_length_stats, reward_stats
 from .multimodal import rows_images
@@ -54,6 +55,13 @@ class RolloutMaker:
     tokens_seen: int = 0
     completion_extras: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns of the last generation
     completion_log: Optional[CompletionLog] = None  # set when log_completions is on
+    synced_step: Optional[int] = None  # optimizer step whose weights the backend samples from
+
+    def sync_weights(self, model: torch.nn.Module, step: int) -> None:
+        """Hand the policy's weights to the backend before sampling, at most once per optimizer step (as TRL)."""
+        if self.synced_step != step:
+            self.backend.sync_weights(model)
+            self.synced_step = step
 
     def sample(self) -> Rollout:
         indices, rows = self.sampler.next_generation()
@@ -164,8 +172,12 @@ def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: Sampl
 
     Prompts on a process usually all need G samples; a group cut by a process boundary needs
     fewer, so prompts are sent in one call per distinct sample count. Prompts with images also
-    pass each prompt's processed images (`multimodal=`; backends without it cannot serve VLMs).
+    pass each prompt's processed images (`multimodal=`; backends without it cannot serve VLMs). A
+    backend that only the main process may use (`main_process_only`: a server) samples whole
+    groups there for every process.
     """
+    if getattr(backend, "main_process_only", False):
+        return generate_on_main_process(backend, prompts, params)
     by_count: dict[int, list[int]] = {}
     for b, count in enumerate(prompts.num_samples):
         by_count.setdefault(count, []).append(b)

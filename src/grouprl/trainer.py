@@ -7,6 +7,7 @@ the dataset and reward functions, and only then is any model loaded.
 from __future__ import annotations
 
 import os
+from collections import deque
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -24,14 +25,14 @@ from .checkpoint import load_model_weights, load_training_state, resolve_resume_
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, check_dataset
 from .evaluation import check_eval_setup
-from .generation.engine import FastGenerator, engine_supports
-from .generation.hf import TransformersGenerator
+from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
+from .generation.vllm import require_vllm
 from .metrics import JsonlWriter
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
 )
-from .multimodal import check_multimodal_setup, image_token_ids, make_prompt_tokenizer, text_tokenizer
+from .multimodal import check_multimodal_setup, make_prompt_tokenizer, text_tokenizer
 from .reference import Reference, separate_reference_model
 from .rewards.models import check_reward_funcs, load_reward_functions
 from .rewards.scoring import prepare_reward_functions, reward_name
@@ -118,8 +119,8 @@ class GRPOTrainer:
             if args.sync_ref_model:
                 raise NotImplementedError("GRPOConfig.sync_ref_model=True with LoRA: the reference is the frozen base model "
                                           "(adapters off), which syncing would overwrite. Use sync_ref_model=False.")
-        if args.dynamic_sampling and self.accelerator.num_processes > 1:
-            raise NotImplementedError("GRPOConfig.dynamic_sampling=True is only available on one process in this version of grouprl.")
+        if args.use_vllm and args.vllm_mode == "colocate" and generation_backend is None:
+            require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")  # before any model is loaded
 
         set_seed(args.seed)
         self.model = load_model(model, args.model_init_kwargs, args.trust_remote_code)
@@ -172,7 +173,8 @@ class GRPOTrainer:
         )
         prepared_model, optimizer = self.accelerator.prepare(self.model, optimizer)
 
-        backend = generation_backend or _default_backend(self.accelerator.unwrap_model(prepared_model), tokenizer, self.eos_token_ids, args)
+        backend = generation_backend or build_backend(self.accelerator.unwrap_model(prepared_model), tokenizer, self.eos_token_ids,
+                                                      args, max_num_seqs=self.plan.completions_per_process)
         self.generation_backend = backend
         sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset, seed=args.data_seed)
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
@@ -215,6 +217,8 @@ class GRPOTrainer:
         )
         if args.eval_strategy != "no":
             self.run.evaluate = self.evaluate
+        if self.accelerator.num_processes > 1:
+            set_seed(args.seed, device_specific=True)  # seed + process index: each process samples its own completions
         if self.accelerator.is_main_process:
             logger.warning(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
 
@@ -280,6 +284,18 @@ class GRPOTrainer:
         self.run.scheduler.load_state_dict(training["scheduler"])
         restore_rng_state(training["rng"])
         self.run.load_loop_state(loop_state)
+        processes = loop_state.get("processes")  # several processes: each one's RNG and buffered micro-batches
+        if processes is not None:
+            if len(processes) != self.accelerator.num_processes:
+                raise ValueError(f"Checkpoint {path} was written by {len(processes)} processes; resume it with the same number "
+                                 f"of processes (this run has {self.accelerator.num_processes}).")
+            own = processes[self.accelerator.process_index]
+            restore_rng_state(own["rng"])
+            self.run.pending = deque(own["pending"])
+        elif self.accelerator.num_processes > 1:  # written by one process (or a last-good save): its buffer is not ours
+            logger.warning(f"{path} holds one process's buffered micro-batches; each of the {self.accelerator.num_processes} processes "
+                           "starts with a fresh generation instead.")
+            self.run.pending.clear()
         restored = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
         self.state.global_step, self.state.epoch, self.state.log_history = restored.global_step, restored.epoch, restored.log_history
         if self.accelerator.is_main_process:  # drop what the interrupted run logged after this checkpoint
@@ -313,15 +329,24 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
             logger.warning("grouprl: bf16=True on a CPU without native bf16 units (no AVX512-BF16/AMX): expect steps ~100x slower "
                            "than fp32. Set bf16=False unless you are measuring exactly this.")
     mixed_precision = "bf16" if bf16 else ("fp16" if args.fp16 else "no")
-    if AcceleratorState._shared_state and PartialState().num_processes == 1:
-        # A previous trainer in this process fixed the precision; one process may change it.
+    if (AcceleratorState._shared_state or PartialState._shared_state) and PartialState().num_processes == 1:
+        # A previous trainer (or an early PartialState()) in this process fixed the precision or the
+        # device; one process may change them.
         AcceleratorState._reset_state(reset_partial_state=True)
+    # accelerate joins a multi-process launch on a machine without an accelerator only when told
+    # cpu=True; otherwise every process would silently train alone.
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     return Accelerator(
         mixed_precision=mixed_precision,
-        cpu=args.use_cpu,
+        cpu=args.use_cpu or (launched and _no_accelerator()),
         log_with=args.report_to or None,
         project_dir=args.logging_dir or os.path.join(args.output_dir, "runs"),
     )
+
+
+def _no_accelerator() -> bool:
+    current = getattr(torch, "accelerator", None)
+    return current.current_accelerator() is None if current is not None else not torch.cuda.is_available()
 
 
 def _make_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Optimizer:
@@ -343,14 +368,3 @@ def _tracker_config(args: GRPOConfig) -> dict[str, Any]:
 
 def _describe_reward(entry: Any) -> str:
     return entry if isinstance(entry, str) else (type(entry).__name__ if isinstance(entry, torch.nn.Module) else reward_name(entry))
-
-
-def _default_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: GRPOConfig) -> GenerationBackend:
-    """The fast engine where it applies (generation_engine='auto' or 'engine'), else transformers generate."""
-    reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
-    if args.generation_engine == "engine" and reason:
-        raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
-    if args.generation_engine == "transformers" or reason:
-        return TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation,
-                                     suppress_token_ids=image_token_ids(model.config))
-    return FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id)

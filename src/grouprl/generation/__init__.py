@@ -3,5 +3,8 @@
 from .engine import FastGenerator
 from .hf import TransformersGenerator
 from .protocol import GenerationBackend
+from .remote import RemoteGenerator, ServerError
+from .vllm import VLLMColocateGenerator, VLLMServerGenerator
 
-__all__ = ["FastGenerator", "GenerationBackend", "TransformersGenerator"]
+__all__ = ["FastGenerator", "GenerationBackend", "RemoteGenerator", "ServerError", "TransformersGenerator", "VLLMColocateGenerator",
+           "VLLMServerGenerator"]

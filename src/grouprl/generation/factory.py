@@ -1,0 +1,76 @@
+"""Which generation backend a config asks for.
+
+    use_vllm=True, vllm_mode="server"    the server at vllm_server_base_url (or host:port): a grouprl
+                                         server (`grouprl serve`, needs no vLLM) or `vllm serve`
+    use_vllm=True, vllm_mode="colocate"  vLLM inside each training process
+    generation_engine="server"           a grouprl server, named the grouprl way
+    generation_engine="engine" / "auto"  the fast in-process engine (auto: where it applies)
+    generation_engine="transformers"     transformers `generate`
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from ..multimodal import image_token_ids
+from .engine import FastGenerator, engine_supports
+from .hf import TransformersGenerator
+from .protocol import GenerationBackend
+from .remote import RemoteGenerator, server_base_url
+
+
+def build_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: Any, *, max_num_seqs: int) -> GenerationBackend:
+    if args.use_vllm and args.vllm_mode == "colocate":
+        from .vllm import VLLMColocateGenerator
+
+        return VLLMColocateGenerator(model.config._name_or_path, tokenizer, args, max_num_seqs=max_num_seqs)
+    if args.use_vllm or args.generation_engine == "server":
+        return connect_server(tokenizer, args)
+    check_unsharded()
+    reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
+    if args.generation_engine == "engine" and reason:
+        raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
+    if args.generation_engine == "transformers" or reason:
+        return TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation,
+                                     suppress_token_ids=image_token_ids(model.config))
+    return FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id)
+
+
+def connect_server(tokenizer: Any, args: Any) -> GenerationBackend:
+    """Wait for the server (vllm_server_timeout); grouprl's own server or, with use_vllm, `vllm serve`."""
+    url = server_base_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port)
+    client = RemoteGenerator(url, tokenizer=tokenizer, timeout=args.vllm_server_timeout, retries=args.generation_server_retries,
+                             weight_transfer=args.generation_server_weight_transfer, group_port=args.vllm_group_port)
+    if client.is_grouprl:
+        if args.vllm_structured_outputs_regex is not None:
+            raise ValueError("GRPOConfig.vllm_structured_outputs_regex needs a vLLM server; the server at "
+                             f"{url} is a grouprl server, which has no constrained decoding.")
+        return client
+    if not args.use_vllm:
+        raise ValueError(f"generation_engine='server': the server at {url} is not a grouprl server (`grouprl serve`). "
+                         "For `vllm serve`, set use_vllm=True, vllm_mode='server'.")
+    from .vllm import VLLMServerGenerator
+
+    return VLLMServerGenerator(url, tokenizer=tokenizer, timeout=args.vllm_server_timeout, retries=args.generation_server_retries,
+                               group_port=args.vllm_group_port, regex=args.vllm_structured_outputs_regex)
+
+
+def check_unsharded() -> None:
+    """In-process generation needs whole weights on each process: refuse ZeRO-3 / FSDP before it hangs.
+
+    Each process decodes a different number of steps, and every forward through sharded layers is a
+    collective, so the processes would wait on each other forever.
+    """
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    state = AcceleratorState()
+    zero3 = state.distributed_type == DistributedType.DEEPSPEED and state.deepspeed_plugin.zero_stage == 3
+    if state.num_processes > 1 and (zero3 or state.distributed_type == DistributedType.FSDP):
+        raise NotImplementedError(
+            "Sampling in the training processes with sharded weights (DeepSpeed ZeRO-3 / FSDP) is not built in grouprl yet. "
+            "Sample on a generation server instead: `grouprl serve --model PATH` and generation_engine='server' "
+            "(or use_vllm=True, vllm_mode='server'), or train with ZeRO-1/2 or DDP (--accelerate_config zero2 / multi_gpu)."
+        )

@@ -1,0 +1,277 @@
+"""`grouprl serve`: a generation server hosting the fast engine, with weight updates from a trainer.
+
+Endpoints (FastAPI; `pip install 'grouprl[serve]'`):
+
+    GET  /health              {"status": "ok", "server": "grouprl", "model": ..., "weight_version": k}
+    GET  /v1/models           OpenAI model list
+    POST /v1/completions      OpenAI completions with token-id prompts (vLLM's extensions: token_ids
+                              in each choice, top_k / min_p / repetition_penalty / min_tokens);
+                              `n` samples per prompt, choices prompt-major; `logprobs: 0` returns the
+                              sampled tokens' logprobs under the processed sampling distribution
+                              (vLLM's processed_logprobs); `echo: true, max_tokens: 0` scores the
+                              prompt instead (logprob of each prompt token, the first is null)
+    POST /load_weights        body = safetensors bytes of some named weights; loads them
+    POST /init_weight_broadcast  {"host", "port", "backend", "timeout"}: join a 2-process group
+                              (trainer rank 0, server rank 1) for broadcasts (gloo on CPU, nccl on GPU)
+    POST /broadcast_weights   {"names", "dtypes", "shapes"}: receive those tensors by broadcast, load them
+
+Requests run one at a time (a lock): the engine holds one model, and a weight update must not
+land in the middle of a generation.
+"""
+
+
+import argparse
+import threading
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+
+from ..algorithms.logprobs import position_ids_from_mask
+from ..types import SamplingParams
+from .engine import FastGenerator
+
+# Request fields accepted without effect here: formatting switches of vLLM's API.
+INERT_FIELDS = {"return_token_ids", "return_tokens_as_token_ids", "stream", "user", "model"}
+
+
+def require_server_libraries() -> tuple[Any, Any]:
+    try:
+        import fastapi
+        import uvicorn
+    except ImportError:
+        raise ImportError("grouprl serve needs FastAPI and uvicorn: pip install 'grouprl[serve]'.") from None
+    return fastapi, uvicorn
+
+
+class WeightReceiver:
+    """Loads named tensors into the served model; counts updates (weight_version)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.version = 0
+        self.group: Any = None  # torch.distributed process group shared with the trainer (broadcast mode)
+        self.backend = "gloo"
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, torch.Tensor]) -> int:
+        unknown = sorted(set(tensors) - set(self.params))
+        if unknown:
+            raise ValueError(f"unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}: the trainer's model does not "
+                             "match the served model (serve the same architecture, e.g. the checkpoint the trainer started from).")
+        for name, tensor in tensors.items():
+            param = self.params[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} from the trainer, {tuple(param.shape)} on the server.")
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        return len(tensors)
+
+    def join_group(self, host: str, port: int, backend: str, timeout: float) -> None:
+        """Join the trainer's 2-process group as rank 1 (the trainer process is rank 0 and hosts the store)."""
+        store = torch.distributed.TCPStore(host, port, 2, is_master=False, timeout=timedelta(seconds=timeout))
+        self.group, self.backend = new_pair_group(store, rank=1, backend=backend, timeout=timeout), backend
+
+    @torch.no_grad()
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
+        if self.group is None:
+            raise ValueError("no weight broadcast group: POST /init_weight_broadcast first.")
+        device = next(self.model.parameters()).device if self.backend == "nccl" else torch.device("cpu")
+        received = {}
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            self.group.broadcast(tensor, 0).wait()
+            received[name] = tensor
+        return self.load(received)
+
+
+def new_pair_group(store: Any, *, rank: int, backend: str, timeout: float) -> Any:
+    """A process group of the trainer's main process and the server, separate from the training group."""
+    if backend == "gloo":
+        return torch.distributed.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout))
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout)
+        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+    raise ValueError(f"weight broadcast backend {backend!r}: use 'gloo' or 'nccl'.")
+
+
+def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], model_name: str) -> Any:
+    fastapi, _ = require_server_libraries()
+    from fastapi import HTTPException, Request
+    from pydantic import BaseModel, ConfigDict
+
+    class CompletionRequest(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        prompt: Union[list[int], list[list[int]], str, list[str]]
+        n: int = 1
+        max_tokens: Optional[int] = 16
+        temperature: float = 1.0
+        top_p: float = 1.0
+        top_k: int = -1
+        min_p: Optional[float] = 0.0
+        repetition_penalty: float = 1.0
+        min_tokens: int = 0
+        logprobs: Optional[int] = None
+        echo: bool = False
+        seed: Optional[int] = None
+
+    class BroadcastInit(BaseModel):
+        host: str
+        port: int
+        backend: str = "gloo"
+        timeout: float = 240.0
+
+    class BroadcastUpdate(BaseModel):
+        names: list[str]
+        dtypes: list[str]
+        shapes: list[list[int]]
+
+    generator = FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0])
+    weights = WeightReceiver(model)
+    lock = threading.Lock()
+    app = fastapi.FastAPI(title="grouprl generation server")
+
+    def bad_request(message: str) -> HTTPException:
+        return HTTPException(status_code=400, detail=message)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "server": "grouprl", "model": model_name, "weight_version": weights.version}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "grouprl"}]}
+
+    @app.post("/v1/completions")
+    def completions(request: CompletionRequest) -> dict:
+        unsupported = sorted(set(request.model_extra or {}) - INERT_FIELDS)
+        if unsupported:
+            raise bad_request(f"unsupported request fields {unsupported}; grouprl serve samples with n, max_tokens, temperature, top_p, "
+                              "top_k, min_p, repetition_penalty, min_tokens, logprobs (0), echo (with max_tokens 0), seed.")
+        prompts = _token_prompts(request.prompt, tokenizer)
+        if request.n < 1 or request.logprobs not in (None, 0):
+            raise bad_request("n must be >= 1 and logprobs None or 0 (the sampled token's logprob; no top alternatives).")
+        with lock:
+            if request.seed is not None:
+                torch.manual_seed(request.seed)
+            if request.echo:
+                if request.max_tokens not in (0, None):
+                    raise bad_request("echo is only supported with max_tokens=0 (scoring the prompt).")
+                choices = [_score_choice(i, ids, model, tokenizer, request.temperature) for i, ids in enumerate(prompts)]
+            else:
+                params = SamplingParams(
+                    max_new_tokens=request.max_tokens or 16, temperature=request.temperature, top_p=request.top_p,
+                    top_k=max(request.top_k, 0), min_p=request.min_p or None, repetition_penalty=request.repetition_penalty,
+                    extra={"min_new_tokens": request.min_tokens} if request.min_tokens else {},
+                )
+                sampled = generator.generate(prompts, request.n, params)
+                choices = [_sample_choice(i, c, prompts[c.prompt_index], request.logprobs is not None) for i, c in enumerate(sampled)]
+        usage_prompt = sum(len(p) for p in prompts)
+        usage_completion = sum(len(c.get("token_ids") or []) for c in choices)
+        return {"id": f"cmpl-{weights.version}", "object": "text_completion", "model": model_name, "choices": choices,
+                "usage": {"prompt_tokens": usage_prompt, "completion_tokens": usage_completion, "total_tokens": usage_prompt + usage_completion}}
+
+    @app.post("/load_weights")
+    async def load_weights(request: Request) -> dict:
+        from safetensors.torch import load as load_safetensors
+
+        body = await request.body()
+        try:
+            tensors = load_safetensors(body)
+        except Exception as err:
+            raise bad_request(f"the body is not a safetensors file: {err}") from None
+        with lock:
+            try:
+                count = weights.load(tensors)
+            except ValueError as err:
+                raise bad_request(str(err)) from None
+            if request.query_params.get("last", "1") == "1":
+                weights.version += 1
+        return {"loaded": count, "weight_version": weights.version}
+
+    @app.post("/init_weight_broadcast")
+    def init_weight_broadcast(request: BroadcastInit) -> dict:
+        try:
+            weights.join_group(request.host, request.port, request.backend, request.timeout)
+        except (RuntimeError, ValueError) as err:
+            raise bad_request(f"could not join the weight broadcast group at {request.host}:{request.port}: {err}") from None
+        return {"joined": True}
+
+    @app.post("/broadcast_weights")
+    def broadcast_weights(request: BroadcastUpdate) -> dict:
+        with lock:
+            try:
+                count = weights.receive(request.names, request.dtypes, request.shapes)
+            except ValueError as err:
+                raise bad_request(str(err)) from None
+            weights.version += 1
+        return {"loaded": count, "weight_version": weights.version}
+
+    return app
+
+
+def _token_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        from fastapi import HTTPException
+
+        raise HTTPException(status_code=400, detail="every prompt needs at least one token.")
+    return prompts
+
+
+def _sample_choice(index: int, completion: Any, prompt_ids: list[int], with_logprobs: bool) -> dict:
+    logprobs = None
+    if with_logprobs:
+        logprobs = {"tokens": [f"token_id:{t}" for t in completion.token_ids], "token_logprobs": completion.sampler_logprobs,
+                    "top_logprobs": None, "text_offset": []}
+    return {"index": index, "text": completion.text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+            "token_ids": completion.token_ids, "prompt_token_ids": prompt_ids}
+
+
+@torch.no_grad()
+def _score_choice(index: int, prompt_ids: list[int], model: torch.nn.Module, tokenizer: Any, temperature: float) -> dict:
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    mask = torch.ones_like(ids)
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[0, :-1].float()
+    finally:
+        model.train(was_training)
+    logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
+    return {"index": index, "text": tokenizer.decode(prompt_ids), "finish_reason": "length", "token_ids": [], "prompt_token_ids": prompt_ids,
+            "logprobs": {"tokens": [f"token_id:{t}" for t in prompt_ids], "token_logprobs": [None, *logprobs.tolist()],
+                         "top_logprobs": None, "text_offset": []}}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Model id or local path (AutoModelForCausalLM).")
+    parser.add_argument("--host", default="0.0.0.0", help="Address to listen on (default 0.0.0.0).")
+    parser.add_argument("--port", type=int, default=8000, help="Port (default 8000, as vllm_server_port).")
+    parser.add_argument("--dtype", default="auto", help="Weights dtype: auto, float32, bfloat16, float16 (default auto).")
+    parser.add_argument("--device", default=None, help="Device (default: cuda if available, else cpu).")
+    parser.add_argument("--seed", type=int, default=0, help="Sampling seed at start-up (a request's seed overrides it).")
+    parser.add_argument("--trust_remote_code", action="store_true", help="Allow custom model code.")
+    parser.add_argument("--log_level", default="warning", help="uvicorn log level (default warning).")
+
+
+def serve(args: argparse.Namespace) -> None:
+    _, uvicorn = require_server_libraries()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..models import eos_token_ids
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    torch.manual_seed(args.seed)
+    app = create_app(model, tokenizer, eos_token_ids(tokenizer, model), args.model)
+    print(f"grouprl serve: {args.model} on {device}, http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

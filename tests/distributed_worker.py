@@ -1,0 +1,135 @@
+"""Training runs that the multi-process tests launch on 2 CPU processes (gloo) and run on 1 for reference.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_worker.py OUT_DIR MODEL_DIR SCENARIO...
+
+Every scenario trains 2 optimizer steps on completions that a deterministic backend derives from
+(prompt, index of the sample in its group), so 1 and 2 processes train on exactly the same
+completions. The global batch of one generation is 3 prompts x 4 samples: with 2 processes the
+middle group straddles them (process 0 samples 2 of its completions, process 1 the other 2).
+Each process writes what it saw (advantages, completions, group ids) and the main process the
+final weights and logged metrics to OUT_DIR/<scenario>-<processes>p-rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import datasets
+import torch
+from accelerate import PartialState
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.types import Completion
+
+NUM_GENERATIONS = 4
+# scenario -> (loss_type, main process samples for everyone (server-style dispatch; None: the config's backend), extra config)
+SCENARIOS = {
+    "dapo": ("dapo", False, {}),
+    "grpo": ("grpo", False, {}),
+    "grpo_main": ("grpo", True, {}),
+    # the entropy threshold is taken per micro-batch over all processes: one micro-batch per
+    # generation, so that 1 and 2 processes see the same tokens
+    "dapo_entropy": ("dapo", True, {"top_entropy_quantile": 0.5, "gradient_accumulation_steps": 1}),
+    # one generation feeds 2 optimizer steps; a checkpoint after the first holds every process's
+    # second micro-batch and RNG state
+    "dapo_resume": ("dapo", False, {"gradient_accumulation_steps": 1, "steps_per_generation": 2, "resume": True}),
+    # a real `grouprl serve` (url in $GROUPRL_TEST_SERVER): only the main process talks to it; a fixed
+    # request seed makes its samples the same for 1 and 2 processes
+    "grpo_server": ("grpo", None, {"generation_engine": "server", "generation_kwargs": {"seed": 0}}),
+    # DAPO dynamic sampling: the groups of prompts with an even token sum tie and are dropped; the
+    # kept rows are dealt out again over the processes
+    "dapo_dynamic": ("dapo", False, {"dynamic_sampling": True, "max_dynamic_sampling_rounds": 2}),
+}
+
+
+class GroupScript:
+    """Completions decided by (prompt ids, index of the sample within its whole group).
+
+    A process that samples only the tail of a group cut by the process boundary (process > 0,
+    fewer than G samples for its first prompt) continues the group's numbering, so the group's G
+    completions are the same however the batch is split. With `main_process_only` the grouprl
+    dispatcher asks for whole groups on the main process instead.
+    """
+
+    needs_importance_correction = False
+
+    def __init__(self, tokenizer, main_process_only: bool, ties: bool = False):
+        self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
+        self.main_process_only, self.ties = main_process_only, ties
+
+    def sync_weights(self, model):
+        pass
+
+    def generate(self, prompt_ids, num_samples, params):
+        offset = NUM_GENERATIONS - num_samples if PartialState().process_index > 0 and num_samples < NUM_GENERATIONS else 0
+        out = []
+        for p, ids in enumerate(prompt_ids):
+            for s in range(offset, offset + num_samples):
+                s = 0 if self.ties and sum(ids) % 2 == 0 else s  # every sample alike: the group's rewards tie
+                body = [(ids[-1] + 7 * s + k) % 200 + 3 for k in range(1 + (s * 3 + len(ids)) % 6)]
+                tokens = (body + ([self.eos] if s % 3 else []))[: params.max_new_tokens]
+                finish = "stop" if tokens[-1] == self.eos else "length"
+                out.append(Completion(p, tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), finish))
+        return out
+
+
+def distinct_tokens(completion_ids, **kwargs):
+    return [float(len(set(ids)) + sum(ids) % 5) for ids in completion_ids]
+
+
+def run(scenario: str, out_dir: str, model_dir: str) -> dict:
+    loss_type, main_only, extra = SCENARIOS[scenario]
+    extra = dict(extra)
+    resume = extra.pop("resume", False)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    accumulation = extra.pop("gradient_accumulation_steps", 2)
+    micro_steps = extra.get("steps_per_generation") or accumulation
+    if extra.get("generation_engine") == "server":
+        extra["vllm_server_base_url"] = os.environ["GROUPRL_TEST_SERVER"]
+    config = GRPOConfig(
+        output_dir=os.path.join(out_dir, f"{scenario}-{processes}p"), per_device_train_batch_size=12 // (processes * micro_steps),
+        gradient_accumulation_steps=accumulation, num_generations=NUM_GENERATIONS, max_completion_length=8, learning_rate=0.5,
+        max_steps=2, logging_steps=1, save_strategy="steps" if resume else "no", save_steps=1, report_to="none", disable_tqdm=True,
+        seed=0, bf16=False, gradient_checkpointing=False, max_grad_norm=0, lr_scheduler_type="constant", loss_type=loss_type, **extra,
+    )
+    dataset = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(12)]})
+    seen = []
+
+    def build() -> GRPOTrainer:
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        sgd = torch.optim.SGD(model.parameters(), lr=config.learning_rate)  # update = gradient, so a gradient bug shows
+        trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=config, train_dataset=dataset, processing_class=tokenizer,
+                              optimizers=(sgd, None), generation_backend=None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling))
+        score = trainer.run.rollouts.score
+
+        def recording_score(rollout, trainer_state, window):
+            rewards, advantages = score(rollout, trainer_state, window)
+            seen.append({"advantages": advantages.clone(), "completions": [c.token_ids for c in rollout.completions],
+                         "group_ids": list(rollout.prompts.group_ids), "num_samples": list(rollout.prompts.num_samples)})
+            return rewards, advantages
+
+        trainer.run.rollouts.score = recording_score
+        return trainer
+
+    def weights(trainer: GRPOTrainer) -> dict:
+        return {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.run.model).named_parameters()}
+
+    trainer = build()
+    trainer.train()
+    accelerator = trainer.accelerator
+    result = {"seen": list(seen), "processes": processes, "weights": weights(trainer), "log_history": trainer.state.log_history}
+    if resume:  # a second run that resumes from the step-1 checkpoint, with a micro-batch of generation 1 still buffered
+        resumed = build()
+        resumed.train(resume_from_checkpoint=os.path.join(config.output_dir, "checkpoint-1"))
+        result["resumed_weights"] = weights(resumed)
+    torch.save(result, os.path.join(out_dir, f"{scenario}-{processes}p-rank{accelerator.process_index}.pt"))
+    return result
+
+
+if __name__ == "__main__":
+    out_dir, model_dir, *scenarios = sys.argv[1:]
+    for name in scenarios:
+        run(name, out_dir, model_dir)

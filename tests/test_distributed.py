@@ -1,0 +1,88 @@
+"""Multi-process training: 2 real CPU processes (accelerate launch, gloo) against 1 process.
+
+The same completions are injected into both (tests/distributed_worker.py), the global batch has a
+group straddling the two processes, and the optimizer is SGD (update = gradient), so any error in
+the gathers, the advantage slices, the DAPO token denominator or the gradient averaging shows up
+in the weights.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import free_port
+from distributed_worker import SCENARIOS, run
+from helpers import max_difference
+
+from grouprl.launch import resolve_accelerate_config
+
+WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
+RUNNABLE = [name for name in SCENARIOS if HAS_SERVER_LIBRARIES or name != "grpo_server"]
+
+
+def launch(nproc: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run a script on `nproc` CPU processes the way users do: accelerate launch with grouprl's bundled
+    multi_gpu config (on a machine without GPUs the processes join over gloo), 1 thread each."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", resolve_accelerate_config("multi_gpu"),
+               "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_session():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, request):
+    if HAS_SERVER_LIBRARIES:
+        monkeypatch_session.setenv("GROUPRL_TEST_SERVER", request.getfixturevalue("grouprl_server")[0])
+    out = tmp_path_factory.mktemp("two_process")
+    result = launch(2, [WORKER, str(out), str(tiny_model_dir), *RUNNABLE])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return {name: [torch.load(out / f"{name}-2p-rank{r}.pt", weights_only=False) for r in range(2)] for name in RUNNABLE}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path, scenario):
+    """Weights after 2 steps, advantages, completions and logged metrics: 2 processes == 1 process."""
+    if scenario not in RUNNABLE:
+        pytest.skip("grouprl serve needs fastapi and uvicorn (pip install 'grouprl[serve]')")
+    single = run(scenario, str(tmp_path), str(tiny_model_dir))
+    rank0, rank1 = two_process_runs[scenario]
+    assert rank0["processes"] == 2
+    for step, whole in enumerate(single["seen"]):
+        parts = [rank0["seen"][step], rank1["seen"][step]]
+        # the middle group of 3 is cut by the process boundary: 2 of its 4 samples on each process
+        assert parts[0]["group_ids"][-1] == parts[1]["group_ids"][0] and parts[0]["num_samples"][-1] == 2
+        assert parts[0]["completions"] + parts[1]["completions"] == whole["completions"]
+        joined = torch.cat([parts[0]["advantages"], parts[1]["advantages"]])
+        assert torch.allclose(joined, whole["advantages"], atol=1e-6), (joined, whole["advantages"])
+        assert whole["advantages"].abs().sum() > 0
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0  # DDP kept the replicas identical
+    if "resumed_weights" in single:  # 2 steps == 1 step, checkpoint, resume, 1 step; on each process
+        for result in (single, rank0, rank1):
+            assert max_difference(result["weights"], result["resumed_weights"]) == 0.0
+        return  # one generation split over 2 optimizer steps: which rows share a step depends on the process count
+    assert max_difference(single["weights"], rank0["weights"]) < 2e-6
+    logged = [e for e in single["log_history"] if "loss" in e]
+    logged2 = [e for e in rank0["log_history"] if "loss" in e]
+    for one, two in zip(logged, logged2):
+        for name in ("loss", "reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", "num_tokens"):
+            assert one[name] == pytest.approx(two[name], abs=1e-5), name
+
+
+def test_the_steps_change_the_weights(two_process_runs, tiny_model_dir):
+    from helpers import parameters
+    from transformers import AutoModelForCausalLM
+
+    base = parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    for name in RUNNABLE:
+        assert max_difference(base, two_process_runs[name][0]["weights"]) > 1e-3, name

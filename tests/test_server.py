@@ -1,0 +1,120 @@
+"""`grouprl serve` in a subprocess, and training through it (generation_engine='server' / TRL's use_vllm server mode)."""
+
+import time
+
+import datasets
+import pytest
+import torch
+from conftest import free_port
+from transformers import AutoTokenizer
+
+from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.algorithms.logprobs import completion_logprobs
+from grouprl.generation.remote import RemoteGenerator, ServerError
+from grouprl.types import SamplingParams
+
+
+@pytest.fixture
+def server(grouprl_server):
+    if grouprl_server[1].poll() is not None:
+        pytest.skip("the shared grouprl server was killed by an earlier test")
+    return grouprl_server
+
+
+def distinct_tokens(completion_ids, **kwargs):
+    return [float(len(set(ids))) for ids in completion_ids]
+
+
+def config(tmp_path, url, **overrides):
+    values = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
+              "learning_rate": 0.05, "max_steps": 3, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+              "seed": 0, "bf16": False, "generation_engine": "server", "vllm_server_base_url": url, "vllm_server_timeout": 30}
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+PROMPTS = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(16)]})
+FIXED = ([5, 17, 42, 9], [33, 7, 61, 2, 90])  # (prompt, completion) scored by both sides after each sync
+
+
+def trainer_logprobs(model, fixed=FIXED):
+    prompt, completion = torch.tensor([fixed[0]]), torch.tensor([fixed[1]])
+    with torch.no_grad():
+        out = completion_logprobs(model, prompt, torch.ones_like(prompt, dtype=torch.bool), completion,
+                                  torch.ones_like(completion, dtype=torch.bool), temperature=1.0, with_entropy=False)
+    return out.logprobs[0].tolist()
+
+
+@pytest.mark.parametrize("weight_transfer", ["http", "broadcast"])
+def test_training_through_the_server_keeps_its_weights_in_sync(server, tiny_model_dir, tmp_path, weight_transfer):
+    url, _ = server
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config(tmp_path, url, generation_server_weight_transfer=weight_transfer),
+                          train_dataset=PROMPTS, processing_class=tokenizer)
+    backend = trainer.generation_backend
+    assert isinstance(backend, RemoteGenerator) and backend.is_grouprl
+    pairs = []
+    send = backend.sync_weights
+
+    def sync_and_compare(model):
+        send(model)
+        pairs.append((backend.score(FIXED[0] + FIXED[1])[-len(FIXED[1]):], trainer_logprobs(model)))
+
+    backend.sync_weights = sync_and_compare
+    trainer.train()
+    assert len(pairs) == 3  # before each of the 3 generations, once per optimizer step
+    for served, trained in pairs:
+        assert served == pytest.approx(trained, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(pairs[0][1], pairs[-1][1])) > 1e-3  # the weights did move
+    logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/max" in e]
+    assert len(logged) == 3
+    # the server sampled from the weights the trainer scores with: importance ratios of 1
+    assert all(e["sampling/sampling_logp_difference/max"] < 1e-4 for e in logged)
+    assert all(e["sampling/importance_sampling_ratio/min"] > 0.999 for e in logged)
+
+
+def test_trl_server_mode_fields_reach_a_grouprl_server(server, tiny_model_dir, tmp_path):
+    url, _ = server
+    port = int(url.rsplit(":", 1)[1])
+    args = config(tmp_path, None, generation_engine="auto", use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
+                  vllm_server_port=port, max_steps=1)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=args, train_dataset=PROMPTS)
+    assert isinstance(trainer.generation_backend, RemoteGenerator) and trainer.generation_backend.base_url == url
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_completions_api(server):
+    url, _ = server
+    client = RemoteGenerator(url)
+    completions = client.generate([[5, 6, 7], [8, 9]], 3, SamplingParams(max_new_tokens=4, temperature=0.7, top_k=20))
+    assert [c.prompt_index for c in completions] == [0, 0, 0, 1, 1, 1]
+    for c in completions:
+        assert 1 <= len(c.token_ids) <= 4 and len(c.sampler_logprobs) == len(c.token_ids)
+        assert all(lp <= 0 for lp in c.sampler_logprobs)
+    with pytest.raises(ServerError, match="answered 400.*unsupported request fields \\['best_of'\\]"):
+        client.generate([[5]], 1, SamplingParams(max_new_tokens=2, extra={"best_of": 2}))
+
+
+def test_unreachable_server_fails_fast_with_the_settings(tiny_model_dir, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="no generation server answered.*vllm_server_timeout=1s"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config(tmp_path, url, vllm_server_timeout=1), train_dataset=PROMPTS)
+    assert time.monotonic() - started < 15
+    client = RemoteGenerator(url, timeout=1, retries=2, connect=False)
+    with pytest.raises(ServerError, match="failed after 3 attempt.*vllm_server_timeout=1s.*generation_server_retries=2"):
+        client.generate([[5]], 2, SamplingParams(max_new_tokens=2))
+
+
+def test_killed_server_gives_a_clear_error(server):
+    """Last in this file (and after test_distributed.py): it kills the shared session server."""
+    url, process = server
+    client = RemoteGenerator(url, timeout=2, retries=1)
+    assert client.generate([[5, 6]], 1, SamplingParams(max_new_tokens=2))
+    process.kill()
+    process.wait()
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="failed after 2 attempt"):
+        client.generate([[5, 6]], 1, SamplingParams(max_new_tokens=2))
+    assert time.monotonic() - started < 10
