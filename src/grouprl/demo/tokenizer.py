@@ -43,6 +43,43 @@ CHAT_TEMPLATE = (
 )
 
 
+# ChatML with tools, in the Hermes / Qwen2.5 format: tool schemas listed in a system turn, calls written
+# by the assistant as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and consecutive tool
+# results grouped into one user turn of `<tool_response>` blocks. Earlier messages render the same
+# whatever follows (prefix-preserving), which multi-turn training relies on (grouprl.agents).
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\nTo call a function, write <tool_call>{\"name\": <function-name>, \"arguments\": <args-json-object>}</tool_call>. "
+    "Functions:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) %}"
+    "{{- '<tool_call>{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + args + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + (message['content'] | string) + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
 def byte_to_unicode() -> dict[int, str]:
     """Map every byte to a printable unicode character (the GPT-2 byte-level alphabet).
 
