@@ -405,3 +405,28 @@ def test_template_without_tool_support_fails_at_start(tmp_path, tok):
     path = save_tiny_model(tmp_path / "plain", seed=0, max_position_embeddings=1024)  # ChatML that drops tool calls
     with pytest.raises(ValueError, match="drops the tool name"):
         GRPOTrainer(model=path, reward_funcs=constant_reward, tools=[multiply], train_dataset=dataset(), args=config(tmp_path))
+
+
+def test_cli_tools_and_environment_factory(tool_model_dir, tmp_path, monkeypatch):
+    """grouprl train --tools pkg.func --environment_factory pkg.Class: the environment's get_reward is the only reward."""
+    import json
+
+    from grouprl.cli import main
+
+    (tmp_path / "my_agent.py").write_text(
+        "class Tally:\n"
+        "    def reset(self, **row):\n        self.n = 0\n        return None\n"
+        "    def bump(self, k: int) -> int:\n        '''Add k.\n\n        Args:\n            k: amount\n        '''\n"
+        "        self.n += k\n        return self.n\n"
+        "    def get_reward(self):\n        return float(self.n)\n\n"
+        "def double(x: int) -> int:\n    '''Double x.\n\n    Args:\n        x: a number\n    '''\n    return 2 * x\n")
+    monkeypatch.chdir(tmp_path)
+    dataset(4).to_json(str(tmp_path / "train.jsonl"))
+    out = tmp_path / "out"
+    code = main(["train", "--model_name_or_path", tool_model_dir, "--dataset_name", str(tmp_path / "train.jsonl"),
+                 "--tools", "my_agent.double", "--environment_factory", "my_agent.Tally", "--output_dir", str(out),
+                 "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", "1",
+                 "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"])
+    assert code == 0
+    entry = json.loads(open(out / "metrics.jsonl").readline())
+    assert entry["rewards/Tally/mean"] == 0.0 and "tools/call_frequency" in entry
