@@ -430,3 +430,26 @@ def test_cli_tools_and_environment_factory(tool_model_dir, tmp_path, monkeypatch
     assert code == 0
     entry = json.loads(open(out / "metrics.jsonl").readline())
     assert entry["rewards/Tally/mean"] == 0.0 and "tools/call_frequency" in entry
+
+
+def test_calculator_example_runs(tmp_path, monkeypatch):
+    """examples/calculator_tool.py end to end at a toy size (the README numbers come from its defaults)."""
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "calculator_tool.py")
+    spec = importlib.util.spec_from_file_location("calculator_tool", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.calculator("37*8") == "296" and example.calculator("(1+2)/4") == "0.75"
+    with pytest.raises(ValueError, match="unsupported"):
+        example.calculator("__import__('os')")
+    tool_turn = [{"role": "assistant", "content": "", "tool_calls": [{}]}, {"role": "tool", "content": "296"}, {"role": "assistant", "content": "296"}]
+    assert example.final_answer_reward([tool_turn, [{"role": "assistant", "content": "295"}], tool_turn[:2]], ["296"] * 3) == [1.0, 0.0, 0.0]
+    monkeypatch.setattr(sys, "argv", ["calculator_tool.py", "--output_dir", str(tmp_path), "--pretrain_steps", "8", "--pretrain_batch", "8",
+                                      "--max_steps", "1", "--prompts_per_step", "2", "--num_generations", "2", "--eval_rows", "4"])
+    example.main()
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["grpo_steps"] == 1 and 0.0 <= summary["tool_use_rate_after"] <= 1.0

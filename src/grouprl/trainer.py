@@ -17,10 +17,10 @@ from transformers import PreTrainedModel, TrainerState, get_scheduler
 from transformers.utils import logging
 
 from . import evaluation, loop
+from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, load_adapter_weights, require_peft, save_pretrained, wrap_with_lora
 from .agents import AgentSpec
 from .agents.environments import environment_dataset
 from .agents.multiturn import TurnSettings
-from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, load_adapter_weights, require_peft, save_pretrained, wrap_with_lora
 from .algorithms.entropy import EntropyController
 from .completion_log import CompletionLog
 from .checkpoint import load_training_state, resolve_resume_path, restore_rng_state
@@ -107,7 +107,7 @@ class GRPOTrainer:
             check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         environment_rewards = agents.reward_functions if agents else []
-        if reward_funcs is None or reward_funcs == []:
+        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
             if not environment_rewards:
                 raise ValueError("No reward source provided. Pass reward_funcs, or an environment_factory whose environment defines "
                                  "a get_reward() method.")
@@ -190,7 +190,8 @@ class GRPOTrainer:
         tokenize = PromptTokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
                                    chat_template_kwargs=args.chat_template_kwargs, tools=[t.schema for t in agents.tools] if agents else None)
         agent = agents.build(tokenize, TurnSettings(
-            self.processing_class, set(self.eos_token_ids), args.max_completion_length, args.max_tool_calling_iterations, args.chat_template_kwargs or {},
+            tokenizer=self.processing_class, stop_ids=set(self.eos_token_ids), max_completion_length=args.max_completion_length,
+            max_tool_calling_iterations=args.max_tool_calling_iterations, chat_template_kwargs=args.chat_template_kwargs or {},
         ), trainer=self) if agents else None
         rollouts = RolloutMaker(
             accelerator=self.accelerator,

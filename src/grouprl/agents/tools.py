@@ -14,6 +14,7 @@ Results keep the order of the calls.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -89,8 +90,6 @@ def execute_tool_calls(calls: Sequence[Sequence[dict]], toolboxes: Sequence[dict
                 results[i][j] = _success(name, outcome)
     if waiting:
         async def gather() -> list[Any]:
-            import asyncio
-
             return await asyncio.gather(*(coroutine for *_, coroutine in waiting), return_exceptions=True)
 
         for (i, j, name, _), outcome in zip(waiting, _BackgroundLoop.run(gather()).result()):
