@@ -226,6 +226,8 @@ def test_call_and_failure_frequencies_lengths_and_training(tool_model_dir, tmp_p
     model_tokens = [len(good) + len(answer), len(bad) + len(answer), len(direct)]  # tool output is not the model's length
     assert log["completions/mean_length"] == pytest.approx(sum(model_tokens) / 3)
     assert log["completions/max_length"] == max(model_tokens) and log["completions/min_length"] == min(model_tokens)
+    prompt_tokens = [len(trainer.run.rollouts.tokenize(row["prompt"], i)) for i, row in enumerate(dataset(2))]
+    assert log["num_tokens"] == 3 * sum(prompt_tokens) + 2 * sum(model_tokens)  # prompts and model tokens, not tool output
     assert [m["role"] for m in seen[0]] == ["assistant", "tool", "assistant"] and seen[2] == [{"role": "assistant", "content": "42"}]
     assert "unknown tool 'divide'" in seen[1][1]["content"]
     assert log["kl"] is not None and log["loss"] is not None
