@@ -47,11 +47,18 @@ def test_hf_argument_parser_round_trip():
 
 
 def test_not_yet_built_features_raise_not_implemented():
-    for name in ("max_tool_calling_iterations", "ds3_gather_for_generation"):
-        value = {"max_tool_calling_iterations": 3, "ds3_gather_for_generation": False}[name]
+    for name in ("ds3_gather_for_generation",):
+        value = {"ds3_gather_for_generation": False}[name]
         assert name in NOT_YET_BUILT
         with pytest.raises(NotImplementedError, match=name):
             GRPOConfig(**{name: value})
+
+
+def test_tool_fields_are_built():
+    assert "max_tool_calling_iterations" not in NOT_YET_BUILT
+    assert GRPOConfig(max_tool_calling_iterations=3).max_tool_calling_iterations == 3
+    with pytest.raises(ValueError, match="max_tool_calling_iterations=-1 must be >= 0"):
+        GRPOConfig(max_tool_calling_iterations=-1)
 
 
 def test_objective_fields_are_built():

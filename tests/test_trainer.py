@@ -222,8 +222,8 @@ def test_prompt_longer_than_context(tiny_model_dir, tmp_path):
 
 
 def test_features_not_built_yet_are_refused(tiny_model_dir, tmp_path):
-    with pytest.raises(NotImplementedError, match="tools"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(), tools=[len])
+    with pytest.raises(NotImplementedError, match="callbacks"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(), callbacks=[len])
 
 
 def test_generation_buffer_serves_spg_times_iterations_micro_steps(tiny_model_dir, tmp_path):

@@ -33,6 +33,8 @@ class ScriptArguments:
     dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset (needs --max_steps)."})
     reward_funcs: Optional[list[str]] = field(default=None, metadata={"help": "Reward functions: built-in names or dotted import paths (pkg.module.func)."})
     reward_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "A sequence-classification reward model (id or path), scored first."})
+    tools: Optional[list[str]] = field(default=None, metadata={"help": "grouprl extension: tool functions the model may call, as dotted import paths (pkg.module.func)."})
+    environment_factory: Optional[str] = field(default=None, metadata={"help": "grouprl extension: dotted import path of an environment class or factory (its methods become tools)."})
 
 
 @dataclass
@@ -63,18 +65,25 @@ def resolve_reward_function(name: str, config: Any = None) -> Callable:
             config = GRPOConfig()
         return CONFIGURED_REWARDS[name](config)
     if "." in name:
-        module_name, _, attribute = name.rpartition(".")
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ValueError(f"--reward_funcs {name}: cannot import module {module_name!r} ({err}).") from None
-        if not hasattr(module, attribute):
-            raise ValueError(f"--reward_funcs {name}: module {module_name!r} has no attribute {attribute!r}.")
-        return getattr(module, attribute)
+        return import_dotted(name, "--reward_funcs")
     names = ", ".join(sorted([*BUILTIN_REWARDS, *CONFIGURED_REWARDS]))
     raise ValueError(f"--reward_funcs {name}: not a built-in reward ({names}) and not a dotted path pkg.module.func.")
+
+
+def import_dotted(name: str, flag: str) -> Any:
+    """The attribute named by a dotted path pkg.module.attr (the current directory is importable)."""
+    module_name, _, attribute = name.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{flag} {name}: not a dotted import path pkg.module.attr.")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{flag} {name}: cannot import module {module_name!r} ({err}).") from None
+    if not hasattr(module, attribute):
+        raise ValueError(f"{flag} {name}: module {module_name!r} has no attribute {attribute!r}.")
+    return getattr(module, attribute)
 
 
 def load_train_dataset(script: ScriptArguments, split: Optional[str] = None) -> Any:
@@ -148,16 +157,19 @@ def train_command(argv: list[str]) -> int:
     reward_funcs: list[Any] = [resolve_reward_function(name, config) for name in script.reward_funcs or []]
     if script.reward_model_name_or_path:
         reward_funcs.insert(0, script.reward_model_name_or_path)  # as trl grpo: the reward model comes first
-    if not reward_funcs:
+    if not reward_funcs and not script.environment_factory:
         raise ValueError("grouprl train needs at least one --reward_funcs (a built-in name or a dotted path pkg.module.func) "
                          "or a --reward_model_name_or_path.")
+    tools = [import_dotted(name, "--tools") for name in script.tools or []]
+    environment_factory = import_dotted(script.environment_factory, "--environment_factory") if script.environment_factory else None
     init_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
     if model_args.attn_implementation:
         init_kwargs["attn_implementation"] = model_args.attn_implementation
     config.model_init_kwargs = {**init_kwargs, **(config.model_init_kwargs or {})}
     eval_dataset = load_train_dataset(script, script.dataset_test_split) if config.eval_strategy != "no" else None
     trainer = GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=reward_funcs, args=config,
-                          train_dataset=load_train_dataset(script), eval_dataset=eval_dataset)
+                          train_dataset=load_train_dataset(script), eval_dataset=eval_dataset, tools=tools or None,
+                          environment_factory=environment_factory)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
     if trainer.accelerator.is_main_process:

@@ -37,7 +37,6 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
     "use_transformers_continuous_batching": (False, "transformers continuous batching"),
     "use_transformers_paged": (False, "transformers continuous batching"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
-    "max_tool_calling_iterations": (None, "tool calling"),
     "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
     "dataloader_num_workers": (0, "dataloader worker processes (prompts are tokenized in-process)"),
 }
@@ -191,7 +190,7 @@ class GRPOConfig:
     log_completions_hub_repo: Optional[str] = field(default=None, metadata=_meta("Hub dataset repo for completion logs."))
 
     # ---- tools (TRL §1.7) ----
-    max_tool_calling_iterations: Optional[int] = field(default=None, metadata=_meta("Maximum tool-calling turns per rollout."))
+    max_tool_calling_iterations: Optional[int] = field(default=None, metadata=_meta("Maximum tool-calling rounds per rollout (None = until the model stops calling tools or max_completion_length is used up)."))
 
     # ---- grouprl extensions (not in TRL) ----
     dynamic_sampling: bool = field(default=False, metadata=_meta(
@@ -260,6 +259,8 @@ class GRPOConfig:
                 f"(got generation_batch_size={self.generation_batch_size}, steps_per_generation={self.steps_per_generation}); "
                 "one is derived from the other."
             )
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(f"GRPOConfig.max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (None = no limit).")
         if self.steps_per_generation is not None and self.steps_per_generation < 1:
             raise ValueError(f"GRPOConfig.steps_per_generation={self.steps_per_generation} must be >= 1.")
         if self.temperature <= 0:

@@ -66,19 +66,22 @@ def is_conversational(prompt: Any) -> bool:
 class PromptTokenizer:
     """Tokenizes prompts once: plain text as-is, conversations through the chat template."""
 
-    def __init__(self, tokenizer: Any, *, max_context: Optional[int], max_completion_length: int, chat_template_kwargs: Optional[dict] = None):
+    def __init__(self, tokenizer: Any, *, max_context: Optional[int], max_completion_length: int, chat_template_kwargs: Optional[dict] = None,
+                 tools: Optional[list[dict]] = None):
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.max_completion_length = max_completion_length
         self.chat_template_kwargs = chat_template_kwargs or {}
+        self.tools = tools or None  # JSON schemas rendered into conversational prompts (None, not [], as TRL: templates treat them differently)
 
-    def __call__(self, prompt: Any, row: int) -> list[int]:
+    def __call__(self, prompt: Any, row: int, tools: Optional[list[dict]] = None) -> list[int]:
+        """Token ids of one prompt; `tools` (schemas) replaces the default tools for this prompt."""
         self.check(prompt, row)
         if is_conversational(prompt):
             continue_final = prompt[-1]["role"] == "assistant"
             ids = self.tokenizer.apply_chat_template(
                 prompt, tokenize=True, add_generation_prompt=not continue_final, continue_final_message=continue_final,
-                **self.chat_template_kwargs,
+                tools=tools or self.tools, **self.chat_template_kwargs,
             )
             if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]

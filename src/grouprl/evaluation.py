@@ -35,7 +35,7 @@ from .config import GRPOConfig, resolve_steps
 from .data import check_dataset, local_prompt_batch
 from .distributed import global_mean
 from .metrics import JsonlWriter, MetricWindow
-from .rollout import RolloutMaker, generate_for
+from .rollout import RolloutMaker
 from .types import Rollout
 
 logger = logging.get_logger("grouprl")
@@ -139,7 +139,7 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
                     remove_unused_columns=rollouts.settings.remove_unused_columns,
                 )
                 with accelerator.autocast():
-                    rollout = Rollout(prompts, generate_for(rollouts.backend, prompts, rollouts.sampling))
+                    rollout = Rollout(prompts, rollouts.generate(prompts))
                 _, advantages = rollouts.score(rollout, run.state, window)
                 _add_loss(run, rollouts.make_train_batch(rollout, advantages), window)
                 batches += 1
@@ -167,7 +167,7 @@ def _add_loss(run: Any, batch: Any, window: MetricWindow) -> None:
             token_denominator=max(batch.num_loss_tokens, 1.0) / accelerator.num_processes,
         )
     window.add("loss", global_mean(accelerator, loss.item()))
-    window.add("entropy", global_mean(accelerator, masked_mean(entropy, b.completion_mask).item()))
+    window.add("entropy", global_mean(accelerator, masked_mean(entropy, b.loss_mask).item()))  # model tokens only
     for name, value in stats.items():
         window.add(name, global_mean(accelerator, value.item()))
 

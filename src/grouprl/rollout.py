@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 from transformers.utils import logging
 
+from .agents import Agent, tool_call_stats
 from .algorithms.advantages import group_advantages
 from .completion_log import CompletionLog
 from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
@@ -56,6 +57,7 @@ class RolloutMaker:
     completion_extras: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns of the last generation
     completion_log: Optional[CompletionLog] = None  # set when log_completions is on
     synced_step: Optional[int] = None  # optimizer step whose weights the backend samples from
+    agent: Optional[Agent] = None  # multi-turn rollouts (tools, environments, rollout_func); None = single-turn sampling
 
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
         """Hand the policy's weights to the backend before sampling, at most once per optimizer step (as TRL)."""
@@ -76,7 +78,12 @@ class RolloutMaker:
             remove_unused_columns=self.settings.remove_unused_columns,
         )
         self.generations_made += 1
-        return Rollout(prompts, generate_for(self.backend, prompts, self.sampling))
+        return Rollout(prompts, self.generate(prompts))
+
+    def generate(self, prompts: PromptBatch) -> list[Completion]:
+        if self.agent is not None:
+            return self.agent.generate(self.backend, prompts, self.sampling)
+        return generate_for(self.backend, prompts, self.sampling)
 
     def score(self, rollout: Rollout, trainer_state: Any, window: MetricWindow) -> tuple[Rewards, torch.Tensor]:
         """Rewards of the global batch and this process's advantages (N,); logs reward/length metrics.
@@ -117,9 +124,12 @@ class RolloutMaker:
         return score_completions(
             self.reward_functions,
             prompts=[batch.prompts[b] for b in row_prompt],
-            completions=[[{"role": "assistant", "content": c.text}] if conversational else c.text for c in rollout.completions],
+            completions=[(c.messages or [{"role": "assistant", "content": c.text}]) if conversational else c.text for c in rollout.completions],
             completion_ids=[c.token_ids for c in rollout.completions],
-            columns={name: [values[b] for b in row_prompt] for name, values in batch.columns.items()},
+            columns={
+                **{name: [values[b] for b in row_prompt] for name, values in batch.columns.items()},
+                **{name: [c.reward_kwargs.get(name) for c in rollout.completions] for name in {k for c in rollout.completions for k in c.reward_kwargs}},
+            },
             trainer_state=trainer_state,
             log_metric=window.add,
             log_extra=self.completion_extras.__setitem__,
@@ -130,11 +140,14 @@ class RolloutMaker:
         return None
 
     def log_lengths(self, rollout: Rollout, window: MetricWindow) -> None:
-        """completions/* metrics and the running num_tokens, over everything generated."""
-        lengths = torch.tensor([len(c.token_ids) for c in rollout.completions])
+        """completions/* (and tools/*) metrics and the running num_tokens, over everything the model generated."""
+        lengths = torch.tensor([c.num_model_tokens for c in rollout.completions])  # tool output is not the model's length
         stopped = torch.tensor([c.finish_reason == "stop" for c in rollout.completions])
         window.add_all(completion_length_stats(gather_rows(self.accelerator, lengths), gather_rows(self.accelerator, stopped)))
-        prompt_tokens = sum(len(rollout.prompts.prompt_ids[b]) for b in rollout.row_prompt)
+        if self.agent is not None and self.agent.has_tools:
+            calls = gather_rows(self.accelerator, torch.tensor([[c.tool_calls, c.tool_failures] for c in rollout.completions]))
+            window.add_all(tool_call_stats(calls[:, 0], calls[:, 1]))
+        prompt_tokens = sum(len(p) for p in row_prompt_ids(rollout))
         self.tokens_seen += int(global_sum(self.accelerator, prompt_tokens + int(lengths.sum())))
         window.add("num_tokens", self.tokens_seen)
 
@@ -210,10 +223,19 @@ def shrink_rollout(rollout: Rollout, keep: torch.Tensor) -> None:
     rollout.prompts.num_samples = counts
 
 
+def row_prompt_ids(rollout: Rollout) -> list[list[int]]:
+    """(N,) prompt token ids of each completion: its own (environment observation, rollout_func) or its prompt's."""
+    return [c.prompt_ids if c.prompt_ids is not None else rollout.prompts.prompt_ids[b] for c, b in zip(rollout.completions, rollout.row_prompt)]
+
+
 def pack_rollout(rollout: Rollout, advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool) -> TrainBatch:
-    """Left-pad prompts and right-pad completions into tensors; build the masks."""
+    """Left-pad prompts and right-pad completions into tensors; build the masks.
+
+    completion_mask covers every completion token (the attention context); loss_mask drops tool
+    output (Completion.tool_mask False) and, with mask_truncated, truncated completions.
+    """
     rows = rollout.row_prompt
-    prompt_ids = [rollout.prompts.prompt_ids[b] for b in rows]
+    prompt_ids = row_prompt_ids(rollout)
     completion_ids = [c.token_ids for c in rollout.completions]
     n = len(rows)
     width_p = max(len(p) for p in prompt_ids)
@@ -233,6 +255,9 @@ def pack_rollout(rollout: Rollout, advantages: torch.Tensor, pad_token_id: int, 
         if sampler_logprobs is not None:
             sampler_logprobs[r, :length] = torch.tensor(completion.sampler_logprobs, dtype=torch.float32)
     loss_mask = completion_mask.clone()
+    for r, completion in enumerate(rollout.completions):
+        if completion.tool_mask is not None:
+            loss_mask[r, : len(completion.tool_mask)] = torch.tensor(completion.tool_mask, dtype=torch.bool)
     if mask_truncated:  # truncated completions keep their rewards in the group statistics but train nothing
         truncated = torch.tensor([c.finish_reason != "stop" for c in rollout.completions])
         loss_mask[truncated] = False

@@ -19,6 +19,9 @@ from transformers.utils import logging
 
 from . import evaluation, loop
 from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, load_adapter_weights, require_peft, save_pretrained, wrap_with_lora
+from .agents import AgentSpec
+from .agents.environments import environment_dataset
+from .agents.multiturn import TurnSettings
 from .algorithms.entropy import EntropyController
 from .completion_log import CompletionLog
 from .checkpoint import load_model_weights, load_training_state, resolve_resume_path, restore_rng_state
@@ -52,6 +55,7 @@ class GRPOTrainer:
             ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)``
             and returns one float (or None) per completion. An entry may also be a reward model: a model
             id / path (AutoModelForSequenceClassification, num_labels=1) or a ``PreTrainedModel``.
+            May be None when an environment owns the reward (``get_reward``).
         args: a ``GRPOConfig`` (default: ``GRPOConfig(output_dir="<model name>-GRPO")``).
         train_dataset: ``datasets.Dataset`` or ``IterableDataset`` with a ``prompt`` column (and, for
             vision-language models, an ``image`` or ``images`` column).
@@ -61,6 +65,12 @@ class GRPOTrainer:
         reward_processing_classes: tokenizer(s) of the reward models: one, or a list with one entry per
             reward function (None = load the reward model's own tokenizer).
         optimizers: ``(optimizer, lr_scheduler)``; either may be None to use AdamW / ``lr_scheduler_type``.
+        tools: sync or async functions (type hints + Google-style docstrings) the model may call in
+            multi-turn rollouts; needs conversational prompts and a chat template that renders tools.
+        environment_factory: a callable making an environment (``reset(**row)``, public methods as tools,
+            optional ``get_reward()``), or a dict name -> callable routed by an ``environment`` column.
+        rollout_func: ``f(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", ...}``, a custom
+            rollout replacing generation. See ``grouprl.agents`` and the README's "Tools and agents".
         generation_backend: grouprl extension: any object with the ``GenerationBackend`` protocol
             (default: transformers ``generate`` on the policy).
     """
@@ -68,7 +78,7 @@ class GRPOTrainer:
     def __init__(
         self,
         model: Union[str, PreTrainedModel],
-        reward_funcs: Union[Callable, list[Callable]],
+        reward_funcs: Union[Callable, list[Callable], None] = None,
         args: Optional[GRPOConfig] = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -82,14 +92,8 @@ class GRPOTrainer:
         environment_factory: Any = None,
         generation_backend: Optional[GenerationBackend] = None,
     ):
-        for name, value, feature in (
-            ("tools", tools, "tool calling"),
-            ("rollout_func", rollout_func, "custom rollout functions"),
-            ("environment_factory", environment_factory, "environments"),
-            ("callbacks", callbacks, "trainer callbacks"),
-        ):
-            if value:
-                raise NotImplementedError(f"GRPOTrainer({name}=...): {feature} is not available in this version of grouprl yet.")
+        if callbacks:
+            raise NotImplementedError("GRPOTrainer(callbacks=...): trainer callbacks are not available in this version of grouprl yet.")
         if args is None:
             model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = GRPOConfig(output_dir=f"{os.path.basename(str(model_name).rstrip('/')) or 'model'}-GRPO")
@@ -98,19 +102,32 @@ class GRPOTrainer:
         self.args = args
         self.accelerator = _make_accelerator(args)
         self.plan = plan_batches(args, self.accelerator.num_processes)
+        agents = AgentSpec.from_arguments(tools, environment_factory, rollout_func)  # tool schemas checked, environments probed
+        train_dataset = environment_dataset(train_dataset, agents and agents.environments, max_steps=args.max_steps,
+                                            prompts_per_generation=self.plan.prompts_per_generation)
         check_dataset(train_dataset, "train_dataset")
         if isinstance(train_dataset, __import__("datasets").IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
         if args.eval_strategy != "no":
             check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
+        environment_rewards = agents.reward_functions if agents else []
+        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+            if not environment_rewards:
+                raise ValueError("No reward source provided. Pass reward_funcs, or an environment_factory whose environment defines "
+                                 "a get_reward() method.")
+            reward_funcs, reward_processing_classes = [], []
+        else:
+            reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
         weights = args.reward_weights or [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
             raise ValueError(
                 f"GRPOConfig.reward_weights has {len(weights)} weights but there are {len(reward_funcs)} reward functions "
                 f"({', '.join(map(_describe_reward, reward_funcs))}); give one weight per function."
             )
+        # An environment's get_reward() is one more reward function, weight 1 (TRL).
+        reward_funcs, reward_processing_classes = reward_funcs + environment_rewards, reward_processing_classes + [None] * len(environment_rewards)
+        weights = list(weights) + [1.0] * len(environment_rewards)
         for message in args.dubious_combinations():
             logger.warning(message)
         use_peft = peft_config is not None or is_peft_model(model)
@@ -178,12 +195,17 @@ class GRPOTrainer:
         self.generation_backend = backend
         sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset, seed=args.data_seed)
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        tokenize = make_prompt_tokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
+                                         chat_template_kwargs=args.chat_template_kwargs, tools=[t.schema for t in agents.tools] if agents else None)
+        agent = agents.build(tokenize, TurnSettings(
+            tokenizer=tokenizer, stop_ids=set(self.eos_token_ids), max_completion_length=args.max_completion_length,
+            max_tool_calling_iterations=args.max_tool_calling_iterations, chat_template_kwargs=args.chat_template_kwargs or {},
+        ), trainer=self) if agents else None
         rollouts = RolloutMaker(
             accelerator=self.accelerator,
             backend=backend,
             sampler=sampler,
-            tokenize=make_prompt_tokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
-                                           chat_template_kwargs=args.chat_template_kwargs),
+            tokenize=tokenize,
             reward_functions=self.reward_functions,
             reward_weights=torch.tensor(weights, dtype=torch.float32),
             sampling=SamplingParams(
@@ -198,6 +220,7 @@ class GRPOTrainer:
             ),
             completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.log_multimodal)
             if args.log_completions else None,
+            agent=agent,
         )
         self.state = TrainerState(max_steps=total_steps, logging_steps=args.logging_steps, save_steps=args.save_steps)
         reference, self.ref_model = None, None

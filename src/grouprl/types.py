@@ -56,6 +56,18 @@ class Completion:
     text: str
     finish_reason: str  # "stop" (ended with EOS) or "length" (hit max_new_tokens)
     sampler_logprobs: Optional[list[float]] = None  # logprob of each sampled token under the sampling distribution
+    # Multi-turn rollouts (tools, environments, rollout_func; grouprl.agents) also set:
+    tool_mask: Optional[list[bool]] = None  # per token: False = tool output / template glue (attended to, never trained on); None = all True
+    prompt_ids: Optional[list[int]] = None  # this rollout's own prompt when it differs from its PromptBatch entry
+    messages: Optional[list[dict]] = None  # assistant and tool messages of a conversational rollout, as reward functions get them
+    tool_calls: int = 0  # tool calls made (failed ones included)
+    tool_failures: int = 0  # calls that returned an error to the model
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # per-completion extras for reward functions (environments, ...)
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Tokens the model sampled (tool output excluded): what length metrics count."""
+        return len(self.token_ids) if self.tool_mask is None else sum(self.tool_mask)
 
 
 @dataclass

@@ -19,6 +19,8 @@ the reloaded one agree (checked in ``tests/test_demo_assets.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -43,6 +45,56 @@ CHAT_TEMPLATE = (
 )
 
 
+# ChatML with tools, in the Hermes / Qwen2.5 format: tool schemas listed in a system turn, calls written
+# by the assistant as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and consecutive tool
+# results grouped into one user turn of `<tool_response>` blocks. Earlier messages render the same
+# whatever follows (prefix-preserving), which multi-turn training relies on (grouprl.agents).
+_SYSTEM_TURN = (
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+)
+_MESSAGES_WITH_TOOLS = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) %}"
+    "{{- '<tool_call>{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + args + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + (message['content'] | string) + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\nTo call a function, write <tool_call>{\"name\": <function-name>, \"arguments\": <args-json-object>}</tool_call>. "
+    "Functions:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}" + _SYSTEM_TURN + _MESSAGES_WITH_TOOLS
+)
+# The same conversation format, but the system turn only names the tools ("tools: calculator"): for tiny
+# models with short contexts, which learn a tool's use from examples rather than from its schema.
+COMPACT_TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n' }}{%- endif %}"
+    "{{- 'tools: ' + (tools | map(attribute='function') | map(attribute='name') | join(', ')) + '<|im_end|>\\n' }}"
+    + _SYSTEM_TURN + _MESSAGES_WITH_TOOLS
+)
+
+
 def byte_to_unicode() -> dict[int, str]:
     """Map every byte to a printable unicode character (the GPT-2 byte-level alphabet).
 
@@ -64,12 +116,12 @@ def byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Byte alphabet (ids 0..255, in byte order) followed by left-to-right merges of MERGED_WORDS."""
+def _vocab_and_merges(merged_words: Sequence[str] = MERGED_WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte alphabet (ids 0..255, in byte order) followed by left-to-right merges of `merged_words`."""
     alphabet = byte_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)}
     merges: list[tuple[str, str]] = []
-    for word in MERGED_WORDS:
+    for word in merged_words:
         # "user" -> (u,s) (us,e) (use,r): every prefix becomes a token, the last one is the word.
         for i in range(1, len(word)):
             left, right = word[:i], word[i]
@@ -79,14 +131,16 @@ def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(extra_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """Build the demo tokenizer (deterministic: same vocabulary and ids on every call).
 
     Returns a transformers fast tokenizer with eos = pad = ``<|endoftext|>``, no bos token and a
     ChatML ``chat_template``. Padding side stays the default (right); generation code asks for left
-    padding explicitly.
+    padding explicitly. `extra_words` (ASCII letters only) become single tokens too, after the role names.
     """
-    vocab, merges = _vocab_and_merges()
+    if any(not word.isascii() or not word.isalpha() for word in extra_words):
+        raise ValueError(f"extra_words must be ASCII letters only (see the module docstring), got {list(extra_words)}.")
+    vocab, merges = _vocab_and_merges((*MERGED_WORDS, *extra_words))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     # ByteLevel on both ends: text -> bytes -> symbols and back, so whitespace is preserved exactly.
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -1,0 +1,74 @@
+"""Chat-template pieces of a multi-turn rollout, as token ids.
+
+The tokens that follow a model turn when tool results come back (end-of-turn glue, the tool
+role header, the results, the next assistant header) are the *difference* between two renderings
+of a small conversation: with and without the tool messages (and the generation prompt). They
+are appended to the sampled tokens as they are, so the sequence the model is trained on is exactly
+prompt + sampled tokens + these tokens; nothing sampled is ever decoded and re-encoded (TRL §5,
+user-pain-points row 33).
+
+The rendering without tools is cut right after its last end-of-turn token (any stop id), since a
+model turn ends with that token; what a template writes after it (ChatML's newline) belongs to the
+suffix. This needs a *prefix-preserving* template: earlier messages render the same whatever
+follows. `check_tool_template` tests that, and that the template renders tool calls and tool
+messages at all, once at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .parsing import TOOL_CALL_OPEN
+
+
+def render_ids(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool, chat_template_kwargs: dict) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, **chat_template_kwargs)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _dummy_turn(tool_name: str, arguments: Optional[dict] = None) -> list[dict]:
+    call = {"type": "function", "function": {"name": tool_name, "arguments": arguments or {}}}
+    return [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+
+
+def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], *, stop_ids: set[int], chat_template_kwargs: dict) -> list[int]:
+    """Token ids to append after a model turn that ended with tool calls, given the tools' messages."""
+    # The real tool name, not a placeholder: some templates derive the tool header from the call.
+    before = _dummy_turn(tool_messages[0]["name"])
+    prefix = render_ids(tokenizer, before, add_generation_prompt=False, chat_template_kwargs=chat_template_kwargs)
+    full = render_ids(tokenizer, before + tool_messages, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
+    ends = [i for i, token in enumerate(prefix) if token in stop_ids]
+    if ends:
+        prefix = prefix[: ends[-1] + 1]
+    if full[: len(prefix)] != prefix:
+        raise ValueError(
+            "The chat template is not prefix-preserving: a conversation renders differently once tool messages follow it, so "
+            "tool results cannot be appended as tokens. Set tokenizer.chat_template to a template that renders earlier "
+            "messages the same whatever comes after them."
+        )
+    return full[len(prefix) :]
+
+
+def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwargs: dict) -> None:
+    """Fail at start-up, with what to do, if this tokenizer cannot run tool-calling rollouts."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("tools / environment_factory need a chat template that renders tool calls; the tokenizer has none.")
+    name, key, value, content = "tool_name_7f3a", "tool_key_2b9c", "tool_value_5d1e", "tool_content_8c4f"
+    messages = _dummy_turn(name, {key: value}) + [{"role": "tool", "name": name, "content": content}]
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, **chat_template_kwargs)
+    except Exception as err:  # jinja raises its own error types
+        raise ValueError(f"The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> tool): {err}") from err
+    missing = [part for part, sentinel in (("the tool name", name), ("the call's arguments", value), ("the tool result", content))
+               if sentinel not in rendered]
+    if missing:
+        raise ValueError(f"The chat template drops {', '.join(missing)} of a tool-calling conversation; use a template that supports tools.")
+    if getattr(tokenizer, "response_template", None) is None and TOOL_CALL_OPEN not in rendered:
+        raise ValueError(
+            "grouprl parses tool calls written as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Hermes / Qwen "
+            "format) unless the tokenizer has a response_template; this chat template writes calls differently. Set "
+            "tokenizer.response_template (transformers response parsing) for its format."
+        )
+    tool_suffix_ids(tokenizer, messages[2:], stop_ids=stop_ids, chat_template_kwargs=chat_template_kwargs)
