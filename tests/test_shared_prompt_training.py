@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from grouprl.algorithms import prompt_packing
 from grouprl.algorithms.logprobs import completion_logprobs
-from grouprl.algorithms.prompt_packing import build_pack, group_by_prompt, pack_buckets
+from grouprl.algorithms.prompt_packing import PromptGroups, build_pack, pack_cost, group_by_prompt, pack_buckets, pairs_per_token, split_for_cost
 
 PAD = 0
 
@@ -25,6 +25,12 @@ def _rows(vocab: int):
     completion_ids = torch.tensor([c + [PAD] * (length - len(c)) for c in completions])
     completion_mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in completions], dtype=torch.bool)
     return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+@pytest.fixture(autouse=True)
+def cheap_attention(monkeypatch):
+    """Tiny models are all attention by the cost estimate; pretend it is free so every shared prompt packs."""
+    monkeypatch.setattr(prompt_packing, "pairs_per_token", lambda model: 1e9)
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +129,28 @@ def test_pack_layout_by_hand():
     assert visible[5] == [1, 1, 0, 0, 0, 1]  # the second completion sees the prompt and itself, not the first
     assert visible[4] == [1, 1, 1, 1, 1, 0]
     assert pack.keep == 5
+
+
+def test_split_for_cost_packs_long_prompts_and_splits_short_ones():
+    groups = PromptGroups([[0, 1, 2, 3]], [400])
+    # W2-like: a 400-token prompt with 4 x 128 completions is cheapest as one pack
+    assert split_for_cost(groups, [128] * 4, 3072.0).rows == [[0, 1, 2, 3]]
+    # W1-like short prompt: one pack's attention costs more than the 3 prompt copies it saves; two
+    # packs of two gain under 1%, far from the MIN_SAVING that packing needs
+    short = split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 3072.0)
+    assert short.rows == [[0, 1], [2, 3]]
+    plain = 4 * pack_cost(13, [128], 3072.0)
+    assert 0.99 * plain < sum(pack_cost(13, [128, 128], 3072.0) for _ in short.rows) < plain
+    assert sum(pack_cost(13, [128, 128], 3072.0) for _ in short.rows) > prompt_packing.MIN_SAVING * plain
+    # costly attention (tiny ratio): the short prompt stays per row
+    assert split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 10.0).rows == [[0], [1], [2], [3]]
+
+
+def test_pairs_per_token_from_the_flop_count(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    width, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    weights = 2 * c.hidden_size * width + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
+    # the module's own function (the fixture patches only the module attribute); biases and norms add a little
+    assert pairs_per_token(model) == pytest.approx(weights / (2 * width), rel=0.05)
