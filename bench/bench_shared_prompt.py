@@ -40,8 +40,8 @@ def main(name: str, repeats: int) -> None:
             out.logprobs.sum().backward()
             results[pack].append(time.perf_counter() - start)
     plain, packed = (min(results[p][1:]) for p in (False, True))
-    print(f"plain  {['%.2f' % s for s in results[False][1:]]} s")
-    print(f"packed {['%.2f' % s for s in results[True][1:]]} s")
+    print(f"plain  {[round(s, 2) for s in results[False][1:]]} s")
+    print(f"packed {[round(s, 2) for s in results[True][1:]]} s")
     print(f"best plain {plain:.2f} s, packed {packed:.2f} s, ratio plain/packed {plain / packed:.2f}x")
 
 

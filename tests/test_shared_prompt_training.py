@@ -8,7 +8,15 @@ from transformers import AutoModelForCausalLM
 
 from grouprl.algorithms import prompt_packing
 from grouprl.algorithms.logprobs import completion_logprobs
-from grouprl.algorithms.prompt_packing import PromptGroups, build_pack, pack_cost, group_by_prompt, pack_buckets, pairs_per_token, split_for_cost
+from grouprl.algorithms.prompt_packing import (
+    PromptGroups,
+    build_pack,
+    group_by_prompt,
+    pack_buckets,
+    pack_cost,
+    pairs_per_token,
+    split_for_cost,
+)
 
 PAD = 0
 
@@ -91,6 +99,17 @@ def test_bf16_autocast_matches_within_bf16_rounding(model):
     torch.testing.assert_close(packed[mask], plain[mask], rtol=0, atol=5e-2)
 
 
+def test_bf16_weights_pass_the_probe_and_pack(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    rows = _rows(model.config.vocab_size)
+    with torch.no_grad():
+        packed = prompt_packing.shared_prompt_logprobs(model, *rows, 1.0, rows_per_chunk=None, entropy="none",
+                                                       plain=lambda m, *r: completion_logprobs(m, *r, temperature=1.0, pack_prompts=False).logprobs)
+        plain = completion_logprobs(model, *rows, temperature=1.0, pack_prompts=False).logprobs
+    assert packed is not None
+    torch.testing.assert_close(packed[0][rows[3]], plain[rows[3]], rtol=0, atol=5e-2)
+
+
 def test_no_shared_prompt_and_eager_attention_fall_back_or_match(tiny_model_dir):
     eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
     rows = _rows(eager.config.vocab_size)
@@ -154,3 +173,34 @@ def test_pairs_per_token_from_the_flop_count(tiny_model_dir):
     weights = 2 * c.hidden_size * width + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
     # the module's own function (the fixture patches only the module attribute); biases and norms add a little
     assert pairs_per_token(model) == pytest.approx(weights / (2 * width), rel=0.05)
+
+
+def test_training_step_is_the_same_with_and_without_packing(tiny_model_dir, tmp_path, monkeypatch):
+    """Real GRPO steps (gradient checkpointing on, KL to the reference, old logprobs): same loss, KL and gradient norm."""
+    import datasets
+
+    from grouprl import GRPOConfig, GRPOTrainer
+    from grouprl.algorithms import logprobs
+
+    calls = []
+    real = prompt_packing.packed_logprobs
+    monkeypatch.setattr(prompt_packing, "packed_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    data = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(4)]})
+
+    def run(pack: bool, name: str) -> list[dict]:
+        monkeypatch.setattr(logprobs, "PACK_SHARED_PROMPTS", pack)
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
+                          learning_rate=1e-3, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                          seed=0, beta=0.04, num_iterations=2, bf16=False)
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completion_ids, **kw: [float(len(set(c))) for c in completion_ids],
+                              args=args, train_dataset=data)
+        trainer.train()
+        return trainer.state.log_history
+
+    packed = run(True, "packed")
+    assert calls, "the packed path was not taken"
+    plain = run(False, "plain")
+    assert plain[0]["grad_norm"] > 1e-3 and plain[1]["kl"] > 1e-8  # step 2 reuses step 1's batch: old logprobs, KL
+    for step in (0, 1):
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert packed[step][key] == pytest.approx(plain[step][key], rel=1e-4, abs=1e-6), (step, key)

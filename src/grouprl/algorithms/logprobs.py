@@ -46,7 +46,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 CHUNK_ELEMENTS = 1 << 25  # fp32 logits per chunk of positions (128 MiB), bounds the temporaries below
 BUCKET_OVERHEAD_TOKENS = 64  # what one extra forward costs, in padded tokens (measured: small on CPU)
-PACK_SHARED_PROMPTS = False  # run a prompt shared by several rows once (prompt_packing); see completion_logprobs
+PACK_SHARED_PROMPTS = True  # run a prompt shared by several rows once where that is cheaper (prompt_packing)
 
 
 # --- reductions of one chunk of positions --------------------------------------------------------
@@ -179,16 +179,10 @@ def completion_logprobs(
     if completion_len == 0 or n == 0:
         empty = completion_ids.new_zeros((n, completion_len), dtype=torch.float32)
         return TokenLogprobs(empty, empty if with_entropy else None, None)
-    prompt_lens = prompt_mask.sum(dim=1).tolist()
-    completion_lens = completion_mask.sum(dim=1).tolist()
-    if bucket_by_length:
-        buckets = length_buckets([p + c for p, c in zip(prompt_lens, completion_lens)], rows_per_chunk)
-    else:
-        chunk = rows_per_chunk or n
-        buckets = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
     entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
     if (PACK_SHARED_PROMPTS if pack_prompts is None else pack_prompts) and multimodal is None and not with_aux_loss:
-        from .prompt_packing import shared_prompt_logprobs  # imported here: prompt_packing builds on this module
+        # imported here: prompt_packing builds on this module
+        from .prompt_packing import shared_prompt_logprobs
 
         packed = shared_prompt_logprobs(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
@@ -196,6 +190,13 @@ def completion_logprobs(
         )
         if packed is not None:
             return TokenLogprobs(packed[0], packed[1] if with_entropy else None, None)
+    prompt_lens = prompt_mask.sum(dim=1).tolist()
+    completion_lens = completion_mask.sum(dim=1).tolist()
+    if bucket_by_length:
+        buckets = length_buckets([p + c for p, c in zip(prompt_lens, completion_lens)], rows_per_chunk)
+    else:
+        chunk = rows_per_chunk or n
+        buckets = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
     logps_parts, entropy_parts, aux_parts, order = [], [], [], []
     for rows in buckets:
         p = max(max(prompt_lens[r] for r in rows), 1)
