@@ -22,11 +22,11 @@ PAD = 0
 
 
 def _rows(vocab: int):
-    """Ragged left-padded prompts (A shared by 3 rows, B by 2, C alone) and ragged right-padded completions."""
+    """Ragged left-padded prompts (A shared by 4 rows, B by 2, C alone), ragged right-padded completions (one empty)."""
     g = torch.Generator().manual_seed(0)
     a, b, c = (torch.randint(1, vocab, (k,), generator=g).tolist() for k in (7, 4, 9))
-    prompts = [a, b, a, c, b, a]
-    completions = [torch.randint(1, vocab, (k,), generator=g).tolist() for k in (5, 3, 6, 1, 6, 2)]
+    prompts = [a, b, a, c, b, a, a]
+    completions = [torch.randint(1, vocab, (k,), generator=g).tolist() for k in (5, 3, 6, 1, 6, 2, 0)]
     width, length = max(map(len, prompts)), max(map(len, completions))
     prompt_ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.bool)

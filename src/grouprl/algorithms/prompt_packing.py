@@ -88,14 +88,15 @@ def pairs_per_token(model: torch.nn.Module) -> float:
     Per layer a token costs ~2 FLOPs per weight, a pair ~4 per attention channel (QK^T and AV).
     On W1's model this predicts 3072 where timing plain vs packed passes gave ~2800.
     """
-    config = model.config
+    inner = _unwrapped(model)
+    config = inner.config
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     if not layers or not heads:
         return 0.0
     width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
-    embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None for p in m.parameters()}
-    per_layer = sum(p.numel() for p in model.parameters() if id(p) not in embeddings) / layers
+    embeddings = {id(p) for m in (inner.get_input_embeddings(), inner.get_output_embeddings()) if m is not None for p in m.parameters()}
+    per_layer = sum(p.numel() for p in inner.parameters() if id(p) not in embeddings) / layers
     return per_layer / (2 * width)
 
 
@@ -159,7 +160,7 @@ def build_pack(
             positions[b, start : start + t] = torch.arange(p, p + t)
             segment[b, start : start + t] = j
             index = torch.full((completion_len,), b * length + p - 1, dtype=torch.long)
-            index[1 : t] = b * length + start + torch.arange(t - 1)
+            index[1 : max(t, 1)] = b * length + start + torch.arange(max(t - 1, 0))
             source.append(index)
             start += t
     causal = torch.ones(length, length, dtype=torch.bool).tril()
@@ -170,8 +171,12 @@ def build_pack(
     return Pack(ids.to(device), positions.to(device), visible[:, None].to(device), torch.stack(source).to(device), keep)
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # DDP / accelerate wrappers
+
+
 def _model_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
-    if _MASK_STYLE[model.config._attn_implementation] == "bool":
+    if _MASK_STYLE[_unwrapped(model).config._attn_implementation] == "bool":
         return visible
     return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(~visible, torch.finfo(torch.float32).min)
 
@@ -206,7 +211,7 @@ def packing_head(model: torch.nn.Module, plain: Callable[..., torch.Tensor]) -> 
     """
     if type(model).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine"):
         return None
-    config = getattr(model, "config", None)
+    config = getattr(_unwrapped(model), "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl not in _MASK_STYLE or any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])):
         return None
