@@ -445,7 +445,9 @@ def test_steps_per_generation_above_grad_accum_keeps_the_gradient_scale(tiny_mod
     reference = recorder_one.steps[0]
     for name, grad in reference.items():
         mean = (recorder_two.steps[0][name] + recorder_two.steps[1][name]) / 2
-        assert torch.allclose(mean, grad, rtol=1e-4, atol=1e-7), name
+        # atol 1e-6: the 2-step run's old logprobs come from a pass whose rows are packed differently
+        # (prompt_packing), so its ratio is 1 only to float rounding (~1e-7 on gradients of ~1)
+        assert torch.allclose(mean, grad, rtol=1e-4, atol=1e-6), name
     assert max(g.abs().max().item() for g in reference.values()) > 1e-4
 
 

@@ -46,6 +46,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 CHUNK_ELEMENTS = 1 << 25  # fp32 logits per chunk of positions (128 MiB), bounds the temporaries below
 BUCKET_OVERHEAD_TOKENS = 64  # what one extra forward costs, in padded tokens (measured: small on CPU)
+PACK_SHARED_PROMPTS = True  # run a prompt shared by several rows once where that is cheaper (prompt_packing)
 
 
 # --- reductions of one chunk of positions --------------------------------------------------------
@@ -165,18 +166,30 @@ def completion_logprobs(
     with_aux_loss: bool = False,
     bucket_by_length: bool = True,
     multimodal: Sequence[Any] | None = None,  # (n,) each row's multimodal.PromptImages or None (VLMs)
+    pack_prompts: bool | None = None,  # None: PACK_SHARED_PROMPTS
 ) -> TokenLogprobs:
     """Logprobs (n, T) of the completion tokens, their entropies (n, T) or None, the MoE aux loss or None.
 
     Runs the model on length buckets of at most `rows_per_chunk` rows (one bucket of all rows when
     `bucket_by_length` is False). Positions beyond a row's completion hold 0. The entropy is detached
     unless `entropy_grad`. With `with_aux_loss` the model returns its router load-balancing loss
-    (averaged over buckets).
+    (averaged over buckets). With `pack_prompts`, rows sharing a prompt run it once (`prompt_packing`).
     """
     n, completion_len = completion_ids.shape
     if completion_len == 0 or n == 0:
         empty = completion_ids.new_zeros((n, completion_len), dtype=torch.float32)
         return TokenLogprobs(empty, empty if with_entropy else None, None)
+    entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
+    if (PACK_SHARED_PROMPTS if pack_prompts is None else pack_prompts) and multimodal is None and not with_aux_loss:
+        # imported here: prompt_packing builds on this module
+        from .prompt_packing import shared_prompt_logprobs
+
+        packed = shared_prompt_logprobs(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+            rows_per_chunk=rows_per_chunk, entropy=entropy_mode, plain=_plain_logprobs,
+        )
+        if packed is not None:
+            return TokenLogprobs(packed[0], packed[1] if with_entropy else None, None)
     prompt_lens = prompt_mask.sum(dim=1).tolist()
     completion_lens = completion_mask.sum(dim=1).tolist()
     if bucket_by_length:
@@ -184,7 +197,6 @@ def completion_logprobs(
     else:
         chunk = rows_per_chunk or n
         buckets = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
-    entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
     logps_parts, entropy_parts, aux_parts, order = [], [], [], []
     for rows in buckets:
         p = max(max(prompt_lens[r] for r in rows), 1)
@@ -208,6 +220,10 @@ def completion_logprobs(
     entropy = torch.cat(entropy_parts)[inverse] if with_entropy else None
     aux_loss = torch.stack(aux_parts).mean() if aux_parts else None
     return TokenLogprobs(logps, entropy, aux_loss)
+
+
+def _plain_logprobs(model: torch.nn.Module, *rows: torch.Tensor) -> torch.Tensor:
+    return completion_logprobs(model, *rows, temperature=1.0, with_entropy=False, pack_prompts=False).logprobs
 
 
 def _bucket_logprobs(

@@ -1,0 +1,305 @@
+"""Prompt-grouped packing: run a prompt shared by several rows once, not once per row.
+
+GRPO scores G completions of every prompt. The plain pass (`logprobs.completion_logprobs`) runs
+each row as [prompt, completion], so a ~400-token prompt shared by 8 rows costs 8 prompt passes,
+forward and backward. Here the rows of one prompt become one packed sequence
+
+    [prompt, completion_1, completion_2, ..., completion_k, padding]
+
+with positions 0..P-1 for the prompt and P..P+T_j-1 for each completion, and a 4D attention mask in
+which a completion token sees the prompt and, causally, its own completion only. Every token then
+has exactly the keys, values and position it has in its own row, so the hidden states, logprobs and
+gradients are those of the plain pass up to float rounding.
+
+The mask is an ordinary (packs, 1, L, L) tensor handed to the model, not a switched attention
+implementation: gradient checkpointing recomputes each layer in backward, outside any context we
+could set, and it then receives the same mask argument. The price: attention is dense over the
+packed length L (L^2 pairs, most of them masked), so packing pays where the prompt is long next to
+the completions. `split_for_cost` estimates both costs and packs a prompt's rows into as many
+sequences as is cheapest; where that saves under 10% the plain pass runs.
+
+Used only where it reproduces the plain pass: the model's own attention takes custom 4D masks
+(sdpa, eager), every layer attends fully (no sliding windows), the LM head is separable, no
+multimodal inputs, no MoE aux loss, and a one-time probe per model agrees with the plain pass.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .logprobs import (
+    BUCKET_OVERHEAD_TOKENS,
+    _capture_head_input,
+    _forward,
+    head_logprobs,
+    separable_head,
+)
+
+MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's
+_MASK_STYLE = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take a custom 4D mask
+
+
+class PromptGroups(NamedTuple):
+    rows: list[list[int]]  # row indices sharing one prompt, in row order, at most the row cap each
+    prompt_lens: list[int]  # real prompt tokens of each group
+
+
+def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_rows: int | None) -> PromptGroups:
+    """Group rows whose prompts (real tokens only) are identical; groups larger than `max_rows` are split."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for row, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
+        by_prompt.setdefault(tuple(i for i, m in zip(ids, mask) if m), []).append(row)
+    cap = max_rows or prompt_ids.shape[0]
+    groups, lens = [], []
+    for prompt, rows in by_prompt.items():
+        for start in range(0, len(rows), cap):
+            groups.append(rows[start : start + cap])
+            lens.append(len(prompt))
+    return PromptGroups(groups, lens)
+
+
+def pack_cost(prompt_len: int, completion_lens: list[int], pairs_per_token: float) -> float:
+    """Estimated cost, in token passes, of one packed sequence: its tokens plus its (dense) attention pairs."""
+    length = prompt_len + sum(completion_lens)
+    return length + length * length / pairs_per_token
+
+
+def split_for_cost(groups: PromptGroups, completion_lens: list[int], pairs_per_token: float) -> PromptGroups:
+    """Split each group into the number of packs (1 .. its rows) with the lowest `pack_cost`.
+
+    One pack runs the prompt once but its attention grows with the square of the packed length; one
+    pack per row is the plain pass. Short prompts with long completions gain little from sharing and
+    lose to the larger attention, so they end up split.
+    """
+    rows_out, lens_out = [], []
+    for rows, p in zip(groups.rows, groups.prompt_lens):
+        splits = [[part.tolist() for part in torch.tensor(rows).tensor_split(s)] for s in range(1, len(rows) + 1)]
+        best = min(splits, key=lambda parts, p=p: sum(pack_cost(p, [completion_lens[r] for r in part], pairs_per_token) for part in parts))
+        rows_out.extend(best)
+        lens_out.extend([p] * len(best))
+    return PromptGroups(rows_out, lens_out)
+
+
+def pairs_per_token(model: torch.nn.Module) -> float:
+    """How many attention (query, key) pairs cost as much as one token through a layer's weights.
+
+    Per layer a token costs ~2 FLOPs per weight, a pair ~4 per attention channel (QK^T and AV).
+    On W1's model this predicts 3072 where timing plain vs packed passes gave ~2800.
+    """
+    inner = _unwrapped(model)
+    config = inner.config
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not layers or not heads:
+        return 0.0
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    embeddings = {id(p) for m in (inner.get_input_embeddings(), inner.get_output_embeddings()) if m is not None for p in m.parameters()}
+    per_layer = sum(p.numel() for p in inner.parameters() if id(p) not in embeddings) / layers
+    return per_layer / (2 * width)
+
+
+def pack_buckets(packed_lens: list[int], group_sizes: list[int], max_rows: int | None, overhead: int = BUCKET_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Buckets of packed sequences minimising padded tokens + overhead per bucket, at most `max_rows` rows each.
+
+    Like `logprobs.length_buckets`, over packs sorted longest first, but the cap counts the rows in
+    the packs, not the packs.
+    """
+    order = sorted(range(len(packed_lens)), key=lambda i: -packed_lens[i])
+    n, cap = len(order), max_rows or sum(group_sizes)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        rows = 0
+        for i in range(j - 1, -1, -1):  # bucket = order[i:j]
+            rows += group_sizes[order[i]]
+            if rows > cap:
+                break
+            cost = best[i] + (j - i) * packed_lens[order[i]] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j] : j])
+        j = cut[j]
+    return buckets[::-1]
+
+
+class Pack(NamedTuple):
+    input_ids: torch.Tensor  # (packs, L)
+    position_ids: torch.Tensor  # (packs, L)
+    attention_mask: torch.Tensor  # (packs, 1, L, L) True where a query (dim 2) may attend a key (dim 3)
+    source: torch.Tensor  # (rows, T) flat index into (packs * L) of the state predicting each completion token
+    keep: int  # positions at the end of the pack whose states are needed (`logits_to_keep`)
+
+
+def build_pack(
+    prompts: list[list[int]], completions: list[list[list[int]]], completion_len: int, device: torch.device
+) -> Pack:
+    """Pack each prompt with its completions (token lists); rows come out in the order given.
+
+    `source[r, t]` is where the state predicting completion token t of row r sits: the prompt's last
+    position for t = 0, the completion's position t - 1 after that; beyond the row's length it
+    points at the prompt's last position (a real state whose result is then masked out).
+    """
+    length = max(len(p) + sum(len(c) for c in cs) for p, cs in zip(prompts, completions))
+    packs = len(prompts)
+    ids = torch.zeros(packs, length, dtype=torch.long)
+    positions = torch.zeros(packs, length, dtype=torch.long)
+    segment = torch.full((packs, length), -1, dtype=torch.long)  # 0 prompt, j >= 1 completion j, -1 padding
+    source = []
+    for b, (prompt, rows) in enumerate(zip(prompts, completions)):
+        p = len(prompt)
+        ids[b, :p] = torch.tensor(prompt, dtype=torch.long)
+        positions[b, :p] = torch.arange(p)
+        segment[b, :p] = 0
+        start = p
+        for j, tokens in enumerate(rows, start=1):
+            t = len(tokens)
+            ids[b, start : start + t] = torch.tensor(tokens, dtype=torch.long)
+            positions[b, start : start + t] = torch.arange(p, p + t)
+            segment[b, start : start + t] = j
+            index = torch.full((completion_len,), b * length + p - 1, dtype=torch.long)
+            index[1 : max(t, 1)] = b * length + start + torch.arange(max(t - 1, 0))
+            source.append(index)
+            start += t
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    seg_q, seg_k = segment[:, :, None], segment[:, None, :]
+    visible = causal & (seg_k >= 0) & ((seg_k == 0) | (seg_k == seg_q))
+    visible |= torch.eye(length, dtype=torch.bool)  # padding queries see themselves: no empty softmax
+    keep = length - min(len(p) for p in prompts) + 1
+    return Pack(ids.to(device), positions.to(device), visible[:, None].to(device), torch.stack(source).to(device), keep)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # DDP / accelerate wrappers
+
+
+def _model_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
+    if _MASK_STYLE[_unwrapped(model).config._attn_implementation] == "bool":
+        return visible
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(~visible, torch.finfo(torch.float32).min)
+
+
+def packed_logprobs(
+    model: torch.nn.Module, head: torch.nn.Module, pack: Pack, completion_ids: torch.Tensor, temperature: float, *, entropy: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (rows, T) [and entropies] of `completion_ids` (rows in the pack's order) from one packed forward."""
+    kwargs = {"input_ids": pack.input_ids, "attention_mask": _model_mask(model, pack.attention_mask), "position_ids": pack.position_ids,
+              "use_cache": False}
+    with _capture_head_input(head) as captured:
+        _forward(model, kwargs, pack.keep - 1)
+    states = captured[0]  # (packs, keep, H): the last `keep` positions
+    packs, length = pack.input_ids.shape
+    offset = length - states.shape[1]
+    flat = states.reshape(packs * states.shape[1], states.shape[2])
+    local = pack.source - offset * (pack.source // length + 1)  # rebase (packs * L) indices onto (packs * keep)
+    hidden = flat[local]  # (rows, T, H)
+    return head_logprobs(hidden, head.forward, completion_ids, temperature, entropy=entropy)
+
+
+# --- when to use it ------------------------------------------------------------------------------
+
+_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()
+
+
+def packing_head(model: torch.nn.Module, plain: Callable[..., torch.Tensor]) -> torch.nn.Module | None:
+    """The LM head to use with packing, or None where packing would not reproduce the plain pass.
+
+    `plain(model, prompt_ids, prompt_mask, completion_ids, completion_mask)` computes the plain
+    pass's logprobs for the one-time probe.
+    """
+    if type(model).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine"):
+        return None
+    config = getattr(_unwrapped(model), "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in _MASK_STYLE or any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])):
+        return None
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return None
+    head = separable_head(model)
+    if head is None:
+        return None
+    verdicts = _PROBED.setdefault(model, {})
+    if impl not in verdicts:
+        verdicts[impl] = _probe(model, head, plain)
+    return head if verdicts[impl] else None
+
+
+@torch.no_grad()
+def _probe(model: torch.nn.Module, head: torch.nn.Module, plain: Callable[..., torch.Tensor]) -> bool:
+    """Three rows, two sharing a left-padded prompt, ragged completions: packed vs plain logprobs."""
+    vocab = head.weight.shape[0]
+    device = head.weight.device
+    prompt_ids = torch.tensor([[0, 3, 5, 7], [0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]], device=device, dtype=torch.bool)
+    completion_ids = torch.tensor([[1, 2, 3], [4, 5, 0], [6, 7, 8]], device=device) % vocab
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]], device=device, dtype=torch.bool)
+    # A wrong mask moves logprobs by O(1); rounding in the model's own dtype (autocast off) by far less.
+    tolerance = 1e-4 if head.weight.dtype == torch.float32 else 5e-2
+    try:
+        with torch.autocast(device.type, enabled=False):
+            expected = plain(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            pack = build_pack([[3, 5, 7], [2, 4, 6, 8]], [[[1, 2, 3], [4, 5]], [[6, 7, 8]]], 3, device)
+            pack = pack._replace(input_ids=pack.input_ids % vocab)
+            got, _ = packed_logprobs(model, head, pack, completion_ids, 1.0, entropy="none")
+        return torch.allclose(got[completion_mask].float(), expected[completion_mask].float(), rtol=tolerance, atol=tolerance)
+    except Exception:  # noqa: BLE001 - any model this cannot serve keeps the plain pass
+        return False
+
+
+# --- the pass ------------------------------------------------------------------------------------
+
+
+def shared_prompt_logprobs(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+    temperature: float, *, rows_per_chunk: int | None, entropy: str, plain: Callable[..., torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(n, T) logprobs [and entropies] with shared prompts packed, or None where packing does not apply.
+
+    Applies when some prompt is shared by several rows, sharing it is estimated to save at least
+    1 - MIN_SAVING of the cost (`split_for_cost`), masks are the usual left-padded prompt and
+    right-padded completion, and `packing_head` accepts the model. Positions beyond a row's
+    completion hold 0.
+    """
+    n, completion_len = completion_ids.shape
+    prompt_lens, completion_lens = prompt_mask.sum(dim=1), completion_mask.sum(dim=1)
+    width = prompt_mask.shape[1]
+    left_padded = torch.equal(prompt_mask.bool(), torch.arange(width, device=prompt_mask.device) >= (width - prompt_lens)[:, None])
+    right_padded = torch.equal(completion_mask.bool(), torch.arange(completion_len, device=completion_mask.device) < completion_lens[:, None])
+    if not (left_padded and right_padded) or int(prompt_lens.min()) == 0:
+        return None
+    prompt_lens, completion_lens = prompt_lens.tolist(), completion_lens.tolist()
+    ratio = pairs_per_token(model)
+    if ratio <= 0:
+        return None
+    groups = split_for_cost(group_by_prompt(prompt_ids, prompt_mask, rows_per_chunk), completion_lens, ratio)
+    plain_cost = sum(pack_cost(prompt_lens[r], [completion_lens[r]], ratio) for r in range(n))
+    packed_cost = sum(pack_cost(p, [completion_lens[r] for r in rows], ratio) for p, rows in zip(groups.prompt_lens, groups.rows))
+    if len(groups.rows) == n or packed_cost > MIN_SAVING * plain_cost:  # nothing (worth) sharing
+        return None
+    head = packing_head(model, plain)
+    if head is None:
+        return None
+    packed_lens = [p + sum(completion_lens[r] for r in rows) for p, rows in zip(groups.prompt_lens, groups.rows)]
+    ids, comp = prompt_ids.tolist(), completion_ids.tolist()
+    logps_parts, entropy_parts, order = [], [], []
+    for bucket in pack_buckets(packed_lens, [len(rows) for rows in groups.rows], rows_per_chunk):
+        rows = [r for g in bucket for r in groups.rows[g]]
+        t = max(max(completion_lens[r] for r in rows), 1)
+        prompts = [ids[groups.rows[g][0]][width - groups.prompt_lens[g] :] for g in bucket]
+        completions = [[comp[r][: completion_lens[r]] for r in groups.rows[g]] for g in bucket]
+        pack = build_pack(prompts, completions, t, prompt_ids.device)
+        index = torch.tensor(rows, device=prompt_ids.device)
+        logps, entropies = packed_logprobs(model, head, pack, completion_ids[index, :t], temperature, entropy=entropy)
+        valid = completion_mask[index, :t].bool()
+        logps_parts.append(torch.nn.functional.pad(logps.masked_fill(~valid, 0.0), (0, completion_len - t)))
+        if entropies is not None:
+            entropy_parts.append(torch.nn.functional.pad(entropies.masked_fill(~valid, 0.0), (0, completion_len - t)))
+        order.extend(rows)
+    inverse = torch.empty(n, dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(n)
+    inverse = inverse.to(prompt_ids.device)
+    return torch.cat(logps_parts)[inverse], (torch.cat(entropy_parts)[inverse] if entropy_parts else None)

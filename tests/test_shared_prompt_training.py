@@ -1,0 +1,206 @@
+"""Prompt-grouped packing (algorithms/prompt_packing.py) reproduces the plain per-row pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grouprl.algorithms import prompt_packing
+from grouprl.algorithms.logprobs import completion_logprobs
+from grouprl.algorithms.prompt_packing import (
+    PromptGroups,
+    build_pack,
+    group_by_prompt,
+    pack_buckets,
+    pack_cost,
+    pairs_per_token,
+    split_for_cost,
+)
+
+PAD = 0
+
+
+def _rows(vocab: int):
+    """Ragged left-padded prompts (A shared by 4 rows, B by 2, C alone), ragged right-padded completions (one empty)."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randint(1, vocab, (k,), generator=g).tolist() for k in (7, 4, 9))
+    prompts = [a, b, a, c, b, a, a]
+    completions = [torch.randint(1, vocab, (k,), generator=g).tolist() for k in (5, 3, 6, 1, 6, 2, 0)]
+    width, length = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.bool)
+    completion_ids = torch.tensor([c + [PAD] * (length - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in completions], dtype=torch.bool)
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+@pytest.fixture(autouse=True)
+def cheap_attention(monkeypatch):
+    """Tiny models are all attention by the cost estimate; pretend it is free so every shared prompt packs."""
+    monkeypatch.setattr(prompt_packing, "pairs_per_token", lambda model: 1e9)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():  # random weights large enough that attention patterns matter
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m
+
+
+def _run(model, rows, pack: bool, **kwargs):
+    model.zero_grad()
+    out = completion_logprobs(model, *rows, temperature=0.7, pack_prompts=pack, **kwargs)
+    mask = rows[3]
+    loss = (out.logprobs * mask).sum() + ((out.entropy * mask).sum() if kwargs.get("entropy_grad") else 0.0)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("rows_per_chunk", [None, 2])
+def test_values_and_gradients_match_the_plain_pass(model, checkpointing, rows_per_chunk):
+    rows = _rows(model.config.vocab_size)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    try:
+        calls = []
+        real = prompt_packing.packed_logprobs
+        prompt_packing.packed_logprobs = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            packed, packed_grads = _run(model, rows, True, entropy_grad=True, rows_per_chunk=rows_per_chunk)
+        finally:
+            prompt_packing.packed_logprobs = real
+        plain, plain_grads = _run(model, rows, False, entropy_grad=True, rows_per_chunk=rows_per_chunk)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    assert calls, "the packed path was not taken"
+    mask = rows[3]
+    torch.testing.assert_close(packed.logprobs[mask], plain.logprobs[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.entropy[mask], plain.entropy[mask], rtol=1e-5, atol=1e-5)
+    assert (packed.logprobs[~mask] == 0).all()
+    assert packed_grads.keys() == plain_grads.keys() and len(plain_grads) > 5
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_bf16_autocast_matches_within_bf16_rounding(model):
+    rows = _rows(model.config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        packed = completion_logprobs(model, *rows, temperature=1.0, pack_prompts=True).logprobs
+        plain = completion_logprobs(model, *rows, temperature=1.0, pack_prompts=False).logprobs
+    mask = rows[3]
+    torch.testing.assert_close(packed[mask], plain[mask], rtol=0, atol=5e-2)
+
+
+def test_bf16_weights_pass_the_probe_and_pack(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    rows = _rows(model.config.vocab_size)
+    with torch.no_grad():
+        packed = prompt_packing.shared_prompt_logprobs(model, *rows, 1.0, rows_per_chunk=None, entropy="none",
+                                                       plain=lambda m, *r: completion_logprobs(m, *r, temperature=1.0, pack_prompts=False).logprobs)
+        plain = completion_logprobs(model, *rows, temperature=1.0, pack_prompts=False).logprobs
+    assert packed is not None
+    torch.testing.assert_close(packed[0][rows[3]], plain[rows[3]], rtol=0, atol=5e-2)
+
+
+def test_no_shared_prompt_and_eager_attention_fall_back_or_match(tiny_model_dir):
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    rows = _rows(eager.config.vocab_size)
+    with torch.no_grad():
+        packed = completion_logprobs(eager, *rows, temperature=1.0, pack_prompts=True).logprobs
+        plain = completion_logprobs(eager, *rows, temperature=1.0, pack_prompts=False).logprobs
+        unique = [r[[0, 1, 3]] for r in rows]  # three distinct prompts: nothing to share
+        assert prompt_packing.shared_prompt_logprobs(eager, *unique, 1.0, rows_per_chunk=None, entropy="none", plain=None) is None
+    torch.testing.assert_close(packed[rows[3]], plain[rows[3]], rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_failing_the_probe_keeps_the_plain_pass(model, monkeypatch):
+    monkeypatch.setattr(prompt_packing, "_PROBED", type(prompt_packing._PROBED)())
+    monkeypatch.setattr(prompt_packing, "_probe", lambda *a: False)
+    rows = _rows(model.config.vocab_size)
+    assert prompt_packing.shared_prompt_logprobs(model, *rows, 1.0, rows_per_chunk=None, entropy="none", plain=None) is None
+
+
+def test_grouping_and_buckets():
+    ids = torch.tensor([[0, 5, 6], [5, 5, 6], [0, 5, 6], [7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    # padding is not part of the prompt; [5, 5, 6] differs from [5, 6]
+    assert group_by_prompt(ids, mask, None) == ([[0, 2], [1], [3]], [2, 3, 3])
+    assert group_by_prompt(ids, mask, 1).rows == [[0], [2], [1], [3]]
+    # no bucket holds more than 3 rows; the long pack goes alone, the short ones together
+    assert pack_buckets([100, 10, 12], [3, 1, 2], 3) == [[0], [2, 1]]
+
+
+def test_pack_layout_by_hand():
+    pack = build_pack([[11, 12]], [[[21, 22, 23], [31]]], 3, torch.device("cpu"))
+    assert pack.input_ids.tolist() == [[11, 12, 21, 22, 23, 31]]
+    assert pack.position_ids.tolist() == [[0, 1, 2, 3, 4, 2]]
+    # token 0 of each completion is predicted at the prompt's end (1); the rest by the previous token
+    assert pack.source.tolist() == [[1, 2, 3], [1, 1, 1]]
+    visible = pack.attention_mask[0, 0].int().tolist()
+    assert visible[5] == [1, 1, 0, 0, 0, 1]  # the second completion sees the prompt and itself, not the first
+    assert visible[4] == [1, 1, 1, 1, 1, 0]
+    assert pack.keep == 5
+
+
+def test_split_for_cost_packs_long_prompts_and_splits_short_ones():
+    groups = PromptGroups([[0, 1, 2, 3]], [400])
+    # W2-like: a 400-token prompt with 4 x 128 completions is cheapest as one pack
+    assert split_for_cost(groups, [128] * 4, 3072.0).rows == [[0, 1, 2, 3]]
+    # W1-like short prompt: one pack's attention costs more than the 3 prompt copies it saves; two
+    # packs of two gain under 1%, far from the MIN_SAVING that packing needs
+    short = split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 3072.0)
+    assert short.rows == [[0, 1], [2, 3]]
+    plain = 4 * pack_cost(13, [128], 3072.0)
+    assert 0.99 * plain < sum(pack_cost(13, [128, 128], 3072.0) for _ in short.rows) < plain
+    assert sum(pack_cost(13, [128, 128], 3072.0) for _ in short.rows) > prompt_packing.MIN_SAVING * plain
+    # costly attention (tiny ratio): the short prompt stays per row
+    assert split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 10.0).rows == [[0], [1], [2], [3]]
+
+
+def test_pairs_per_token_from_the_flop_count(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    width, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    weights = 2 * c.hidden_size * width + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
+    # the module's own function (the fixture patches only the module attribute); biases and norms add a little
+    assert pairs_per_token(model) == pytest.approx(weights / (2 * width), rel=0.05)
+
+
+def test_training_step_is_the_same_with_and_without_packing(tiny_model_dir, tmp_path, monkeypatch):
+    """Real GRPO steps (gradient checkpointing on, KL to the reference, old logprobs): same loss, KL and gradient norm."""
+    import datasets
+
+    from grouprl import GRPOConfig, GRPOTrainer
+    from grouprl.algorithms import logprobs
+
+    calls = []
+    real = prompt_packing.packed_logprobs
+    monkeypatch.setattr(prompt_packing, "packed_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    data = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(4)]})
+
+    def run(pack: bool, name: str) -> list[dict]:
+        monkeypatch.setattr(logprobs, "PACK_SHARED_PROMPTS", pack)
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
+                          learning_rate=1e-3, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                          seed=0, beta=0.04, num_iterations=2, bf16=False)
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completion_ids, **kw: [float(len(set(c))) for c in completion_ids],
+                              args=args, train_dataset=data)
+        trainer.train()
+        return trainer.state.log_history
+
+    packed = run(True, "packed")
+    assert calls, "the packed path was not taken"
+    plain = run(False, "plain")
+    assert plain[0]["grad_norm"] > 1e-3 and plain[1]["kl"] > 1e-8  # step 2 reuses step 1's batch: old logprobs, KL
+    for step in (0, 1):
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert packed[step][key] == pytest.approx(plain[step][key], rel=1e-4, abs=1e-6), (step, key)
