@@ -23,6 +23,15 @@ def model_and_tokenizer(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(autouse=True, params=["shared-prefix attention", "repeated prompt cache"])
+def prefix_mode(request, monkeypatch):
+    """Every engine test runs with both decode paths (the prompts here are shorter than the engine's threshold)."""
+    import grouprl.generation.engine as engine
+
+    monkeypatch.setattr(engine, "SHARED_PREFIX_MIN_TOKENS", 0 if request.param == "shared-prefix attention" else 10**9)
+    return request.param
+
+
 def _prompts(tokenizer):
     return [tokenizer("12+7=")["input_ids"], tokenizer("3+4=")["input_ids"]]
 

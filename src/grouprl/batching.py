@@ -16,6 +16,7 @@ import math
 import torch
 
 from .algorithms.losses import LOSSES
+from .types import TrainBatch
 
 
 def regrouping_is_exact(loss_type: str, top_entropy_quantile: float, part_sizes: list[int]) -> bool:
@@ -26,8 +27,27 @@ def regrouping_is_exact(loss_type: str, top_entropy_quantile: float, part_sizes:
     return global_token_mean or len(set(part_sizes)) <= 1
 
 
+def row_order_key(batch: TrainBatch) -> torch.Tensor:
+    """(n,) sort key for `length_grouped`: rows with a high key go first.
+
+    Mostly-completion rows are ordered by total length (less padding). Where prompts are at least as
+    long as completions, rows sharing a prompt are kept together (prompts longest first, then by
+    completion length), so a micro-batch holds whole groups and the training pass runs each shared
+    prompt once (algorithms/prompt_packing.py) instead of padding completions more tightly.
+    """
+    prompt_lengths, completion_lengths = batch.prompt_mask.sum(dim=1), batch.completion_mask.sum(dim=1)
+    span = int(completion_lengths.max()) + 1 if len(batch) else 1
+    if prompt_lengths.float().mean() < completion_lengths.float().mean():
+        return prompt_lengths + completion_lengths
+    _, prompt_id = torch.unique(batch.prompt_ids * batch.prompt_mask, dim=0, return_inverse=True)
+    groups = int(prompt_id.max()) + 1
+    return (prompt_lengths * groups + prompt_id) * span + completion_lengths
+
+
 def length_grouped(parts: list[torch.Tensor], lengths: torch.Tensor, *, grad_accum_steps: int) -> list[torch.Tensor]:
     """Re-cut each optimizer step's micro-batch row indices so that rows of similar length go together.
+
+    `lengths` is any per-row sort key (`row_order_key`).
 
     `parts` are the micro-batches of one generation, in training order; micro-batch i belongs to
     optimizer step i // grad_accum_steps, so runs of gcd(len(parts), GA) consecutive parts always

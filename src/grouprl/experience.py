@@ -21,7 +21,7 @@ from .algorithms.masks import tied_groups
 from .distributed import own_rows, whole_groups
 from .algorithms.importance import sampler_importance_weights
 from .algorithms.logprobs import completion_logprobs
-from .batching import length_grouped, regrouping_is_exact
+from .batching import length_grouped, regrouping_is_exact, row_order_key
 from .health import guard_advantages
 from .types import Rewards, Rollout, TrainBatch
 
@@ -63,8 +63,7 @@ def generation_micro_batches(run: "TrainingRun") -> list[TrainBatch]:
     order = torch.randperm(len(batch))  # global RNG, seeded: reproducible and restored on resume
     parts = list(torch.tensor_split(order, plan.steps_per_generation))
     if regrouping_is_exact(config.loss_type, config.top_entropy_quantile, [len(p) for p in parts]):
-        lengths = batch.prompt_mask.sum(dim=1) + batch.completion_mask.sum(dim=1)
-        parts = length_grouped(parts, lengths, grad_accum_steps=plan.gradient_accumulation_steps)
+        parts = length_grouped(parts, row_order_key(batch), grad_accum_steps=plan.gradient_accumulation_steps)
     micro = [batch.select(rows) for rows in parts]
     return micro * plan.num_iterations
 

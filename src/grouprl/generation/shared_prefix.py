@@ -49,6 +49,7 @@ class SharedPrefixCache:
         self.row_prompt = torch.arange(prompts, device=device).repeat_interleave(g)  # (R,) prompt of each row
         self.row_slot = torch.arange(prompts * g, device=device) % g  # (R,) its place among the prompt's rows
         self.slots = g
+        self.full = True  # no row has left yet: row r is slot r % G of prompt r // G
         kvh, d = self.prefix_keys[0].shape[1], self.prefix_keys[0].shape[3]
         dtype = self.prefix_keys[0].dtype
         self.keys = [torch.empty(prompts * g, kvh, max_new_tokens, d, dtype=dtype, device=device) for _ in self.prefix_keys]
@@ -69,6 +70,7 @@ class SharedPrefixCache:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (indices into the current rows)."""
         self.row_prompt, self.row_slot = self.row_prompt[keep], self.row_slot[keep]
+        self.full = self.full and len(keep) == self.prefix_mask.shape[0] * self.slots
         self.keys = [k[keep] for k in self.keys]
         self.values = [v[keep] for v in self.values]
 
@@ -76,28 +78,39 @@ class SharedPrefixCache:
         """query (R, H, 1, D) -> attention output (R, 1, H, D) over the row's prompt and its own tokens."""
         rows, heads, _, d = query.shape
         prefix_k, prefix_v = self.prefix_keys[layer_idx], self.prefix_values[layer_idx]
-        prompts, kvh, p, _ = prefix_k.shape
-        rep, g, t = heads // kvh, self.slots, self.lengths[layer_idx]
-        q = query.reshape(rows, kvh, rep, d)
-        # Against the prompt: place each row's query in its prompt's grid, one batched matmul per prompt.
-        grid = q.new_zeros(prompts, g, kvh, rep, d)
-        grid[self.row_prompt, self.row_slot] = q
-        grid = grid.permute(0, 2, 1, 3, 4).reshape(prompts, kvh, g * rep, d)
-        prefix_scores = torch.matmul(grid, prefix_k.transpose(-1, -2)) * scaling  # (B, KVH, G*rep, P)
-        prefix_scores = prefix_scores.masked_fill(~self.prefix_mask[:, None, None, :], float("-inf"))
-        prefix_scores = prefix_scores.view(prompts, kvh, g, rep, p).permute(0, 2, 1, 3, 4)[self.row_prompt, self.row_slot]
+        kvh, t = prefix_k.shape[1], self.lengths[layer_idx]
+        q = query.reshape(rows, kvh, heads // kvh, d)
+        # Against the prompt: all rows of a prompt in one matmul with that prompt's keys.
+        prefix_scores = torch.matmul(self._to_grid(q), prefix_k.transpose(-1, -2)) * scaling  # (B, KVH, G*rep, P)
+        prefix_scores = self._from_grid(prefix_scores.masked_fill(~self.prefix_mask[:, None, None, :], float("-inf")))
         # Against the row's own sampled tokens.
         own_k, own_v = self.keys[layer_idx][:, :, :t], self.values[layer_idx][:, :, :t]
         own_scores = torch.matmul(q, own_k.transpose(-1, -2)) * scaling  # (R, KVH, rep, t)
         peak = torch.maximum(prefix_scores.amax(dim=-1, keepdim=True), own_scores.amax(dim=-1, keepdim=True))
         prefix_weights, own_weights = (prefix_scores - peak).exp(), (own_scores - peak).exp()
         total = prefix_weights.sum(dim=-1, keepdim=True) + own_weights.sum(dim=-1, keepdim=True)
-        weight_grid = q.new_zeros(prompts, g, kvh, rep, p)
-        weight_grid[self.row_prompt, self.row_slot] = prefix_weights
-        weight_grid = weight_grid.permute(0, 2, 1, 3, 4).reshape(prompts, kvh, g * rep, p)
-        prefix_out = torch.matmul(weight_grid, prefix_v).view(prompts, kvh, g, rep, d).permute(0, 2, 1, 3, 4)
-        out = (prefix_out[self.row_prompt, self.row_slot] + torch.matmul(own_weights, own_v)) / total  # (R, KVH, rep, D)
+        prefix_out = self._from_grid(torch.matmul(self._to_grid(prefix_weights), prefix_v))
+        out = (prefix_out + torch.matmul(own_weights, own_v)) / total  # (R, KVH, rep, D)
         return out.reshape(rows, 1, heads, d)
+
+    def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """(R, KVH, rep, m) per row -> (B, KVH, G * rep, m) per prompt (empty slots of finished rows are zero)."""
+        rows, kvh, rep, m = x.shape
+        prompts = self.prefix_mask.shape[0]
+        if self.full:  # rows are still prompt-major and complete: a view
+            grid = x.view(prompts, self.slots, kvh, rep, m)
+        else:
+            grid = x.new_zeros(prompts, self.slots, kvh, rep, m)
+            grid[self.row_prompt, self.row_slot] = x
+        return grid.permute(0, 2, 1, 3, 4).reshape(prompts, kvh, self.slots * rep, m)
+
+    def _from_grid(self, y: torch.Tensor) -> torch.Tensor:
+        """Inverse of `_to_grid`: (B, KVH, G * rep, m) -> (R, KVH, rep, m) for the current rows."""
+        prompts, kvh, _, m = y.shape
+        per_slot = y.view(prompts, kvh, self.slots, -1, m).permute(0, 2, 1, 3, 4)
+        if self.full:
+            return per_slot.reshape(prompts * self.slots, kvh, -1, m)
+        return per_slot[self.row_prompt, self.row_slot]
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
