@@ -75,8 +75,9 @@ def main() -> None:
     mean_generated = sum(tokens) / len(tokens)
     completions = workload.prompts * workload.num_generations
     # Useful work: one forward per prompt token and generated token to sample, and a forward + backward
-    # (3 forward-equivalents) over every trained sequence. Recomputation is not useful work.
-    useful_flops = 2 * n_params * (prompt_tokens + mean_generated) + 6 * n_params * (prompt_tokens * workload.num_generations + mean_generated)
+    # (3 forward-equivalents) over every distinct prompt once and every generated token. Recomputation
+    # (gradient checkpointing, a prompt re-run for each of its G rows) is not useful work.
+    useful_flops = (2 + 6) * n_params * (prompt_tokens + mean_generated)
     print(json.dumps({
         "framework": args.framework,
         "workload": workload.name,
