@@ -7,12 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grouprl.algorithms import prompt_packing
-from grouprl.algorithms.logprobs import completion_logprobs
+from grouprl.algorithms.logprobs import completion_logprobs, length_buckets
 from grouprl.algorithms.prompt_packing import (
     PromptGroups,
     build_pack,
     group_by_prompt,
-    pack_buckets,
     pack_cost,
     pairs_per_token,
     split_for_cost,
@@ -135,7 +134,7 @@ def test_grouping_and_buckets():
     assert group_by_prompt(ids, mask, None) == ([[0, 2], [1], [3]], [2, 3, 3])
     assert group_by_prompt(ids, mask, 1).rows == [[0], [2], [1], [3]]
     # no bucket holds more than 3 rows; the long pack goes alone, the short ones together
-    assert pack_buckets([100, 10, 12], [3, 1, 2], 3) == [[0], [2, 1]]
+    assert length_buckets([100, 10, 12], 3, rows=[3, 1, 2]) == [[0], [2, 1]]
 
 
 def test_pack_layout_by_hand():

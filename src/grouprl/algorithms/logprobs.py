@@ -129,19 +129,28 @@ def _has_trainable_parameters(head: Callable) -> bool:
 # --- the model pass ------------------------------------------------------------------------------
 
 
-def length_buckets(lengths: list[int], max_rows: int | None, overhead: int = BUCKET_OVERHEAD_TOKENS) -> list[list[int]]:
-    """Partition row indices into buckets of similar length minimising padded tokens + overhead per bucket.
+def length_buckets(
+    lengths: list[int], max_rows: int | None, overhead: int = BUCKET_OVERHEAD_TOKENS, rows: list[int] | None = None,
+) -> list[list[int]]:
+    """Partition items into buckets of similar length minimising padded tokens + overhead per bucket.
 
-    Rows are sorted longest first; an exact dynamic programme over contiguous runs of that order
-    picks the cut points (n is a micro-batch, so O(n^2) is nothing). No bucket exceeds `max_rows`.
+    Items are sorted longest first; an exact dynamic programme over contiguous runs of that order
+    picks the cut points (n is a micro-batch, so O(n^2) is nothing). No bucket holds more than
+    `max_rows` rows, an item counting `rows[i]` rows (1 each by default; a packed sequence of
+    several completions counts them all).
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     n = len(order)
-    cap = max_rows or n
-    best = [0.0] + [float("inf")] * n  # best[j]: cost of bucketing the first j rows of `order`
+    sizes = rows or [1] * n
+    cap = max_rows or sum(sizes)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of bucketing the first j items of `order`
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
-        for i in range(max(0, j - cap), j):  # bucket = order[i:j], its longest row is order[i]
+        held = 0
+        for i in range(j - 1, -1, -1):  # bucket = order[i:j], its longest item is order[i]
+            held += sizes[order[i]]
+            if held > cap:
+                break
             cost = best[i] + (j - i) * lengths[order[i]] + overhead
             if cost < best[j]:
                 best[j], cut[j] = cost, i

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from .logprobs import (
-    BUCKET_OVERHEAD_TOKENS,
+    length_buckets,
     _capture_head_input,
     _forward,
     head_logprobs,
@@ -100,31 +100,6 @@ def pairs_per_token(model: torch.nn.Module) -> float:
     embeddings = {id(p) for m in (inner.get_input_embeddings(), inner.get_output_embeddings()) if m is not None for p in m.parameters()}
     per_layer = sum(p.numel() for p in inner.parameters() if id(p) not in embeddings) / layers
     return per_layer / (2 * width)
-
-
-def pack_buckets(packed_lens: list[int], group_sizes: list[int], max_rows: int | None, overhead: int = BUCKET_OVERHEAD_TOKENS) -> list[list[int]]:
-    """Buckets of packed sequences minimising padded tokens + overhead per bucket, at most `max_rows` rows each.
-
-    Like `logprobs.length_buckets`, over packs sorted longest first, but the cap counts the rows in
-    the packs, not the packs.
-    """
-    order = sorted(range(len(packed_lens)), key=lambda i: -packed_lens[i])
-    n, cap = len(order), max_rows or sum(group_sizes)
-    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
-    for j in range(1, n + 1):
-        rows = 0
-        for i in range(j - 1, -1, -1):  # bucket = order[i:j]
-            rows += group_sizes[order[i]]
-            if rows > cap:
-                break
-            cost = best[i] + (j - i) * packed_lens[order[i]] + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    buckets, j = [], n
-    while j > 0:
-        buckets.append(order[cut[j] : j])
-        j = cut[j]
-    return buckets[::-1]
 
 
 class Pack(NamedTuple):
@@ -286,7 +261,7 @@ def shared_prompt_logprobs(
     packed_lens = [p + sum(completion_lens[r] for r in rows) for p, rows in zip(groups.prompt_lens, groups.rows)]
     ids, comp = prompt_ids.tolist(), completion_ids.tolist()
     logps_parts, entropy_parts, order = [], [], []
-    for bucket in pack_buckets(packed_lens, [len(rows) for rows in groups.rows], rows_per_chunk):
+    for bucket in length_buckets(packed_lens, rows_per_chunk, rows=[len(rows) for rows in groups.rows]):
         rows = [r for g in bucket for r in groups.rows[g]]
         t = max(max(completion_lens[r] for r in rows), 1)
         prompts = [ids[groups.rows[g][0]][width - groups.prompt_lens[g] :] for g in bucket]
