@@ -77,11 +77,22 @@ def split_for_cost(groups: PromptGroups, completion_lens: list[int], pairs_per_t
     """
     rows_out, lens_out = [], []
     for rows, p in zip(groups.rows, groups.prompt_lens):
-        splits = [[part.tolist() for part in torch.tensor(rows).tensor_split(s)] for s in range(1, len(rows) + 1)]
+        splits = [_even_parts(rows, s) for s in range(1, len(rows) + 1)]
         best = min(splits, key=lambda parts, p=p: sum(pack_cost(p, [completion_lens[r] for r in part], pairs_per_token) for part in parts))
         rows_out.extend(best)
         lens_out.extend([p] * len(best))
     return PromptGroups(rows_out, lens_out)
+
+
+def _even_parts(items: list[int], parts: int) -> list[list[int]]:
+    """`items` cut into `parts` contiguous runs whose sizes differ by at most one (as torch.tensor_split)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + size + (1 if k < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
 
 
 def pairs_per_token(model: torch.nn.Module) -> float:
@@ -120,32 +131,28 @@ def build_pack(
     points at the prompt's last position (a real state whose result is then masked out).
     """
     length = max(len(p) + sum(len(c) for c in cs) for p, cs in zip(prompts, completions))
-    packs = len(prompts)
-    ids = torch.zeros(packs, length, dtype=torch.long)
-    positions = torch.zeros(packs, length, dtype=torch.long)
-    segment = torch.full((packs, length), -1, dtype=torch.long)  # 0 prompt, j >= 1 completion j, -1 padding
-    source = []
+    ids, positions, segment, source = [], [], [], []  # built as lists, turned into tensors once (cheap for many rows)
     for b, (prompt, rows) in enumerate(zip(prompts, completions)):
         p = len(prompt)
-        ids[b, :p] = torch.tensor(prompt, dtype=torch.long)
-        positions[b, :p] = torch.arange(p)
-        segment[b, :p] = 0
-        start = p
+        pack_ids, pack_positions, pack_segment = list(prompt), list(range(p)), [0] * p
         for j, tokens in enumerate(rows, start=1):
-            t = len(tokens)
-            ids[b, start : start + t] = torch.tensor(tokens, dtype=torch.long)
-            positions[b, start : start + t] = torch.arange(p, p + t)
-            segment[b, start : start + t] = j
-            index = torch.full((completion_len,), b * length + p - 1, dtype=torch.long)
-            index[1 : max(t, 1)] = b * length + start + torch.arange(max(t - 1, 0))
-            source.append(index)
-            start += t
+            t, start = len(tokens), len(pack_ids)
+            pack_ids += tokens
+            pack_positions += range(p, p + t)
+            pack_segment += [j] * t
+            last_prompt = b * length + p - 1
+            source.append([last_prompt] + [b * length + start + i for i in range(t - 1)] + [last_prompt] * (completion_len - max(t, 1)))
+        pad = length - len(pack_ids)
+        ids.append(pack_ids + [0] * pad)
+        positions.append(pack_positions + [0] * pad)
+        segment.append(pack_segment + [-1] * pad)  # 0 prompt, j >= 1 completion j, -1 padding
+    ids, positions, segment = torch.tensor(ids), torch.tensor(positions), torch.tensor(segment)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     seg_q, seg_k = segment[:, :, None], segment[:, None, :]
     visible = causal & (seg_k >= 0) & ((seg_k == 0) | (seg_k == seg_q))
     visible |= torch.eye(length, dtype=torch.bool)  # padding queries see themselves: no empty softmax
     keep = length - min(len(p) for p in prompts) + 1
-    return Pack(ids.to(device), positions.to(device), visible[:, None].to(device), torch.stack(source).to(device), keep)
+    return Pack(ids.to(device), positions.to(device), visible[:, None].to(device), torch.tensor(source).to(device), keep)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
