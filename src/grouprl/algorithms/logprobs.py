@@ -81,18 +81,16 @@ def _chunked(
     def reduce(x: torch.Tensor, t: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
         return _reduce(to_logits(x), t, temperature, with_entropy)
 
+    with_entropy = entropy != "none"
     logps, entropies = [], []
     for chunk, chunk_tokens in zip(inputs.split(step), tokens.split(step)):
-        if not differentiable:
-            outs = reduce(chunk, chunk_tokens, entropy != "none")
+        if differentiable:
+            outs = torch.utils.checkpoint.checkpoint(reduce, chunk, chunk_tokens, with_entropy, use_reentrant=False)
         else:
-            outs = torch.utils.checkpoint.checkpoint(reduce, chunk, chunk_tokens, entropy == "grad", use_reentrant=False)
-            if entropy == "value":
-                with torch.no_grad():
-                    outs = (outs[0], reduce(chunk.detach(), chunk_tokens, True)[1])
+            outs = reduce(chunk, chunk_tokens, with_entropy)
         logps.append(outs[0])
-        if entropy != "none":
-            entropies.append(outs[1])
+        if with_entropy:  # one pass over the chunk's logits gives both; a metric-only entropy is detached
+            entropies.append(outs[1] if entropy == "grad" else outs[1].detach())
     return torch.cat(logps), (torch.cat(entropies) if entropies else None)
 
 
@@ -100,17 +98,14 @@ def logits_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float, *, entropy: str = "value"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logprob of `tokens` (n, T) under softmax(logits / temperature) in fp32, and the entropy (see `_chunked`)."""
-    n, t, vocab = logits.shape
-    differentiable = torch.is_grad_enabled() and logits.requires_grad
-    logps, entropies = _chunked(logits.reshape(n * t, vocab), tokens.reshape(n * t), lambda x: x, temperature, entropy=entropy, differentiable=differentiable)
-    return logps.view(n, t), (entropies.view(n, t) if entropies is not None else None)
+    return head_logprobs(logits, lambda x: x, tokens, temperature, entropy=entropy)
 
 
 def head_logprobs(
     hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, temperature: float,
     *, entropy: str = "value",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Like `selected_logprobs(head(hidden), ...)` without ever holding head(hidden) for all positions.
+    """Like `logits_logprobs(head(hidden), ...)` without ever holding head(hidden) for all positions.
 
     `hidden` (n, T, H) are the final hidden states predicting `tokens` (n, T); `head` maps (m, H)
     to (m, V) logits (the model's LM head). Gradients flow to `hidden` and the head's parameters.
