@@ -139,10 +139,7 @@ class FastGenerator:
                 break
             if not bool(alive.all()):  # drop finished rows from the cache and every per-row tensor
                 keep = alive.nonzero().squeeze(1)
-                if shared:
-                    cache.select_rows(keep)
-                else:
-                    cache.batch_select_indices(keep)
+                cache.batch_select_indices(keep)
                 active, next_tokens, mask, positions = active[keep], next_tokens[keep], mask[keep], positions[keep]
                 history, history_mask = history[keep], history_mask[keep]
             if track_history:

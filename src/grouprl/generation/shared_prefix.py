@@ -11,7 +11,7 @@ copies) R = B * G copies of them: on a CPU that memory traffic, not the matmuls,
 and attention over the two parts is one softmax: scores against the prompt part are computed per
 prompt for all its rows' queries together (a batched matmul over B, rows of a prompt gathered into
 G slots), scores against the row's own tokens per row, then normalised jointly. Rows that finish
-leave the buffer (`select_rows`); their slot in the per-prompt grid simply stays empty.
+leave the buffer (`batch_select_indices`); their slot in the per-prompt grid simply stays empty.
 
 The attention function is registered with transformers' AttentionInterface and switched on only for
 the decode steps (`decoding`). `matches_standard_attention` checks a model once: architectures whose
@@ -49,7 +49,6 @@ class SharedPrefixCache:
         self.row_prompt = torch.arange(prompts, device=device).repeat_interleave(g)  # (R,) prompt of each row
         self.row_slot = torch.arange(prompts * g, device=device) % g  # (R,) its place among the prompt's rows
         self.slots = g
-        self.full = True  # no row has left yet: row r is slot r % G of prompt r // G
         kvh, d = self.prefix_keys[0].shape[1], self.prefix_keys[0].shape[3]
         dtype = self.prefix_keys[0].dtype
         self.keys = [torch.empty(prompts * g, kvh, max_new_tokens, d, dtype=dtype, device=device) for _ in self.prefix_keys]
@@ -67,10 +66,14 @@ class SharedPrefixCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.prefix_mask.shape[1] + self.lengths[layer_idx]
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        """Keep only rows `keep` (indices into the current rows)."""
+    @property
+    def full(self) -> bool:
+        """No row has left yet (rows only ever leave): row r is slot r % G of prompt r // G."""
+        return len(self.row_prompt) == self.prefix_mask.shape[0] * self.slots
+
+    def batch_select_indices(self, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` (indices into the current rows); the name of transformers' Cache method."""
         self.row_prompt, self.row_slot = self.row_prompt[keep], self.row_slot[keep]
-        self.full = self.full and len(keep) == self.prefix_mask.shape[0] * self.slots
         self.keys = [k[keep] for k in self.keys]
         self.values = [v[keep] for v in self.values]
 
