@@ -11,6 +11,8 @@ Images are small numpy-made RGB arrays, so tests need no files.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from PIL import Image
@@ -47,11 +49,12 @@ def build_vlm_tokenizer(image_tokens: tuple[str, ...], image_markup: str) -> Pre
     return tokenizer
 
 
+@contextlib.contextmanager
 def _seeded(seed: int):
-    rng = torch.random.fork_rng(devices=[])
-    rng.__enter__()
-    torch.manual_seed(seed)
-    return rng
+    """Seeded for the block; the caller's global RNG state is restored afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _image_only(processor_class):
@@ -93,11 +96,8 @@ def tiny_qwen2_vl(seed: int = 0):
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )
-    rng = _seeded(seed)
-    try:
+    with _seeded(seed):
         model = Qwen2VLForConditionalGeneration(config)
-    finally:
-        rng.__exit__(None, None, None)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     image_processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32)
@@ -128,11 +128,8 @@ def tiny_llava(seed: int = 0):
                                 bos_token_id=eos, eos_token_id=eos, pad_token_id=eos),
         image_token_id=image_id, image_seq_length=16, vision_feature_layer=-2, vision_feature_select_strategy="default",
     )
-    rng = _seeded(seed)
-    try:
+    with _seeded(seed):
         model = LlavaForConditionalGeneration(config)
-    finally:
-        rng.__exit__(None, None, None)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     image_processor = LlavaImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
