@@ -47,10 +47,11 @@ def _hf_generate(model, tokenizer, prompts, g, **sampling):
 
 @pytest.mark.parametrize("share_prefix", [True, False])
 def test_same_seed_same_tokens_as_transformers(model_and_tokenizer, share_prefix):
-    """No EOS -> no row leaves the batch -> the random stream is consumed exactly as generate does."""
+    """No EOS -> no row leaves the batch -> with transformers' draw the random stream is consumed exactly as generate does."""
     model, tokenizer = model_and_tokenizer
     prompts = _prompts(tokenizer)
-    engine = FastGenerator(model, tokenizer, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id, share_prefix=share_prefix)
+    engine = FastGenerator(model, tokenizer, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id, share_prefix=share_prefix,
+                           sampling_method="multinomial")
     torch.manual_seed(0)
     ours = engine.generate(prompts, 4, SamplingParams(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95))
     torch.manual_seed(0)
@@ -70,6 +71,23 @@ def test_shared_prefix_attention_declines_models_it_does_not_reproduce():
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(config).eval()
     assert not matches_standard_attention(model)
+
+
+def test_first_tokens_follow_the_models_distribution(model_and_tokenizer):
+    """The default inverse-CDF draw through the whole engine: first-token frequencies of many samples against
+    softmax of the model's next-token logits (chi-square, p < 1e-3 rejects; the seed makes it deterministic)."""
+    from test_sampling import chi_square_rejects
+
+    model, tokenizer = model_and_tokenizer
+    prompt = tokenizer("12+7=")["input_ids"]
+    engine = FastGenerator(model, tokenizer, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    completions = engine.generate([prompt], 4000, SamplingParams(max_new_tokens=1, temperature=0.2))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].double()
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in completions]), minlength=logits.numel()).double()
+    assert not chi_square_rejects(counts, (logits / 0.2).softmax(-1))
+    assert chi_square_rejects(counts, (logits / 0.22).softmax(-1))  # the test notices a 10% wrong temperature
 
 
 def test_processing_matches_transformers_warpers():

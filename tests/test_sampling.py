@@ -1,0 +1,76 @@
+"""The sampler's draw: inverse CDF (the default) against the exact distribution, and its failure modes."""
+
+import math
+
+import pytest
+import torch
+
+from grouprl.generation.sampling import cumulative_distribution, sample_tokens
+
+
+def chi_square_rejects(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> bool:
+    """Pearson's goodness-of-fit test at p = 1e-3: do `counts` (V,) contradict `probs` (V,)?
+
+    Categories expected fewer than `min_expected` times are pooled into one; a draw of a zero-probability
+    category always rejects. The critical value is the Wilson-Hilferty approximation of the chi-square quantile.
+    """
+    counts, probs = counts.double(), probs.double()
+    if bool((counts[probs == 0] > 0).any()):
+        return True
+    expected = probs * counts.sum()
+    big = expected >= min_expected
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    df = len(expected) - 1
+    z = 3.090  # standard normal quantile at 1 - 1e-3
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return statistic > critical
+
+
+def _draw_counts(logits: torch.Tensor, n: int, method: str, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    tokens, _ = sample_tokens(logits.expand(n, -1), generator=generator, method=method)
+    return torch.bincount(tokens, minlength=logits.shape[-1])
+
+
+@pytest.mark.parametrize("method", ["inverse_cdf", "multinomial"])
+def test_draws_follow_the_processed_distribution(method):
+    torch.manual_seed(0)
+    logits = torch.randn(1, 60) * 2
+    logits[0, [3, 17, 59]] = -float("inf")  # filtered by top-k/top-p: never drawn
+    counts = _draw_counts(logits, 200_000, method)
+    probs = logits[0].softmax(-1)
+    assert counts[[3, 17, 59]].sum() == 0
+    assert not chi_square_rejects(counts, probs)
+    top, second = probs.topk(2).indices
+    shifted = probs.clone()
+    shifted[top], shifted[second] = probs[top] * 0.95, probs[second] + probs[top] * 0.05  # 5% of the top token's mass moved
+    assert chi_square_rejects(counts, shifted)  # the test has the power to see that
+
+
+def test_tiny_probabilities_keep_their_share():
+    """150,000 tokens of probability ~2e-8 after one of ~0.997: each is below half an ulp of the running sum in
+    float32, so a float32 CDF gives them widths of 0 or several times their probability."""
+    logits = torch.full((1, 150_001), -17.7)
+    logits[0, 0] = 0.0
+    probs = logits.softmax(-1)
+    widths = cumulative_distribution(probs).diff(dim=-1)[0]  # the chance each tail token is drawn
+    assert torch.allclose(widths, probs[0, 1:].double(), rtol=1e-6, atol=0)
+    float32_widths = probs.float().cumsum(-1).diff(dim=-1)[0]  # what float32 would have done
+    assert float((float32_widths == 0).float().mean()) > 0.5 and float(float32_widths.max()) > 2 * float(probs[0, 1])
+
+
+def test_same_seed_same_tokens_and_logprobs():
+    logits = torch.randn(8, 100)
+    first = sample_tokens(logits, generator=torch.Generator().manual_seed(3))
+    second = sample_tokens(logits, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert torch.allclose(first[1], torch.log_softmax(logits, -1).gather(1, first[0][:, None]).squeeze(1), atol=1e-6)
+
+
+def test_unknown_method_is_named():
+    with pytest.raises(ValueError, match="unknown method 'gumbel'.*inverse_cdf"):
+        sample_tokens(torch.zeros(1, 3), method="gumbel")
