@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grouprl.algorithms import prompt_packing
+from grouprl.algorithms import packed_attention, prompt_packing
 from grouprl.algorithms.logprobs import completion_logprobs, length_buckets
 from grouprl.algorithms.prompt_packing import (
     PromptGroups,
@@ -60,13 +60,17 @@ def _run(model, rows, pack: bool, **kwargs):
     return out, grads
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [None, "non-reentrant", "reentrant"])
 @pytest.mark.parametrize("rows_per_chunk", [None, 2])
-def test_values_and_gradients_match_the_plain_pass(model, checkpointing, rows_per_chunk):
+def test_values_and_gradients_match_the_plain_pass(model, checkpointing, rows_per_chunk, monkeypatch):
+    """Also: packed_attention (visible pairs only) serves every packed layer call, and checkpointing recomputes through it."""
     rows = _rows(model.config.vocab_size)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     model.train()
+    attention_calls = []
+    real_attention = packed_attention.packed_attention
+    monkeypatch.setattr(packed_attention, "packed_attention", lambda *a, **k: attention_calls.append(1) or real_attention(*a, **k))
     try:
         calls = []
         real = prompt_packing.packed_logprobs
@@ -80,6 +84,7 @@ def test_values_and_gradients_match_the_plain_pass(model, checkpointing, rows_pe
         model.gradient_checkpointing_disable()
         model.eval()
     assert calls, "the packed path was not taken"
+    assert len(attention_calls) == len(calls) * model.config.num_hidden_layers * (2 if checkpointing else 1)
     mask = rows[3]
     torch.testing.assert_close(packed.logprobs[mask], plain.logprobs[mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed.entropy[mask], plain.entropy[mask], rtol=1e-5, atol=1e-5)
@@ -149,19 +154,32 @@ def test_pack_layout_by_hand():
     assert pack.keep == 5
 
 
-def test_split_for_cost_packs_long_prompts_and_splits_short_ones():
-    groups = PromptGroups([[0, 1, 2, 3]], [400])
-    # W2-like: a 400-token prompt with 4 x 128 completions is cheapest as one pack
-    assert split_for_cost(groups, [128] * 4, 3072.0).rows == [[0, 1, 2, 3]]
-    # W1-like short prompt: one pack's attention costs more than the 3 prompt copies it saves; two
-    # packs of two gain under 1%, far from the MIN_SAVING that packing needs
-    short = split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 3072.0)
+@pytest.mark.parametrize("dense", [False, True])
+def test_split_for_cost_packs_long_prompts(dense):
+    # W2-like: a 400-token prompt with 4 x 128 completions is cheapest as one pack, with either attention
+    assert split_for_cost(PromptGroups([[0, 1, 2, 3]], [400]), [128] * 4, 3072.0, dense).rows == [[0, 1, 2, 3]]
+
+
+def test_pack_cost_counts_the_pairs_each_attention_scores():
+    # dense 4D mask: all (13 + 2 * 128)^2 pairs; packed_attention: 13^2 for the prompt, 2 x 128 x (13 + 128)
+    assert pack_cost(13, [128, 128], 100.0, dense=True) == pytest.approx(269 + 269**2 / 100)
+    assert pack_cost(13, [128, 128], 100.0) == pytest.approx(269 + (13**2 + 2 * 128 * 141) / 100)
+    assert pack_cost(13, [128, 5], 100.0) == pack_cost(13, [128, 128], 100.0) - 123  # completions padded to the longest
+
+
+def test_short_prompts_split_under_dense_attention_and_do_not_pack():
+    # W1-like short prompt, dense mask: one pack's attention costs more than the 3 prompt copies it saves;
+    # two packs of two gain under 1%, far from the MIN_SAVING that packing needs
+    short = split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 3072.0, dense=True)
     assert short.rows == [[0, 1], [2, 3]]
-    plain = 4 * pack_cost(13, [128], 3072.0)
-    assert 0.99 * plain < sum(pack_cost(13, [128, 128], 3072.0) for _ in short.rows) < plain
-    assert sum(pack_cost(13, [128, 128], 3072.0) for _ in short.rows) > prompt_packing.MIN_SAVING * plain
-    # costly attention (tiny ratio): the short prompt stays per row
-    assert split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 10.0).rows == [[0], [1], [2], [3]]
+    plain = 4 * pack_cost(13, [128], 3072.0, dense=True)
+    assert 0.99 * plain < sum(pack_cost(13, [128, 128], 3072.0, dense=True) for _ in short.rows) < plain
+    # packed attention: one pack is cheapest, but saves only ~7% (the prompt is 13 of 141 tokens): under MIN_SAVING
+    one = split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 3072.0)
+    assert one.rows == [[0, 1, 2, 3]]
+    assert prompt_packing.MIN_SAVING * plain < pack_cost(13, [128] * 4, 3072.0) < plain
+    # costly attention (tiny ratio), dense: the short prompt stays per row
+    assert split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 10.0, dense=True).rows == [[0], [1], [2], [3]]
 
 
 def test_pairs_per_token_from_the_flop_count(tiny_model_dir):

@@ -11,12 +11,10 @@ which a completion token sees the prompt and, causally, its own completion only.
 has exactly the keys, values and position it has in its own row, so the hidden states, logprobs and
 gradients are those of the plain pass up to float rounding.
 
-The mask is an ordinary (packs, 1, L, L) tensor handed to the model, not a switched attention
-implementation: gradient checkpointing recomputes each layer in backward, outside any context we
-could set, and it then receives the same mask argument. The price: attention is dense over the
-packed length L (L^2 pairs, most of them masked), so packing pays where the prompt is long next to
-the completions. `split_for_cost` estimates both costs and packs a prompt's rows into as many
-sequences as is cheapest; where that saves under 10% the plain pass runs.
+With sdpa models the attention scores only the visible pairs (packed_attention.py: the prompt
+causally, each completion against [prompt, itself]); the pack also carries the same visibility as an
+ordinary (packs, 1, L, L) mask, which eager models use directly. `split_for_cost` estimates the cost of a pack and packs a
+prompt's rows into as many sequences as is cheapest; where that saves under 10% the plain pass runs.
 
 Used only where it reproduces the plain pass: the model's own attention takes custom 4D masks
 (sdpa, eager), every layer attends fully (no sliding windows), the LM head is separable, no
@@ -31,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import packed_attention
+from .packed_attention import LAYOUT_KWARG, PackLayout, build_layout
 from .logprobs import (
     length_buckets,
     _capture_head_input,
@@ -62,23 +62,31 @@ def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_row
     return PromptGroups(groups, lens)
 
 
-def pack_cost(prompt_len: int, completion_lens: list[int], pairs_per_token: float) -> float:
-    """Estimated cost, in token passes, of one packed sequence: its tokens plus its (dense) attention pairs."""
+def pack_cost(prompt_len: int, completion_lens: list[int], pairs_per_token: float, dense: bool = False) -> float:
+    """Estimated cost, in token passes, of one packed sequence: its tokens plus the attention pairs scored.
+
+    Dense (a 4D mask, and the plain pass): all L^2 pairs of the packed length. Otherwise
+    (packed_attention): the prompt's P^2 and, for each completion, its C x (P + C) padded to the longest.
+    """
     length = prompt_len + sum(completion_lens)
-    return length + length * length / pairs_per_token
+    if dense:
+        return length + length * length / pairs_per_token
+    longest = max(completion_lens, default=0)
+    pairs = prompt_len * prompt_len + len(completion_lens) * longest * (prompt_len + longest)
+    return length + pairs / pairs_per_token
 
 
-def split_for_cost(groups: PromptGroups, completion_lens: list[int], pairs_per_token: float) -> PromptGroups:
+def split_for_cost(groups: PromptGroups, completion_lens: list[int], pairs_per_token: float, dense: bool = False) -> PromptGroups:
     """Split each group into the number of packs (1 .. its rows) with the lowest `pack_cost`.
 
-    One pack runs the prompt once but its attention grows with the square of the packed length; one
-    pack per row is the plain pass. Short prompts with long completions gain little from sharing and
-    lose to the larger attention, so they end up split.
+    One pack runs the prompt once; with a dense mask its attention grows with the square of the packed
+    length, so short prompts with long completions gain little from sharing, lose to the larger
+    attention and end up split. One pack per row is the plain pass.
     """
     rows_out, lens_out = [], []
     for rows, p in zip(groups.rows, groups.prompt_lens):
         splits = [_even_parts(rows, s) for s in range(1, len(rows) + 1)]
-        best = min(splits, key=lambda parts, p=p: sum(pack_cost(p, [completion_lens[r] for r in part], pairs_per_token) for part in parts))
+        best = min(splits, key=lambda parts, p=p: sum(pack_cost(p, [completion_lens[r] for r in part], pairs_per_token, dense) for part in parts))
         rows_out.extend(best)
         lens_out.extend([p] * len(best))
     return PromptGroups(rows_out, lens_out)
@@ -119,6 +127,7 @@ class Pack(NamedTuple):
     attention_mask: torch.Tensor  # (packs, 1, L, L) True where a query (dim 2) may attend a key (dim 3)
     source: torch.Tensor  # (rows, T) flat index into (packs * L) of the state predicting each completion token
     keep: int  # positions at the end of the pack whose states are needed (`logits_to_keep`)
+    layout: PackLayout  # the same visibility as index tensors, for packed_attention
 
 
 def build_pack(
@@ -131,12 +140,14 @@ def build_pack(
     points at the prompt's last position (a real state whose result is then masked out).
     """
     length = max(len(p) + sum(len(c) for c in cs) for p, cs in zip(prompts, completions))
-    ids, positions, segment, source = [], [], [], []  # built as lists, turned into tensors once (cheap for many rows)
+    ids, positions, segment, source, spans = [], [], [], [], []  # built as lists, turned into tensors once (cheap for many rows)
     for b, (prompt, rows) in enumerate(zip(prompts, completions)):
         p = len(prompt)
         pack_ids, pack_positions, pack_segment = list(prompt), list(range(p)), [0] * p
+        spans.append([])
         for j, tokens in enumerate(rows, start=1):
             t, start = len(tokens), len(pack_ids)
+            spans[-1].append((start, t))
             pack_ids += tokens
             pack_positions += range(p, p + t)
             pack_segment += [j] * t
@@ -152,7 +163,8 @@ def build_pack(
     visible = causal & (seg_k >= 0) & ((seg_k == 0) | (seg_k == seg_q))
     visible |= torch.eye(length, dtype=torch.bool)  # padding queries see themselves: no empty softmax
     keep = length - min(len(p) for p in prompts) + 1
-    return Pack(ids.to(device), positions.to(device), visible[:, None].to(device), torch.tensor(source).to(device), keep)
+    layout = build_layout([len(p) for p in prompts], spans, length, device)
+    return Pack(ids.to(device), positions.to(device), visible[:, None].to(device), torch.tensor(source).to(device), keep, layout)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -168,9 +180,15 @@ def _model_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
 def packed_logprobs(
     model: torch.nn.Module, head: torch.nn.Module, pack: Pack, completion_ids: torch.Tensor, temperature: float, *, entropy: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs (rows, T) [and entropies] of `completion_ids` (rows in the pack's order) from one packed forward."""
+    """Logprobs (rows, T) [and entropies] of `completion_ids` (rows in the pack's order) from one packed forward.
+
+    sdpa models attend through packed_attention (visible pairs only), eager ones through the 4D mask.
+    """
     kwargs = {"input_ids": pack.input_ids, "attention_mask": _model_mask(model, pack.attention_mask), "position_ids": pack.position_ids,
               "use_cache": False}
+    if _unwrapped(model).config._attn_implementation == "sdpa":
+        packed_attention.install()
+        kwargs[LAYOUT_KWARG] = pack.layout
     with _capture_head_input(head) as captured:
         _forward(model, kwargs, pack.keep - 1)
     states = captured[0]  # (packs, keep, H): the last `keep` positions
@@ -257,9 +275,10 @@ def shared_prompt_logprobs(
     ratio = pairs_per_token(model)
     if ratio <= 0:
         return None
-    groups = split_for_cost(group_by_prompt(prompt_ids, prompt_mask, rows_per_chunk), completion_lens, ratio)
-    plain_cost = sum(pack_cost(prompt_lens[r], [completion_lens[r]], ratio) for r in range(n))
-    packed_cost = sum(pack_cost(p, [completion_lens[r] for r in rows], ratio) for p, rows in zip(groups.prompt_lens, groups.rows))
+    dense = _unwrapped(model).config._attn_implementation != "sdpa"  # eager models attend through the 4D mask
+    groups = split_for_cost(group_by_prompt(prompt_ids, prompt_mask, rows_per_chunk), completion_lens, ratio, dense)
+    plain_cost = sum(pack_cost(prompt_lens[r], [completion_lens[r]], ratio, dense=True) for r in range(n))
+    packed_cost = sum(pack_cost(p, [completion_lens[r] for r in rows], ratio, dense) for p, rows in zip(groups.prompt_lens, groups.rows))
     if len(groups.rows) == n or packed_cost > MIN_SAVING * plain_cost:  # nothing (worth) sharing
         return None
     head = packing_head(model, plain)
