@@ -12,9 +12,10 @@ has exactly the keys, values and position it has in its own row, so the hidden s
 gradients are those of the plain pass up to float rounding.
 
 With sdpa models the attention scores only the visible pairs (packed_attention.py: the prompt
-causally, each completion against [prompt, itself]); the pack also carries the same visibility as an
-ordinary (packs, 1, L, L) mask, which eager models use directly. `split_for_cost` estimates the cost of a pack and packs a
-prompt's rows into as many sequences as is cheapest; where that saves under 10% the plain pass runs.
+causally, each completion against [prompt, itself]); the pack also carries the same visibility as
+an ordinary (packs, 1, L, L) mask, which eager models use directly (dense: all L^2 pairs).
+`split_for_cost` estimates the cost of a pack and packs a prompt's rows into as many sequences as
+is cheapest; where that saves under 10% the plain pass runs.
 
 Used only where it reproduces the plain pass: the model's own attention takes custom 4D masks
 (sdpa, eager), every layer attends fully (no sliding windows), the LM head is separable, no
