@@ -61,11 +61,12 @@ def build_layout(prompt_lens: list[int], spans: list[list[tuple[int, int]]], len
     prefix_visible = keys < lens[torch.tensor(owner)][:, None]  # (N, P)
     own_visible = torch.ones(longest, longest, dtype=torch.bool).tril() & (torch.arange(longest) < own[:, None, None])  # (N, C, C)
     completion_mask = torch.cat([prefix_visible[:, None, :].expand(-1, longest, -1), own_visible], dim=2)
-    to = dict(device=device)
+    def longs(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
     return PackLayout(
-        width, prompt_mask[:, None].to(**to), torch.tensor(index).to(**to), torch.tensor(owner).to(**to), completion_mask[:, None].to(**to),
-        torch.tensor(prompt_rows).to(**to), torch.tensor(completion_rows, dtype=torch.long).to(**to),
-        torch.tensor(prompt_targets + completion_targets).to(**to),
+        width, prompt_mask[:, None].to(device), longs(index), longs(owner), completion_mask[:, None].to(device),
+        longs(prompt_rows), longs(completion_rows), longs(prompt_targets + completion_targets),
     )
 
 
