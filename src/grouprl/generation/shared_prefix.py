@@ -10,7 +10,7 @@ copies) R = B * G copies of them: on a CPU that memory traffic, not the matmuls,
 
 and attention over the two parts is one softmax: scores against the prompt part are computed per
 prompt for all its rows' queries together (a batched matmul over B, rows of a prompt gathered into
-G slots), scores against the row's own tokens per row, then normalised jointly. Rows that finish
+G slots), scores against the row's own tokens per row, then one softmax over both. Rows that finish
 leave the buffer (`batch_select_indices`); their slot in the per-prompt grid simply stays empty.
 
 The attention function is registered with transformers' AttentionInterface and switched on only for
@@ -44,13 +44,16 @@ class SharedPrefixCache:
         self.prefix_keys = [layer.keys for layer in prefill.layers]  # each (B, KVH, P, D)
         self.prefix_values = [layer.values for layer in prefill.layers]
         self.prefix_mask = prompt_mask.bool()  # (B, P)
+        dtype = self.prefix_keys[0].dtype
+        # Left padding of the prompts as an additive score bias (None when no prompt is padded).
+        self.prefix_bias = None if bool(self.prefix_mask.all()) else torch.zeros(
+            self.prefix_mask.shape, dtype=dtype, device=prompt_mask.device).masked_fill(~self.prefix_mask, float("-inf"))[:, None, None, :]
         prompts, g = prompt_mask.shape[0], samples_per_prompt
         device = prompt_mask.device
         self.row_prompt = torch.arange(prompts, device=device).repeat_interleave(g)  # (R,) prompt of each row
         self.row_slot = torch.arange(prompts * g, device=device) % g  # (R,) its place among the prompt's rows
         self.slots = g
         kvh, d = self.prefix_keys[0].shape[1], self.prefix_keys[0].shape[3]
-        dtype = self.prefix_keys[0].dtype
         self.keys = [torch.empty(prompts * g, kvh, max_new_tokens, d, dtype=dtype, device=device) for _ in self.prefix_keys]
         self.values = [torch.empty_like(k) for k in self.keys]
         self.lengths = [0] * len(self.keys)
@@ -81,19 +84,17 @@ class SharedPrefixCache:
         """query (R, H, 1, D) -> attention output (R, 1, H, D) over the row's prompt and its own tokens."""
         rows, heads, _, d = query.shape
         prefix_k, prefix_v = self.prefix_keys[layer_idx], self.prefix_values[layer_idx]
-        kvh, t = prefix_k.shape[1], self.lengths[layer_idx]
-        q = query.reshape(rows, kvh, heads // kvh, d)
+        kvh, p, t = prefix_k.shape[1], prefix_k.shape[2], self.lengths[layer_idx]
+        q = (query * scaling).reshape(rows, kvh, heads // kvh, d)
         # Against the prompt: all rows of a prompt in one matmul with that prompt's keys.
-        prefix_scores = torch.matmul(self._to_grid(q), prefix_k.transpose(-1, -2)) * scaling  # (B, KVH, G*rep, P)
-        prefix_scores = self._from_grid(prefix_scores.masked_fill(~self.prefix_mask[:, None, None, :], float("-inf")))
-        # Against the row's own sampled tokens.
+        prefix_scores = torch.matmul(self._to_grid(q), prefix_k.transpose(-1, -2))  # (B, KVH, G*rep, P)
+        if self.prefix_bias is not None:
+            prefix_scores = prefix_scores + self.prefix_bias
+        # Against the row's own sampled tokens, then one softmax over both parts.
         own_k, own_v = self.keys[layer_idx][:, :, :t], self.values[layer_idx][:, :, :t]
-        own_scores = torch.matmul(q, own_k.transpose(-1, -2)) * scaling  # (R, KVH, rep, t)
-        peak = torch.maximum(prefix_scores.amax(dim=-1, keepdim=True), own_scores.amax(dim=-1, keepdim=True))
-        prefix_weights, own_weights = (prefix_scores - peak).exp(), (own_scores - peak).exp()
-        total = prefix_weights.sum(dim=-1, keepdim=True) + own_weights.sum(dim=-1, keepdim=True)
-        prefix_out = self._from_grid(torch.matmul(self._to_grid(prefix_weights), prefix_v))
-        out = (prefix_out + torch.matmul(own_weights, own_v)) / total  # (R, KVH, rep, D)
+        scores = torch.cat([self._from_grid(prefix_scores), torch.matmul(q, own_k.transpose(-1, -2))], dim=-1)  # (R, KVH, rep, P + t)
+        weights = scores.softmax(dim=-1)
+        out = self._from_grid(torch.matmul(self._to_grid(weights[..., :p]), prefix_v)) + torch.matmul(weights[..., p:], own_v)
         return out.reshape(rows, 1, heads, d)
 
     def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
