@@ -97,12 +97,12 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.view(packs, length, heads, d), None
 
 
-def sdpa_or_packed(module, query, key, value, attention_mask, **kwargs):
+def sdpa_or_packed(module, query, key, value, attention_mask, *args, **kwargs):
     """transformers' sdpa attention, or packed_attention when the call carries a pack layout."""
     if kwargs.get(LAYOUT_KWARG) is not None:
-        return packed_attention(module, query, key, value, attention_mask, **kwargs)
+        return packed_attention(module, query, key, value, attention_mask, *args, **kwargs)
     kwargs.pop(LAYOUT_KWARG, None)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def install() -> None:
