@@ -1,0 +1,51 @@
+"""The benchmark harness's own logic (the benchmarks themselves run from bench/run_all.py, not in CI)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+import bench_bounds  # noqa: E402
+import run_all  # noqa: E402
+
+
+def _run(seconds: float, **extra) -> dict:
+    return {"seconds_per_step": seconds, "generated_tokens_per_step": 4000.0, "generated_tokens_per_second": 4000.0 / seconds,
+            "useful_gflops_per_second": 100.0 / seconds, "peak_rss_mib": 1000.0, **extra}
+
+
+def test_median_run_rescales_rates_to_the_median_step_time():
+    merged = run_all.median_run([_run(10.0), _run(14.0), _run(12.5)])
+    assert merged["seconds_per_step"] == 12.5 and merged["runs"] == [10.0, 14.0, 12.5]
+    assert merged["generated_tokens_per_second"] == pytest.approx(4000.0 / 12.5)
+    assert merged["useful_gflops_per_second"] == pytest.approx(100.0 / 12.5)
+    two = run_all.median_run([_run(10.0), _run(12.0)])
+    assert two["seconds_per_step"] == 11.0 and two["generated_tokens_per_second"] == pytest.approx(4000.0 / 11.0)
+    assert run_all.median_run([{"error": "boom"}]) == {"error": "boom"}
+
+
+def test_report_replaces_only_the_generated_section(tmp_path):
+    path = tmp_path / "benchmarks.md"
+    path.write_text(f"# Benchmarks\n\nintro kept\n{run_all.START}\nold table\n{run_all.END}\n\nanalysis kept\n")
+    bounds = {"W1": {"floor_seconds_per_step": 8.0, "decode_floor_seconds": 3.0, "train_floor_seconds": 4.9, "prefill_floor_seconds": 0.1}}
+    rows = [("W1", run_all.median_run([_run(10.0)]), run_all.median_run([_run(12.0)]))]
+    run_all.write_report(str(path), {"float32": 160.0, "bfloat16": 1.0}, rows, [], 1, bounds)
+    text = path.read_text()
+    assert "old table" not in text and "intro kept" in text and "analysis kept" in text
+    assert "| 1.20x |" in text  # TRL 12 s / grouprl 10 s
+    assert "| W1 | 3.00 | 5.00 | 8.00 | 1.25 | 1.50x |" in text  # floor row: grouprl and TRL over the floor
+    path.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="GENERATED"):
+        run_all.write_report(str(path), {"float32": 160.0, "bfloat16": 1.0}, rows, [], 1, bounds)
+
+
+def test_bounds_time_products_per_token():
+    weights = [torch.randn(32, 16), torch.randn(16, 32)]
+    rates = bench_bounds.per_token_seconds(weights)
+    assert set(rates) == {"forward", "input_grad", "weight_grad"} and all(v > 0 for v in rates.values())
+    assert bench_bounds.decode_seconds(weights, torch.randn(50, 16), rows=4) > 0
