@@ -71,6 +71,14 @@ def test_same_seed_same_tokens_and_logprobs():
     assert torch.allclose(first[1], torch.log_softmax(logits, -1).gather(1, first[0][:, None]).squeeze(1), atol=1e-6)
 
 
+def test_a_draw_at_the_top_of_the_range_never_picks_a_filtered_token(monkeypatch):
+    """u = the largest double below 1 times the total can round up to the total; the trailing -inf tokens must stay out."""
+    logits = torch.tensor([[0.3, 1.2, 0.1, -float("inf"), -float("inf")]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[0], a[1], dtype=torch.float64))  # the extreme draw, u = 1
+    tokens, _ = sample_tokens(logits)
+    assert tokens.tolist() == [2]
+
+
 def test_unknown_method_is_named():
     with pytest.raises(ValueError, match="unknown method 'gumbel'.*inverse_cdf"):
         sample_tokens(torch.zeros(1, 3), method="gumbel")

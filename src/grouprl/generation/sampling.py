@@ -97,9 +97,11 @@ def sample_tokens(processed: torch.Tensor, generator: Optional[torch.Generator] 
     probs = processed.softmax(dim=-1)
     if method == "inverse_cdf":
         cdf = cumulative_distribution(probs)
-        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator) * cdf[:, -1:]
+        total = cdf[:, -1:]
+        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator) * total
+        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total, even after rounding
         # right=True: the first entry whose CDF exceeds u, so a token of probability 0 is never drawn.
-        tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
+        tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)
     elif method == "multinomial":
         tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
     else:
