@@ -11,6 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from chi_square import chi_square_rejects
 from grouprl.algorithms.logprobs import completion_logprobs
 from grouprl.generation.engine import FastGenerator, engine_supports
 from grouprl.generation.shared_prefix import matches_standard_attention
@@ -76,8 +77,6 @@ def test_shared_prefix_attention_declines_models_it_does_not_reproduce():
 def test_first_tokens_follow_the_models_distribution(model_and_tokenizer):
     """The default inverse-CDF draw through the whole engine: first-token frequencies of many samples against
     softmax of the model's next-token logits (chi-square, p < 1e-3 rejects; the seed makes it deterministic)."""
-    from test_sampling import chi_square_rejects
-
     model, tokenizer = model_and_tokenizer
     prompt = tokenizer("12+7=")["input_ids"]
     engine = FastGenerator(model, tokenizer, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id)

@@ -217,13 +217,16 @@ def completion_logprobs(
         if aux is not None:
             aux_parts.append(aux)
         order.extend(rows)
-    inverse = torch.empty(n, dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(n)
-    inverse = inverse.to(prompt_ids.device)
-    logps = torch.cat(logps_parts)[inverse]
-    entropy = torch.cat(entropy_parts)[inverse] if with_entropy else None
+    logps, entropy = in_row_order(logps_parts, order), (in_row_order(entropy_parts, order) if with_entropy else None)
     aux_loss = torch.stack(aux_parts).mean() if aux_parts else None
     return TokenLogprobs(logps, entropy, aux_loss)
+
+
+def in_row_order(parts: list[torch.Tensor], order: list[int]) -> torch.Tensor:
+    """Concatenate per-bucket results whose rows are `order` (original row indices) back into row order."""
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return torch.cat(parts)[inverse.to(parts[0].device)]
 
 
 def _plain_logprobs(model: torch.nn.Module, *rows: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 from . import packed_attention
 from .packed_attention import LAYOUT_KWARG, PackLayout, build_layout
 from .logprobs import (
+    in_row_order,
     length_buckets,
     _capture_head_input,
     _forward,
@@ -301,7 +302,4 @@ def shared_prompt_logprobs(
         if entropies is not None:
             entropy_parts.append(torch.nn.functional.pad(entropies.masked_fill(~valid, 0.0), (0, completion_len - t)))
         order.extend(rows)
-    inverse = torch.empty(n, dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(n)
-    inverse = inverse.to(prompt_ids.device)
-    return torch.cat(logps_parts)[inverse], (torch.cat(entropy_parts)[inverse] if entropy_parts else None)
+    return in_row_order(logps_parts, order), (in_row_order(entropy_parts, order) if entropy_parts else None)
