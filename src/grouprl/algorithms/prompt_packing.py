@@ -213,15 +213,13 @@ def packing_head(model: torch.nn.Module, plain: Callable[..., torch.Tensor]) -> 
     `plain(model, prompt_ids, prompt_mask, completion_ids, completion_mask)` computes the plain
     pass's logprobs for the one-time probe.
     """
-    if type(model).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine"):
-        return None
     config = getattr(_unwrapped(model), "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl not in _MASK_STYLE or any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])):
         return None
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         return None
-    head = separable_head(model)
+    head = separable_head(model)  # None for sharded (FSDP / ZeRO-3) models too
     if head is None:
         return None
     verdicts = _PROBED.setdefault(model, {})
