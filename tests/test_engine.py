@@ -111,12 +111,18 @@ def test_repetition_penalty_ignores_padding():
     assert out.tolist() == [[1.0, 2.0, 1.5]]  # token 0 is padding: not penalised
 
 
-def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer):
+@pytest.mark.parametrize("rows_finish", [False, True])
+def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer, rows_finish):
+    """With rows_finish, a quarter of the vocabulary is EOS: rows leave the KV cache at many steps, and the
+    survivors' logprobs (read from the compacted cache) must still equal a fresh forward pass."""
     model, tokenizer = model_and_tokenizer
     prompts = _prompts(tokenizer)
-    engine = FastGenerator(model, tokenizer, eos_token_ids=list(model.generation_config.eos_token_id), pad_token_id=tokenizer.pad_token_id)
+    eos = list(range(0, 60)) if rows_finish else list(model.generation_config.eos_token_id)
+    engine = FastGenerator(model, tokenizer, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(1)
-    completions = engine.generate(prompts, 3, SamplingParams(max_new_tokens=12, temperature=0.7))
+    completions = engine.generate(prompts, 6 if rows_finish else 3, SamplingParams(max_new_tokens=12, temperature=0.7))
+    if rows_finish:
+        assert len(set(engine.decode_batch_sizes)) > 3  # rows left at several different steps
     for c in completions:
         p = torch.tensor([prompts[c.prompt_index]])
         ids = torch.tensor([c.token_ids])

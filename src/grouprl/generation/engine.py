@@ -11,7 +11,9 @@ samples of the same prompt, with lengths that vary widely. This engine:
    models whose attention it cannot reproduce get the prompt cache repeated G times instead);
 2. samples with the same processing as transformers (`sampling.py`, inverse-CDF draw) and records
    each sampled token's logprob under the processed distribution;
-3. drops rows from the KV cache and the decode batch as soon as they emit an EOS.
+3. drops rows from the KV cache and the decode batch as soon as they emit an EOS;
+4. writes each step's keys and values into buffers allocated once (kv_buffers.py) instead of
+   growing the cache by concatenation.
 
 It works with any transformers causal LM whose cache supports `batch_repeat_interleave` and
 `batch_select_indices` (DynamicCache: Llama, Qwen2/3, Mistral, Gemma, ...). It samples the same
@@ -29,6 +31,7 @@ from transformers import DynamicCache
 
 from ..algorithms.logprobs import position_ids_from_mask
 from ..types import Completion, SamplingParams
+from .kv_buffers import preallocate
 from .protocol import left_pad
 from .sampling import SAMPLING_METHODS, process_logits, sample_tokens
 from .shared_prefix import SharedPrefixCache, decoding, matches_standard_attention
@@ -114,6 +117,8 @@ class FastGenerator:
             if not shared:
                 cache.batch_repeat_interleave(g)
             logits, ids, mask = logits.repeat_interleave(g, 0), ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
+        if not shared:  # decode steps write into buffers instead of concatenating (kv_buffers.py)
+            cache = preallocate(cache, params.max_new_tokens)
 
         rows = ids.shape[0]
         history, history_mask = ids, mask.bool()  # (R, L) for the repetition penalty

@@ -30,6 +30,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from ..algorithms.logprobs import position_ids_from_mask
+from .kv_buffers import compact_rows
 
 NAME = "grouprl_shared_prefix"
 _ACTIVE: contextvars.ContextVar[SharedPrefixCache | None] = contextvars.ContextVar("grouprl_shared_prefix_cache", default=None)
@@ -77,8 +78,8 @@ class SharedPrefixCache:
     def batch_select_indices(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (indices into the current rows); the name of transformers' Cache method."""
         self.row_prompt, self.row_slot = self.row_prompt[keep], self.row_slot[keep]
-        self.keys = [k[keep] for k in self.keys]
-        self.values = [v[keep] for v in self.values]
+        self.keys = [compact_rows(k, keep, t) for k, t in zip(self.keys, self.lengths)]
+        self.values = [compact_rows(v, keep, t) for v, t in zip(self.values, self.lengths)]
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (R, H, 1, D) -> attention output (R, 1, H, D) over the row's prompt and its own tokens."""
