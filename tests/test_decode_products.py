@@ -1,0 +1,68 @@
+"""Weight-major decode products: the same values as F.linear, only where they are meant to apply."""
+
+import torch
+import torch.nn.functional as F
+
+from grouprl.generation.decode_products import weight_major_decode, weight_major_linear
+
+
+def _layer(bias: bool) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(48, 80, bias=bias)
+
+
+@torch.no_grad()
+def test_values_equal_f_linear_for_every_row_count_and_shape():
+    for bias in (True, False):
+        layer = _layer(bias)
+        for shape in [(1, 48), (2, 48), (5, 1, 48), (32, 1, 48), (3, 4, 48), (40, 48)]:
+            x = torch.randn(*shape)
+            got = weight_major_linear(layer, x)
+            assert got.shape == (*shape[:-1], 80) and got.is_contiguous()
+            assert torch.allclose(got, F.linear(x, layer.weight, layer.bias), atol=1e-5), (bias, shape)
+
+
+def test_autograd_and_other_dtypes_keep_f_linear_exactly():
+    layer = _layer(True)
+    x = torch.randn(4, 48)
+    with torch.enable_grad():
+        assert torch.equal(weight_major_linear(layer, x), F.linear(x, layer.weight, layer.bias))
+    with torch.no_grad():
+        half = layer.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        assert torch.equal(weight_major_linear(half, xb), F.linear(xb, half.weight, half.bias))
+
+
+@torch.no_grad()
+def test_context_switches_plain_linears_only_and_restores_them():
+    class Custom(torch.nn.Linear):  # a subclass (quantized layers are) keeps its own forward
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Custom(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x = torch.randn(4, 8)
+    expected = model(x)
+    with weight_major_decode(model):
+        assert "forward" in vars(model[0]) and "forward" in vars(model[3]) and "forward" not in vars(model[1])
+        assert torch.allclose(model(x), expected, atol=1e-6)
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert torch.equal(model(x), expected)
+
+
+@torch.no_grad()
+def test_few_rows_take_the_weight_major_product_and_many_rows_do_not():
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    layer = _layer(True)
+    for rows, expected in [(1, "linear"), (2, "addmm"), (32, "addmm"), (33, "linear")]:
+        with Calls() as calls:
+            weight_major_linear(layer, torch.randn(rows, 1, 48))
+        assert expected in calls.names and ({"linear", "addmm"} - {expected}).isdisjoint(calls.names), (rows, calls.names)
