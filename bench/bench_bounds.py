@@ -56,9 +56,13 @@ def _weights(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 def decode_seconds(layers: list[torch.Tensor], head: torch.Tensor, rows: int) -> float:
-    """One decode step's products for `rows` rows: every layer weight and the LM head."""
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in layers + [head]}
-    return _fastest_seconds(lambda: [F.linear(inputs[w.shape[1]], w) for w in layers + [head]])
+    """One decode step's products for `rows` rows: every layer weight and the LM head, in the faster of the
+    two orientations (x @ W^T, or W @ x^T as grouprl's engine computes few rows; decode_products.py)."""
+    weights = layers + [head]
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    row_major = _fastest_seconds(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
+    weight_major = _fastest_seconds(lambda: [w @ inputs[w.shape[1]].t() for w in weights])
+    return min(row_major, weight_major)
 
 
 def per_token_seconds(weights: list[torch.Tensor]) -> dict[str, float]:

@@ -42,17 +42,38 @@ def parameter_grads(model, loss):
     return torch.autograd.grad(loss, params, allow_unused=True)
 
 
+class _SpyFunctional:
+    """torch.nn.functional with `linear` calls against the LM head's weight recorded (rows per call)."""
+
+    def __init__(self, vocab):
+        self.vocab, self.rows = vocab, []
+
+    def linear(self, x, weight, bias=None):
+        if weight.shape[0] == self.vocab:
+            self.rows.append(x.shape[0])
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+
+@pytest.mark.parametrize("head_path", ["hand-written backward", "autograd over checkpointed chunks"])
 @pytest.mark.parametrize("bucket_by_length", [True, False])
-def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypatch, bucket_by_length):
+def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypatch, bucket_by_length, head_path):
     batch = ragged_batch(model.config.vocab_size)
     weights = torch.randn(batch[2].shape, generator=torch.Generator().manual_seed(1))
     expected_logps, expected_entropy = naive_logprobs(model, *batch, 0.7)
     expected_grads = parameter_grads(model, (expected_logps * weights).sum() + expected_entropy.sum())
 
     head = model.get_output_embeddings()
-    seen = []
-    real_forward = head.forward
-    monkeypatch.setattr(head, "forward", lambda x: seen.append(x.shape[0]) or real_forward(x))
+    if head_path == "hand-written backward":  # the head is a plain nn.Linear: _LinearHeadLogprobs
+        spy = _SpyFunctional(model.config.vocab_size)
+        monkeypatch.setattr(lp, "F", spy)
+        seen = spy.rows
+    else:  # a head with its own forward: generic path
+        seen = []
+        real_forward = head.forward
+        monkeypatch.setattr(head, "forward", lambda x: seen.append(x.shape[0]) or real_forward(x))
     monkeypatch.setattr(lp, "CHUNK_ELEMENTS", model.config.vocab_size * 4)  # 4 positions per chunk
     lp._SEPARABLE.clear()
     out = lp.completion_logprobs(model, *batch, temperature=0.7, entropy_grad=True, bucket_by_length=bucket_by_length)
@@ -65,6 +86,69 @@ def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypa
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-3)
     # The head only ever saw chunks of <= 4 positions (the probe uses 3): no (rows, tokens, vocab) logits.
     assert seen and max(seen) <= 4
+
+
+@pytest.mark.parametrize("entropy", ["none", "value", "grad"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("bias", [True, False])
+def test_hand_written_head_backward_equals_autograd(monkeypatch, entropy, temperature, bias):
+    """_LinearHeadLogprobs against log_softmax over full logits in float64: values, and the gradients of hidden
+    states, weight and bias for an arbitrary upstream gradient of both outputs, over several chunks."""
+    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 50 * 3)  # vocab 50: 3 positions per chunk, 11 positions -> 4 chunks
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=bias)
+    hidden = torch.randn(1, 11, 8, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 50, (1, 11), generator=g)
+    up_logps, up_entropy = torch.randn(1, 11, generator=g), torch.randn(1, 11, generator=g)
+
+    logps, entropies = lp.head_logprobs(hidden, head.forward, tokens, temperature, entropy=entropy)
+    loss = (logps * up_logps).sum() + ((entropies * up_entropy).sum() if entropy == "grad" else 0)
+    params = [hidden, head.weight] + ([head.bias] if bias else [])
+    got = torch.autograd.grad(loss, params)
+
+    wide = [p.detach().double().requires_grad_() for p in params]
+    logits = torch.nn.functional.linear(wide[0], wide[1], wide[2] if bias else None) / temperature
+    logp_all = logits.log_softmax(-1)
+    want_logps = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    want_entropy = -(logp_all.exp() * logp_all).sum(-1)
+    want_loss = (want_logps * up_logps).sum() + ((want_entropy * up_entropy).sum() if entropy == "grad" else 0)
+    want = torch.autograd.grad(want_loss, wide)
+
+    assert torch.allclose(logps.double(), want_logps, atol=1e-5)
+    if entropy == "none":
+        assert entropies is None
+    else:
+        assert torch.allclose(entropies.double(), want_entropy, atol=1e-5)
+        assert entropies.requires_grad == (entropy == "grad")
+    for name, a, b in zip(["hidden", "weight", "bias"], got, want):
+        assert torch.allclose(a.double(), b, atol=1e-5), name
+
+
+def test_hand_written_head_backward_skips_a_frozen_head():
+    """A frozen head (LoRA, or a frozen embedding) gets no gradient product; the hidden states still do."""
+    head = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    tokens = torch.randint(0, 50, (2, 5))
+    logps, _ = lp.head_logprobs(hidden, head.forward, tokens, 1.0, entropy="none")
+    logps.sum().backward()
+    want = torch.func.grad(lambda h: torch.nn.functional.linear(h, head.weight).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).sum())(hidden.detach())
+    assert head.weight.grad is None and torch.allclose(hidden.grad, want, atol=1e-5)
+
+
+def test_hand_written_head_backward_in_bf16_matches_autograd_in_bf16():
+    """bf16 weights: the recompute and the gradient products run in bf16 as autograd's would (to bf16 tolerance)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 64, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(3, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    tokens = torch.randint(0, 64, (3, 4))
+    logps, _ = lp.head_logprobs(hidden, head.forward, tokens, 0.8, entropy="none")
+    got = torch.autograd.grad(logps.sum(), [hidden, head.weight])
+    logits = torch.nn.functional.linear(hidden, head.weight).float() / 0.8
+    want_logps = logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    want = torch.autograd.grad(want_logps.sum(), [hidden, head.weight])
+    assert torch.allclose(logps, want_logps, atol=1e-5)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16 and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_head_path_holds_no_full_logits_in_memory(tiny_model_dir, monkeypatch):
