@@ -31,6 +31,7 @@ from .evaluation import check_eval_setup
 from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
 from .generation.vllm import require_vllm
+from .host_memory import reuse_freed_host_memory
 from .metrics import JsonlWriter
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
@@ -101,6 +102,8 @@ class GRPOTrainer:
             raise TypeError(f"args must be a grouprl.GRPOConfig, got {type(args).__name__}.")
         self.args = args
         self.accelerator = _make_accelerator(args)
+        if self.accelerator.device.type == "cpu":
+            reuse_freed_host_memory()  # freed tensors are reused, not page-faulted in again (host_memory.py)
         self.plan = plan_batches(args, self.accelerator.num_processes)
         agents = AgentSpec.from_arguments(tools, environment_factory, rollout_func)  # tool schemas checked, environments probed
         train_dataset = environment_dataset(train_dataset, agents and agents.environments, max_steps=args.max_steps,
