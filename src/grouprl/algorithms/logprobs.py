@@ -7,7 +7,8 @@ probability it had when sampled; sampling used logits / temperature, so training
 - **No (rows, tokens, vocab) logits.** The model runs up to its final hidden states; the LM head is
   applied here in checkpointed chunks of positions, each chunk reduced at once to the selected
   token's logprob (and the entropy). Autograd keeps the (rows, tokens, hidden) states only, and
-  backward recomputes one chunk's logits at a time. Models whose head cannot be applied separately
+  backward recomputes one chunk's logits at a time; for a plain nn.Linear head it also forms the
+  logits' gradient by hand (`_LinearHeadLogprobs`). Models whose head cannot be applied separately
   (sharded by FSDP / ZeRO-3, or logits post-processed after the head) fall back to asking the model
   for the completion logits, still reduced in checkpointed chunks.
 - **Only completion positions** are projected (`logits_to_keep`).

@@ -2,9 +2,9 @@
 
 transformers' DynamicLayer appends a decode step's keys and values with `torch.cat`, which
 allocates a new (rows, kv_heads, length, head_dim) tensor and copies the whole cache, in every
-layer, at every step. On a CPU the allocation (fresh pages from the OS for tensors of a few MB) and
-the copy cost more than the step's attention: W4's 128-step generation spent 59% of its profiled
-time in `aten::cat`. Here each layer's keys and values live in one buffer sized for the prompt
+layer, at every step; on a CPU the fresh allocation of a few MB also costs a page fault per 4 KiB
+(see host_memory.py). Measured on W4's generation (alternating runs): 4.1-5.0 s with concatenation,
+3.0-4.2 s with these buffers. Here each layer's keys and values live in one buffer sized for the prompt
 plus every new token; a step writes one column and the layer hands attention a view of the
 filled part. Rows that finish are compacted in place (`compact_rows`), copying only the filled
 part of the surviving rows.
