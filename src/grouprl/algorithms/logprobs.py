@@ -120,7 +120,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         for x, t in zip(hidden.split(step), tokens.split(step)):
             raw = F.linear(x, weight, bias)
             compute_dtype = raw.dtype
-            z = raw.float() if raw.dtype != torch.float32 else raw
+            z = raw.float()  # a fresh tensor either way: the in-place ops below are safe
             if temperature != 1.0:
                 z = z.div_(temperature)
             normaliser = torch.logsumexp(z, dim=-1)
@@ -150,7 +150,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             rows = slice(start, start + step)
             x, g_logp = hidden[rows].to(dtype), grad_logps[rows].unsqueeze(-1)
             raw = F.linear(x, w, b)
-            z = raw.float() if raw.dtype != torch.float32 else raw
+            z = raw.float()  # a fresh tensor either way: the in-place ops below are safe
             if temperature != 1.0:
                 z = z.div_(temperature)
             if grad_entropy is None:  # G = -p * g_logp
