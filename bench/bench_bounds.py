@@ -56,13 +56,16 @@ def _weights(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 def decode_seconds(layers: list[torch.Tensor], head: torch.Tensor, rows: int) -> float:
-    """One decode step's products for `rows` rows: every layer weight and the LM head, in the faster of the
-    two orientations (x @ W^T, or W @ x^T as grouprl's engine computes few rows; decode_products.py)."""
+    """One decode step's products for `rows` rows: every layer weight and the LM head, in the fastest of
+    x @ W^T and W @ x^T with and without rows padded to a multiple of 16 (grouprl's engine computes
+    few rows weight-major; decode_products.py)."""
     weights = layers + [head]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    padded = {w.shape[1]: torch.randn(-(-rows // 16) * 16, w.shape[1]) for w in weights}
     row_major = _fastest_seconds(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
     weight_major = _fastest_seconds(lambda: [w @ inputs[w.shape[1]].t() for w in weights])
-    return min(row_major, weight_major)
+    weight_major_padded = _fastest_seconds(lambda: [w @ padded[w.shape[1]].t() for w in weights])
+    return min(row_major, weight_major, weight_major_padded)
 
 
 def per_token_seconds(weights: list[torch.Tensor]) -> dict[str, float]:

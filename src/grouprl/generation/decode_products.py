@@ -1,21 +1,19 @@
 """Decode-step linear layers computed in the weight-major orientation on CPU.
 
 A decode step multiplies a handful of rows (one token per sequence still running) by every weight
-matrix. `F.linear` computes that as x @ W^T; with 2 to 32 rows of x the CPU BLAS that PyTorch uses
-here takes a slow path for it. The same product computed as (W @ x^T)^T, the weight as the
-left-hand operand, is measured on this project's machine (fp32, AVX2, 2 threads):
+matrix. `F.linear` computes that as x @ W^T; the same product computed as (W @ x^T)^T, the weight as
+the left-hand operand, runs faster in the CPU BLAS that PyTorch uses here, provided the number of
+rows suits its kernels: from 9 rows on, rows are padded with zeros to a multiple of 16 (31 rows, a
+W1/W2 step after one sequence finished, are much slower than 32). Median of 11 runs, 8 distinct
+weights per shape, fp32, this project's 2-core AVX2 machine, summed over W1's five weight shapes
+and 2-31 rows: x @ W^T 274 ms, W @ x^T unpadded 277 ms (better at 2-8 rows, worse at 15, 30, 31),
+W @ x^T with the padding 228 ms. A whole decode step of W4's model: 1.6x faster at 2-4 rows;
+W3's, with its 151,936-row head, 1.9x at 8 rows.
 
-| rows | decode step, W4's 30M model | decode step, W3's 151,936-token head |
-|---|---|---|
-| 1 | 0.93x (so 1 row keeps F.linear) | 1.00x |
-| 2-4 | 1.6x faster | 2.2x faster |
-| 8 | 1.08x | 1.9x |
-| 16-32 | 1.05x | 1.14-1.28x |
-
-and slower from about 128 rows, which is why only 2-32 rows take it. Results differ from
-`F.linear` by summation order only (about 1e-6 in the logits). Only float32 inputs on the CPU
-without autograd take it: GPUs' BLAS and bf16 kernels have their own shape heuristics and were not
-measured, and training passes keep `F.linear`.
+Results differ from `F.linear` by summation order only (about 1e-6 in the logits). Only float32
+inputs on the CPU without autograd take it, with 2-32 rows: GPUs' BLAS and bf16 kernels have their
+own shape heuristics and were not measured, 1 row is a matrix-vector product either way, and from
+about 128 rows x @ W^T is faster. Training passes keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 FEW_ROWS = range(2, 33)
+UNPADDED_ROWS = 8  # above this, rows are padded to a multiple of 16
 
 
 def weight_major_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -36,12 +35,17 @@ def weight_major_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
     rows = x.numel() // features if features else 0
     if rows not in FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
         return F.linear(x, layer.weight, layer.bias)
-    columns = x.reshape(rows, features).t()
+    flat = x.reshape(rows, features)
+    if rows > UNPADDED_ROWS:  # zero rows up to a multiple of 16 (module doc)
+        padded = flat.new_zeros(-(-rows // 16) * 16, features)
+        padded[:rows] = flat
+        flat = padded
+    columns = flat.t()
     if layer.bias is None:
         out = torch.mm(layer.weight, columns)
     else:
         out = torch.addmm(layer.bias[:, None], layer.weight, columns)
-    return out.t().contiguous().view(*x.shape[:-1], layer.weight.shape[0])
+    return out[:, :rows].t().contiguous().view(*x.shape[:-1], layer.weight.shape[0])
 
 
 @contextlib.contextmanager
