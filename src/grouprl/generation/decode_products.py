@@ -6,7 +6,7 @@ the left-hand operand, runs faster in the CPU BLAS that PyTorch uses here, provi
 rows suits its kernels: from 9 rows on, rows are padded with zeros to a multiple of 16 (31 rows, a
 W1/W2 step after one sequence finished, are much slower than 32). Median of 11 runs, 8 distinct
 weights per shape, fp32, this project's 2-core AVX2 machine, summed over W1's five weight shapes
-and 2-31 rows: x @ W^T 274 ms, W @ x^T unpadded 277 ms (better at 2-8 rows, worse at 15, 30, 31),
+and 12 row counts from 2 to 31: x @ W^T 274 ms, W @ x^T unpadded 277 ms (better at 2-8 rows, worse at 15, 30, 31),
 W @ x^T with the padding 228 ms. A whole decode step of W4's model: 1.6x faster at 2-4 rows;
 W3's, with its 151,936-row head, 1.9x at 8 rows.
 
