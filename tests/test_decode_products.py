@@ -46,6 +46,9 @@ def test_context_switches_plain_linears_only_and_restores_them():
         assert torch.allclose(model(x), expected, atol=1e-6)
     assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(model(x), expected)
+    elsewhere = torch.nn.Linear(8, 8, device="meta")  # not on the CPU: never patched
+    with weight_major_decode(elsewhere):
+        assert "forward" not in vars(elsewhere)
 
 
 @torch.no_grad()

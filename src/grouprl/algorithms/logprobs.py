@@ -95,6 +95,13 @@ def _chunked(
     return torch.cat(logps), (torch.cat(entropies) if entropies else None)
 
 
+def _scaled_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> tuple[torch.Tensor, torch.dtype]:
+    """(fp32 logits / temperature, the dtype the product ran in); a fresh tensor, safe to modify in place."""
+    raw = F.linear(x, weight, bias)
+    z = raw.float()
+    return (z.div_(temperature) if temperature != 1.0 else z), raw.dtype
+
+
 class _LinearHeadLogprobs(torch.autograd.Function):
     """Selected-token logprobs and entropies of softmax((hidden @ W^T + b) / T), in chunks of positions,
     with a hand-written backward.
@@ -118,11 +125,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         logps, normalisers, expected = [], [], []
         compute_dtype = None
         for x, t in zip(hidden.split(step), tokens.split(step)):
-            raw = F.linear(x, weight, bias)
-            compute_dtype = raw.dtype
-            z = raw.float()  # a fresh tensor either way: the in-place ops below are safe
-            if temperature != 1.0:
-                z = z.div_(temperature)
+            z, compute_dtype = _scaled_logits(x, weight, bias, temperature)
             normaliser = torch.logsumexp(z, dim=-1)
             logps.append(z.gather(-1, t.unsqueeze(-1)).squeeze(-1) - normaliser)
             normalisers.append(normaliser)
@@ -149,10 +152,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], step):
             rows = slice(start, start + step)
             x, g_logp = hidden[rows].to(dtype), grad_logps[rows].unsqueeze(-1)
-            raw = F.linear(x, w, b)
-            z = raw.float()  # a fresh tensor either way: the in-place ops below are safe
-            if temperature != 1.0:
-                z = z.div_(temperature)
+            z, _ = _scaled_logits(x, w, b, temperature)
             if grad_entropy is None:  # G = -p * g_logp
                 grad_z = z.sub_(normaliser[rows].unsqueeze(-1)).exp_().mul_(-g_logp)
             else:  # G = -p * (g_logp + g_entropy * (z - E_p[z]))

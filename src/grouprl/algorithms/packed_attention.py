@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 LAYOUT_KWARG = "grouprl_pack_layout"
 
@@ -76,9 +76,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if sliding_window is not None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("packed attention serves full-attention layers without soft-capping or sinks only")
     packs, heads, length, d = query.shape
-    groups = heads // key.shape[1]
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads (as transformers' repeat_kv)
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    groups = heads // key.shape[1]  # grouped-query attention: each key/value head serves `groups` query heads
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     p = layout.prompt_width
     attend = dict(dropout_p=dropout, scale=scaling)
     prompt_out = F.scaled_dot_product_attention(query[:, :, :p], key[:, :, :p], value[:, :, :p], attn_mask=layout.prompt_mask, **attend)
