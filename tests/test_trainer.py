@@ -221,11 +221,6 @@ def test_prompt_longer_than_context(tiny_model_dir, tmp_path):
         trainer.train()
 
 
-def test_features_not_built_yet_are_refused(tiny_model_dir, tmp_path):
-    with pytest.raises(NotImplementedError, match="callbacks"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(), callbacks=[len])
-
-
 def test_generation_buffer_serves_spg_times_iterations_micro_steps(tiny_model_dir, tmp_path):
     """TRL's schedule: GA=3, spg=4, mu=2 -> each generation (6 prompts x 4) feeds 8 micro-steps, in order."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

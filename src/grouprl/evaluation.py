@@ -95,6 +95,7 @@ def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> di
         f"{metric_key_prefix}_steps_per_second": batches / max(runtime, 1e-9),
     })
     _log(run, metrics)
+    run.fire("on_evaluate", metrics=metrics)
     return metrics
 
 
@@ -178,6 +179,7 @@ def _log(run: Any, metrics: dict[str, float]) -> None:
     run.state.log_history.append(entry)
     numbers = {k: v for k, v in entry.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}
     run.accelerator.log(numbers, step=run.state.global_step)
+    run.fire("on_log", logs=entry)
     if run.accelerator.is_main_process:
         JsonlWriter(f"{run.config.output_dir}/metrics.jsonl").write(entry)
         shown = [f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith(("_reward", "_loss", "_reward_std")) and isinstance(v, float)]

@@ -7,7 +7,8 @@
                 micro-batches, queued num_iterations times                      (experience.py)
             forward the micro-batch -> policy loss -> backward                  (objective.py)
         clip gradients -> optimizer step -> LR step -> entropy controller / reference sync
-        -> log -> checkpoint
+        -> log -> evaluate -> checkpoint
+    (TrainerCallback events fire at the same points as in transformers' Trainer: callbacks.py)
 
 The buffer semantics are TRL's (§2.13): one generation feeds steps_per_generation x num_iterations
 micro-steps, replayed in the same order each iteration, independently of where optimizer steps
@@ -29,6 +30,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from .algorithms.entropy import EntropyController
+from .callbacks import CallbackHandler
 from .checkpoint import rng_state, save_checkpoint
 from .config import BatchPlan, GRPOConfig, resolve_steps
 from .distributed import gather_objects, global_mean, global_sum
@@ -64,6 +66,11 @@ class TrainingRun:
     evaluate: Optional[Callable[[], Any]] = None  # runs evaluation and logs it (set when eval_strategy != "no")
     step_losses: list[float] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)  # detectors, NaN guards, last good state (health.py)
+    callbacks: CallbackHandler = field(default_factory=CallbackHandler)  # the user's TrainerCallbacks
+
+    def fire(self, event: str, **extra: Any) -> Any:
+        """Call a TrainerCallback event on every callback; returns the shared TrainerControl."""
+        return self.callbacks.fire(event, self.config, self.state, **extra)
 
     def __post_init__(self) -> None:
         self.loss_settings = loss_settings(self.config)
@@ -109,7 +116,9 @@ def optimizer_step(run: TrainingRun) -> tuple[float, float]:
         grad_norm = float(run.accelerator.clip_grad_norm_(params, max_norm))
         guard_gradients(run, grad_norm)  # NaN / inf: stop before the update
         learning_rate = run.scheduler.get_last_lr()[0]
+        run.fire("on_pre_optimizer_step")
         run.optimizer.step()
+        run.fire("on_optimizer_step")
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
     return grad_norm, learning_rate
@@ -125,9 +134,16 @@ def train(run: TrainingRun) -> dict[str, float]:
     progress = tqdm(total=run.total_steps, initial=state.global_step, desc="grouprl", unit="step", disable=config.disable_tqdm or not accelerator.is_main_process)
     run.model.train()
     started, first_step = time.time(), state.global_step
-    while state.global_step < run.total_steps:
+    run.callbacks.control.should_training_stop, epoch_open = False, False
+    run.fire("on_train_begin")
+    while state.global_step < run.total_steps and not run.callbacks.control.should_training_stop:
+        if not epoch_open:
+            run.fire("on_epoch_begin")
+            epoch_open = True
         step_started = time.perf_counter()
         run.health.start_step(run)
+        run.callbacks.new_step()
+        run.fire("on_step_begin")
         step_loss = 0.0
         for k in range(ga):
             if not run.pending:
@@ -135,6 +151,8 @@ def train(run: TrainingRun) -> dict[str, float]:
             micro = run.pending.popleft()
             with nullcontext() if k == ga - 1 else accelerator.no_sync(run.model):
                 step_loss += train_micro_batch(run, micro)
+            if k < ga - 1:
+                run.fire("on_substep_end")
         grad_norm, learning_rate = optimizer_step(run)
         state.global_step += 1
         end_of_step_updates(run)
@@ -143,15 +161,19 @@ def train(run: TrainingRun) -> dict[str, float]:
         run.step_losses.append(loss)
         run.window.add_all({"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "step_time": time.perf_counter() - step_started})
         step_stats = run.health.end_step(run)  # phase times, silent-failure detectors
-        if state.global_step % logging_steps == 0 or (config.logging_first_step and state.global_step == 1):
+        control = run.fire("on_step_end")  # a callback may ask for a log, evaluation, checkpoint or stop at this step
+        if state.global_step % logging_steps == 0 or (config.logging_first_step and state.global_step == 1) or control.should_log:
             write_log(run, writer, progress)
-        if run.evaluate is not None and should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch):
+        if run.evaluate is not None and (should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate):
             run.evaluate()
-        if should_save(config, state.global_step, save_steps, run.steps_per_epoch):
+        if should_save(config, state.global_step, save_steps, run.steps_per_epoch) or control.should_save:
             save(run)
         progress.update(1)
         if postfix := progress_postfix(step_stats):
             progress.set_postfix(postfix, refresh=False)
+        if (run.steps_per_epoch and state.global_step % run.steps_per_epoch == 0) or state.global_step >= run.total_steps or run.callbacks.control.should_training_stop:
+            run.fire("on_epoch_end")
+            epoch_open = False
     progress.close()
     run.health.finish()
     runtime = time.time() - started
@@ -167,6 +189,7 @@ def train(run: TrainingRun) -> dict[str, float]:
     state.log_history.append(final)
     if writer is not None:
         writer.write(final)
+    run.fire("on_train_end")
     return final
 
 
@@ -186,6 +209,7 @@ def write_log(run: TrainingRun, writer: Optional[JsonlWriter], progress: Any) ->
     run.window.clear()
     run.state.log_history.append(entry)
     run.accelerator.log({k: v for k, v in entry.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}, step=run.state.global_step)
+    run.fire("on_log", logs=entry)
     if writer is not None:
         writer.write(entry)
         progress.write(format_log_line(entry, run.total_steps)) if not progress.disable else print(format_log_line(entry, run.total_steps), flush=True)
@@ -220,4 +244,5 @@ def save(run: TrainingRun) -> Optional[str]:
             save_total_limit=run.config.save_total_limit,
         )
     run.accelerator.wait_for_everyone()
+    run.fire("on_save")
     return path

@@ -23,6 +23,7 @@ from .agents import AgentSpec
 from .agents.environments import environment_dataset
 from .agents.multiturn import TurnSettings
 from .algorithms.entropy import EntropyController
+from .callbacks import CallbackHandler
 from .completion_log import CompletionLog
 from .checkpoint import load_model_weights, load_training_state, resolve_resume_path, restore_rng_state
 from .config import GRPOConfig, plan_batches
@@ -65,6 +66,8 @@ class GRPOTrainer:
             model with AutoTokenizer / AutoProcessor; pad token falls back to EOS).
         reward_processing_classes: tokenizer(s) of the reward models: one, or a list with one entry per
             reward function (None = load the reward model's own tokenizer).
+        callbacks: ``transformers.TrainerCallback`` instances or classes, called at the Trainer's events
+            (see ``grouprl.callbacks``); ``add_callback`` / ``pop_callback`` / ``remove_callback`` change them later.
         optimizers: ``(optimizer, lr_scheduler)``; either may be None to use AdamW / ``lr_scheduler_type``.
         tools: sync or async functions (type hints + Google-style docstrings) the model may call in
             multi-turn rollouts; needs conversational prompts and a chat template that renders tools.
@@ -93,8 +96,6 @@ class GRPOTrainer:
         environment_factory: Any = None,
         generation_backend: Optional[GenerationBackend] = None,
     ):
-        if callbacks:
-            raise NotImplementedError("GRPOTrainer(callbacks=...): trainer callbacks are not available in this version of grouprl yet.")
         if args is None:
             model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = GRPOConfig(output_dir=f"{os.path.basename(str(model_name).rstrip('/')) or 'model'}-GRPO")
@@ -225,7 +226,10 @@ class GRPOTrainer:
             if args.log_completions else None,
             agent=agent,
         )
-        self.state = TrainerState(max_steps=total_steps, logging_steps=args.logging_steps, save_steps=args.save_steps)
+        self.state = TrainerState(max_steps=total_steps, logging_steps=args.logging_steps, save_steps=args.save_steps,
+                                  num_train_epochs=args.num_train_epochs, train_batch_size=args.per_device_train_batch_size)
+        self.state.is_local_process_zero = self.accelerator.is_local_main_process
+        self.state.is_world_process_zero = self.accelerator.is_main_process
         reference, self.ref_model = None, None
         if args.beta != 0.0:
             self.ref_model = reference_model.to(self.accelerator.device) if reference_model is not None else None
@@ -240,13 +244,16 @@ class GRPOTrainer:
             config=args, plan=self.plan, accelerator=self.accelerator, model=prepared_model, tokenizer=self.processing_class,
             optimizer=optimizer, scheduler=scheduler, rollouts=rollouts, state=self.state, total_steps=total_steps,
             steps_per_epoch=steps_per_epoch, reference=reference, entropy_controller=entropy_controller, aux_loss_coef=aux_loss_coef,
+            callbacks=CallbackHandler(callbacks, model=self.model, processing_class=self.processing_class, optimizer=optimizer,
+                                      lr_scheduler=scheduler),
         )
-        if args.eval_strategy != "no":
+        if args.eval_strategy != "no" or eval_dataset is not None:  # scheduled, or asked for by a callback (control.should_evaluate)
             self.run.evaluate = self.evaluate
         if self.accelerator.num_processes > 1:
             set_seed(args.seed, device_specific=True)  # seed + process index: each process samples its own completions
         if self.accelerator.is_main_process:
             logger.warning(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
+        self.run.fire("on_init_end")
 
     # ---- TRL-compatible surface ----------------------------------------------------------
 
@@ -257,6 +264,22 @@ class GRPOTrainer:
     @property
     def lr_scheduler(self) -> Any:
         return self.run.scheduler
+
+    @property
+    def callback_handler(self) -> CallbackHandler:
+        return self.run.callbacks
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a ``transformers.TrainerCallback`` (an instance or a class), as ``Trainer.add_callback``."""
+        self.run.callbacks.add(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove and return a callback (an instance, or the first instance of a class); None if it is not there."""
+        return self.run.callbacks.pop(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback (an instance, or the first instance of a class)."""
+        self.run.callbacks.pop(callback)
 
     def train(self, resume_from_checkpoint: Union[bool, str, None] = None) -> dict[str, float]:
         """Run training; `resume_from_checkpoint` = True (latest in output_dir) or a checkpoint path."""
