@@ -22,8 +22,11 @@ def _real_positions(pack) -> torch.Tensor:
     return torch.arange(pack.input_ids.shape[1]) < torch.tensor([[3 + 4 + 2], [5 + 3]])  # the second pack ends in one pad
 
 
+@pytest.mark.parametrize("grouped_kernel", [True, False], ids=["enable_gqa", "repeated heads"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_values_and_gradients_equal_dense_masked_sdpa(kv_heads):
+def test_values_and_gradients_equal_dense_masked_sdpa(kv_heads, grouped_kernel, monkeypatch):
+    """Grouped-query attention both ways: the CPU kernel's grouped heads, and heads repeated (other devices, torch < 2.5)."""
+    monkeypatch.setattr(packed_attention, "SDPA_TAKES_GROUPED_HEADS", grouped_kernel)
     pack = _pack()
     packs, length = pack.input_ids.shape
     g = torch.Generator().manual_seed(0)
