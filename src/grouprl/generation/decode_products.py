@@ -36,7 +36,7 @@ def weight_major_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
     if rows not in FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
         return F.linear(x, layer.weight, layer.bias)
     flat = x.reshape(rows, features)
-    if rows > UNPADDED_ROWS:  # zero rows up to a multiple of 16 (module doc)
+    if rows > UNPADDED_ROWS and rows % 16:  # zero rows up to a multiple of 16 (module doc)
         padded = flat.new_zeros(-(-rows // 16) * 16, features)
         padded[:rows] = flat
         flat = padded
