@@ -3,7 +3,10 @@
     python bench/run_all.py [--trl-python /path/to/trl-venv/bin/python] [--workloads W1 W2 W3 W4] [--repeats N]
 
 With --repeats N each workload runs N times, alternating grouprl and TRL so that both see the same
-machine conditions; the table reports each side's median seconds per step and lists every run.
+machine conditions; the table reports each side's median seconds per step, lists every run and the
+speed-up of each alternating pair. The matrix-product floor (bench_bounds.py) and the matmul peak are
+measured right after each pair too (medians reported): this shared machine's speed drifts by 20-40%
+within an hour, so a floor or peak timed at another moment than the runs it is compared with says little.
 Only the part of docs/benchmarks.md between the GENERATED markers is rewritten; the analysis
 around it is kept.
 
@@ -58,19 +61,33 @@ def main() -> None:
     parser.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     parser.add_argument("--repeats", type=int, default=1, help="Runs per workload and framework, alternating (median reported).")
     args = parser.parse_args()
-    peak = matmul_peak()
-    rows = []
+    peaks, rows, bounds = [], [], {}
     for workload in args.workloads:
-        ours, theirs = [], []
+        ours, theirs, floors = [], [], []
         for _ in range(args.repeats):
             ours.append(run_json([sys.executable, "bench/bench_train.py", "--framework", "grouprl", "--workload", workload])[0])
             theirs.append(run_json([args.trl_python, "bench/bench_train.py", "--framework", "trl", "--workload", workload])[0])
-            print(workload, json.dumps(ours[-1]), json.dumps(theirs[-1]), flush=True)
+            floors += [b for b in run_json([sys.executable, "bench/bench_bounds.py", workload]) if "workload" in b]
+            peaks.append(matmul_peak())
+            print(workload, json.dumps(ours[-1]), json.dumps(theirs[-1]), json.dumps(peaks[-1]), flush=True)
         rows.append((workload, median_run(ours), median_run(theirs)))
+        if floors:
+            bounds[workload] = median_floor(floors)
     generation = run_json([sys.executable, "bench/bench_generate.py", "W2"])
-    bounds = {b["workload"]: b for b in run_json([sys.executable, "bench/bench_bounds.py", *args.workloads]) if "workload" in b}
+    peak = {dtype: statistics.median(p[dtype] for p in peaks) for dtype in peaks[0]}
     write_report(args.output, peak, rows, generation, args.repeats, bounds)
     print(f"wrote {args.output}")
+
+
+def median_floor(floors: list[dict]) -> dict:
+    """The floor measurement with the median total (its parts stay consistent with each other)."""
+    middle = statistics.median(f["floor_seconds_per_step"] for f in floors)
+    return dict(min(floors, key=lambda f: abs(f["floor_seconds_per_step"] - middle)), floor_seconds_per_step=middle)
+
+
+def pair_speedups(ours: dict, theirs: dict) -> list[float]:
+    """TRL s/step / grouprl s/step of each alternating pair of runs."""
+    return [t / o for o, t in zip(ours.get("runs", []), theirs.get("runs", []))]
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -105,12 +122,12 @@ def write_report(path: str, peak: dict, rows: list, generation: list[dict], repe
         "TRL 1.16.0 in a separate venv; runs alternate between the two, medians reported). Same model, data, config and seed on both sides; the training script "
         "`bench/bench_train.py` is identical for both frameworks except the import line.",
         "",
-        f"Measured matmul peak (1024x1024): fp32 {peak['float32']:.1f} GFLOP/s, bf16 {peak['bfloat16']:.2f} GFLOP/s. This CPU "
+        f"Measured matmul peak (1024x1024, median of the measurements after each pair): fp32 {peak['float32']:.1f} GFLOP/s, bf16 {peak['bfloat16']:.2f} GFLOP/s. This CPU "
         "has AVX2 but no AVX512-BF16/AMX, so PyTorch emulates bf16; both sides therefore run in **fp32** "
         "(`bf16=False, use_cpu=True`), and useful FLOP/s are reported against the fp32 peak.",
         "",
-        "| workload | what | grouprl s/step | TRL s/step | speed-up | grouprl gen tok/s | TRL gen tok/s | grouprl peak RSS MiB | TRL peak RSS MiB | memory ratio | grouprl useful GFLOP/s (% of fp32 peak) | runs: grouprl / TRL s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | what | grouprl s/step | TRL s/step | speed-up | grouprl gen tok/s | TRL gen tok/s | grouprl peak RSS MiB | TRL peak RSS MiB | memory ratio | grouprl useful GFLOP/s (% of fp32 peak) | runs: grouprl / TRL s/step | speed-up of each pair |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, ours, theirs in rows:
         speed = theirs.get("seconds_per_step", float("nan")) / ours.get("seconds_per_step", float("nan")) if "seconds_per_step" in ours and "seconds_per_step" in theirs else "n/a"
@@ -121,9 +138,10 @@ def write_report(path: str, peak: dict, rows: list, generation: list[dict], repe
             f"{fmt(theirs.get('seconds_per_step', theirs.get('error')))} | {fmt(speed)}x | {fmt(ours.get('generated_tokens_per_second'), 0)} | "
             f"{fmt(theirs.get('generated_tokens_per_second'), 0)} | {fmt(ours.get('peak_rss_mib'), 0)} | {fmt(theirs.get('peak_rss_mib'), 0)} | "
             f"{fmt(memory)} | {fmt(useful, 1)} ({fmt(100 * useful / peak['float32'], 0) if useful else 'n/a'}%) | "
-            f"{', '.join(fmt(v) for v in ours.get('runs', []))} / {', '.join(fmt(v) for v in theirs.get('runs', []))} |"
+            f"{', '.join(fmt(v) for v in ours.get('runs', []))} / {', '.join(fmt(v) for v in theirs.get('runs', []))} | "
+            f"{', '.join(fmt(v) + 'x' for v in pair_speedups(ours, theirs))} |"
         )
-    lines += ["", "Matrix products alone (`bench/bench_bounds.py`, same run): each workload's prefill, decode and training products "
+    lines += ["", "Matrix products alone (`bench/bench_bounds.py`, timed right after each pair, median): each workload's prefill, decode and training products "
               "timed on their real shapes with nothing else (no attention, norms, sampling, Python): a floor for any library "
               "on this machine, and the largest speed-up over TRL it leaves.", "",
               "| workload | decode products s | training products s | floor s/step | grouprl s/step / floor | TRL s/step / floor (largest possible speed-up) |",

@@ -49,3 +49,10 @@ def test_bounds_time_products_per_token():
     rates = bench_bounds.per_token_seconds(weights)
     assert set(rates) == {"forward", "input_grad", "weight_grad"} and all(v > 0 for v in rates.values())
     assert bench_bounds.decode_seconds(weights, torch.randn(50, 16), rows=4) > 0
+
+
+def test_floor_is_the_median_measurement_and_pairs_are_listed():
+    floors = [{"floor_seconds_per_step": s, "decode_floor_seconds": s / 2} for s in (9.0, 7.0, 8.0)]
+    assert run_all.median_floor(floors) == {"floor_seconds_per_step": 8.0, "decode_floor_seconds": 4.0}
+    ours, theirs = run_all.median_run([_run(10.0), _run(20.0)]), run_all.median_run([_run(30.0), _run(30.0)])
+    assert run_all.pair_speedups(ours, theirs) == [3.0, 1.5]  # each alternating pair, in run order

@@ -85,3 +85,29 @@ def test_train_command_end_to_end(tiny_model_dir, tmp_path):
     assert os.path.exists(out / "model.safetensors") and os.path.exists(out / "tokenizer.json")
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert "rewards/arithmetic_reward/mean" in lines[0] and lines[-1]["step"] == 2
+
+
+def test_train_command_with_lora_flags_and_callbacks(tiny_model_dir, tmp_path, monkeypatch):
+    """trl grpo's LoRA flags build the adapter; --callbacks imports TrainerCallbacks by dotted path."""
+    (tmp_path / "my_callbacks.py").write_text(
+        "from transformers import TrainerCallback\n"
+        "class StepFile(TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        open(args.output_dir + '/steps.txt', 'a').write(f'{state.global_step}\\n')\n")
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "train.jsonl"
+    datasets.Dataset.from_dict({"prompt": [f"{i}+1=" for i in range(8)], "answer": [str(i + 1) for i in range(8)]}).to_json(str(data))
+    out = tmp_path / "out"
+    code = main(["train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--reward_funcs", "arithmetic_reward",
+                 "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj",
+                 "--callbacks", "my_callbacks.StepFile", "--output_dir", str(out), "--num_generations", "4",
+                 "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--max_steps", "2", "--logging_steps", "1",
+                 "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"])
+    assert code == 0
+    adapter = json.load(open(out / "adapter_config.json"))
+    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
+    assert not os.path.exists(out / "model.safetensors")  # the adapter only
+    assert open(out / "steps.txt").read().split() == ["1", "2"]
+    with pytest.raises(ValueError, match="--callbacks my_callbacks.Missing: module 'my_callbacks' has no attribute 'Missing'"):
+        main(["train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--reward_funcs", "arithmetic_reward",
+              "--callbacks", "my_callbacks.Missing", "--output_dir", str(out)])

@@ -18,6 +18,10 @@ The flags a callback sets on ``control`` are honoured after on_step_end: ``shoul
 evaluation or a checkpoint at this step on top of the configured schedule, and
 ``should_training_stop`` ends training after this step (its log / save still happen). A callback
 may also return a ``TrainerControl``, which then replaces the current one, as in transformers.
+
+Not carried over: transformers saves the state of "exportable" callbacks (``ExportableState``, e.g.
+EarlyStoppingCallback's patience counter) in ``trainer_state.json``; grouprl's checkpoints do not,
+so such a callback starts afresh after a resume.
 """
 
 from __future__ import annotations

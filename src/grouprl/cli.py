@@ -35,6 +35,7 @@ class ScriptArguments:
     reward_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "A sequence-classification reward model (id or path), scored first."})
     tools: Optional[list[str]] = field(default=None, metadata={"help": "grouprl extension: tool functions the model may call, as dotted import paths (pkg.module.func)."})
     environment_factory: Optional[str] = field(default=None, metadata={"help": "grouprl extension: dotted import path of an environment class or factory (its methods become tools)."})
+    callbacks: Optional[list[str]] = field(default=None, metadata={"help": "grouprl extension: transformers.TrainerCallback classes or instances, as dotted import paths (pkg.module.Callback)."})
 
 
 @dataclass
@@ -45,7 +46,32 @@ class ModelArguments:
     model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
     dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32, bfloat16, float16 or auto."})
     attn_implementation: Optional[str] = field(default=None, metadata={"help": "Attention implementation (eager, sdpa, flash_attention_2, ...)."})
-    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters."})
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (needs peft: pip install 'grouprl[peft]')."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA path."})
+    lora_target_modules: Optional[list[str]] = field(default=None, metadata={"help": "Modules that get adapters (default: peft's choice for the architecture; 'all-linear' for every linear layer)."})
+    lora_target_parameters: Optional[list[str]] = field(default=None, metadata={"help": "Parameters (not modules) that get adapters, e.g. MoE expert weights (peft >= 0.17)."})
+    lora_modules_to_save: Optional[list[str]] = field(default=None, metadata={"help": "Modules trained in full and saved with the adapter."})
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "peft task type."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA (scaling = alpha / sqrt(r))."})
+    use_dora: bool = field(default=False, metadata={"help": "Weight-decomposed LoRA (DoRA)."})
+
+
+def lora_config(model_args: ModelArguments) -> Any:
+    """--use_peft: the LoraConfig `trl grpo` builds from the same flags (None without --use_peft)."""
+    if not model_args.use_peft:
+        return None
+    from .adapters import require_peft
+
+    require_peft()
+    from peft import LoraConfig
+
+    extra = {"target_parameters": model_args.lora_target_parameters} if model_args.lora_target_parameters is not None else {}
+    return LoraConfig(task_type=model_args.lora_task_type, r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+                      lora_dropout=model_args.lora_dropout, target_modules=model_args.lora_target_modules, bias="none",
+                      modules_to_save=model_args.lora_modules_to_save, use_rslora=model_args.use_rslora, use_dora=model_args.use_dora,
+                      **extra)
 
 
 def resolve_reward_function(name: str, config: Any = None) -> Callable:
@@ -152,8 +178,6 @@ def train_command(argv: list[str]) -> int:
 
     if model_args.model_name_or_path is None:
         raise ValueError("grouprl train needs --model_name_or_path.")
-    if model_args.use_peft:
-        raise NotImplementedError("--use_peft: LoRA training is not available in this version of grouprl yet.")
     reward_funcs: list[Any] = [resolve_reward_function(name, config) for name in script.reward_funcs or []]
     if script.reward_model_name_or_path:
         reward_funcs.insert(0, script.reward_model_name_or_path)  # as trl grpo: the reward model comes first
@@ -162,6 +186,7 @@ def train_command(argv: list[str]) -> int:
                          "or a --reward_model_name_or_path.")
     tools = [import_dotted(name, "--tools") for name in script.tools or []]
     environment_factory = import_dotted(script.environment_factory, "--environment_factory") if script.environment_factory else None
+    callbacks = [import_dotted(name, "--callbacks") for name in script.callbacks or []]
     init_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
     if model_args.attn_implementation:
         init_kwargs["attn_implementation"] = model_args.attn_implementation
@@ -169,7 +194,7 @@ def train_command(argv: list[str]) -> int:
     eval_dataset = load_train_dataset(script, script.dataset_test_split) if config.eval_strategy != "no" else None
     trainer = GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=reward_funcs, args=config,
                           train_dataset=load_train_dataset(script), eval_dataset=eval_dataset, tools=tools or None,
-                          environment_factory=environment_factory)
+                          environment_factory=environment_factory, callbacks=callbacks, peft_config=lora_config(model_args))
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
     if trainer.accelerator.is_main_process:
