@@ -64,14 +64,12 @@ def lora_config(model_args: ModelArguments) -> Any:
         return None
     from .adapters import require_peft
 
-    require_peft()
-    from peft import LoraConfig
-
     extra = {"target_parameters": model_args.lora_target_parameters} if model_args.lora_target_parameters is not None else {}
-    return LoraConfig(task_type=model_args.lora_task_type, r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
-                      lora_dropout=model_args.lora_dropout, target_modules=model_args.lora_target_modules, bias="none",
-                      modules_to_save=model_args.lora_modules_to_save, use_rslora=model_args.use_rslora, use_dora=model_args.use_dora,
-                      **extra)
+    return require_peft().LoraConfig(
+        task_type=model_args.lora_task_type, r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+        target_modules=model_args.lora_target_modules, bias="none", modules_to_save=model_args.lora_modules_to_save,
+        use_rslora=model_args.use_rslora, use_dora=model_args.use_dora, **extra,
+    )
 
 
 def resolve_reward_function(name: str, config: Any = None) -> Callable:

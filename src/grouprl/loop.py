@@ -63,7 +63,7 @@ class TrainingRun:
     aux_loss_coef: float = 0.0  # MoE router load-balancing loss weight (0 = off)
     window: MetricWindow = field(default_factory=MetricWindow)
     pending: deque = field(default_factory=deque)  # micro-batches (TrainBatch) not yet trained on
-    evaluate: Optional[Callable[[], Any]] = None  # runs evaluation and logs it (set when eval_strategy != "no")
+    evaluate: Optional[Callable[[], Any]] = None  # runs evaluation and logs it (set when eval_strategy != "no" or there is an eval set)
     step_losses: list[float] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)  # detectors, NaN guards, last good state (health.py)
     callbacks: CallbackHandler = field(default_factory=CallbackHandler)  # the user's TrainerCallbacks
