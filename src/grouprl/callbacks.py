@@ -75,8 +75,8 @@ class CallbackHandler:
                 if getattr(error, "obj", None) is args:  # a TrainingArguments field grouprl's config does not have
                     raise AttributeError(
                         f"Callback {type(callback).__name__}.{event} reads GRPOConfig.{error.name}, a transformers.TrainingArguments "
-                        "field that grouprl's GRPOConfig does not have (see the README's list of supported fields). Use a "
-                        "callback that does not need it, or set the attribute on the config object before training."
+                        "field that grouprl's GRPOConfig does not have (see the README's list of supported fields); use a "
+                        "callback that does not need it."
                     ) from error
                 raise
             if isinstance(result, TrainerControl):
