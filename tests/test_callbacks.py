@@ -108,8 +108,9 @@ class EvaluateAtStep2(TrainerCallback):
 
 def test_on_evaluate_gets_metrics_and_should_evaluate_runs_evaluation(tiny_model_dir, tmp_path):
     callback = EvaluateAtStep2()
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=3, eval_strategy="no", per_device_eval_batch_size=6),
-                          train_dataset=prompts(), eval_dataset=prompts(3), callbacks=[callback])
+    config = make_config(tmp_path, max_steps=3, eval_strategy="no", per_device_eval_batch_size=6)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), eval_dataset=prompts(3),
+                          callbacks=[callback])
     trainer.train()
     assert [step for step, _ in callback.metrics] == [2]
     assert {"eval_reward", "eval_loss", "eval_runtime"} <= set(callback.metrics[0][1])

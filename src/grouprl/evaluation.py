@@ -20,7 +20,6 @@ gives the same numbers.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import fields, replace
 from typing import Any, Iterator, Optional
@@ -175,11 +174,7 @@ def _add_loss(run: Any, batch: Any, window: MetricWindow) -> None:
 
 def _log(run: Any, metrics: dict[str, float]) -> None:
     """Like a training log entry: log_history, trackers, metrics.jsonl and one console line."""
-    entry = {**metrics, "epoch": run.state.epoch, "step": run.state.global_step}
-    run.state.log_history.append(entry)
-    numbers = {k: v for k, v in entry.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}
-    run.accelerator.log(numbers, step=run.state.global_step)
-    run.fire("on_log", logs=entry)
+    entry = run.publish(metrics)
     if run.accelerator.is_main_process:
         JsonlWriter(f"{run.config.output_dir}/metrics.jsonl").write(entry)
         shown = [f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith(("_reward", "_loss", "_reward_std")) and isinstance(v, float)]

@@ -72,6 +72,16 @@ class TrainingRun:
         """Call a TrainerCallback event on every callback; returns the shared TrainerControl."""
         return self.callbacks.fire(event, self.config, self.state, **extra)
 
+    def publish(self, values: dict[str, Any]) -> dict[str, Any]:
+        """One log entry (a training step's or an evaluation's) at the current step: log_history, the
+        report_to trackers (numbers only, NaN left out) and the callbacks' on_log. Returns the entry."""
+        entry = {**values, "epoch": self.state.epoch, "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        numbers = {k: v for k, v in entry.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}
+        self.accelerator.log(numbers, step=self.state.global_step)
+        self.fire("on_log", logs=entry)
+        return entry
+
     def __post_init__(self) -> None:
         self.loss_settings = loss_settings(self.config)
 
@@ -134,7 +144,8 @@ def train(run: TrainingRun) -> dict[str, float]:
     progress = tqdm(total=run.total_steps, initial=state.global_step, desc="grouprl", unit="step", disable=config.disable_tqdm or not accelerator.is_main_process)
     run.model.train()
     started, first_step = time.time(), state.global_step
-    run.callbacks.control.should_training_stop, epoch_open = False, False
+    run.callbacks.control.should_training_stop = False  # a stop asked for in an earlier train() call is over
+    epoch_open = False
     run.fire("on_train_begin")
     while state.global_step < run.total_steps and not run.callbacks.control.should_training_stop:
         if not epoch_open:
@@ -205,11 +216,8 @@ def end_of_step_updates(run: TrainingRun) -> None:
 
 
 def write_log(run: TrainingRun, writer: Optional[JsonlWriter], progress: Any) -> None:
-    entry = {**run.window.summary(), "epoch": run.state.epoch, "step": run.state.global_step}
+    entry = run.publish(run.window.summary())
     run.window.clear()
-    run.state.log_history.append(entry)
-    run.accelerator.log({k: v for k, v in entry.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}, step=run.state.global_step)
-    run.fire("on_log", logs=entry)
     if writer is not None:
         writer.write(entry)
         progress.write(format_log_line(entry, run.total_steps)) if not progress.disable else print(format_log_line(entry, run.total_steps), flush=True)

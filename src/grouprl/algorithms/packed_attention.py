@@ -82,7 +82,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # the gathered prompt keys below (W2's forward + backward attention 284 -> 198 ms per layer). CUDA's fused
     # kernels fall back to the math kernel for a masked grouped call, so there the heads are repeated.
     grouped = groups > 1 and query.device.type == "cpu" and SDPA_TAKES_GROUPED_HEADS
-    if groups > 1 and not grouped:
+    if not grouped:  # (repeat_kv returns the tensors as they are when groups == 1)
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     p = layout.prompt_width
     attend = dict(dropout_p=dropout, scale=scaling, **({"enable_gqa": True} if grouped else {}))
