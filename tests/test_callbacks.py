@@ -136,8 +136,12 @@ def test_add_pop_remove_and_gfpo(tiny_model_dir, tmp_path):
 def test_bad_callbacks_are_named(tiny_model_dir, tmp_path):
     with pytest.raises(TypeError, match=r"callbacks: builtin_function_or_method has no on_step_end, on_log method.*TrainerCallback"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(), callbacks=[len])
-    # EarlyStoppingCallback needs TrainingArguments fields grouprl does not have: the error names the field, not a deep trace.
+    # A callback reading a field no GRPOConfig has: the error names the callback, the event and the field, not a deep trace.
+    class ReadsUnknownField(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            return args.no_such_training_argument
+
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(),
-                          callbacks=[EarlyStoppingCallback()])
-    with pytest.raises(AttributeError, match=r"EarlyStoppingCallback.on_train_begin reads GRPOConfig.load_best_model_at_end"):
+                          callbacks=[ReadsUnknownField()])
+    with pytest.raises(AttributeError, match=r"ReadsUnknownField.on_train_begin reads GRPOConfig.no_such_training_argument"):
         trainer.train()

@@ -70,7 +70,7 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
     assert (config.num_generations, config.learning_rate, model.model_name_or_path) == (4, 0.25, "m")
     assert os.environ.pop("GROUPRL_TEST_ENV") == "on"
     config_file.write_text(yaml.safe_dump({"num_generation": 4}))
-    with pytest.raises(ValueError, match=r"unknown keys \['num_generation'\]"):
+    with pytest.raises(ValueError, match=r"unknown key 'num_generation'. Did you mean num_generations\?"):
         parse_train_args(["--config", str(config_file)])
 
 

@@ -12,7 +12,8 @@ TRL_DEFAULTS = {
     "repetition_penalty": 1.0, "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "delta": None, "loss_type": "dapo",
     "importance_sampling_level": "token", "scale_rewards": "group", "num_iterations": 1, "mask_truncated_completions": False,
     "multi_objective_aggregation": "sum_then_normalize", "top_entropy_quantile": 1.0, "use_bias_correction_kl": True,
-    "shuffle_dataset": True, "generation_batch_size": None, "steps_per_generation": None, "sync_ref_model": False,
+    "shuffle_dataset": True, "generation_batch_size": 8, "steps_per_generation": 1,  # resolved, as TRL
+    "sync_ref_model": False,
     "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512, "vllm_mode": "colocate", "vllm_importance_sampling_mode": "sequence_mask",
     "vllm_importance_sampling_clip_max": 3.0, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0,
     "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "entropy_target": 0.2, "entropy_coef_delta": 0.005,
@@ -72,7 +73,7 @@ def test_objective_fields_are_built():
 @pytest.mark.parametrize("kwargs,match", [
     ({"num_generations": 1}, "num_generations=1"),
     ({"loss_type": "ppo"}, "loss_type"),
-    ({"generation_batch_size": 16, "steps_per_generation": 2}, "either generation_batch_size or steps_per_generation"),
+    ({"generation_batch_size": 24, "steps_per_generation": 2}, "either generation_batch_size or steps_per_generation"),
     ({"temperature": 0.0}, "temperature"),
     ({"generation_kwargs": "{not json"}, "generation_kwargs"),
     ({"bf16": True, "fp16": True}, "bf16 and fp16"),

@@ -72,11 +72,10 @@ class CallbackHandler:
                 result = getattr(callback, event)(args, state, self.control, train_dataloader=None, eval_dataloader=None,
                                                   **self.objects, **extra)
             except AttributeError as error:
-                if getattr(error, "obj", None) is args:  # a TrainingArguments field grouprl's config does not have
+                if getattr(error, "obj", None) is args:  # a field neither GRPOConfig nor TrainingArguments has
                     raise AttributeError(
-                        f"Callback {type(callback).__name__}.{event} reads GRPOConfig.{error.name}, a transformers.TrainingArguments "
-                        "field that grouprl's GRPOConfig does not have (see the README's list of supported fields); use a "
-                        "callback that does not need it."
+                        f"Callback {type(callback).__name__}.{event} reads GRPOConfig.{error.name}, which is not a field of GRPOConfig "
+                        "(nor of transformers.TrainingArguments, which it extends); give the callback the value another way."
                     ) from error
                 raise
             if isinstance(result, TrainerControl):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from .adapters import save_pretrained
+from .adapters import is_peft_model, load_adapter_weights, save_pretrained
 
 logger = logging.get_logger("grouprl")
 
@@ -97,11 +97,15 @@ def save_checkpoint(
     loop_state: dict[str, Any],
     save_total_limit: Optional[int] = None,
     rng: Optional[dict[str, Any]] = None,
+    model_only: bool = False,
+    keep: Optional[str] = None,
 ) -> str:
     """Write checkpoint-{step} atomically and rotate old ones; return its path.
 
     `rng`: the RNG states to store (default: the current ones); the last-good-state save after a
-    NaN passes those from the start of the failed step.
+    NaN passes those from the start of the failed step. `model_only` (save_only_model): the model,
+    tokenizer and trainer state only, which cannot be resumed. `keep`: a checkpoint rotation spares
+    (the best one, with load_best_model_at_end).
     """
     final = os.path.join(output_dir, f"checkpoint-{step}")
     staging = os.path.join(output_dir, f"{STAGING_PREFIX}{step}")
@@ -113,11 +117,12 @@ def save_checkpoint(
     save_pretrained(model, staging)  # a LoRA policy writes its adapter only
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng if rng is not None else rng_state()},
-        os.path.join(staging, TRAINING_STATE),
-    )
-    torch.save(loop_state, os.path.join(staging, LOOP_STATE))
+    if not model_only:
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng if rng is not None else rng_state()},
+            os.path.join(staging, TRAINING_STATE),
+        )
+        torch.save(loop_state, os.path.join(staging, LOOP_STATE))
     trainer_state.save_to_json(os.path.join(staging, TRAINER_STATE))
     _fsync_tree(staging)  # on disk before the marker and the rename claim the checkpoint is complete
     open(os.path.join(staging, COMPLETE_MARKER), "w").close()
@@ -132,7 +137,9 @@ def save_checkpoint(
                        "resume_from_checkpoint=True resumes from the highest step.", os.path.basename(later[-1]), step)
     if save_total_limit is not None:
         others = [path for path in list_checkpoints(output_dir) if path != final]  # oldest first
-        for path in others[: max(len(others) - (save_total_limit - 1), 0)]:
+        spared = [path for path in others if keep is not None and os.path.abspath(path) == os.path.abspath(keep)]
+        others = [path for path in others if path not in spared]
+        for path in others[: max(len(others) - (save_total_limit - 1 - len(spared)), 0)]:
             _remove(path)
     return final
 
@@ -151,8 +158,20 @@ def load_model_weights(model: torch.nn.Module, path: str) -> None:
         raise ValueError(f"Checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
 
 
+def load_policy_weights(model: torch.nn.Module, path: str) -> None:
+    """A checkpoint's weights into the policy: the adapter of a LoRA policy, else the whole model."""
+    if is_peft_model(model):
+        load_adapter_weights(model, path)
+    else:
+        load_model_weights(model, path)
+
+
 def load_training_state(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(optimizer/scheduler/rng state, loop state) of a checkpoint."""
+    if not os.path.exists(os.path.join(path, TRAINING_STATE)):
+        raise ValueError(f"Checkpoint {path} holds the model only (written with save_only_model=True): no optimizer, scheduler, "
+                         "sampler or RNG state, so training cannot resume from it. Load its weights with from_pretrained and "
+                         "start a new run, or train with save_only_model=False to write resumable checkpoints.")
     training = torch.load(os.path.join(path, TRAINING_STATE), map_location="cpu", weights_only=False)
     loop = torch.load(os.path.join(path, LOOP_STATE), map_location="cpu", weights_only=False)
     return training, loop

@@ -143,7 +143,7 @@ def build_parser() -> Any:
               "file) runs this command under `accelerate launch`; flags grouprl does not know (--num_processes, --num_machines, "
               "--machine_rank, --main_process_ip, ...) go to accelerate launch.")
     return HfArgumentParser((ScriptArguments, GRPOConfig, ModelArguments), prog="grouprl train", description="Train a model with GRPO.",
-                            epilog=epilog)
+                            epilog=epilog, allow_abbrev=False)  # a misspelt flag gets "did you mean", never a silent prefix match
 
 
 def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArguments]:
@@ -159,10 +159,23 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArgume
         valid = {action.dest for action in parser._actions}
         unknown = sorted(set(values) - valid)
         if unknown:
-            raise ValueError(f"{known.config}: unknown keys {unknown}; every key must be a grouprl train flag (see grouprl train --help).")
+            raise ValueError(f"{known.config}: unknown key {unknown[0]!r}.{closest(unknown[0], valid)} Every key must be a grouprl "
+                             "train flag (see grouprl train --help).")
         parser.set_defaults(**values)
-    script, config, model_args = parser.parse_args_into_dataclasses(args=rest)
+    script, config, model_args, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    if remaining:
+        flags = {option for action in parser._actions for option in action.option_strings}
+        flag = next((r for r in remaining if r.startswith("-")), remaining[0])
+        parser.error(f"unrecognized argument {flag}.{closest(flag.split('=')[0], flags)} See grouprl train --help for every flag.")
     return script, config, model_args
+
+
+def closest(name: str, known: Any) -> str:
+    """' Did you mean X?' for the known name nearest to a misspelt one, or ''."""
+    import difflib
+
+    match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return f" Did you mean {match[0]}?" if match else ""
 
 
 def train_command(argv: list[str]) -> int:

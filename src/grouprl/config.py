@@ -1,26 +1,33 @@
-"""GRPOConfig: TRL 1.16's GRPO fields and the TrainingArguments fields GRPO scripts use.
+"""GRPOConfig: a ``transformers.TrainingArguments`` with TRL 1.16's GRPO fields.
 
 Same names, same meanings, same defaults as ``trl.GRPOConfig`` (including TRL's overrides of the
 TrainingArguments defaults: learning_rate=1e-6, logging_steps=10, gradient_checkpointing=True,
-bf16=True unless fp16, remove_unused_columns=False). It is a plain dataclass, so
-``transformers.HfArgumentParser`` turns it into command-line flags.
+bf16=True unless fp16, remove_unused_columns=False), so ``HfArgumentParser``, TRL's ``TrlParser``,
+YAML files and ``to_dict()`` / ``to_json_string()`` work as with TRL's.
 
-Nothing is silently ignored: a field whose feature is not built yet raises NotImplementedError
-when set to a non-default value (see ``NOT_YET_BUILT``). The derived batch sizes live in
-``BatchPlan`` and are never written back into the config.
+Nothing is silently ignored: an inherited field grouprl does not honour is refused by name when set
+(``training_arguments.py``), and a GRPO field whose feature is not built yet raises
+NotImplementedError when set (``NOT_YET_BUILT``). As TRL, ``generation_batch_size`` and
+``steps_per_generation`` are resolved for this launch's process count; ``BatchPlan`` holds every
+derived size.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
+import torch
+from transformers import TrainingArguments
+
+from .training_arguments import refused_settings
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
-SAVE_STRATEGIES = ("no", "steps", "epoch")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 DICT_FIELDS = (
     "model_init_kwargs",
@@ -47,56 +54,26 @@ def _meta(help_text: str, **extra: Any) -> dict[str, Any]:
 
 
 @dataclass
-class GRPOConfig:
-    """Configuration of a GRPO run. Field names, meanings and defaults follow TRL 1.16."""
+class GRPOConfig(TrainingArguments):
+    """Configuration of a GRPO run: ``transformers.TrainingArguments`` plus TRL 1.16's GRPO fields.
 
-    # ---- output, logging, saving (TrainingArguments) ----
-    output_dir: Optional[str] = field(default=None, metadata=_meta("Where checkpoints, metrics and the final model go. Default: 'trainer_output'."))
-    run_name: Optional[str] = field(default=None, metadata=_meta("Run name shown by trackers."))
-    logging_dir: Optional[str] = field(default=None, metadata=_meta("Tracker log directory (tensorboard). Default: output_dir/runs."))
+    Field names, meanings and defaults follow TRL 1.16 (its overrides of TrainingArguments included).
+    What grouprl does with each inherited TrainingArguments field is in ``grouprl.training_arguments``
+    and docs/trl-compat.md: honoured, accepted without effect, or refused by name when set.
+    """
+
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [f for f in DICT_FIELDS if f not in TrainingArguments._VALID_DICT_FIELDS]
+
+    # ---- TrainingArguments fields whose defaults TRL changes ----
+    learning_rate: float = field(default=1e-6, metadata=_meta("Peak learning rate (TRL's GRPO default: 1e-6)."))
     logging_steps: float = field(default=10, metadata=_meta("Log every N optimizer steps (a float < 1 is a fraction of the total)."))
-    logging_first_step: bool = field(default=False, metadata=_meta("Also log after the first optimizer step."))
-    report_to: Union[None, str, list[str]] = field(default="none", metadata=_meta("Trackers: none, all, tensorboard, wandb, trackio, mlflow, ... (comma-separated on the CLI)."))
-    disable_tqdm: Optional[bool] = field(default=None, metadata=_meta("Hide the progress bar."))
-    save_strategy: str = field(default="steps", metadata=_meta("When to write checkpoints: no, steps, epoch."))
-    save_steps: float = field(default=500, metadata=_meta("Checkpoint every N optimizer steps (a float < 1 is a fraction of the total)."))
-    save_total_limit: Optional[int] = field(default=None, metadata=_meta("Keep at most N checkpoints (oldest are deleted)."))
-    eval_strategy: str = field(default="no", metadata=_meta("When to evaluate: no, steps, epoch."))
-    eval_steps: Optional[float] = field(default=None, metadata=_meta("Evaluate every N optimizer steps."))
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata=_meta("Checkpoint path (or 'true' for the latest in output_dir) used by the CLI."))
-    push_to_hub: bool = field(default=False, metadata=_meta("Push the final model to the Hub after training."))
-    hub_model_id: Optional[str] = field(default=None, metadata=_meta("Hub repository id for push_to_hub."))
-
-    # ---- batching and schedule (TrainingArguments) ----
-    per_device_train_batch_size: int = field(default=8, metadata=_meta("Completions per micro-batch on each process."))
-    per_device_eval_batch_size: int = field(default=8, metadata=_meta("Completions per evaluation batch on each process."))
-    gradient_accumulation_steps: int = field(default=1, metadata=_meta("Micro-batches per optimizer step."))
-    num_train_epochs: float = field(default=3.0, metadata=_meta("Passes over the prompt dataset (ignored when max_steps > 0)."))
-    max_steps: int = field(default=-1, metadata=_meta("Total optimizer steps; overrides num_train_epochs when > 0."))
-    dataloader_num_workers: int = field(default=0, metadata=_meta("Dataloader worker processes."))
-    remove_unused_columns: bool = field(default=False, metadata=_meta("If True, drop dataset columns other than prompt/image/images before they reach reward functions."))
-
-    # ---- optimizer and LR schedule (TrainingArguments, GRPO defaults) ----
-    learning_rate: float = field(default=1e-6, metadata=_meta("Peak learning rate of AdamW."))
-    weight_decay: float = field(default=0.0, metadata=_meta("AdamW weight decay (not applied to biases and norms)."))
-    adam_beta1: float = field(default=0.9, metadata=_meta("AdamW beta1."))
-    adam_beta2: float = field(default=0.999, metadata=_meta("AdamW beta2."))
-    adam_epsilon: float = field(default=1e-8, metadata=_meta("AdamW epsilon."))
-    max_grad_norm: float = field(default=1.0, metadata=_meta("Gradient clipping norm (0 disables)."))
-    optim: str = field(default="adamw_torch_fused", metadata=_meta("Optimizer: adamw_torch or adamw_torch_fused."))
-    lr_scheduler_type: str = field(default="linear", metadata=_meta("Any transformers scheduler name: linear, cosine, constant, constant_with_warmup, ..."))
+    gradient_checkpointing: bool = field(default=True, metadata=_meta("Recompute activations in backward to save memory (TRL's default: True)."))
+    bf16: Optional[bool] = field(default=None, metadata=_meta("bf16 mixed precision (default: True unless fp16; declined on CPUs without native bf16)."))
+    remove_unused_columns: Optional[bool] = field(default=False, metadata=_meta("If True, drop dataset columns other than prompt/image/images before they reach reward functions."))
     lr_scheduler_kwargs: Optional[Union[dict, str]] = field(default=None, metadata=_meta("Extra scheduler kwargs (JSON on the CLI)."))
-    warmup_steps: float = field(default=0, metadata=_meta("Warmup optimizer steps (a float < 1 is a fraction of the total)."))
-    warmup_ratio: Optional[float] = field(default=None, metadata=_meta("Warmup as a fraction of total steps (older TrainingArguments name)."))
-
-    # ---- precision, devices, seeds (TrainingArguments) ----
-    bf16: Optional[bool] = field(default=None, metadata=_meta("bf16 mixed precision (default: True unless fp16)."))
-    fp16: bool = field(default=False, metadata=_meta("fp16 mixed precision."))
-    use_cpu: bool = field(default=False, metadata=_meta("Train on the CPU even when a GPU is present."))
-    gradient_checkpointing: bool = field(default=True, metadata=_meta("Recompute activations in backward to save memory."))
-    gradient_checkpointing_kwargs: Optional[Union[dict, str]] = field(default=None, metadata=_meta("kwargs for gradient_checkpointing_enable (JSON on the CLI)."))
-    seed: int = field(default=42, metadata=_meta("Seed for model init, sampling and shuffling."))
-    data_seed: Optional[int] = field(default=None, metadata=_meta("Seed of the prompt sampler (default: seed)."))
+    # transformers < 5 fields that scripts still pass (absent from TrainingArguments 5.x).
+    logging_dir: Optional[str] = field(default=None, metadata=_meta("Tracker log directory (tensorboard). Default: output_dir/runs."))
+    warmup_ratio: Optional[float] = field(default=None, metadata=_meta("Warmup as a fraction of total steps (older TrainingArguments name; sets warmup_steps)."))
 
     # ---- model / reference model (TRL §1.1) ----
     model_init_kwargs: Optional[Union[dict, str]] = field(default=None, metadata=_meta("kwargs for from_pretrained when model is a string (JSON on the CLI)."))
@@ -198,16 +175,24 @@ class GRPOConfig:
     max_dynamic_sampling_rounds: int = field(default=4, metadata=_meta(
         "With dynamic_sampling: at most this many extra generations per batch; if the batch is still not full, train on the groups found."))
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "GRPOConfig":
+        # Runs before the dataclass __init__, so a misspelt field gets a "did you mean" instead of
+        # Python's bare "unexpected keyword argument" (the HF course writes num_generation=...).
+        unknown = set(kwargs) - {f.name for f in fields(cls) if f.init}
+        if unknown:
+            raise TypeError(unknown_field_message(cls, sorted(unknown)[0]))
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.output_dir is None:
             self.output_dir = "trainer_output"
         self.bf16_from_default = self.bf16 is None  # TRL's default; the trainer may decline it on CPUs without bf16 units
         if self.bf16 is None:
             self.bf16 = not self.fp16
-        if self.disable_tqdm is None:
-            self.disable_tqdm = False
-        if self.data_seed is None:
-            self.data_seed = self.seed
+        if self.report_to is None:
+            self.report_to = "none"
+        if isinstance(self.report_to, str) and "," in self.report_to:  # the CLI's comma-separated form
+            self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
         for name in DICT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, str):
@@ -215,24 +200,45 @@ class GRPOConfig:
                     setattr(self, name, json.loads(value))
                 except json.JSONDecodeError as err:
                     raise ValueError(f"GRPOConfig.{name} must be a dict or a JSON object string, got {value!r}: {err}") from None
+        refused = refused_settings(self)  # on the values as given, before transformers derives others from them
+        if refused:
+            raise ValueError("\n".join(refused))
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"), ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            if getattr(self, new, "absent") is None:  # TRL's name stays the primary one: no deprecation warning for its default
+                setattr(self, new, getattr(self, old))
+        super().__post_init__()
+        if self.report_to == ["none"]:
+            self.report_to = []
         self.scale_rewards = _normalize_scale_rewards(self.scale_rewards)
         self.pad_to_multiple_of = _normalize_pad_to_multiple_of(self.pad_to_multiple_of)
-        if isinstance(self.report_to, str):
-            self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
-        if self.report_to in (None, ["none"]):
-            self.report_to = []
         if self.warmup_ratio is not None:
             self.warmup_steps = self.warmup_ratio
         if self.vllm_importance_sampling_cap is not None:
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         self.validate()
+        # TRL resolves the generation batch here, for the process count of this launch; what the user
+        # set is kept so that plan_batches can derive it again for any process count.
+        self.batch_spec = (self.generation_batch_size, self.steps_per_generation)
+        # accelerate's launcher sets WORLD_SIZE; on CPUs transformers' own count says 1 unless use_cpu=True.
+        plan = plan_batches(self, max(self.world_size, int(os.environ.get("WORLD_SIZE", "1"))))
+        self.generation_batch_size, self.steps_per_generation = plan.completions_per_generation, plan.steps_per_generation
+
+    def _validate_args(self) -> None:
+        # transformers refuses bf16 without a bf16-capable accelerator unless use_cpu=True. grouprl trains
+        # on the CPU when there is no accelerator and decides there whether bf16 pays (trainer._make_accelerator).
+        wanted = self.bf16
+        if wanted and not self.use_cpu and _no_accelerator():
+            self.bf16 = False
+        try:
+            super()._validate_args()
+        finally:
+            self.bf16 = wanted
 
     def validate(self) -> None:
         """Check every field that can be checked without knowing the model or the process count."""
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
         _check_choice("importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
         _check_choice("multi_objective_aggregation", self.multi_objective_aggregation, ("sum_then_normalize", "normalize_then_sum"))
-        _check_choice("optim", self.optim, OPTIMIZERS)
         _check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
         _check_choice("eval_strategy", self.eval_strategy, EVAL_STRATEGIES)
         _check_choice("vllm_mode", self.vllm_mode, ("colocate", "server"))
@@ -253,12 +259,6 @@ class GRPOConfig:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "num_iterations", "max_completion_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)} must be >= 1.")
-        if self.generation_batch_size is not None and self.steps_per_generation is not None:
-            raise ValueError(
-                "GRPOConfig: set either generation_batch_size or steps_per_generation, not both "
-                f"(got generation_batch_size={self.generation_batch_size}, steps_per_generation={self.steps_per_generation}); "
-                "one is derived from the other."
-            )
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ValueError(f"GRPOConfig.max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (None = no limit).")
         if self.steps_per_generation is not None and self.steps_per_generation < 1:
@@ -312,6 +312,9 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.max_dynamic_sampling_rounds={self.max_dynamic_sampling_rounds} must be >= 0.")
         if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
             raise ValueError(f"GRPOConfig.reward_weights must be a list of numbers, got {self.reward_weights!r}.")
+        if self.accelerator_config is not None and getattr(self.accelerator_config, "split_batches", False):
+            raise ValueError("GRPOConfig.accelerator_config.split_batches=True would split each process's batch across processes and "
+                             "break num_generations groups; leave split_batches=False and set per_device_train_batch_size instead.")
         for name, (off_value, feature) in NOT_YET_BUILT.items():
             if getattr(self, name) != off_value:
                 raise NotImplementedError(
@@ -351,13 +354,10 @@ class GRPOConfig:
                          "controller will move it back inside.")
         return found
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        raise ValueError(f"GRPOConfig.{name}={value!r} is not one of {', '.join(map(repr, choices))}.")
+        raise ValueError(f"GRPOConfig.{name}={getattr(value, 'value', value)!r} is not one of {', '.join(map(repr, choices))}.")
 
 
 def _normalize_scale_rewards(value: Any) -> str:
@@ -442,16 +442,24 @@ def plan_batches(config: GRPOConfig, num_processes: int = 1) -> BatchPlan:
     """Derive the batch plan exactly as TRL does (§1.3, §2.13); reject impossible combinations."""
     per_step = config.per_device_train_batch_size * num_processes
     g = config.num_generations
-    if config.generation_batch_size is not None:
-        if config.generation_batch_size % per_step != 0:
+    # What the user set (GRPOConfig resolves both fields for its own process count and keeps the given pair).
+    generation_batch_size, steps_per_generation = getattr(config, "batch_spec", (config.generation_batch_size, config.steps_per_generation))
+    if generation_batch_size is not None and steps_per_generation is not None and generation_batch_size != per_step * steps_per_generation:
+        raise ValueError(
+            "GRPOConfig: set either generation_batch_size or steps_per_generation, not both "
+            f"(got generation_batch_size={generation_batch_size}, steps_per_generation={steps_per_generation}, which disagree for "
+            f"{per_step} completions per micro-step across processes); one is derived from the other."
+        )
+    if generation_batch_size is not None:
+        if generation_batch_size % per_step != 0:
             raise ValueError(
-                f"GRPOConfig.generation_batch_size={config.generation_batch_size} must be divisible by "
+                f"GRPOConfig.generation_batch_size={generation_batch_size} must be divisible by "
                 f"per_device_train_batch_size ({config.per_device_train_batch_size}) x processes ({num_processes}) = {per_step}. "
                 f"Valid values include {', '.join(str(per_step * k) for k in range(1, 5))}."
             )
-        steps_per_generation = config.generation_batch_size // per_step
+        steps_per_generation = generation_batch_size // per_step
     else:
-        steps_per_generation = config.steps_per_generation or config.gradient_accumulation_steps
+        steps_per_generation = steps_per_generation or config.gradient_accumulation_steps
     generation_batch = per_step * steps_per_generation
     if generation_batch % g != 0:
         valid_g = [d for d in range(2, generation_batch + 1) if generation_batch % d == 0]
@@ -481,3 +489,18 @@ def resolve_steps(value: float, total_steps: int) -> int:
     if 0 < value < 1:
         return max(1, math.ceil(value * total_steps))
     return int(value)
+
+
+def unknown_field_message(cls: type, name: str) -> str:
+    """`name` is not a field of `cls`: the message names the closest real field(s)."""
+    import difflib
+
+    candidates = [f.name for f in fields(cls) if f.init]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"{cls.__name__} has no field {name!r}.{hint} Every field is listed by `grouprl train --help` and in docs/trl-compat.md."
+
+
+def _no_accelerator() -> bool:
+    current = getattr(torch, "accelerator", None)
+    return current.current_accelerator() is None if current is not None else not torch.cuda.is_available()

@@ -45,7 +45,7 @@ def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int) 
     model is loaded), and by every evaluate() call. As in TRL, an eval_dataset that is only stored
     is not checked at construction."""
     if config.eval_strategy != "no" and eval_dataset is None:
-        raise ValueError(f"GRPOConfig.eval_strategy={config.eval_strategy!r} needs an eval_dataset; pass one or set eval_strategy='no'.")
+        raise ValueError(f"GRPOConfig.eval_strategy='{getattr(config.eval_strategy, 'value', config.eval_strategy)}' needs an eval_dataset; pass one or set eval_strategy='no'.")
     if eval_dataset is None:
         return
     named = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
@@ -65,11 +65,12 @@ def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int) 
 
 
 def should_evaluate(config: GRPOConfig, step: int, total_steps: int, steps_per_epoch: Optional[int]) -> bool:
+    """Scheduled evaluation at this optimizer step (eval_delay counts steps, or epochs with eval_strategy='epoch')."""
     if config.eval_strategy == "steps":
         every = resolve_steps(config.eval_steps if config.eval_steps is not None else config.logging_steps, total_steps)
-        return step % every == 0
+        return step % every == 0 and step >= config.eval_delay
     if config.eval_strategy == "epoch":
-        return bool(steps_per_epoch) and step % steps_per_epoch == 0
+        return bool(steps_per_epoch) and step % steps_per_epoch == 0 and step / steps_per_epoch >= config.eval_delay
     return False
 
 

@@ -19,6 +19,7 @@ fall. Everything needed to continue exactly (sampler position, buffered micro-ba
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -27,11 +28,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils.memory import clear_device_cache
 from tqdm.auto import tqdm
 
 from .algorithms.entropy import EntropyController
+from .best_checkpoint import record_evaluation
 from .callbacks import CallbackHandler
-from .checkpoint import rng_state, save_checkpoint
+from .checkpoint import load_policy_weights, rng_state, save_checkpoint
 from .config import BatchPlan, GRPOConfig, resolve_steps
 from .distributed import gather_objects, global_mean, global_sum
 from .evaluation import should_evaluate
@@ -147,6 +150,8 @@ def train(run: TrainingRun) -> dict[str, float]:
     run.callbacks.control.should_training_stop = False  # a stop asked for in an earlier train() call is over
     epoch_open = False
     run.fire("on_train_begin")
+    if config.eval_on_start and run.evaluate is not None and state.global_step == 0:
+        evaluate_and_track(run)
     while state.global_step < run.total_steps and not run.callbacks.control.should_training_stop:
         if not epoch_open:
             run.fire("on_epoch_begin")
@@ -166,6 +171,8 @@ def train(run: TrainingRun) -> dict[str, float]:
                 run.fire("on_substep_end")
         grad_norm, learning_rate = optimizer_step(run)
         state.global_step += 1
+        if config.torch_empty_cache_steps and state.global_step % config.torch_empty_cache_steps == 0:
+            clear_device_cache()
         end_of_step_updates(run)
         state.epoch = state.global_step / run.steps_per_epoch if run.steps_per_epoch else None
         loss = global_mean(accelerator, step_loss)
@@ -173,11 +180,12 @@ def train(run: TrainingRun) -> dict[str, float]:
         run.window.add_all({"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "step_time": time.perf_counter() - step_started})
         step_stats = run.health.end_step(run)  # phase times, silent-failure detectors
         control = run.fire("on_step_end")  # a callback may ask for a log, evaluation, checkpoint or stop at this step
-        if state.global_step % logging_steps == 0 or (config.logging_first_step and state.global_step == 1) or control.should_log:
+        if should_log(config, state.global_step, logging_steps, run.steps_per_epoch) or control.should_log:
             write_log(run, writer, progress)
+        new_best = False
         if run.evaluate is not None and (should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate):
-            run.evaluate()
-        if should_save(config, state.global_step, save_steps, run.steps_per_epoch) or control.should_save:
+            new_best = evaluate_and_track(run)
+        if should_save(config, state.global_step, save_steps, run.steps_per_epoch, new_best) or control.should_save:
             save(run)
         progress.update(1)
         if postfix := progress_postfix(step_stats):
@@ -187,6 +195,10 @@ def train(run: TrainingRun) -> dict[str, float]:
             epoch_open = False
     progress.close()
     run.health.finish()
+    if config.load_best_model_at_end and state.best_model_checkpoint is not None:
+        run.accelerator.wait_for_everyone()
+        load_policy_weights(accelerator.unwrap_model(run.model), state.best_model_checkpoint)
+
     runtime = time.time() - started
     steps_done = max(state.global_step - first_step, 1)
     final = {
@@ -225,7 +237,25 @@ def write_log(run: TrainingRun, writer: Optional[JsonlWriter], progress: Any) ->
         run.rollouts.completion_log.write(run.state.global_step, run.accelerator)
 
 
-def should_save(config: GRPOConfig, step: int, save_steps: int, steps_per_epoch: Optional[int]) -> bool:
+def should_log(config: GRPOConfig, step: int, logging_steps: int, steps_per_epoch: Optional[int]) -> bool:
+    if config.logging_first_step and step == 1:
+        return True
+    if config.logging_strategy == "steps":
+        return step % logging_steps == 0
+    if config.logging_strategy == "epoch":
+        return bool(steps_per_epoch) and step % steps_per_epoch == 0
+    return False
+
+
+def evaluate_and_track(run: TrainingRun) -> bool:
+    """Evaluate (logged by the evaluation itself); True when metric_for_best_model reached a new best."""
+    metrics = run.evaluate()
+    return record_evaluation(run.config, run.state, metrics or {})
+
+
+def should_save(config: GRPOConfig, step: int, save_steps: int, steps_per_epoch: Optional[int], new_best: bool = False) -> bool:
+    if config.save_strategy == "best":
+        return new_best
     if config.save_strategy == "steps":
         return step % save_steps == 0
     if config.save_strategy == "epoch":
@@ -239,6 +269,8 @@ def save(run: TrainingRun) -> Optional[str]:
     path = None
     # every process's RNG and buffered micro-batches (the loop state below is the main process's)
     processes = gather_objects({"rng": rng_state(), "pending": list(run.pending)}) if run.accelerator.num_processes > 1 else None
+    if run.state.best_global_step == run.state.global_step and run.state.best_metric is not None:
+        run.state.best_model_checkpoint = os.path.join(run.config.output_dir, f"checkpoint-{run.state.global_step}")
     if run.accelerator.is_main_process:
         path = save_checkpoint(
             run.config.output_dir,
@@ -250,6 +282,8 @@ def save(run: TrainingRun) -> Optional[str]:
             trainer_state=run.state,
             loop_state={**run.loop_state(), "processes": processes},
             save_total_limit=run.config.save_total_limit,
+            model_only=run.config.save_only_model,
+            keep=run.state.best_model_checkpoint,
         )
     run.accelerator.wait_for_everyone()
     run.fire("on_save")

@@ -8,24 +8,26 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
+import datasets
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import set_seed
-from transformers import PreTrainedModel, TrainerState, get_scheduler
+from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, set_seed
+from transformers import PreTrainedModel, Trainer, TrainerState, enable_full_determinism, get_scheduler
 from transformers.utils import logging
 
 from . import evaluation, loop
-from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, load_adapter_weights, require_peft, save_pretrained, wrap_with_lora
+from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, require_peft, save_pretrained, wrap_with_lora
 from .agents import AgentSpec
 from .agents.environments import environment_dataset
 from .agents.multiturn import TurnSettings
 from .algorithms.entropy import EntropyController
 from .callbacks import CallbackHandler
 from .completion_log import CompletionLog
-from .checkpoint import load_model_weights, load_training_state, resolve_resume_path, restore_rng_state
+from .checkpoint import load_policy_weights, load_training_state, resolve_resume_path, restore_rng_state
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, check_dataset
 from .evaluation import check_eval_setup
@@ -103,6 +105,7 @@ class GRPOTrainer:
             raise TypeError(f"args must be a grouprl.GRPOConfig, got {type(args).__name__}.")
         self.args = args
         self.accelerator = _make_accelerator(args)
+        _set_log_level(args)
         if self.accelerator.device.type == "cpu":
             reuse_freed_host_memory()  # freed tensors are reused, not page-faulted in again (host_memory.py)
         self.plan = plan_batches(args, self.accelerator.num_processes)
@@ -110,8 +113,10 @@ class GRPOTrainer:
         train_dataset = environment_dataset(train_dataset, agents and agents.environments, max_steps=args.max_steps,
                                             prompts_per_generation=self.plan.prompts_per_generation)
         check_dataset(train_dataset, "train_dataset")
-        if isinstance(train_dataset, __import__("datasets").IterableDataset) and args.max_steps <= 0:
-            raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
+        if isinstance(train_dataset, datasets.IterableDataset):
+            if args.max_steps <= 0:
+                raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
+            _check_stream_dispatch(args)
         if args.eval_strategy != "no":
             check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -143,7 +148,7 @@ class GRPOTrainer:
         if args.use_vllm and args.vllm_mode == "colocate" and generation_backend is None:
             require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")  # before any model is loaded
 
-        set_seed(args.seed)
+        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         self.model = load_model(model, args.model_init_kwargs, args.trust_remote_code)
         if peft_config is not None and is_peft_model(self.model):
             raise ValueError("model is already a PeftModel; pass either a PeftModel or peft_config, not both.")
@@ -182,7 +187,7 @@ class GRPOTrainer:
             reference_adapter = add_reference_adapter(self.model)
 
         steps_per_epoch = None
-        if not isinstance(train_dataset, __import__("datasets").IterableDataset):
+        if not isinstance(train_dataset, datasets.IterableDataset):
             steps_per_epoch = self.plan.optimizer_steps_per_epoch(len(train_dataset))
         total_steps = args.max_steps if args.max_steps > 0 else max(1, int(args.num_train_epochs * steps_per_epoch + 0.999999))
         optimizer, scheduler = optimizers
@@ -197,7 +202,8 @@ class GRPOTrainer:
         backend = generation_backend or build_backend(self.accelerator.unwrap_model(prepared_model), tokenizer, self.eos_token_ids,
                                                       args, max_num_seqs=self.plan.completions_per_process)
         self.generation_backend = backend
-        sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset, seed=args.data_seed)
+        sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset,
+                                seed=args.seed if args.data_seed is None else args.data_seed)
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         tokenize = make_prompt_tokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
                                          chat_template_kwargs=args.chat_template_kwargs, tools=[t.schema for t in agents.tools] if agents else None)
@@ -289,7 +295,7 @@ class GRPOTrainer:
         if path is not None:
             self._load_checkpoint(path)
         if self.args.report_to:
-            self.accelerator.init_trackers(self.args.run_name or "grouprl", config=_tracker_config(self.args))
+            self.accelerator.init_trackers(self.args.project, config=_tracker_config(self.args), init_kwargs=_tracker_init_kwargs(self.args))
         try:
             return loop.train(self.run)
         finally:
@@ -323,12 +329,8 @@ class GRPOTrainer:
         return evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
 
     def _load_checkpoint(self, path: str) -> None:
-        model = self.accelerator.unwrap_model(self.run.model)
-        if is_peft_model(model):
-            load_adapter_weights(model, path)
-        else:
-            load_model_weights(model, path)
         training, loop_state = load_training_state(path)
+        load_policy_weights(self.accelerator.unwrap_model(self.run.model), path)
         self.run.optimizer.load_state_dict(training["optimizer"])
         self.run.scheduler.load_state_dict(training["scheduler"])
         restore_rng_state(training["rng"])
@@ -385,12 +387,38 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
     # accelerate joins a multi-process launch on a machine without an accelerator only when told
     # cpu=True; otherwise every process would silently train alone.
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ddp = {"find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
+           "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph}
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout), **({"backend": args.ddp_backend} if args.ddp_backend else {}))]
+    if any(value is not None for value in ddp.values()):
+        handlers.append(DistributedDataParallelKwargs(**{k: v for k, v in ddp.items() if v is not None}))
     return Accelerator(
         mixed_precision=mixed_precision,
         cpu=args.use_cpu or (launched and _no_accelerator()),
         log_with=args.report_to or None,
         project_dir=args.logging_dir or os.path.join(args.output_dir, "runs"),
+        kwargs_handlers=handlers,
+        deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
+        fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
+
+
+def _set_log_level(args: GRPOConfig) -> None:
+    """log_level / log_level_replica / log_on_each_node, as the Trainer applies them (transformers' and grouprl's loggers)."""
+    level = args.get_process_log_level()
+    logging.set_verbosity(level)
+    logger.setLevel(level)
+
+
+def _check_stream_dispatch(args: GRPOConfig) -> None:
+    # As TRL: a stream cannot be read by the main process and dispatched; each process reads its own part.
+    config = args.accelerator_config
+    if config is not None and config.dispatch_batches:
+        raise ValueError("Iterable datasets require `dispatch_batches=False`: GRPOConfig.accelerator_config.dispatch_batches=True "
+                         "asks the main process to read every batch and send it out, which a stream of prompts does not allow. "
+                         "Leave dispatch_batches unset (or False).")
+    if config is not None:
+        config.dispatch_batches = False
 
 
 def _no_accelerator() -> bool:
@@ -399,16 +427,26 @@ def _no_accelerator() -> bool:
 
 
 def _make_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Optimizer:
+    """The optimizer `args.optim` names (any transformers name: adamw_torch, adafactor, adamw_8bit, sgd, ...),
+    with transformers' own resolution of the name, `optim_args` and the Adam hyper-parameters."""
+    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     # As transformers: no weight decay on biases and normalisation weights (the 1-D parameters).
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for _, p in trainable if p.ndim >= 2], "weight_decay": args.weight_decay},
         {"params": [p for _, p in trainable if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-        fused=args.optim == "adamw_torch_fused",
-    )
+    return optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
+
+
+def _tracker_init_kwargs(args: GRPOConfig) -> dict[str, Any]:
+    """Run name (and trackio's Space) for the trackers that take them; args.project names the project."""
+    kwargs: dict[str, Any] = {}
+    if args.run_name:
+        kwargs = {"wandb": {"name": args.run_name}, "trackio": {"name": args.run_name}}
+    if args.trackio_space_id:
+        kwargs.setdefault("trackio", {})["space_id"] = args.trackio_space_id
+    return kwargs
 
 
 def _tracker_config(args: GRPOConfig) -> dict[str, Any]:
