@@ -1,0 +1,198 @@
+"""GRPOConfig as a transformers.TrainingArguments: every inherited field honoured (effect visible), inert, or refused by name."""
+
+import dataclasses
+import json
+import logging
+import os
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, EarlyStoppingCallback, HfArgumentParser, TrainingArguments
+
+import grouprl.loop
+import grouprl.trainer
+from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.training_arguments import HONOURED, INERT, REFUSED, compat_table
+
+
+def distinct_tokens(completion_ids, **kwargs):
+    return [float(len(set(ids))) for ids in completion_ids]
+
+
+def make_config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=6,
+                  learning_rate=0.05, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def prompts(n=12):
+    return datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(n)]})
+
+
+def test_every_training_argument_has_one_status():
+    names = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    groups = [set(HONOURED), set(INERT), set(REFUSED)]
+    assert not (groups[0] & groups[1]) and not (groups[0] & groups[2]) and not (groups[1] & groups[2])
+    assert names <= groups[0] | groups[1] | groups[2], sorted(names - (groups[0] | groups[1] | groups[2]))
+    assert issubclass(GRPOConfig, TrainingArguments)
+    rows = {name: status for name, status, _ in compat_table(GRPOConfig)}
+    assert rows["torch_compile"] == "refused unless default" and rows["eval_on_start"] == "honoured" and rows["beta"] == "GRPO field"
+
+
+@pytest.mark.parametrize("name,value", [("torch_compile", True), ("neftune_noise_alpha", 5.0), ("auto_find_batch_size", True),
+                                        ("label_smoothing_factor", 0.1), ("hub_strategy", "checkpoint"), ("include_for_metrics", ["loss"])])
+def test_refused_fields_are_named_with_a_reason(name, value):
+    with pytest.raises(ValueError, match=rf"GRPOConfig\.{name}=.* is not supported by grouprl: .+Leave {name} at its default"):
+        GRPOConfig(**{name: value})
+
+
+def test_inert_fields_are_accepted():
+    config = GRPOConfig(do_train=True, do_eval=True, do_predict=True, dataloader_pin_memory=False, local_rank=0)
+    assert config.do_train and config.do_predict
+
+
+def test_misspelt_field_names_the_closest():
+    with pytest.raises(TypeError, match=r"GRPOConfig has no field 'num_generation'\. Did you mean 'num_generations'\?"):
+        GRPOConfig(num_generation=4)
+    with pytest.raises(TypeError, match=r"has no field 'zzz_unknown'\. Every field"):
+        GRPOConfig(zzz_unknown=1)
+
+
+def test_training_arguments_machinery():
+    parser = HfArgumentParser(GRPOConfig)
+    (config,) = parser.parse_args_into_dataclasses(args=["--output_dir", "x", "--logging_strategy", "epoch", "--eval_on_start", "true",
+                                                         "--ddp_timeout", "60", "--optim", "adafactor", "--warmup_ratio", "0.1"])
+    assert (config.logging_strategy, config.eval_on_start, config.ddp_timeout, config.optim) == ("epoch", True, 60, "adafactor")
+    assert config.warmup_steps == 0.1
+    as_json = json.loads(config.to_json_string())
+    assert as_json["logging_strategy"] == "epoch" and as_json["num_generations"] == 8 and as_json["loss_type"] == "dapo"
+    assert config.world_size == 1 and config.process_index == 0 and config.device.type in ("cpu", "cuda")
+    with config.main_process_first():
+        pass
+    # TRL resolves the generation batch in the config
+    assert (GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4).generation_batch_size,
+            GRPOConfig(per_device_train_batch_size=4, generation_batch_size=16, num_generations=4).steps_per_generation) == (8, 4)
+
+
+@pytest.mark.parametrize("optim,expected", [("adamw_torch", "AdamW"), ("adafactor", "Adafactor"), ("sgd", "SGD")])
+def test_any_transformers_optimizer_name(tiny_model_dir, tmp_path, optim, expected):
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, optim=optim, max_steps=1), train_dataset=prompts())
+    assert type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__ == expected
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_logging_strategy_eval_on_start_and_eval_delay(tiny_model_dir, tmp_path):
+    # 4 prompts, 2 per generation, 1 optimizer step per generation: 2 steps per epoch
+    config = make_config(tmp_path, max_steps=4, logging_strategy="epoch", eval_strategy="steps", eval_steps=1, eval_delay=3,
+                         eval_on_start=True, per_device_eval_batch_size=3)
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(4), eval_dataset=prompts(2))
+    trainer.train()
+    train_steps = [e["step"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e and "eval_reward" not in e]
+    eval_steps = [e["step"] for e in trainer.state.log_history if "eval_reward" in e]
+    assert train_steps == [2, 4]
+    assert eval_steps == [0, 3, 4]
+
+
+def test_logging_strategy_no_logs_no_steps(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, logging_strategy="no"), train_dataset=prompts())
+    trainer.train()
+    assert [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e] == []
+
+
+def test_save_only_model_checkpoints_cannot_resume(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, save_strategy="steps", save_steps=1, save_only_model=True)
+    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).train()
+    checkpoint = os.path.join(config.output_dir, "checkpoint-2")
+    assert os.path.exists(os.path.join(checkpoint, "trainer_state.json"))
+    assert not os.path.exists(os.path.join(checkpoint, "training_state.pt"))
+    AutoModelForCausalLM.from_pretrained(checkpoint)  # the model is there
+    resumed = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=3), train_dataset=prompts())
+    with pytest.raises(ValueError, match="save_only_model=True.*cannot resume"):
+        resumed.train(resume_from_checkpoint=checkpoint)
+
+
+def step_shaped_reward(completion_ids, trainer_state, **kwargs):
+    """Constant within a call; over steps its evaluation peaks at step 2 (-100 |step - 2|)."""
+    return [-100.0 * abs(trainer_state.global_step - 2)] * len(completion_ids)
+
+
+def test_load_best_model_at_end_keeps_and_loads_the_best_checkpoint(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, save_total_limit=1,
+                         per_device_eval_batch_size=3, load_best_model_at_end=True, metric_for_best_model="reward")
+    assert config.greater_is_better is True  # transformers: True unless the name ends in "loss"
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=[distinct_tokens, step_shaped_reward], args=config, train_dataset=prompts(),
+                          eval_dataset=prompts(2))
+    trainer.train()
+    best = os.path.join(config.output_dir, "checkpoint-2")
+    assert (trainer.state.best_global_step, trainer.state.best_model_checkpoint) == (2, best)
+    assert sorted(os.listdir(config.output_dir)).count("checkpoint-2") == 1 and os.path.exists(os.path.join(config.output_dir, "checkpoint-4"))
+    assert not os.path.exists(os.path.join(config.output_dir, "checkpoint-3"))  # rotated away; the best one is spared
+    final = dict(trainer.model.named_parameters())
+    at_best = dict(AutoModelForCausalLM.from_pretrained(best).named_parameters())
+    at_last = dict(AutoModelForCausalLM.from_pretrained(os.path.join(config.output_dir, "checkpoint-4")).named_parameters())
+    assert all(torch.equal(final[n].detach(), at_best[n].detach()) for n in at_best)
+    assert any(not torch.equal(at_best[n], at_last[n]) for n in at_best)
+
+
+def test_save_strategy_best_writes_only_new_bests(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="best", per_device_eval_batch_size=3,
+                         metric_for_best_model="reward")
+    GRPOTrainer(tiny_model_dir, reward_funcs=[distinct_tokens, step_shaped_reward], args=config, train_dataset=prompts(),
+                eval_dataset=prompts(2)).train()
+    assert sorted(n for n in os.listdir(config.output_dir) if n.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_early_stopping_callback_stops_the_run(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                         per_device_eval_batch_size=3, load_best_model_at_end=True, metric_for_best_model="reward")
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=[distinct_tokens, step_shaped_reward], args=config, train_dataset=prompts(),
+                          eval_dataset=prompts(2), callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    trainer.train()
+    # eval reward -100, 0, -100, -200: the best is at step 2, then two evaluations without improvement
+    assert trainer.state.global_step == 4
+    assert trainer.state.best_metric == pytest.approx(max(e["eval_reward"] for e in trainer.state.log_history if "eval_reward" in e))
+
+
+def test_metric_for_best_model_must_be_logged(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=3, metric_for_best_model="accuracy")
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), eval_dataset=prompts(2))
+    with pytest.raises(KeyError, match="metric_for_best_model='accuracy': the evaluation logged no 'eval_accuracy'.*eval_reward"):
+        trainer.train()
+
+
+def test_log_level_sets_the_loggers(tiny_model_dir, tmp_path):
+    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, log_level="error"), train_dataset=prompts())
+    assert logging.getLogger("grouprl").level == logging.ERROR and logging.getLogger("transformers").level == logging.ERROR
+    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, log_level="info"), train_dataset=prompts())
+    assert logging.getLogger("grouprl").level == logging.INFO
+    logging.getLogger("grouprl").setLevel(logging.WARNING)
+    logging.getLogger("transformers").setLevel(logging.WARNING)
+
+
+def test_empty_cache_steps_and_full_determinism(tiny_model_dir, tmp_path, monkeypatch):
+    cleared, determinism = [], []
+    monkeypatch.setattr(grouprl.loop, "clear_device_cache", lambda: cleared.append(1))
+    monkeypatch.setattr(grouprl.trainer, "enable_full_determinism", lambda seed: determinism.append(seed))
+    config = make_config(tmp_path, max_steps=4, torch_empty_cache_steps=2, full_determinism=True, seed=7)
+    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).train()
+    assert len(cleared) == 2 and determinism == [7]
+
+
+def test_ddp_settings_reach_accelerate(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=5, ddp_timeout=123)
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
+    assert trainer.accelerator.ddp_handler.find_unused_parameters is True and trainer.accelerator.ddp_handler.bucket_cap_mb == 5
+    assert trainer.accelerator.init_handler.timeout.total_seconds() == 123
+
+
+def test_iterable_dataset_refuses_dispatch_batches(tiny_model_dir, tmp_path):
+    stream = prompts().to_iterable_dataset()
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=stream,
+                    args=make_config(tmp_path, accelerator_config={"dispatch_batches": True}))
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=stream, args=make_config(tmp_path))
+    assert trainer.args.accelerator_config.dispatch_batches is False
