@@ -196,3 +196,14 @@ def test_iterable_dataset_refuses_dispatch_batches(tiny_model_dir, tmp_path):
                     args=make_config(tmp_path, accelerator_config={"dispatch_batches": True}))
     trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=stream, args=make_config(tmp_path))
     assert trainer.args.accelerator_config.dispatch_batches is False
+
+
+def test_compat_doc_lists_every_field_as_the_code_says(tmp_path):
+    from grouprl.training_arguments import rewrite_doc
+
+    doc = os.path.join(os.path.dirname(__file__), "..", "docs", "trl-compat.md")
+    copy = tmp_path / "trl-compat.md"
+    copy.write_text(open(doc, encoding="utf-8").read(), encoding="utf-8")
+    assert not rewrite_doc(str(copy)), "docs/trl-compat.md is out of date: regenerate it (see the marker comment in the file)"
+    listed = {line.split("`")[1] for line in copy.read_text(encoding="utf-8").splitlines() if line.startswith("| `")}
+    assert listed >= {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
