@@ -108,7 +108,7 @@ REFUSED: dict[str, str] = {
     "label_smoothing_factor": "GRPO has no labels to smooth",
     "bf16_full_eval": "evaluation samples with the training model in its own precision; load the model in bf16 (model_init_kwargs={'dtype': 'bfloat16'}) instead",
     "fp16_full_eval": "evaluation samples with the training model in its own precision; load the model in fp16 instead",
-    "torch_compile": "grouprl's training pass runs the layers itself (packed shared-prompt attention, chunked LM-head logprobs), which a compiled wrapper would bypass; leave it False",
+    "torch_compile": "grouprl's training pass swaps the LM head's and the attention's forward at run time (chunked LM-head logprobs, packed shared-prompt attention), which a compiled graph would not follow; leave it False",
     "torch_compile_backend": "see torch_compile",
     "torch_compile_mode": "see torch_compile",
     "use_liger_kernel": "grouprl's chunked LM-head logprobs already keep the full logits out of memory (what Liger's fused GRPO loss is for), and Liger's Triton kernels need a GPU; leave it False",
