@@ -207,3 +207,16 @@ def test_compat_doc_lists_every_field_as_the_code_says(tmp_path):
     assert not rewrite_doc(str(copy)), "docs/trl-compat.md is out of date: regenerate it (see the marker comment in the file)"
     listed = {line.split("`")[1] for line in copy.read_text(encoding="utf-8").splitlines() if line.startswith("| `")}
     assert listed >= {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
+
+
+def test_hub_settings_reach_push_to_hub(tiny_model_dir, tmp_path, monkeypatch):
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    pushed = []
+    monkeypatch.setattr(PreTrainedModel, "push_to_hub", lambda self, repo_id, **kw: pushed.append(("model", repo_id, kw)))
+    monkeypatch.setattr(PreTrainedTokenizerBase, "push_to_hub", lambda self, repo_id, **kw: pushed.append(("tokenizer", repo_id, kw)))
+    config = make_config(tmp_path, hub_model_id="me/run", hub_token="hf_x", hub_private_repo=True, hub_revision="exp")
+    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).push_to_hub()
+    assert {kind for kind, _, _ in pushed} == {"model", "tokenizer"}
+    for _, repo_id, kwargs in pushed:
+        assert repo_id == "me/run" and (kwargs["token"], kwargs["private"], kwargs["revision"]) == ("hf_x", True, "exp")

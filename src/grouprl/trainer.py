@@ -311,10 +311,14 @@ class GRPOTrainer:
             self.processing_class.save_pretrained(output_dir)
 
     def push_to_hub(self, commit_message: str = "End of training", **kwargs: Any) -> Any:
+        """Save, then push the model and tokenizer to args.hub_model_id (default: output_dir's name), with
+        args.hub_token / hub_private_repo / hub_revision unless given here."""
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         self.save_model()
         if not self.accelerator.is_main_process:
             return None
+        hub = {"token": self.args.hub_token, "private": self.args.hub_private_repo, "revision": self.args.hub_revision}
+        kwargs = {**{k: v for k, v in hub.items() if v is not None}, **kwargs}
         model = self.accelerator.unwrap_model(self.run.model)
         self.processing_class.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
         return model.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
