@@ -59,7 +59,8 @@ class AgentSpec:
 
     def build(self, tokenize: PromptTokenizer, settings: TurnSettings, trainer: Any) -> "Agent":
         if self.has_tools:
-            check_tool_template(settings.tokenizer, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs)
+            template = check_tool_template(settings.tokenizer, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs)
+            settings = replace(settings, tool_chat_template=template)
         return Agent(self, tokenize, settings, trainer)
 
 
