@@ -100,3 +100,23 @@ def test_process_slices_split_groups(tokenizer):
     removed = local_prompt_batch([0], rows[:1], generation_index=0, num_generations=2, process_index=0, num_processes=1,
                                  tokenize=tokenize, remove_unused_columns=True)
     assert removed.columns == {}
+
+
+def test_rows_without_prompt_only_where_environments_supply_it(tokenizer):
+    routing = datasets.Dataset.from_dict({"environment": ["a", "b"]})
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        check_dataset(routing)
+    check_dataset(routing, prompt_required=False)
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_factory` is provided"):
+        check_dataset(None)
+    tokenize = PromptTokenizer(tokenizer, max_context=None, max_completion_length=4)
+    rows = list(routing)
+    with pytest.raises(ValueError, match="Row 1 has no 'prompt'.*environment_factory"):
+        local_prompt_batch([1], rows[1:], generation_index=0, num_generations=2, process_index=0, num_processes=1,
+                           tokenize=tokenize, remove_unused_columns=False)
+    placeholder = [{"role": "user", "content": ""}]
+    batch = local_prompt_batch([0, 1], rows, generation_index=0, num_generations=2, process_index=0, num_processes=1,
+                               tokenize=tokenize, remove_unused_columns=False, default_prompt=placeholder)
+    assert batch.prompts == [placeholder, placeholder] and batch.prompts[0] is not placeholder and not batch.prompts_given
+    assert batch.columns == {"environment": ["a", "b"]}
+    assert batch.prompt_ids[0] == tokenize(placeholder, 0)

@@ -166,7 +166,7 @@ MISSING_MODEL = "/nonexistent/model"  # reaching the model loader would raise OS
     (datasets.Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
     (datasets.Dataset.from_dict({"question": ["1+1="]}), "no 'prompt' column"),
     (datasets.Dataset.from_dict({"prompt": [[{"text": "hi"}]]}), "Row 0: message 0"),
-    (None, "needs a train_dataset"),
+    (None, "`train_dataset` is required unless an `environment_factory` is provided"),  # TRL's words
 ])
 def test_bad_dataset_fails_before_model_load(tmp_path, dataset, match):
     with pytest.raises(ValueError, match=match):

@@ -16,6 +16,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -28,21 +29,28 @@ PROMPT_COLUMN = "prompt"
 KEPT_WHEN_REMOVING = ("prompt", "image", "images")
 
 
-def check_dataset(dataset: Any, name: str = "train_dataset") -> None:
-    """Fail early, with the field named, on a dataset the trainer cannot use."""
+def check_dataset(dataset: Any, name: str = "train_dataset", *, prompt_required: bool = True) -> None:
+    """Fail early, with the field named, on a dataset the trainer cannot use.
+
+    `prompt_required=False` (an environment_factory is given): rows may lack a prompt, as in TRL; each
+    such row's prompt is then an empty user message that the environment's reset() completes.
+    """
     if dataset is None:
-        raise ValueError(f"GRPOTrainer needs a {name}: a datasets.Dataset or IterableDataset with a 'prompt' column.")
+        raise ValueError(f"`{name}` is required unless an `environment_factory` is provided (its reset() then supplies the "
+                         "prompts): pass a datasets.Dataset or IterableDataset with a 'prompt' column, e.g. "
+                         "datasets.Dataset.from_list([{'prompt': ...}, ...]).")
     if not isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
         raise TypeError(f"{name} must be a datasets.Dataset or datasets.IterableDataset, got {type(dataset).__name__}. "
                         "Build one with datasets.Dataset.from_list([{'prompt': ...}, ...]).")
     columns = dataset.column_names
-    if columns is not None and PROMPT_COLUMN not in columns:
+    if prompt_required and columns is not None and PROMPT_COLUMN not in columns:
         raise ValueError(f"{name} has no 'prompt' column (columns: {columns}). Rename the column that holds the prompts, "
                          "e.g. dataset.rename_column('question', 'prompt').")
     if isinstance(dataset, datasets.Dataset):
         if len(dataset) == 0:
             raise ValueError(f"{name} is empty: it has no rows to sample prompts from.")
-        check_prompt(dataset[0][PROMPT_COLUMN], 0)
+        if PROMPT_COLUMN in dataset.column_names:
+            check_prompt(dataset[0][PROMPT_COLUMN], 0)
 
 
 def check_prompt(prompt: Any, row: int) -> None:
@@ -221,17 +229,28 @@ def local_prompt_batch(
     num_processes: int,
     tokenize: PromptTokenizer,
     remove_unused_columns: bool,
+    default_prompt: Optional[list[dict]] = None,
 ) -> PromptBatch:
-    """The slice of one global generation (U prompts x G completions) that this process samples."""
+    """The slice of one global generation (U prompts x G completions) that this process samples.
+
+    `default_prompt`: the prompt of rows without one (environments own the data); None: every row needs one.
+    """
     total = len(rows) * num_generations
     per_process = total // num_processes
     first, last = process_index * per_process, (process_index + 1) * per_process
     prompts, prompt_ids, multimodal, dataset_indices, group_ids, counts = [], [], [], [], [], []
+    given = True
     columns: dict[str, list[Any]] = {}
     for u, (index, row) in enumerate(zip(indices, rows)):
         lo, hi = max(first, u * num_generations), min(last, (u + 1) * num_generations)
         if lo >= hi:
             continue
+        if PROMPT_COLUMN not in row:
+            if default_prompt is None:
+                raise ValueError(f"Row {index} has no 'prompt' (columns: {sorted(row)}); every row needs one unless an "
+                                 "environment_factory supplies the prompts.")
+            given = False
+            row = {**row, PROMPT_COLUMN: copy.deepcopy(default_prompt)}
         prompt, ids, images = tokenize.encode_row(row, index)
         prompts.append(prompt)
         prompt_ids.append(ids)
@@ -244,4 +263,5 @@ def local_prompt_batch(
                 continue
             columns.setdefault(name, []).append(value)
     has_images = any(m is not None for m in multimodal)
-    return PromptBatch(prompts, prompt_ids, columns, dataset_indices, group_ids, counts, multimodal if has_images else None)
+    return PromptBatch(prompts, prompt_ids, columns, dataset_indices, group_ids, counts, multimodal if has_images else None,
+                       prompts_given=given)

@@ -40,7 +40,7 @@ from .types import Rollout
 logger = logging.get_logger("grouprl")
 
 
-def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int) -> None:
+def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int, *, prompt_required: bool = True) -> None:
     """Check an eval setup that will be used: by the trainer when eval_strategy != "no" (before any
     model is loaded), and by every evaluate() call. As in TRL, an eval_dataset that is only stored
     is not checked at construction."""
@@ -50,7 +50,7 @@ def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int) 
         return
     named = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
     for name, dataset in named.items():
-        check_dataset(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
+        check_dataset(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset", prompt_required=prompt_required)
     size = config.num_generations_eval or config.num_generations
     if size < 1:
         raise ValueError(f"GRPOConfig.num_generations_eval={config.num_generations_eval} must be >= 1.")
@@ -77,7 +77,7 @@ def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> di
     """Evaluate on a Dataset (or a dict name -> Dataset); log the metrics and return them."""
     if eval_dataset is None:
         raise ValueError("evaluate() needs an eval_dataset: pass it to GRPOTrainer(eval_dataset=...) or to evaluate().")
-    check_eval_setup(run.config, eval_dataset, run.accelerator.num_processes)
+    check_eval_setup(run.config, eval_dataset, run.accelerator.num_processes, prompt_required=run.rollouts.settings.default_prompt is None)
     if isinstance(eval_dataset, dict):
         metrics: dict[str, float] = {}
         for name, dataset in eval_dataset.items():
@@ -136,7 +136,7 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
                 prompts = local_prompt_batch(
                     indices, rows, generation_index=number, num_generations=size, process_index=accelerator.process_index,
                     num_processes=accelerator.num_processes, tokenize=rollouts.tokenize,
-                    remove_unused_columns=rollouts.settings.remove_unused_columns,
+                    remove_unused_columns=rollouts.settings.remove_unused_columns, default_prompt=rollouts.settings.default_prompt,
                 )
                 with accelerator.autocast():
                     rollout = Rollout(prompts, rollouts.generate(prompts))

@@ -38,6 +38,7 @@ class RolloutSettings:
     mask_truncated_completions: bool
     remove_unused_columns: bool
     pad_token_id: int
+    default_prompt: Optional[list[dict]] = None  # the prompt of rows without one (environments own the data); None: required
 
 
 @dataclass
@@ -76,6 +77,7 @@ class RolloutMaker:
             num_processes=self.accelerator.num_processes,
             tokenize=self.tokenize,
             remove_unused_columns=self.settings.remove_unused_columns,
+            default_prompt=self.settings.default_prompt,
         )
         self.generations_made += 1
         return Rollout(prompts, self.generate(prompts))

@@ -20,7 +20,7 @@ from transformers.utils import logging
 from . import evaluation, loop
 from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, load_adapter_weights, require_peft, save_pretrained, wrap_with_lora
 from .agents import AgentSpec
-from .agents.environments import environment_dataset
+from .agents.environments import EMPTY_PROMPT, environment_dataset
 from .agents.multiturn import TurnSettings
 from .algorithms.entropy import EntropyController
 from .callbacks import CallbackHandler
@@ -109,11 +109,12 @@ class GRPOTrainer:
         agents = AgentSpec.from_arguments(tools, environment_factory, rollout_func)  # tool schemas checked, environments probed
         train_dataset = environment_dataset(train_dataset, agents and agents.environments, max_steps=args.max_steps,
                                             prompts_per_generation=self.plan.prompts_per_generation)
-        check_dataset(train_dataset, "train_dataset")
+        environments_own_prompts = bool(agents and agents.environments)  # rows may lack a prompt: reset() supplies it (TRL)
+        check_dataset(train_dataset, "train_dataset", prompt_required=not environments_own_prompts)
         if isinstance(train_dataset, __import__("datasets").IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
         if args.eval_strategy != "no":
-            check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
+            check_eval_setup(args, eval_dataset, self.accelerator.num_processes, prompt_required=not environments_own_prompts)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         environment_rewards = agents.reward_functions if agents else []
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
@@ -221,6 +222,7 @@ class GRPOTrainer:
                 multi_objective_aggregation=args.multi_objective_aggregation,
                 mask_truncated_completions=args.mask_truncated_completions,
                 remove_unused_columns=args.remove_unused_columns, pad_token_id=tokenizer.pad_token_id,
+                default_prompt=EMPTY_PROMPT if environments_own_prompts else None,
             ),
             completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.log_multimodal)
             if args.log_completions else None,
