@@ -1,6 +1,7 @@
 """End-to-end GRPOTrainer runs on tiny local models: formats, metrics, resume, invariance, bad input."""
 
 import json
+import logging
 import os
 
 import datasets
@@ -260,3 +261,30 @@ def test_default_bf16_declined_on_cpu_without_bf16_units(tiny_model_dir, tmp_pat
                            train_dataset=prompts())
     assert explicit.accelerator.mixed_precision == "bf16"
     assert "expect steps ~100x slower" in caplog.text
+
+
+def test_batch_plan_is_logged_at_info_not_warning(tiny_model_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="grouprl"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts())
+    (record,) = [r for r in caplog.records if "grouprl batch plan" in r.getMessage()]
+    assert record.levelno == logging.INFO and "epoch: 12 prompts -> 6 optimizer steps" in record.getMessage()
+
+
+def test_log_level_sets_the_grouprl_logger():
+    from types import SimpleNamespace
+
+    from grouprl.log_level import apply_log_level
+
+    grouprl_logger = logging.getLogger("grouprl")
+    before = grouprl_logger.level
+    try:
+        apply_log_level(SimpleNamespace(log_level="info", log_level_replica="error"), is_main_process=True)
+        assert grouprl_logger.getEffectiveLevel() == logging.INFO
+        apply_log_level(SimpleNamespace(log_level="info", log_level_replica="error"), is_main_process=False)
+        assert grouprl_logger.getEffectiveLevel() == logging.ERROR
+        apply_log_level(SimpleNamespace(log_level="passive"), is_main_process=True)  # passive: left as it was
+        assert grouprl_logger.getEffectiveLevel() == logging.ERROR
+        with pytest.raises(ValueError, match="log_level='loud' is not one of 'passive', 'debug'"):
+            apply_log_level(SimpleNamespace(log_level="loud"), is_main_process=True)
+    finally:
+        grouprl_logger.setLevel(before)

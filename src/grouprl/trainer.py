@@ -33,6 +33,7 @@ from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
 from .generation.vllm import require_vllm
 from .host_memory import reuse_freed_host_memory
+from .log_level import apply_log_level
 from .metrics import JsonlWriter
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
@@ -103,6 +104,7 @@ class GRPOTrainer:
             raise TypeError(f"args must be a grouprl.GRPOConfig, got {type(args).__name__}.")
         self.args = args
         self.accelerator = _make_accelerator(args)
+        apply_log_level(args, self.accelerator.is_local_main_process)
         if self.accelerator.device.type == "cpu":
             reuse_freed_host_memory()  # freed tensors are reused, not page-faulted in again (host_memory.py)
         self.plan = plan_batches(args, self.accelerator.num_processes)
@@ -254,7 +256,8 @@ class GRPOTrainer:
         if self.accelerator.num_processes > 1:
             set_seed(args.seed, device_specific=True)  # seed + process index: each process samples its own completions
         if self.accelerator.is_main_process:
-            logger.warning(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
+            # INFO, as transformers' Trainer logs its run summary: shown with log_level="info" (log_level.py).
+            logger.info(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
         self.run.fire("on_init_end")
 
     # ---- TRL-compatible surface ----------------------------------------------------------
