@@ -288,3 +288,14 @@ def test_log_level_sets_the_grouprl_logger():
             apply_log_level(SimpleNamespace(log_level="loud"), is_main_process=True)
     finally:
         grouprl_logger.setLevel(before)
+
+
+def test_all_rewards_none_warns_in_trl_words_during_training(tiny_model_dir, tmp_path, caplog):
+    def always_none(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=always_none, args=make_config(tmp_path, max_steps=1), train_dataset=prompts())
+    with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"):  # as TRL's test_warning_raised_all_rewards_none
+        trainer.train()
+    assert "All reward functions returned None for the following kwargs:" in caplog.text
+    assert "6 of 6 completions got no reward" in caplog.text

@@ -338,8 +338,9 @@ class GRPOConfig:
             found.append("loss_type='vespo' computes its own sequence-level weight from token log-ratios; "
                          "importance_sampling_level='sequence' only changes the logged ratios. Use 'token'.")
         if sequence and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            found.append(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: the sequence-level loss is "
-                         "summed over tokens, so long sequences weigh more. GSPO uses loss_type='grpo'.")
+            found.append(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: this loss sums per-token terms, "
+                         "which weights each sequence by its completion length instead of optimising the per-sequence objective. "
+                         "GSPO uses loss_type='grpo'.")
         if self.loss_type == "cispo" and self.epsilon_high is None:
             found.append(f"loss_type='cispo' caps the importance weight at epsilon_high (an absolute value), which is unset and "
                          f"falls back to epsilon={self.epsilon}, so every weight is capped below 1. MiniMax-M1 suggests epsilon_high=5.0.")
