@@ -299,3 +299,41 @@ def test_all_rewards_none_warns_in_trl_words_during_training(tiny_model_dir, tmp
         trainer.train()
     assert "All reward functions returned None for the following kwargs:" in caplog.text
     assert "6 of 6 completions got no reward" in caplog.text
+
+
+def test_dataloader_workers_read_the_prompts_and_change_nothing_else(tiny_model_dir, tmp_path):
+    """TRL's test_train_multiple_dataloader_workers; workers must not change which prompts come when, nor the RNG."""
+    runs = {}
+    for workers in (0, 2):
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=prompts(),
+                              args=make_config(tmp_path / str(workers), max_steps=7, dataloader_num_workers=workers))  # 6 steps per epoch
+        assert trainer.get_train_dataloader().num_workers == workers
+        trainer.train()
+        runs[workers] = (parameters(trainer.model), trainer.state.log_history)
+    assert max_difference(runs[0][0], runs[2][0]) == 0.0
+    assert [e.get("reward") for e in runs[0][1]] == [e.get("reward") for e in runs[2][1]]
+
+
+def test_iterable_train_dataset_forces_zero_workers(tmp_path, caplog):
+    """TRL's test_iterable_dataset_forces_num_workers_zero (the value is written back, as TRL does)."""
+    args = make_config(tmp_path, dataloader_num_workers=4)
+    with caplog.at_level(logging.WARNING, logger="grouprl"), pytest.raises(OSError):
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=args, train_dataset=prompts().to_iterable_dataset())
+    assert args.dataloader_num_workers == 0 and "dataloader_num_workers=4 is set to 0" in caplog.text
+    with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an integer >= 0"):
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path, dataloader_num_workers=-1),
+                    train_dataset=prompts())
+
+
+def test_iterable_eval_keeps_map_style_train_workers(tiny_model_dir, tmp_path):
+    """TRL's test of the same name: only the stream's loader reads in-process; the setting is not changed."""
+    args = make_config(tmp_path, dataloader_num_workers=2, per_device_eval_batch_size=6)
+    eval_stream = prompts(4).to_iterable_dataset()
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=args, train_dataset=prompts(), eval_dataset=eval_stream)
+    assert trainer.get_train_dataloader().num_workers == 2
+    assert trainer.get_eval_dataloader().num_workers == 0
+    assert trainer.get_eval_dataloader(prompts(4)).num_workers == 2
+    assert args.dataloader_num_workers == 2
+    batches = [[index for index, _ in batch] for batch in trainer.get_eval_dataloader(prompts(5))]
+    assert batches == [[0, 1], [2, 3], [4]]  # dataset order, one eval batch of prompts (6 completions / G=3) at a time
+    assert trainer.evaluate()["eval_reward"] > 0

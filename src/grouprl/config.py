@@ -38,7 +38,6 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
     "use_transformers_paged": (False, "transformers continuous batching"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
     "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
-    "dataloader_num_workers": (0, "dataloader worker processes (prompts are tokenized in-process)"),
 }
 
 
@@ -73,7 +72,7 @@ class GRPOConfig:
     gradient_accumulation_steps: int = field(default=1, metadata=_meta("Micro-batches per optimizer step."))
     num_train_epochs: float = field(default=3.0, metadata=_meta("Passes over the prompt dataset (ignored when max_steps > 0)."))
     max_steps: int = field(default=-1, metadata=_meta("Total optimizer steps; overrides num_train_epochs when > 0."))
-    dataloader_num_workers: int = field(default=0, metadata=_meta("Dataloader worker processes."))
+    dataloader_num_workers: int = field(default=0, metadata=_meta("Worker processes that read prompt rows (map-style datasets; a stream is read by one)."))
     remove_unused_columns: bool = field(default=False, metadata=_meta("If True, drop dataset columns other than prompt/image/images before they reach reward functions."))
 
     # ---- optimizer and LR schedule (TrainingArguments, GRPO defaults) ----

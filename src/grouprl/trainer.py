@@ -40,6 +40,7 @@ from .models import (
 )
 from .multimodal import check_multimodal_setup, make_prompt_tokenizer, text_tokenizer
 from .reference import Reference, separate_reference_model
+from .row_loading import workers_for
 from .rewards.models import check_reward_funcs, load_reward_functions
 from .rewards.scoring import prepare_reward_functions, reward_name
 from .rollout import RolloutMaker, RolloutSettings
@@ -115,6 +116,11 @@ class GRPOTrainer:
         check_dataset(train_dataset, "train_dataset", prompt_required=not environments_own_prompts)
         if isinstance(train_dataset, __import__("datasets").IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
+        if workers_for(train_dataset, args.dataloader_num_workers) != args.dataloader_num_workers:
+            # Written back as TRL does (its tests read it): workers would interleave shards of the stream (row_loading.py).
+            logger.warning(f"train_dataset is an IterableDataset, whose prompts one reader must stream in order: "
+                           f"dataloader_num_workers={args.dataloader_num_workers} is set to 0.")
+            args.dataloader_num_workers = 0
         if args.eval_strategy != "no":
             check_eval_setup(args, eval_dataset, self.accelerator.num_processes, prompt_required=not environments_own_prompts)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -200,7 +206,9 @@ class GRPOTrainer:
         backend = generation_backend or build_backend(self.accelerator.unwrap_model(prepared_model), tokenizer, self.eos_token_ids,
                                                       args, max_num_seqs=self.plan.completions_per_process)
         self.generation_backend = backend
-        sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset, seed=args.data_seed)
+        sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset, seed=args.data_seed,
+                                num_workers=args.dataloader_num_workers,
+                                prefetch_factor=getattr(args, "dataloader_prefetch_factor", None))  # a TrainingArguments field
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         tokenize = make_prompt_tokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
                                          chat_template_kwargs=args.chat_template_kwargs, tools=[t.schema for t in agents.tools] if agents else None)
@@ -298,8 +306,21 @@ class GRPOTrainer:
         try:
             return loop.train(self.run)
         finally:
+            self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
             if self.args.report_to:
                 self.accelerator.end_training()
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """The DataLoader that fetches the training prompts' rows (dataloader_num_workers processes for map-style data).
+
+        Unlike transformers', its batches are one generation's unique prompts as (index, row) pairs, in
+        grouprl's seeded, resumable order; the trainer draws from it itself.
+        """
+        return self.run.rollouts.sampler.loader
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
+        """The DataLoader evaluation reads (a name of a dict eval_dataset, a dataset, or None: the trainer's); a stream gets 0 workers."""
+        return evaluation.eval_loader(self.run, evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset))
 
     def save_model(self, output_dir: Optional[str] = None) -> None:
         """Write the model and tokenizer (`from_pretrained`-loadable) to output_dir (default: args.output_dir)."""
