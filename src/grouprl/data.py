@@ -156,8 +156,7 @@ class PromptSampler:
     same order. The order and the resumable position stay the sampler's own.
     """
 
-    def __init__(self, dataset: Any, prompts_per_generation: int, *, shuffle: bool, seed: int, num_workers: int = 0,
-                 prefetch_factor: Optional[int] = None):
+    def __init__(self, dataset: Any, prompts_per_generation: int, *, shuffle: bool, seed: int, num_workers: int = 0):
         self.dataset = dataset
         self.prompts_per_generation = prompts_per_generation
         self.shuffle = shuffle
@@ -174,7 +173,7 @@ class PromptSampler:
         if self.iterable:
             self.loader = stream_loader(self._open_stream)
         else:
-            self.loader = batches_loader(dataset, RestOfEpoch(self), num_workers=num_workers, prefetch_factor=prefetch_factor)
+            self.loader = batches_loader(dataset, RestOfEpoch(self), num_workers=num_workers)
 
     @property
     def generations_per_epoch(self) -> Optional[int]:

@@ -14,7 +14,7 @@ was (re)started.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator
 
 import datasets
 import torch
@@ -64,14 +64,13 @@ def private_generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def batches_loader(dataset: Any, batch_sampler: Iterable[list[int]], *, num_workers: int, prefetch_factor: Optional[int] = None) -> DataLoader:
+def batches_loader(dataset: Any, batch_sampler: Iterable[list[int]], *, num_workers: int) -> DataLoader:
     """Lists of (index, row) of a map-style dataset, one list per batch of indices `batch_sampler` yields.
 
     Workers live as long as an iterator over the loader (not persistent): dropping the iterator stops them.
     """
     workers = check_num_workers(num_workers)
-    return DataLoader(IndexedRows(dataset), batch_sampler=batch_sampler, num_workers=workers, collate_fn=as_is,
-                      prefetch_factor=prefetch_factor if workers else None, generator=private_generator())
+    return DataLoader(IndexedRows(dataset), batch_sampler=batch_sampler, num_workers=workers, collate_fn=as_is, generator=private_generator())
 
 
 def stream_loader(open_stream: Callable[[], Iterable[Any]]) -> DataLoader:

@@ -207,8 +207,7 @@ class GRPOTrainer:
                                                       args, max_num_seqs=self.plan.completions_per_process)
         self.generation_backend = backend
         sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset, seed=args.data_seed,
-                                num_workers=args.dataloader_num_workers,
-                                prefetch_factor=getattr(args, "dataloader_prefetch_factor", None))  # a TrainingArguments field
+                                num_workers=args.dataloader_num_workers)
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         tokenize = make_prompt_tokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
                                          chat_template_kwargs=args.chat_template_kwargs, tools=[t.schema for t in agents.tools] if agents else None)
