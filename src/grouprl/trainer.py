@@ -22,7 +22,7 @@ from transformers.utils import logging
 from . import evaluation, loop
 from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, require_peft, save_pretrained, wrap_with_lora
 from .agents import AgentSpec
-from .agents.environments import environment_dataset
+from .agents.environments import EMPTY_PROMPT, environment_dataset
 from .agents.multiturn import TurnSettings
 from .algorithms.entropy import EntropyController
 from .callbacks import CallbackHandler
@@ -35,12 +35,14 @@ from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
 from .generation.vllm import require_vllm
 from .host_memory import reuse_freed_host_memory
+from .log_level import apply_log_level
 from .metrics import JsonlWriter
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
 )
 from .multimodal import check_multimodal_setup, make_prompt_tokenizer, text_tokenizer
 from .reference import Reference, separate_reference_model
+from .row_loading import workers_for
 from .rewards.models import check_reward_funcs, load_reward_functions
 from .rewards.scoring import prepare_reward_functions, reward_name
 from .rollout import RolloutMaker, RolloutSettings
@@ -105,20 +107,26 @@ class GRPOTrainer:
             raise TypeError(f"args must be a grouprl.GRPOConfig, got {type(args).__name__}.")
         self.args = args
         self.accelerator = _make_accelerator(args)
-        _set_log_level(args)
+        apply_log_level(args)
         if self.accelerator.device.type == "cpu":
             reuse_freed_host_memory()  # freed tensors are reused, not page-faulted in again (host_memory.py)
         self.plan = plan_batches(args, self.accelerator.num_processes)
         agents = AgentSpec.from_arguments(tools, environment_factory, rollout_func)  # tool schemas checked, environments probed
         train_dataset = environment_dataset(train_dataset, agents and agents.environments, max_steps=args.max_steps,
                                             prompts_per_generation=self.plan.prompts_per_generation)
-        check_dataset(train_dataset, "train_dataset")
+        environments_own_prompts = bool(agents and agents.environments)  # rows may lack a prompt: reset() supplies it (TRL)
+        check_dataset(train_dataset, "train_dataset", prompt_required=not environments_own_prompts)
         if isinstance(train_dataset, datasets.IterableDataset):
             if args.max_steps <= 0:
                 raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
             _check_stream_dispatch(args)
+        if workers_for(train_dataset, args.dataloader_num_workers) != args.dataloader_num_workers:
+            # Written back as TRL does (its tests read it): workers would interleave shards of the stream (row_loading.py).
+            logger.warning(f"train_dataset is an IterableDataset, whose prompts one reader must stream in order: "
+                           f"dataloader_num_workers={args.dataloader_num_workers} is set to 0.")
+            args.dataloader_num_workers = 0
         if args.eval_strategy != "no":
-            check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
+            check_eval_setup(args, eval_dataset, self.accelerator.num_processes, prompt_required=not environments_own_prompts)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         environment_rewards = agents.reward_functions if agents else []
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
@@ -203,7 +211,7 @@ class GRPOTrainer:
                                                       args, max_num_seqs=self.plan.completions_per_process)
         self.generation_backend = backend
         sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset,
-                                seed=args.seed if args.data_seed is None else args.data_seed)
+                                seed=args.seed if args.data_seed is None else args.data_seed, num_workers=args.dataloader_num_workers)
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         tokenize = make_prompt_tokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
                                          chat_template_kwargs=args.chat_template_kwargs, tools=[t.schema for t in agents.tools] if agents else None)
@@ -227,6 +235,7 @@ class GRPOTrainer:
                 multi_objective_aggregation=args.multi_objective_aggregation,
                 mask_truncated_completions=args.mask_truncated_completions,
                 remove_unused_columns=args.remove_unused_columns, pad_token_id=tokenizer.pad_token_id,
+                default_prompt=EMPTY_PROMPT if environments_own_prompts else None,
             ),
             completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.log_multimodal)
             if args.log_completions else None,
@@ -258,7 +267,8 @@ class GRPOTrainer:
         if self.accelerator.num_processes > 1:
             set_seed(args.seed, device_specific=True)  # seed + process index: each process samples its own completions
         if self.accelerator.is_main_process:
-            logger.warning(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
+            # INFO, as transformers' Trainer logs its run summary: shown with log_level="info" (log_level.py).
+            logger.info(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
         self.run.fire("on_init_end")
 
     # ---- TRL-compatible surface ----------------------------------------------------------
@@ -299,8 +309,21 @@ class GRPOTrainer:
         try:
             return loop.train(self.run)
         finally:
+            self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
             if self.args.report_to:
                 self.accelerator.end_training()
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """The DataLoader that fetches the training prompts' rows (dataloader_num_workers processes for map-style data).
+
+        Unlike transformers', its batches are one generation's unique prompts as (index, row) pairs, in
+        grouprl's seeded, resumable order; the trainer draws from it itself.
+        """
+        return self.run.rollouts.sampler.loader
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
+        """The DataLoader evaluation reads (a name of a dict eval_dataset, a dataset, or None: the trainer's); a stream gets 0 workers."""
+        return evaluation.eval_loader(self.run, evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset))
 
     def save_model(self, output_dir: Optional[str] = None) -> None:
         """Write the model and tokenizer (`from_pretrained`-loadable) to output_dir (default: args.output_dir)."""
@@ -405,13 +428,6 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
         deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
-
-
-def _set_log_level(args: GRPOConfig) -> None:
-    """log_level / log_level_replica / log_on_each_node, as the Trainer applies them (transformers' and grouprl's loggers)."""
-    level = args.get_process_log_level()
-    logging.set_verbosity(level)
-    logger.setLevel(level)
 
 
 def _check_stream_dispatch(args: GRPOConfig) -> None:
