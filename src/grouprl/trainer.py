@@ -19,7 +19,7 @@ from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataPara
 from transformers import PreTrainedModel, Trainer, TrainerState, enable_full_determinism, get_scheduler
 from transformers.utils import logging
 
-from . import evaluation, loop
+from . import evaluation, loop, quantization
 from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, require_peft, save_pretrained, wrap_with_lora
 from .agents import AgentSpec
 from .agents.environments import EMPTY_PROMPT, environment_dataset
@@ -73,6 +73,9 @@ class GRPOTrainer:
         callbacks: ``transformers.TrainerCallback`` instances or classes, called at the Trainer's events
             (see ``grouprl.callbacks``); ``add_callback`` / ``pop_callback`` / ``remove_callback`` change them later.
         optimizers: ``(optimizer, lr_scheduler)``; either may be None to use AdamW / ``lr_scheduler_type``.
+        quantization_config: a ``transformers.BitsAndBytesConfig`` applied when ``model`` is loaded from an id / path
+            (QLoRA; needs ``peft_config``). The same may be given as ``args.model_init_kwargs["quantization_config"]``.
+        peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig``): train adapters only, the base model frozen.
         tools: sync or async functions (type hints + Google-style docstrings) the model may call in
             multi-turn rollouts; needs conversational prompts and a chat template that renders tools.
         environment_factory: a callable making an environment (``reset(**row)``, public methods as tools,
@@ -94,6 +97,7 @@ class GRPOTrainer:
         reward_processing_classes: Any = None,
         callbacks: Optional[list] = None,
         optimizers: tuple[Optional[torch.optim.Optimizer], Any] = (None, None),
+        quantization_config: Any = None,
         peft_config: Any = None,
         tools: Optional[list] = None,
         rollout_func: Optional[Callable] = None,
@@ -156,8 +160,11 @@ class GRPOTrainer:
         if args.use_vllm and args.vllm_mode == "colocate" and generation_backend is None:
             require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")  # before any model is loaded
 
+        policy_init_kwargs = quantization.with_quantization_config(args.model_init_kwargs, quantization_config)
+        quantization.check_request(model, policy_init_kwargs, use_peft)
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
-        self.model = load_model(model, args.model_init_kwargs, args.trust_remote_code)
+        self.model = load_model(model, policy_init_kwargs, args.trust_remote_code)
+        quantization.check_setup(self.model, use_peft, args, generation_backend)
         if peft_config is not None and is_peft_model(self.model):
             raise ValueError("model is already a PeftModel; pass either a PeftModel or peft_config, not both.")
         reference_model = None
@@ -193,6 +200,7 @@ class GRPOTrainer:
                                  "target_modules / modules_to_save, or leave cast_lm_head_to_fp32=False.")
         elif use_peft and args.beta != 0.0:  # a pre-wrapped adapter may be trained already: keep a frozen copy as pi_ref
             reference_adapter = add_reference_adapter(self.model)
+        quantization.prepare_policy(self.model, bf16_capable=self.accelerator.device.type != "cpu" or cpu_has_fast_bf16())
 
         steps_per_epoch = None
         if not isinstance(train_dataset, datasets.IterableDataset):
