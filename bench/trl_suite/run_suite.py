@@ -69,18 +69,52 @@ def build_standins(python: str, hf_home: Path, rebuild: bool) -> None:
     subprocess.run([python, "-m", "bench.trl_suite.standins", str(hf_home)], cwd=REPO, check=True)
 
 
-def run_pytest(python: str, suite: Path, hf_home: Path, report: Path, grouprl_src: Path | None, timeout: int,
-               extra: list[str]) -> subprocess.Popen:
+def suite_env(hf_home: Path, report: Path, grouprl_src: Path | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_TOKEN")}
     env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", TRL_SUITE_REPORT=str(report), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
                HF_DATASETS_CACHE=str(hf_home / "datasets"))
     if grouprl_src is not None:
         env["PYTHONPATH"] = str(grouprl_src)
+    return env
+
+
+def collect(python: str, suite: Path, hf_home: Path, grouprl_src: Path | None, extra: list[str]) -> list[str]:
+    """The suite's test ids, in run order (relative to the suite folder)."""
     command = [python, "-m", "pytest", *[f"tests/{name}" for name in TEST_FILES], "-p", "no:cacheprovider",
-               f"--timeout={timeout}", "-q", "-rN", "--tb=line", *extra]
-    log = open(suite / "pytest.log", "w")
-    return subprocess.Popen(command, cwd=suite, env=env, stdout=log, stderr=subprocess.STDOUT)
+               "--collect-only", "-q", *extra]
+    done = subprocess.run(command, cwd=suite, env=suite_env(hf_home, suite / "collect.json", grouprl_src),
+                          capture_output=True, text=True)
+    ids = [line[line.index("tests/"):] for line in done.stdout.splitlines() if "::" in line and "tests/" in line]
+    if not ids:
+        raise SystemExit(f"collection in {suite} found no tests:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return ids
+
+
+def run_pytest(python: str, suite: Path, hf_home: Path, report: Path, grouprl_src: Path | None, timeout: int,
+               extra: list[str], tests: list[str] | None = None, log_name: str = "pytest.log") -> subprocess.Popen:
+    targets = tests if tests is not None else [f"tests/{name}" for name in TEST_FILES]
+    command = [python, "-m", "pytest", *targets, "-p", "no:cacheprovider", f"--timeout={timeout}", "-q", "-rN",
+               "--tb=line", *extra]
+    log = open(suite / log_name, "w")
+    return subprocess.Popen(command, cwd=suite, env=suite_env(hf_home, report, grouprl_src), stdout=log, stderr=subprocess.STDOUT)
+
+
+def start_suite(python: str, suite: Path, hf_home: Path, grouprl_src: Path | None, timeout: int, extra: list[str],
+                shards: int) -> list[tuple[subprocess.Popen, Path]]:
+    """One pytest process, or `shards` processes over contiguous slices of the collected tests (the training
+    tests are CPU-bound and single-threaded, so slices finish in a fraction of the time on a busy machine)."""
+    if shards <= 1:
+        report = suite / "report.json"
+        return [(run_pytest(python, suite, hf_home, report, grouprl_src, timeout, extra), report)]
+    ids = collect(python, suite, hf_home, grouprl_src, extra)
+    size = -(-len(ids) // shards)
+    started = []
+    for index in range(0, len(ids), size):
+        report = suite / f"report-{index // size}.json"
+        started.append((run_pytest(python, suite, hf_home, report, grouprl_src, timeout, extra, ids[index:index + size],
+                                   f"pytest-{index // size}.log"), report))
+    return started
 
 
 def main(argv=None) -> int:
@@ -93,6 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=("both", "trl", "grouprl"), default="both")
     parser.add_argument("--sequential", action="store_true", help="run the two suites one after the other (default: side by side)")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds")
+    parser.add_argument("--shards", type=int, default=1, help="pytest processes per suite, over contiguous slices of its tests")
     parser.add_argument("--rebuild-standins", action="store_true")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k training")
     args = parser.parse_args(argv)
@@ -103,24 +138,25 @@ def main(argv=None) -> int:
     build_standins(args.python, hf_home, args.rebuild_standins)
 
     runs = [name for name in ("trl", "grouprl") if args.only in ("both", name)]
-    started, processes = time.time(), {}
+    started, processes, reports = time.time(), {}, {}
     for name in runs:
         suite = work / f"suite-{name}"
         prepare_suite(source, suite, swap=(name == "grouprl"))
-        process = run_pytest(args.python, suite, hf_home, suite / "report.json",
-                             args.grouprl_src.resolve() if name == "grouprl" else None, args.timeout, args.pytest_args)
-        processes[name] = process
+        launched = start_suite(args.python, suite, hf_home, args.grouprl_src.resolve() if name == "grouprl" else None,
+                               args.timeout, args.pytest_args, args.shards)
+        processes[name] = [process for process, _ in launched]
+        reports[name] = [report for _, report in launched]
         if args.sequential:
-            process.wait()
-    for name, process in processes.items():
-        process.wait()
-        print(f"{name}: pytest exited {process.returncode} ({work / f'suite-{name}' / 'pytest.log'})")
+            for process in processes[name]:
+                process.wait()
+    for name in runs:
+        codes = [process.wait() for process in processes[name]]
+        print(f"{name}: pytest exit code(s) {codes}; logs and reports in {work / f'suite-{name}'}")
     print(f"wall time {time.time() - started:.0f} s")
 
     from .summary import write_summary
 
-    reports = {name: work / f"suite-{name}" / "report.json" for name in ("trl", "grouprl")}
-    if all(path.exists() for path in reports.values()):
+    if set(reports) == {"trl", "grouprl"} and all(path.exists() for paths in reports.values() for path in paths):
         write_summary(reports["trl"], reports["grouprl"], args.out, source=str(source))
         print(f"wrote {args.out / 'results.json'} and {args.out / 'results.md'}")
     return 0

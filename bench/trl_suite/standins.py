@@ -109,13 +109,27 @@ def _sequence_classifier(config_class, model_class, spec, seed, **overrides):
     return model_class(config)
 
 
+# Vocabulary of the stand-in policies whose tests never name token ids. On CPU a GRPO step costs in
+# proportion to the vocabulary (log-probabilities, sampling), and the real 151k-256k vocabularies made one
+# test take minutes on two shared cores. 32768 keeps the chance that a random model emits EOS within a
+# few hundred 8-token completions small, which `test_training_with_mask_truncated_completions_all_masked`
+# relies on. Kept real: the Qwen3-MoE policy (the tool-calling tests script completions as Qwen ids) and
+# the reward models (no vocabulary-sized output).
+COMPACT_VOCAB = 32768
+
+
+def _eos_ids(spec: tok.TokenizerSpec, *tokens: str) -> list[int]:
+    ids = {text: token_id for token_id, text in spec.specials.items()}
+    return [ids[t] for t in tokens]
+
+
 def build_text_models(root: Path) -> list[str]:
     import transformers as tf
 
-    qwen25, qwen3 = tok.qwen("qwen2_5.jinja"), tok.qwen("qwen3.jinja")
-    im_end, endoftext = tok.QWEN_FIRST_SPECIAL + 2, tok.QWEN_FIRST_SPECIAL
+    qwen25, qwen3 = tok.qwen("qwen2_5.jinja", COMPACT_VOCAB), tok.qwen("qwen3.jinja", COMPACT_VOCAB)
+    qwen25_full, qwen3_full = tok.qwen("qwen2_5.jinja"), tok.qwen("qwen3.jinja")
     llama = tok.llama3("llama3_2.jinja")
-    gemma2 = tok.gemma("gemma.jinja")
+    gemma2 = tok.gemma("gemma.jinja", vocab_size=COMPACT_VOCAB)
     built = []
 
     def add(name, model, spec, generation_eos=None):
@@ -123,17 +137,18 @@ def build_text_models(root: Path) -> list[str]:
         built.append(f"{ORG}/{name}")
 
     add("tiny-Qwen2ForCausalLM-2.5", _causal_lm(tf.Qwen2Config, tf.Qwen2ForCausalLM, qwen25, 0, tie_word_embeddings=True),
-        qwen25, [im_end, endoftext])
+        qwen25, _eos_ids(qwen25, "<|im_end|>", "<|endoftext|>"))
     add("tiny-Qwen2ForSequenceClassification-2.5",
-        _sequence_classifier(tf.Qwen2Config, tf.Qwen2ForSequenceClassification, qwen25, 1, tie_word_embeddings=True), qwen25)
+        _sequence_classifier(tf.Qwen2Config, tf.Qwen2ForSequenceClassification, qwen25_full, 1, tie_word_embeddings=True),
+        qwen25_full)
     add("tiny-Qwen3ForCausalLM", _causal_lm(tf.Qwen3Config, tf.Qwen3ForCausalLM, qwen3, 2, head_dim=4, tie_word_embeddings=False),
-        qwen3, [im_end, endoftext])
+        qwen3, _eos_ids(qwen3, "<|im_end|>", "<|endoftext|>"))
     add("tiny-Qwen3ForSequenceClassification",
-        _sequence_classifier(tf.Qwen3Config, tf.Qwen3ForSequenceClassification, qwen3, 3, head_dim=4), qwen3)
+        _sequence_classifier(tf.Qwen3Config, tf.Qwen3ForSequenceClassification, qwen3_full, 3, head_dim=4), qwen3_full)
     add("tiny-Qwen3MoeForCausalLM",
-        _causal_lm(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, qwen3, 4, head_dim=4, num_experts=4, num_experts_per_tok=2,
+        _causal_lm(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, qwen3_full, 4, head_dim=4, num_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=16, decoder_sparse_step=1, tie_word_embeddings=False),
-        qwen3, [im_end, endoftext])
+        qwen3_full, _eos_ids(qwen3_full, "<|im_end|>", "<|endoftext|>"))
     add("tiny-Gemma2ForCausalLM", _causal_lm(tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma2, 5, head_dim=4, tie_word_embeddings=True),
         gemma2, [1, 107])
     add("tiny-LlamaForSequenceClassification-3.2",

@@ -20,12 +20,21 @@ def _key(nodeid: str) -> str:
     return nodeid[nodeid.index("tests/") + len("tests/"):] if "tests/" in nodeid else nodeid
 
 
-def _load(path: Path) -> tuple[dict[str, dict], list[str]]:
-    data = json.loads(Path(path).read_text())
-    tests = {_key(nodeid): entry for nodeid, entry in data["tests"].items()}
-    for nodeid in data.get("collected", []):  # collected but never reported: the run was stopped first
-        tests.setdefault(_key(nodeid), {"outcome": "missing", "message": "not reached (run stopped)", "duration": 0.0})
-    return tests, data.get("shims", [])
+def _load(paths) -> tuple[dict[str, dict], list[str]]:
+    """One side's results; several report files (the suite split over processes) are merged."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    tests, shims = {}, []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        shims += [s for s in data.get("shims", []) if s not in shims]
+        for nodeid, entry in data["tests"].items():
+            if entry["outcome"] is None:  # set up, then interrupted before its call finished
+                entry = {**entry, "outcome": "missing", "message": "interrupted (run stopped)"}
+            if entry["outcome"] != "missing" or _key(nodeid) not in tests:
+                tests[_key(nodeid)] = entry
+        for nodeid in data.get("collected", []):  # collected but never reported: the run was stopped first
+            tests.setdefault(_key(nodeid), {"outcome": "missing", "message": "not reached (run stopped)", "duration": 0.0})
+    return tests, shims
 
 
 def verdict(outcome: str | None) -> str:
@@ -58,7 +67,8 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")[:220]
 
 
-def write_summary(trl_report: Path, grouprl_report: Path, out: Path, source: str = "") -> dict:
+def write_summary(trl_report, grouprl_report, out: Path, source: str = "", notes: str = "") -> dict:
+    """`trl_report` / `grouprl_report`: a report file each, or lists of them (sharded or resumed runs)."""
     trl, trl_shims = _load(trl_report)
     grouprl, grouprl_shims = _load(grouprl_report)
     rows = compare(trl, grouprl)
@@ -66,7 +76,7 @@ def write_summary(trl_report: Path, grouprl_report: Path, out: Path, source: str
     gains = [r for r in rows if verdict(r["trl"]) == "fail" and verdict(r["grouprl"]) == "pass"]
     both_fail = [r for r in rows if verdict(r["trl"]) == "fail" and verdict(r["grouprl"]) == "fail"]
     result = {
-        "date": date.today().isoformat(), "trl_tests_source": source, "shims": sorted(set(trl_shims) | set(grouprl_shims)),
+        "date": date.today().isoformat(), "trl_tests_source": source, "notes": notes, "shims": sorted(set(trl_shims) | set(grouprl_shims)),
         "trl": counts(rows, "trl"), "grouprl": counts(rows, "grouprl"),
         "trl_pass_grouprl_fail": [r["test"] for r in regressions], "grouprl_pass_trl_fail": [r["test"] for r in gains],
         "both_fail": [r["test"] for r in both_fail], "tests": rows,
@@ -87,6 +97,8 @@ def render(result: dict) -> str:
         "`tests/test_grpo_trainer.py` and `tests/test_rewards.py`, offline, on locally built stand-ins of its tiny "
         "Hub models and datasets; once with `trl` 1.16.0, once with only the import lines swapped to grouprl.",
         "",
+        *([f"TRL's test files: {result['trl_tests_source']}.", ""] if result["trl_tests_source"] else []),
+        *([result["notes"], ""] if result["notes"] else []),
         "| | tests | pass | skip | fail | not run |",
         "|---|---|---|---|---|---|",
         f"| TRL 1.16.0 | {t['total']} | {t['pass']} | {t['skip']} | {t['fail']} | {t['not_run']} |",
@@ -128,6 +140,7 @@ def render(result: dict) -> str:
 
 
 if __name__ == "__main__":
+    # python -m bench.trl_suite.summary TRL_REPORT[,MORE] GROUPRL_REPORT[,MORE] OUT_DIR [SOURCE [NOTES]]
     import sys
 
-    write_summary(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
+    write_summary(sys.argv[1].split(","), sys.argv[2].split(","), Path(sys.argv[3]), *sys.argv[4:6])
