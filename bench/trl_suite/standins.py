@@ -1,0 +1,256 @@
+"""Builds offline stand-ins of the Hub models and datasets TRL's GRPO tests load, in cache layouts.
+
+Models go into a Hugging Face hub cache (``<root>/hub/models--<org>--<name>/snapshots/<rev>/``) and
+datasets into a ``datasets`` cache (``<root>/datasets/<org>___<name>/<config>/0.0.0/<hash>/``), so
+with ``HF_HOME=<root>`` and ``HF_HUB_OFFLINE=1`` the tests' own ids (``"trl-internal-testing/zen"``,
+``"trl-internal-testing/tiny-Qwen2ForCausalLM-2.5"``) resolve with no patching of the code under test.
+
+Models are randomly initialised with the tiny sizes TRL's own tiny checkpoints use (hidden size 8,
+two layers) and the real vocabulary sizes; tokenizers come from ``standin_tokenizers``. The zen
+datasets are the Zen of Python split into prompt / completion as TRL's are (the order of the first
+12 prompts is asserted by a test).
+
+Run with the Python of the environment that has ``trl`` installed (its chat templates are read):
+``python -m bench.trl_suite.standins <root>`` (or let ``run_suite.py`` do it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from . import standin_tokenizers as tok
+
+ORG = "trl-internal-testing"
+
+# The Zen of Python as (prompt, completion): the first 17 lines are `train`, the last 2 `test`.
+ZEN = [
+    ("Beautiful is better than", " ugly."),
+    ("Explicit is", " better than implicit."),
+    ("Simple is better", " than complex."),
+    ("Complex", " is better than complicated."),
+    ("Flat is better than", " nested."),
+    ("Sparse is better", " than dense."),
+    ("Readability", " counts."),
+    ("Special cases aren't special", " enough to break the rules."),
+    ("Although practicality beats", " purity."),
+    ("Errors should never", " pass silently."),
+    ("Unless explicitly", " silenced."),
+    ("In the face of ambiguity, refuse", " the temptation to guess."),
+    ("There should be one-- and preferably", " only one --obvious way to do it."),
+    ("Although that way may not be", " obvious at first unless you're Dutch."),
+    ("Now is better", " than never."),
+    ("Although never is often better than", " *right* now."),
+    ("If the implementation is hard to explain,", " it's a bad idea."),
+    ("If the implementation is easy to explain,", " it may be a good idea."),
+    ("Namespaces are one honking great idea --", " let's do more of those!"),
+]
+TRAIN_ROWS = 17
+
+
+def _revision(name: str) -> str:
+    return hashlib.sha1(f"grouprl-standin:{name}".encode()).hexdigest()
+
+
+def snapshot_dir(root: Path, repo_id: str, kind: str = "models") -> Path:
+    """Creates the hub-cache entry of `repo_id` (refs/main -> a fixed revision) and returns its snapshot folder."""
+    org, name = repo_id.split("/")
+    repo = root / "hub" / f"{kind}--{org}--{name}"
+    revision = _revision(repo_id)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    return snapshot
+
+
+# --- text models ----------------------------------------------------------------------------------
+
+SMALL = dict(hidden_size=8, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _token_ids(spec: tok.TokenizerSpec) -> dict[str, int]:
+    ids = {text: token_id for token_id, text in spec.specials.items()}
+    return {
+        "bos_token_id": ids.get(spec.bos) if spec.bos else None,
+        "eos_token_id": ids[spec.eos],
+        "pad_token_id": ids.get(spec.pad) if spec.pad else None,
+    }
+
+
+def _save_model(root: Path, repo_id: str, model, spec: tok.TokenizerSpec, generation_eos: list[int] | None = None) -> None:
+    from transformers import GenerationConfig
+
+    path = snapshot_dir(root, repo_id)
+    model.save_pretrained(path, safe_serialization=True)
+    ids = _token_ids(spec)
+    GenerationConfig(bos_token_id=ids["bos_token_id"], eos_token_id=generation_eos or ids["eos_token_id"],
+                     pad_token_id=ids["pad_token_id"]).save_pretrained(path)
+    tok.save(spec, path)
+
+
+def _causal_lm(config_class, model_class, spec, seed, **overrides):
+    import torch
+
+    config = config_class(vocab_size=spec.vocab_size, max_position_embeddings=32768, **{**SMALL, **_token_ids(spec), **overrides})
+    torch.manual_seed(seed)
+    return model_class(config)
+
+
+def _sequence_classifier(config_class, model_class, spec, seed, **overrides):
+    import torch
+
+    config = config_class(vocab_size=spec.vocab_size, max_position_embeddings=32768, num_labels=1,
+                          **{**SMALL, **_token_ids(spec), **overrides})
+    torch.manual_seed(seed)
+    return model_class(config)
+
+
+# Vocabulary of the stand-in policies whose tests never name token ids. On CPU a GRPO step costs in
+# proportion to the vocabulary (log-probabilities, sampling), and the real 151k-256k vocabularies made one
+# test take minutes on two shared cores. 32768 keeps the chance that a random model emits EOS within a
+# few hundred 8-token completions small, which `test_training_with_mask_truncated_completions_all_masked`
+# relies on. Kept real: the Qwen3-MoE policy (the tool-calling tests script completions as Qwen ids) and
+# the reward models (no vocabulary-sized output).
+COMPACT_VOCAB = 32768
+
+
+def _eos_ids(spec: tok.TokenizerSpec, *tokens: str) -> list[int]:
+    ids = {text: token_id for token_id, text in spec.specials.items()}
+    return [ids[t] for t in tokens]
+
+
+def build_text_models(root: Path) -> list[str]:
+    import transformers as tf
+
+    qwen25, qwen3 = tok.qwen("qwen2_5.jinja", COMPACT_VOCAB), tok.qwen("qwen3.jinja", COMPACT_VOCAB)
+    qwen25_full, qwen3_full = tok.qwen("qwen2_5.jinja"), tok.qwen("qwen3.jinja")
+    llama = tok.llama3("llama3_2.jinja")
+    gemma2 = tok.gemma("gemma.jinja", vocab_size=COMPACT_VOCAB)
+    built = []
+
+    def add(name, model, spec, generation_eos=None):
+        _save_model(root, f"{ORG}/{name}", model, spec, generation_eos)
+        built.append(f"{ORG}/{name}")
+
+    add("tiny-Qwen2ForCausalLM-2.5", _causal_lm(tf.Qwen2Config, tf.Qwen2ForCausalLM, qwen25, 0, tie_word_embeddings=True),
+        qwen25, _eos_ids(qwen25, "<|im_end|>", "<|endoftext|>"))
+    add("tiny-Qwen2ForSequenceClassification-2.5",
+        _sequence_classifier(tf.Qwen2Config, tf.Qwen2ForSequenceClassification, qwen25_full, 1, tie_word_embeddings=True),
+        qwen25_full)
+    add("tiny-Qwen3ForCausalLM", _causal_lm(tf.Qwen3Config, tf.Qwen3ForCausalLM, qwen3, 2, head_dim=4, tie_word_embeddings=False),
+        qwen3, _eos_ids(qwen3, "<|im_end|>", "<|endoftext|>"))
+    add("tiny-Qwen3ForSequenceClassification",
+        _sequence_classifier(tf.Qwen3Config, tf.Qwen3ForSequenceClassification, qwen3_full, 3, head_dim=4), qwen3_full)
+    add("tiny-Qwen3MoeForCausalLM",
+        _causal_lm(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, qwen3_full, 4, head_dim=4, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, decoder_sparse_step=1, tie_word_embeddings=False),
+        qwen3_full, _eos_ids(qwen3_full, "<|im_end|>", "<|endoftext|>"))
+    add("tiny-Gemma2ForCausalLM", _causal_lm(tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma2, 5, head_dim=4, tie_word_embeddings=True),
+        gemma2, [1, 107])
+    add("tiny-LlamaForSequenceClassification-3.2",
+        _sequence_classifier(tf.LlamaConfig, tf.LlamaForSequenceClassification, llama, 6, tie_word_embeddings=True), llama)
+    return built
+
+
+# --- datasets -------------------------------------------------------------------------------------
+
+def _image(seed: int, size: int = 32):
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, mode="RGB")
+
+
+def zen_rows(config: str) -> dict[str, list[dict]]:
+    splits = {"train": ZEN[:TRAIN_ROWS], "test": ZEN[TRAIN_ROWS:]}
+    out = {}
+    for split, rows in splits.items():
+        if config == "standard_prompt_only":
+            out[split] = [{"prompt": p} for p, _ in rows]
+        elif config == "conversational_prompt_only":
+            out[split] = [{"prompt": [{"role": "user", "content": p}]} for p, _ in rows]
+        else:
+            raise ValueError(config)
+    return out
+
+
+def zen_image_rows(images_per_row: int) -> dict[str, list[dict]]:
+    out = {}
+    for split, rows in {"train": ZEN[:TRAIN_ROWS], "test": ZEN[TRAIN_ROWS:]}.items():
+        out[split] = []
+        for i, (prompt, _) in enumerate(rows):
+            blocks = [{"type": "image", "text": None}] * images_per_row + [{"type": "text", "text": prompt}]
+            row = {"prompt": [{"role": "user", "content": blocks}]}
+            pictures = [_image(1000 * images_per_row + 10 * i + k) for k in range(images_per_row)]
+            if images_per_row == 1:
+                row["image"] = pictures[0]
+            else:
+                row["images"] = pictures
+            out[split].append(row)
+    return out
+
+
+DATASETS = {
+    ("zen", "standard_prompt_only"): lambda: zen_rows("standard_prompt_only"),
+    ("zen", "conversational_prompt_only"): lambda: zen_rows("conversational_prompt_only"),
+    ("zen-image", "conversational_prompt_only"): lambda: zen_image_rows(1),
+    ("zen-multi-image", "conversational_prompt_only"): lambda: zen_image_rows(2),
+}
+
+
+def build_dataset(root: Path, name: str, config: str, rows: dict[str, list[dict]]) -> None:
+    """Writes the splits as parquet, then prepares them with `datasets`' own builder under the repo id,
+    so the prepared copy lands exactly where offline `load_dataset(repo_id, config)` looks."""
+    import datasets
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    repo_id = f"{ORG}/{name}"
+    raw = root / "raw" / name / config
+    raw.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, split_rows in rows.items():
+        path = raw / f"{split}.parquet"
+        datasets.Dataset.from_list(split_rows).to_parquet(str(path))
+        files[split] = [str(path)]
+    # Prepared under the bare name (the builder refuses local files for a repo id), then moved to the
+    # folder offline loading of the repo id reads: <org>___<name>/<config>/0.0.0/<hash>.
+    builder = Parquet(cache_dir=str(root / "prepare"), dataset_name=name, config_name=config, data_files=files,
+                      hash=_revision(f"{repo_id}/{config}")[:16], version="0.0.0")
+    builder.download_and_prepare()
+    prepared = Path(builder.cache_dir)
+    wanted = root / "datasets" / f"{ORG}___{name}" / config / "0.0.0" / prepared.name
+    if wanted.exists():
+        shutil.rmtree(wanted)
+    wanted.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(prepared), str(wanted))
+    info = json.loads((wanted / "dataset_info.json").read_text())
+    info["config_name"] = config  # the prepared folder's config id carries a hash of data_files
+    (wanted / "dataset_info.json").write_text(json.dumps(info))
+
+
+def build_datasets(root: Path) -> list[str]:
+    built = []
+    for (name, config), make in DATASETS.items():
+        build_dataset(root, name, config, make())
+        built.append(f"{ORG}/{name}:{config}")
+    return built
+
+
+STAMP = "standins.json"
+
+
+def build_all(root: Path) -> dict:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    report = {"models": build_text_models(root), "datasets": build_datasets(root)}
+    (root / STAMP).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(build_all(Path(sys.argv[1])), indent=2))
