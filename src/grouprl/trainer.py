@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, set_seed
 from transformers import PreTrainedModel, Trainer, TrainerControl, TrainerState, enable_full_determinism, get_scheduler
+from huggingface_hub import ModelCard
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
@@ -397,17 +398,27 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
             self.processing_class.save_pretrained(output_dir)
 
     def push_to_hub(self, commit_message: str = "End of training", **kwargs: Any) -> Any:
-        """Save, then push the model and tokenizer to args.hub_model_id (default: output_dir's name), with
-        args.hub_token / hub_private_repo / hub_revision unless given here."""
+        """Save, write the model card, then push the model, tokenizer and card (README.md) to args.hub_model_id
+        (default: output_dir's name), with args.hub_token / hub_private_repo / hub_revision unless given here.
+        As Trainer's, `model_name`, `dataset_name` and `tags` go to create_model_card (TRL's script passes
+        dataset_name); other keyword arguments go to the model's and tokenizer's push_to_hub."""
+        card = {name: kwargs.pop(name) for name in ("model_name", "dataset_name", "tags") if name in kwargs}
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         self.save_model()
         if not self.accelerator.is_main_process:
             return None
+        card.setdefault("model_name", repo_id.split("/")[-1])
+        self.create_model_card(**card)
         hub = {"token": self.args.hub_token, "private": self.args.hub_private_repo, "revision": self.args.hub_revision}
         kwargs = {**{k: v for k, v in hub.items() if v is not None}, **kwargs}
         model = self.accelerator.unwrap_model(self.run.model)
         self.processing_class.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
-        return model.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
+        result = model.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
+        pushed = getattr(getattr(result, "repo_url", None), "repo_id", None)  # owner/name as the Hub resolved it
+        self._pushed_repo_id = pushed or repo_id
+        ModelCard.load(os.path.join(self.args.output_dir, "README.md")).push_to_hub(
+            self._pushed_repo_id, token=kwargs.get("token"), revision=kwargs.get("revision"), commit_message=commit_message)
+        return result
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sample and score every eval prompt (num_generations_eval each); return and log eval_* metrics.
