@@ -188,6 +188,8 @@ def train(run: TrainingRun) -> dict[str, float]:
     ga = run.plan.gradient_accumulation_steps
     logging_steps = resolve_steps(config.logging_steps, run.total_steps)
     save_steps = resolve_steps(config.save_steps, run.total_steps)
+    if accelerator.is_main_process:
+        os.makedirs(config.output_dir, exist_ok=True)  # metrics.jsonl, completions and checkpoints go there
     progress = tqdm(total=run.total_steps, initial=state.global_step, desc="grouprl", unit="step", disable=config.disable_tqdm or not accelerator.is_main_process)
     run.progress = progress
     run.model.train()
