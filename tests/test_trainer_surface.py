@@ -506,3 +506,32 @@ def test_callbacks_see_control_through_the_trainer(tiny_model_dir, tmp_path):
                           callbacks=[Stop()], generation_backend=scripted(tiny_model_dir))
     trainer.train()
     assert trainer.state.global_step == 1 and trainer.control.should_training_stop
+
+
+@pytest.mark.parametrize("log_multimodal", [True, False])
+def test_vlm_logs_images_only_with_log_multimodal(tmp_path, log_multimodal):
+    from vlm_models import image, tiny_qwen2_vl
+
+    model, processor = tiny_qwen2_vl()
+    data = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i}?"}], "image": image(i)} for i in range(4)])
+    config = make_config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=4, max_steps=1,
+                         log_multimodal=log_multimodal)
+    trainer = GRPOTrainer(model, lambda completions, **k: [1.0] * len(completions), args=config, train_dataset=data,
+                          processing_class=processor)
+    trainer.train()
+    assert len(trainer._logs["prompt"]) == 4
+    if log_multimodal:  # each row's prompt images, as TRL keeps them: the images of that row's prompt
+        assert len(trainer._logs["images"]) == 4
+        originals = {image(i).tobytes() for i in range(4)}
+        for prompt, row in zip(trainer._logs["prompt"], trainer._logs["images"]):
+            blocks = [block["image"] for block in prompt[0]["content"] if block["type"] == "image"]
+            assert len(row) == 1 and row[0].tobytes() == blocks[0].tobytes() and row[0].tobytes() in originals
+    else:
+        assert len(trainer._logs["images"]) == 0
+
+    class CustomLogps(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, **kwargs)
+
+    with pytest.raises(NotImplementedError, match="overrides _get_per_token_logps_and_entropies, which grouprl can call only for text"):
+        CustomLogps(model, lambda completions, **k: [1.0] * len(completions), args=config, train_dataset=data, processing_class=processor)
