@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, set_seed
 from transformers import PreTrainedModel, Trainer, TrainerControl, TrainerState, enable_full_determinism, get_scheduler
-from huggingface_hub import ModelCard
+from huggingface_hub import HfApi
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
@@ -416,8 +416,10 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         result = model.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
         pushed = getattr(getattr(result, "repo_url", None), "repo_id", None)  # owner/name as the Hub resolved it
         self._pushed_repo_id = pushed or repo_id
-        ModelCard.load(os.path.join(self.args.output_dir, "README.md")).push_to_hub(
-            self._pushed_repo_id, token=kwargs.get("token"), revision=kwargs.get("revision"), commit_message=commit_message)
+        # after the model: its push writes a bare README.md, which the card replaces
+        HfApi(token=kwargs.get("token")).upload_file(
+            path_or_fileobj=os.path.join(self.args.output_dir, "README.md"), path_in_repo="README.md", repo_id=self._pushed_repo_id,
+            revision=kwargs.get("revision"), commit_message=commit_message)
         return result
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> dict[str, float]:
