@@ -1,4 +1,5 @@
-"""One generation batch, made ready to train on.
+"""One generation batch, made ready to train on (score_generation: GRPOTrainer._generate_and_score_completions),
+then cut into micro-batches (split_generation, called by GRPOTrainer._prepare_inputs).
 
     draw completions -> rewards -> advantages -> TrainBatch
         (dynamic sampling: drop groups whose rewards tie, draw further generations to refill)
@@ -12,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.utils import logging
@@ -30,11 +31,6 @@ if TYPE_CHECKING:
     from .loop import TrainingRun
 
 logger = logging.get_logger("grouprl")
-
-
-def generation_micro_batches(run: "TrainingRun", inputs: Optional[GenerationInputs] = None) -> list[TrainBatch]:
-    """Generate and score one generation batch (`inputs`, default: the next prompts); return its micro-batches in training order."""
-    return split_generation(run, score_generation(run, inputs if inputs is not None else run.rollouts.draw_prompts()))
 
 
 def score_generation(run: "TrainingRun", inputs: GenerationInputs) -> TrainBatch:

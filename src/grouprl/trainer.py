@@ -84,6 +84,11 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
             rollout replacing generation. See ``grouprl.agents`` and the README's "Tools and agents".
         generation_backend: grouprl extension: any object with the ``GenerationBackend`` protocol
             (default: transformers ``generate`` on the policy).
+
+    Subclass it as TRL's: the loop runs through TRL's override points (training_step, _prepare_inputs,
+    _generate_and_score_completions, _generate, _calculate_rewards, compute_loss, _compute_loss,
+    _get_per_token_logps_and_entropies, get_high_entropy_mask, get_off_policy_mask, log; see trainer_hooks.py), and a
+    subclass overriding a TRL method grouprl never calls is refused when it is defined.
     """
 
     _grouprl_surface = True  # TRL's methods defined here are grouprl's own (subclasses are checked: trainer_hooks.py)
