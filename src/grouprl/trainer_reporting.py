@@ -77,6 +77,10 @@ class TrainerReporting:
         ``images`` (with log_multimodal), ``rewards[name]``, ``extra[column]``; see completion_log.RecentCompletions."""
         return self.run.rollouts.recent.logs
 
+    @_logs.setter
+    def _logs(self, logs: dict[str, Any]) -> None:  # a script may swap the whole dict, as with TRL's attribute
+        self.run.rollouts.recent.logs = logs
+
     def create_model_card(self, model_name: Optional[str] = None, dataset_name: Optional[str] = None,
                           tags: Union[str, list[str], None] = None) -> None:
         """Write a model card (README.md) to output_dir, as TRL's: front matter (base model, library, tags, datasets)
