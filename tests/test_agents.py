@@ -336,6 +336,39 @@ def test_environment_owned_data_and_reward(tool_model_dir, tmp_path, tok):
     assert log["rewards/Puzzle/mean"] == pytest.approx(2.5) and log["tools/call_frequency"] == 1.0
 
 
+def test_dataset_of_environment_names_only(tool_model_dir, tmp_path, tok):
+    """TRL's test_environment_owned_reward_mixed_environments / test_train_with_multiple_environments: a dict factory
+    and a dataset holding only the routing column; each prompt is an empty user message that reset() completes."""
+    made = []
+
+    def counter():
+        made.append(Counter())
+        return made[-1]
+
+    def script(prompt, s):
+        if answered(tok, prompt):
+            return turn(tok, "ok")
+        return turn(tok, call_text("increment", step=2) if '"name": "increment"' in tok.decode(prompt) else "nothing to do")
+
+    routing = datasets.Dataset.from_dict({"environment": ["counter", "echo", "counter", "echo"]})
+    trainer, _ = make_trainer(tool_model_dir, tmp_path, script, tok, reward_funcs=None, train_dataset=routing,
+                              environment_factory={"counter": counter, "echo": Echo})
+    assert trainer.reward_func_names == ["Counter"]  # the environment owns the reward; Echo rollouts get None
+    rollout = trainer.run.rollouts.sample()
+    assert made[0].resets[-1] == {}  # no placeholder prompt and no routing column among reset()'s arguments, as in TRL
+    expected = tok.apply_chat_template([{"role": "user", "content": " Count up."}], tools=[made[0].increment],
+                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert rollout.completions[0].prompt_ids == list(expected)
+    assert rollout.completions[3].prompt_ids == list(tok.apply_chat_template([{"role": "user", "content": ""}], tools=[Echo().shout],
+                                                                             add_generation_prompt=True, tokenize=True, return_dict=False))
+    rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
+    assert rewards.per_function[:3, 0].tolist() == [2.0, 2.0, 2.0] and torch.isnan(rewards.per_function[3:, 0]).all()
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    with pytest.raises(ValueError, match="no 'prompt' column"):  # without environments a prompt stays required
+        make_trainer(tool_model_dir, tmp_path, script, tok, train_dataset=routing)
+
+
 # ---- rollout_func -------------------------------------------------------------------------------------------------
 
 
@@ -382,7 +415,7 @@ def test_agent_errors(tool_model_dir, tmp_path, tok):
         make_trainer(tool_model_dir, tmp_path, script, tok, reward_funcs=None, environment_factory=Echo)
     with pytest.raises(ValueError, match="max_steps must be set"):
         GRPOTrainer(model=tool_model_dir, environment_factory=Counter, args=config(tmp_path, max_steps=-1))
-    with pytest.raises(ValueError, match="dict environment_factory .* needs a train_dataset"):
+    with pytest.raises(ValueError, match="requires a `train_dataset` with an `environment` column"):  # TRL's words
         GRPOTrainer(model=tool_model_dir, environment_factory={"a": Counter}, args=config(tmp_path))
     with pytest.raises(ValueError, match="cannot be combined"):
         make_trainer(tool_model_dir, tmp_path, script, tok, tools=[multiply], rollout_func=lambda p, t: {})

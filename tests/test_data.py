@@ -100,3 +100,89 @@ def test_process_slices_split_groups(tokenizer):
     removed = local_prompt_batch([0], rows[:1], generation_index=0, num_generations=2, process_index=0, num_processes=1,
                                  tokenize=tokenize, remove_unused_columns=True)
     assert removed.columns == {}
+
+
+def test_rows_without_prompt_only_where_environments_supply_it(tokenizer):
+    routing = datasets.Dataset.from_dict({"environment": ["a", "b"]})
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        check_dataset(routing)
+    check_dataset(routing, prompt_required=False)
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_factory` is provided"):
+        check_dataset(None)
+    tokenize = PromptTokenizer(tokenizer, max_context=None, max_completion_length=4)
+    rows = list(routing)
+    with pytest.raises(ValueError, match="Row 1 has no 'prompt'.*environment_factory"):
+        local_prompt_batch([1], rows[1:], generation_index=0, num_generations=2, process_index=0, num_processes=1,
+                           tokenize=tokenize, remove_unused_columns=False)
+    placeholder = [{"role": "user", "content": ""}]
+    batch = local_prompt_batch([0, 1], rows, generation_index=0, num_generations=2, process_index=0, num_processes=1,
+                               tokenize=tokenize, remove_unused_columns=False, default_prompt=placeholder)
+    assert batch.prompts == [placeholder, placeholder] and batch.prompts[0] is not placeholder and not batch.prompts_given
+    assert batch.columns == {"environment": ["a", "b"]}
+    assert batch.prompt_ids[0] == tokenize(placeholder, 0)
+
+
+class RowsWithReaderPid:
+    """A map-style dataset whose rows say which process read them."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import os
+
+        return {"prompt": str(i), "pid": os.getpid()}
+
+
+def draws(sampler, count):
+    return [sampler.next_generation() for _ in range(count)]
+
+
+def test_worker_processes_read_the_same_rows_in_the_same_order_and_resume():
+    import os
+
+    data = datasets.Dataset.from_dict({"prompt": [str(i) for i in range(10)], "answer": list(range(10))})
+    plain = PromptSampler(data, 3, shuffle=True, seed=0)
+    expected = draws(plain, 7)  # 3 generations per epoch: crosses two epoch boundaries
+    workers = PromptSampler(data, 3, shuffle=True, seed=0, num_workers=2)
+    assert workers.loader.num_workers == 2
+    assert draws(workers, 7) == expected
+    workers.release()
+    resumed = PromptSampler(data, 3, shuffle=True, seed=0, num_workers=2)
+    draws(resumed, 1)  # its workers have prefetched generations the restored position skips
+    resumed.load_state_dict({"epoch": 0, "position": 2})
+    assert draws(resumed, 5) == expected[2:]
+    resumed.release()
+    reading = PromptSampler(RowsWithReaderPid(6), 2, shuffle=False, seed=0, num_workers=2)
+    pids = {row["pid"] for _, rows in draws(reading, 3) for row in rows}
+    reading.release()  # (a loader left running costs seconds at pytest's exit)
+    assert os.getpid() not in pids and len(pids) == 2  # read in the two worker processes
+    pids = {row["pid"] for _, rows in draws(PromptSampler(RowsWithReaderPid(6), 2, shuffle=False, seed=0), 3) for row in rows}
+    assert pids == {os.getpid()}
+
+
+def test_starting_a_loader_leaves_the_global_rng_alone():
+    import torch
+
+    data = datasets.Dataset.from_dict({"prompt": [str(i) for i in range(10)]})
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    sampler = PromptSampler(data, 3, shuffle=True, seed=0, num_workers=1)
+    draws(sampler, 4)  # two loader starts (epoch 0, epoch 1)
+    sampler.load_state_dict({"epoch": 0, "position": 1})
+    draws(sampler, 1)
+    sampler.release()
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_bad_worker_counts_and_streams():
+    from grouprl.row_loading import workers_for
+
+    data = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
+    with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an integer >= 0"):
+        PromptSampler(data, 1, shuffle=False, seed=0, num_workers=-1)
+    assert workers_for(data.to_iterable_dataset(), 4) == 0 and workers_for(data, 4) == 4

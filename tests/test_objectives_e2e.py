@@ -394,6 +394,21 @@ def test_dubious_combinations_are_logged(tmp_path, caplog):
     assert "luspo' is meant for importance_sampling_level='sequence'" in caplog.text
 
 
+@pytest.mark.parametrize("loss_type", ["bnpo", "cispo", "dapo", "dr_grpo"])
+def test_sequence_level_with_token_summed_loss_warns_in_trl_words(tmp_path, caplog, loss_type):
+    """TRL's test_warning_raised_sequence_level_with_token_summed_loss: captured through another package's logger,
+    so the record has to propagate to the root handlers."""
+    args = make_config(tmp_path, loss_type=loss_type, importance_sampling_level="sequence")
+    with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"), pytest.raises(OSError):
+        GRPOTrainer(model="/nonexistent/model", reward_funcs=distinct_tokens, args=args, train_dataset=prompts())
+    assert "weights each sequence by its completion length" in caplog.text and f"loss_type='{loss_type}'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"), pytest.raises(OSError):
+        GRPOTrainer(model="/nonexistent/model", reward_funcs=distinct_tokens, train_dataset=prompts(),
+                    args=make_config(tmp_path, loss_type="grpo", importance_sampling_level="sequence"))
+    assert "weights each sequence" not in caplog.text
+
+
 # ---- invariances of the update -----------------------------------------------------------------
 
 

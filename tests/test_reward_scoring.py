@@ -201,3 +201,23 @@ def test_bad_reward_funcs_argument():
         prepare_reward_functions([3])
     with pytest.raises(TypeError, match="reward model .*load_reward_functions"):
         prepare_reward_functions("some/reward-model")
+
+
+def test_row_no_function_scores_is_warned_with_its_arguments_as_trl(caplog):
+    """TRL's test_warning_raised_all_rewards_none captures this through a logger of its own package: the
+    record must reach the root handlers (propagate) with TRL's wording."""
+    def none_for_b(prompts, **kwargs):
+        return [None if p == "b" else 1.0 for p in prompts]
+
+    with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"):
+        out = score([none_for_b, lambda completions, **k: [None] * 3])
+    assert out[1].isnan().all() and not out[0].isnan().all()
+    (record,) = [r for r in caplog.records if "All reward functions returned None" in r.getMessage()]
+    message = record.getMessage()
+    assert message.startswith("All reward functions returned None for the following kwargs: {'answer': '2', 'prompt': 'b', "
+                              "'completion': 'yy'}")
+    assert "1 of 3 completions got no reward" in message and "trainer_state" not in message
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        score([length_reward, lambda completions, **k: [None] * 3])  # one function scores every row: nothing to warn about
+    assert "All reward functions returned None" not in caplog.text

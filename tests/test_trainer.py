@@ -1,6 +1,7 @@
 """End-to-end GRPOTrainer runs on tiny local models: formats, metrics, resume, invariance, bad input."""
 
 import json
+import logging
 import os
 
 import datasets
@@ -166,7 +167,7 @@ MISSING_MODEL = "/nonexistent/model"  # reaching the model loader would raise OS
     (datasets.Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
     (datasets.Dataset.from_dict({"question": ["1+1="]}), "no 'prompt' column"),
     (datasets.Dataset.from_dict({"prompt": [[{"text": "hi"}]]}), "Row 0: message 0"),
-    (None, "needs a train_dataset"),
+    (None, "`train_dataset` is required unless an `environment_factory` is provided"),  # TRL's words
 ])
 def test_bad_dataset_fails_before_model_load(tmp_path, dataset, match):
     with pytest.raises(ValueError, match=match):
@@ -260,3 +261,76 @@ def test_default_bf16_declined_on_cpu_without_bf16_units(tiny_model_dir, tmp_pat
                            train_dataset=prompts())
     assert explicit.accelerator.mixed_precision == "bf16"
     assert "expect steps ~100x slower" in caplog.text
+
+
+def test_batch_plan_is_logged_at_info_not_warning(tiny_model_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="grouprl"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts())
+    (record,) = [r for r in caplog.records if "grouprl batch plan" in r.getMessage()]
+    assert record.levelno == logging.INFO and "epoch: 12 prompts -> 6 optimizer steps" in record.getMessage()
+
+
+def test_log_level_replica_applies_off_the_main_process(monkeypatch):
+    from grouprl.log_level import apply_log_level
+
+    grouprl_logger = logging.getLogger("grouprl")
+    before = grouprl_logger.level
+    config = GRPOConfig(log_level="info", log_level_replica="error")
+    try:
+        apply_log_level(config)
+        assert grouprl_logger.getEffectiveLevel() == logging.INFO
+        monkeypatch.setattr(GRPOConfig, "should_log", property(lambda self: False))  # as on a replica process
+        apply_log_level(config)
+        assert grouprl_logger.getEffectiveLevel() == logging.ERROR
+    finally:
+        grouprl_logger.setLevel(before)
+        logging.getLogger("transformers").setLevel(logging.WARNING)
+
+
+def test_all_rewards_none_warns_in_trl_words_during_training(tiny_model_dir, tmp_path, caplog):
+    def always_none(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=always_none, args=make_config(tmp_path, max_steps=1), train_dataset=prompts())
+    with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"):  # as TRL's test_warning_raised_all_rewards_none
+        trainer.train()
+    assert "All reward functions returned None for the following kwargs:" in caplog.text
+    assert "6 of 6 completions got no reward" in caplog.text
+
+
+def test_dataloader_workers_read_the_prompts_and_change_nothing_else(tiny_model_dir, tmp_path):
+    """TRL's test_train_multiple_dataloader_workers; workers must not change which prompts come when, nor the RNG."""
+    runs = {}
+    for workers in (0, 2):
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=prompts(),
+                              args=make_config(tmp_path / str(workers), max_steps=7, dataloader_num_workers=workers))  # 6 steps per epoch
+        assert trainer.get_train_dataloader().num_workers == workers
+        trainer.train()
+        runs[workers] = (parameters(trainer.model), trainer.state.log_history)
+    assert max_difference(runs[0][0], runs[2][0]) == 0.0
+    assert [e.get("reward") for e in runs[0][1]] == [e.get("reward") for e in runs[2][1]]
+
+
+def test_iterable_train_dataset_forces_zero_workers(tmp_path, caplog):
+    """TRL's test_iterable_dataset_forces_num_workers_zero (the value is written back, as TRL does)."""
+    args = make_config(tmp_path, dataloader_num_workers=4)
+    with caplog.at_level(logging.WARNING, logger="grouprl"), pytest.raises(OSError):
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=args, train_dataset=prompts().to_iterable_dataset())
+    assert args.dataloader_num_workers == 0 and "dataloader_num_workers=4 is set to 0" in caplog.text
+    with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an integer >= 0"):
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path, dataloader_num_workers=-1),
+                    train_dataset=prompts())
+
+
+def test_iterable_eval_keeps_map_style_train_workers(tiny_model_dir, tmp_path):
+    """TRL's test of the same name: only the stream's loader reads in-process; the setting is not changed."""
+    args = make_config(tmp_path, dataloader_num_workers=2, per_device_eval_batch_size=6)
+    eval_stream = prompts(4).to_iterable_dataset()
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=args, train_dataset=prompts(), eval_dataset=eval_stream)
+    assert trainer.get_train_dataloader().num_workers == 2
+    assert trainer.get_eval_dataloader().num_workers == 0
+    assert trainer.get_eval_dataloader(prompts(4)).num_workers == 2
+    assert args.dataloader_num_workers == 2
+    batches = [[index for index, _ in batch] for batch in trainer.get_eval_dataloader(prompts(5))]
+    assert batches == [[0, 1], [2, 3], [4]]  # dataset order, one eval batch of prompts (6 completions / G=3) at a time
+    assert trainer.evaluate()["eval_reward"] > 0

@@ -56,6 +56,15 @@ class ModelArguments:
     lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "peft task type."})
     use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA (scaling = alpha / sqrt(r))."})
     use_dora: bool = field(default=False, metadata={"help": "Weight-decomposed LoRA (DoRA)."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base model in 8 bits (bitsandbytes); trains only with --use_peft."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "Load the base model in 4 bits (bitsandbytes, QLoRA); trains only with --use_peft."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit data type.", "choices": ["fp4", "nf4"]})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantize the 4-bit scales too (double quantization)."})
+    bnb_4bit_quant_storage: Optional[str] = field(default=None, metadata={"help": "dtype the packed 4-bit weights are stored in (default: uint8)."})
+
+    def __post_init__(self) -> None:
+        if self.load_in_8bit and self.load_in_4bit:
+            raise ValueError("--load_in_8bit and --load_in_4bit are exclusive; pick one.")
 
 
 def lora_config(model_args: ModelArguments) -> Any:
@@ -69,6 +78,25 @@ def lora_config(model_args: ModelArguments) -> Any:
         task_type=model_args.lora_task_type, r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
         target_modules=model_args.lora_target_modules, bias="none", modules_to_save=model_args.lora_modules_to_save,
         use_rslora=model_args.use_rslora, use_dora=model_args.use_dora, **extra,
+    )
+
+
+def quantization_config(model_args: ModelArguments) -> Any:
+    """--load_in_4bit / --load_in_8bit: the BitsAndBytesConfig `trl grpo` builds from the same flags (else None).
+
+    As TRL, the 4-bit layers compute in --dtype, the dtype of the other weights.
+    """
+    if not (model_args.load_in_4bit or model_args.load_in_8bit):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if model_args.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if model_args.dtype == "auto":
+        raise ValueError("--load_in_4bit computes in --dtype, so --dtype auto is not enough: name it (float32, bfloat16 or float16).")
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_compute_dtype=model_args.dtype, bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant, bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage,
     )
 
 
@@ -205,7 +233,8 @@ def train_command(argv: list[str]) -> int:
     eval_dataset = load_train_dataset(script, script.dataset_test_split) if config.eval_strategy != "no" else None
     trainer = GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=reward_funcs, args=config,
                           train_dataset=load_train_dataset(script), eval_dataset=eval_dataset, tools=tools or None,
-                          environment_factory=environment_factory, callbacks=callbacks, peft_config=lora_config(model_args))
+                          environment_factory=environment_factory, callbacks=callbacks, quantization_config=quantization_config(model_args),
+                          peft_config=lora_config(model_args))
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)
     if trainer.accelerator.is_main_process:

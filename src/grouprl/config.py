@@ -45,7 +45,6 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
     "use_transformers_paged": (False, "transformers continuous batching"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
     "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
-    "dataloader_num_workers": (0, "dataloader worker processes (prompts are tokenized in-process)"),
 }
 
 
@@ -341,8 +340,9 @@ class GRPOConfig(TrainingArguments):
             found.append("loss_type='vespo' computes its own sequence-level weight from token log-ratios; "
                          "importance_sampling_level='sequence' only changes the logged ratios. Use 'token'.")
         if sequence and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            found.append(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: the sequence-level loss is "
-                         "summed over tokens, so long sequences weigh more. GSPO uses loss_type='grpo'.")
+            found.append(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: this loss sums per-token terms, "
+                         "which weights each sequence by its completion length instead of optimising the per-sequence objective. "
+                         "GSPO uses loss_type='grpo'.")
         if self.loss_type == "cispo" and self.epsilon_high is None:
             found.append(f"loss_type='cispo' caps the importance weight at epsilon_high (an absolute value), which is unset and "
                          f"falls back to epsilon={self.epsilon}, so every weight is capped below 1. MiniMax-M1 suggests epsilon_high=5.0.")

@@ -16,33 +16,42 @@ checkpoints.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import datasets
 import torch
 
+from .row_loading import batches_loader, stream_loader
 from .types import PromptBatch
 
 PROMPT_COLUMN = "prompt"
 KEPT_WHEN_REMOVING = ("prompt", "image", "images")
 
 
-def check_dataset(dataset: Any, name: str = "train_dataset") -> None:
-    """Fail early, with the field named, on a dataset the trainer cannot use."""
+def check_dataset(dataset: Any, name: str = "train_dataset", *, prompt_required: bool = True) -> None:
+    """Fail early, with the field named, on a dataset the trainer cannot use.
+
+    `prompt_required=False` (an environment_factory is given): rows may lack a prompt, as in TRL; each
+    such row's prompt is then an empty user message that the environment's reset() completes.
+    """
     if dataset is None:
-        raise ValueError(f"GRPOTrainer needs a {name}: a datasets.Dataset or IterableDataset with a 'prompt' column.")
+        raise ValueError(f"`{name}` is required unless an `environment_factory` is provided (its reset() then supplies the "
+                         "prompts): pass a datasets.Dataset or IterableDataset with a 'prompt' column, e.g. "
+                         "datasets.Dataset.from_list([{'prompt': ...}, ...]).")
     if not isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
         raise TypeError(f"{name} must be a datasets.Dataset or datasets.IterableDataset, got {type(dataset).__name__}. "
                         "Build one with datasets.Dataset.from_list([{'prompt': ...}, ...]).")
     columns = dataset.column_names
-    if columns is not None and PROMPT_COLUMN not in columns:
+    if prompt_required and columns is not None and PROMPT_COLUMN not in columns:
         raise ValueError(f"{name} has no 'prompt' column (columns: {columns}). Rename the column that holds the prompts, "
                          "e.g. dataset.rename_column('question', 'prompt').")
     if isinstance(dataset, datasets.Dataset):
         if len(dataset) == 0:
             raise ValueError(f"{name} is empty: it has no rows to sample prompts from.")
-        check_prompt(dataset[0][PROMPT_COLUMN], 0)
+        if PROMPT_COLUMN in dataset.column_names:
+            check_prompt(dataset[0][PROMPT_COLUMN], 0)
 
 
 def check_prompt(prompt: Any, row: int) -> None:
@@ -140,22 +149,31 @@ class SamplerState:
 
 
 class PromptSampler:
-    """Seeded, resumable order of prompt rows, one generation (U unique prompts) at a time."""
+    """Seeded, resumable order of prompt rows, one generation (U unique prompts) at a time.
 
-    def __init__(self, dataset: Any, prompts_per_generation: int, *, shuffle: bool, seed: int):
+    The rows are fetched by `self.loader`, a torch DataLoader (row_loading.py): with `num_workers` > 0
+    (map-style data only) worker processes read the next generations' rows ahead of time, in the
+    same order. The order and the resumable position stay the sampler's own.
+    """
+
+    def __init__(self, dataset: Any, prompts_per_generation: int, *, shuffle: bool, seed: int, num_workers: int = 0):
         self.dataset = dataset
         self.prompts_per_generation = prompts_per_generation
         self.shuffle = shuffle
         self.seed = seed
         self.state = SamplerState()
         self.iterable = isinstance(dataset, datasets.IterableDataset)
-        self._stream: Optional[Iterator[dict]] = None
+        self._stream: Optional[Iterator[Any]] = None  # the loader's iterator over the rest of this epoch
         if not self.iterable and len(dataset) < prompts_per_generation:
             raise ValueError(
                 f"train_dataset has {len(dataset)} prompts but one generation needs {prompts_per_generation} unique prompts "
                 "(generation_batch_size / num_generations). Use a larger dataset or a smaller per_device_train_batch_size / "
                 "steps_per_generation."
             )
+        if self.iterable:
+            self.loader = stream_loader(self._open_stream)
+        else:
+            self.loader = batches_loader(dataset, RestOfEpoch(self), num_workers=num_workers)
 
     @property
     def generations_per_epoch(self) -> Optional[int]:
@@ -173,17 +191,18 @@ class PromptSampler:
             return self._next_from_stream()
         if self.state.position >= self.generations_per_epoch:
             self.state = SamplerState(epoch=self.state.epoch + 1, position=0)
-        start = self.state.position * self.prompts_per_generation
-        indices = self._order(self.state.epoch)[start : start + self.prompts_per_generation]
+            self._stream = None
+        if self._stream is None:
+            self._stream = iter(self.loader)  # RestOfEpoch reads the position now: the loader starts where the sampler is
+        pairs = next(self._stream)
         self.state.position += 1
-        rows = [self.dataset[i] for i in indices]
-        return indices, rows
+        return [index for index, _ in pairs], [row for _, row in pairs]
 
     def _next_from_stream(self) -> tuple[list[int], list[dict]]:
         indices, rows = [], []
         while len(rows) < self.prompts_per_generation:
             if self._stream is None:
-                self._stream = self._open_stream()
+                self._stream = iter(self.loader)  # opens the stream at the current epoch and position
             try:
                 row = next(self._stream)
             except StopIteration:
@@ -198,17 +217,41 @@ class PromptSampler:
         return indices, rows
 
     def _open_stream(self) -> Iterator[dict]:
+        """The stream from the current position: reshuffled per epoch (seeded), consumed rows skipped."""
         stream = self.dataset
         if self.shuffle:
             stream = stream.shuffle(seed=self.seed + self.state.epoch, buffer_size=1000)
         return iter(stream.skip(self.state.position))
+
+    def release(self) -> None:
+        """Stop the loader (and its worker processes) now; the next generation starts it again where the sampler is."""
+        self._stream = None
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.state.epoch, "position": self.state.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.state = SamplerState(epoch=int(state["epoch"]), position=int(state["position"]))
-        self._stream = None
+        self._stream = None  # the next generation restarts the loader at the restored position
+
+
+class RestOfEpoch:
+    """The loader's batch sampler: the index lists of the generations left in the sampler's current epoch.
+
+    Read when the loader starts (`iter`), not when each batch is fetched: workers prefetch ahead,
+    while the sampler's position only counts the generations actually handed out.
+    """
+
+    def __init__(self, sampler: PromptSampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        sampler, size = self.sampler, self.sampler.prompts_per_generation
+        order = sampler._order(sampler.state.epoch)
+        return iter([order[g * size : (g + 1) * size] for g in range(sampler.state.position, sampler.generations_per_epoch)])
+
+    def __len__(self) -> int:
+        return self.sampler.generations_per_epoch - self.sampler.state.position
 
 
 def local_prompt_batch(
@@ -221,17 +264,28 @@ def local_prompt_batch(
     num_processes: int,
     tokenize: PromptTokenizer,
     remove_unused_columns: bool,
+    default_prompt: Optional[list[dict]] = None,
 ) -> PromptBatch:
-    """The slice of one global generation (U prompts x G completions) that this process samples."""
+    """The slice of one global generation (U prompts x G completions) that this process samples.
+
+    `default_prompt`: the prompt of rows without one (environments own the data); None: every row needs one.
+    """
     total = len(rows) * num_generations
     per_process = total // num_processes
     first, last = process_index * per_process, (process_index + 1) * per_process
     prompts, prompt_ids, multimodal, dataset_indices, group_ids, counts = [], [], [], [], [], []
+    given = True
     columns: dict[str, list[Any]] = {}
     for u, (index, row) in enumerate(zip(indices, rows)):
         lo, hi = max(first, u * num_generations), min(last, (u + 1) * num_generations)
         if lo >= hi:
             continue
+        if PROMPT_COLUMN not in row:
+            if default_prompt is None:
+                raise ValueError(f"Row {index} has no 'prompt' (columns: {sorted(row)}); every row needs one unless an "
+                                 "environment_factory supplies the prompts.")
+            given = False
+            row = {**row, PROMPT_COLUMN: copy.deepcopy(default_prompt)}
         prompt, ids, images = tokenize.encode_row(row, index)
         prompts.append(prompt)
         prompt_ids.append(ids)
@@ -244,4 +298,5 @@ def local_prompt_batch(
                 continue
             columns.setdefault(name, []).append(value)
     has_images = any(m is not None for m in multimodal)
-    return PromptBatch(prompts, prompt_ids, columns, dataset_indices, group_ids, counts, multimodal if has_images else None)
+    return PromptBatch(prompts, prompt_ids, columns, dataset_indices, group_ids, counts, multimodal if has_images else None,
+                       prompts_given=given)

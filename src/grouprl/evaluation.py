@@ -19,13 +19,13 @@ gives the same numbers.
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import datasets
 import torch
+from torch.utils.data import DataLoader
 from transformers.utils import logging
 
 from .algorithms.losses import masked_mean, policy_loss
@@ -36,12 +36,13 @@ from .generation_inputs import GenerationInputs
 from .metrics import MetricWindow
 from .objective import policy_logprobs
 from .rollout import RolloutMaker
+from .row_loading import sequential_loader, workers_for
 from .types import Rollout
 
 logger = logging.get_logger("grouprl")
 
 
-def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int) -> None:
+def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int, *, prompt_required: bool = True) -> None:
     """Check an eval setup that will be used: by the trainer when eval_strategy != "no" (before any
     model is loaded), and by every evaluate() call. As in TRL, an eval_dataset that is only stored
     is not checked at construction."""
@@ -51,7 +52,7 @@ def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int) 
         return
     named = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
     for name, dataset in named.items():
-        check_dataset(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
+        check_dataset(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset", prompt_required=prompt_required)
     size = config.num_generations_eval or config.num_generations
     if size < 1:
         raise ValueError(f"GRPOConfig.num_generations_eval={config.num_generations_eval} must be >= 1.")
@@ -79,7 +80,7 @@ def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> di
     """Evaluate on a Dataset (or a dict name -> Dataset); log the metrics and return them."""
     if eval_dataset is None:
         raise ValueError("evaluate() needs an eval_dataset: pass it to GRPOTrainer(eval_dataset=...) or to evaluate().")
-    check_eval_setup(run.config, eval_dataset, run.accelerator.num_processes)
+    check_eval_setup(run.config, eval_dataset, run.accelerator.num_processes, prompt_required=run.rollouts.settings.default_prompt is None)
     if isinstance(eval_dataset, dict):
         metrics: dict[str, float] = {}
         for name, dataset in eval_dataset.items():
@@ -144,19 +145,34 @@ def _eval_rollouts(run: Any, num_generations: int) -> RolloutMaker:
     return RolloutMaker(**base)
 
 
-def _chunks(dataset: Any, size: int) -> Iterator[tuple[list[int], list[dict]]]:
-    rows = iter(dataset)
-    for start in itertools.count(0, size):
-        chunk = list(itertools.islice(rows, size))
-        if not chunk:
-            return
-        yield list(range(start, start + len(chunk))), chunk
+def pick_eval_dataset(default: Any, chosen: Any) -> Any:
+    """The eval dataset meant: `chosen` (a dataset, or a key of a dict default), else the trainer's own."""
+    if isinstance(chosen, str):
+        if not isinstance(default, dict) or chosen not in default:
+            raise ValueError(f"eval_dataset={chosen!r} names no eval dataset; the trainer's are "
+                             f"{sorted(default) if isinstance(default, dict) else 'not a dict'}.")
+        return default[chosen]
+    dataset = default if chosen is None else chosen
+    if dataset is None:
+        raise ValueError("No eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or to this call.")
+    if isinstance(dataset, dict):
+        raise ValueError(f"eval_dataset is a dict ({sorted(dataset)}); name the one meant, e.g. get_eval_dataloader({next(iter(dataset))!r}).")
+    return dataset
+
+
+def eval_loader(run: Any, dataset: Any) -> DataLoader:
+    """The eval prompts' rows in dataset order, one eval batch of prompts at a time, as lists of (index, row).
+
+    Map-style data is read by dataloader_num_workers worker processes; a stream in this process (row_loading.py).
+    """
+    config = run.config
+    prompts_per_batch = config.per_device_eval_batch_size * run.accelerator.num_processes // (config.num_generations_eval or config.num_generations)
+    return sequential_loader(dataset, prompts_per_batch, num_workers=workers_for(dataset, config.dataloader_num_workers))
 
 
 def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
     config, accelerator = run.config, run.accelerator
     size = config.num_generations_eval or config.num_generations
-    prompts_per_batch = config.per_device_eval_batch_size * accelerator.num_processes // size
     run.rollouts.sync_weights(accelerator.unwrap_model(run.model), run.state.global_step)  # a server samples the current weights
     rollouts = _eval_rollouts(run, size)
     window, batches, completions = MetricWindow(), 0, 0
@@ -165,7 +181,8 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
     try:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(config.seed)
-            for number, (indices, rows) in enumerate(_chunks(dataset, prompts_per_batch)):
+            for number, pairs in enumerate(eval_loader(run, dataset)):
+                indices, rows = [index for index, _ in pairs], [row for _, row in pairs]
                 if (len(rows) * size) % accelerator.num_processes:
                     logger.warning("evaluation: the last %d prompts cannot be split evenly over %d processes and are skipped.",
                                    len(rows), accelerator.num_processes)
@@ -173,7 +190,7 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
                 prompts = local_prompt_batch(
                     indices, rows, generation_index=number, num_generations=size, process_index=accelerator.process_index,
                     num_processes=accelerator.num_processes, tokenize=rollouts.tokenize,
-                    remove_unused_columns=rollouts.settings.remove_unused_columns,
+                    remove_unused_columns=rollouts.settings.remove_unused_columns, default_prompt=rollouts.settings.default_prompt,
                 )
                 inputs = GenerationInputs.of(prompts, dict(zip(indices, rows)), rollouts.settings.remove_unused_columns)
                 batch = run.trainer._prepare_inputs(inputs)  # eval mode: _generate_and_score_completions(inputs), as TRL

@@ -13,7 +13,6 @@ on it, i.e. ``steps_per_generation x num_iterations`` times in a row).
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Iterator, Optional
 
 from .data import KEPT_WHEN_REMOVING, PromptSampler, local_prompt_batch
@@ -50,19 +49,29 @@ class GenerationInputs(list):
 class TrainPromptBatches:
     """One epoch of training generation batches, as ``GenerationInputs``, in TRL's dataloader layout.
 
-    Iterating walks a copy of the trainer's prompt order from the start of an epoch (``shuffle_dataset``,
-    ``data_seed``; the trainer's own position is not moved), tokenizing the prompts as training does.
-    ``len()`` is the number of micro-steps in an epoch (None-free only for a dataset with a length).
+    Iterating walks the trainer's prompt order (``shuffle_dataset``, ``data_seed``) from the start of an epoch with a
+    sampler of its own, so training's position does not move, and tokenizes the prompts as training does.
+    ``len()`` is the number of micro-steps in an epoch (a dataset with a length only). ``loader`` and
+    ``num_workers`` are those of the DataLoader that fetches training's rows.
     """
 
-    def __init__(self, sampler: PromptSampler, *, tokenize: Any, num_generations: int, repeats: int,
-                 process_index: int, num_processes: int, remove_unused_columns: bool):
+    def __init__(self, sampler: PromptSampler, *, tokenize: Any, num_generations: int, repeats: int, process_index: int,
+                 num_processes: int, remove_unused_columns: bool, default_prompt: Optional[list[dict]] = None):
         self.sampler = sampler
         self.tokenize = tokenize
         self.num_generations = num_generations
         self.repeats = repeats  # steps_per_generation x num_iterations
         self.process_index, self.num_processes = process_index, num_processes
         self.remove_unused_columns = remove_unused_columns
+        self.default_prompt = default_prompt
+
+    @property
+    def loader(self) -> Any:
+        return self.sampler.loader
+
+    @property
+    def num_workers(self) -> int:
+        return self.sampler.loader.num_workers
 
     def __len__(self) -> int:
         generations = self.sampler.generations_per_epoch
@@ -71,8 +80,9 @@ class TrainPromptBatches:
         return generations * self.repeats
 
     def __iter__(self) -> Iterator[GenerationInputs]:
-        sampler = copy.copy(self.sampler)
-        sampler.load_state_dict({"epoch": 0, "position": 0})  # the copy's own position; the trainer's stays where it is
+        # the same order as training's sampler, read in this process (the rows are the same with or without workers)
+        sampler = PromptSampler(self.sampler.dataset, self.sampler.prompts_per_generation, shuffle=self.sampler.shuffle,
+                                seed=self.sampler.seed)
         generations = sampler.generations_per_epoch
         number = 0
         while generations is None or number < generations:
@@ -82,6 +92,7 @@ class TrainPromptBatches:
             prompts = local_prompt_batch(
                 indices, rows, generation_index=number, num_generations=self.num_generations, process_index=self.process_index,
                 num_processes=self.num_processes, tokenize=self.tokenize, remove_unused_columns=self.remove_unused_columns,
+                default_prompt=self.default_prompt,
             )
             inputs = GenerationInputs.of(prompts, dict(zip(indices, rows)), self.remove_unused_columns)
             for _ in range(self.repeats):

@@ -13,7 +13,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from accelerate import Accelerator
-from transformers.utils import logging
 
 from .agents import Agent, tool_call_stats
 from .algorithms.advantages import group_advantages
@@ -28,8 +27,6 @@ from .multimodal import rows_images
 from .rewards.scoring import RewardFunction, score_completions
 from .types import Completion, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
 
-logger = logging.get_logger("grouprl")
-
 
 @dataclass
 class RolloutSettings:
@@ -39,6 +36,7 @@ class RolloutSettings:
     mask_truncated_completions: bool
     remove_unused_columns: bool
     pad_token_id: int
+    default_prompt: Optional[list[dict]] = None  # the prompt of rows without one (environments own the data); None: required
 
 
 @dataclass
@@ -82,6 +80,7 @@ class RolloutMaker:
             num_processes=self.accelerator.num_processes,
             tokenize=self.tokenize,
             remove_unused_columns=self.settings.remove_unused_columns,
+            default_prompt=self.settings.default_prompt,
         )
         self.generations_made += 1
         return GenerationInputs.of(prompts, dict(zip(indices, rows)), self.settings.remove_unused_columns)
@@ -122,12 +121,7 @@ class RolloutMaker:
             rewards = Rewards(rewards.per_function[keep], rewards.names, rewards.weights)
         advantages, stats = self.global_advantages(rewards, group_size)
         window.add_all(reward_stats(rewards.per_function, rewards.names, stats["total"], stats["group_std"]))
-        unscorable = int(stats["unscorable"].sum())
-        if unscorable:
-            logger.warning(
-                "All reward functions returned None for %d of %d completions; those rows get advantage 0 and are left out "
-                "of their group's mean and std.", unscorable, len(stats["unscorable"]),
-            )
+        # Completions no reward function scored are reported by score_completions, with their row (TRL's warning).
         local = advantages[local_rows(self.accelerator, len(rollout.completions))]
         if self.completion_log is not None:
             self.record_completions(rollout, rewards, local)

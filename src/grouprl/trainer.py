@@ -21,10 +21,10 @@ from huggingface_hub import HfApi
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
-from . import evaluation, loop
+from . import evaluation, loop, quantization
 from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, require_peft, save_pretrained, wrap_with_lora
 from .agents import AgentSpec
-from .agents.environments import environment_dataset
+from .agents.environments import EMPTY_PROMPT, environment_dataset
 from .agents.multiturn import TurnSettings
 from .algorithms.entropy import EntropyController
 from .callbacks import CallbackHandler
@@ -37,12 +37,14 @@ from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
 from .generation.vllm import require_vllm
 from .host_memory import reuse_freed_host_memory
+from .log_level import apply_log_level
 from .metrics import JsonlWriter
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
 )
 from .multimodal import check_multimodal_setup, make_prompt_tokenizer, text_tokenizer
 from .reference import Reference, separate_reference_model
+from .row_loading import workers_for
 from .rewards.models import check_reward_funcs, load_reward_functions
 from .rewards.scoring import prepare_reward_functions, reward_name
 from .generation_inputs import TrainPromptBatches
@@ -76,6 +78,9 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         callbacks: ``transformers.TrainerCallback`` instances or classes, called at the Trainer's events
             (see ``grouprl.callbacks``); ``add_callback`` / ``pop_callback`` / ``remove_callback`` change them later.
         optimizers: ``(optimizer, lr_scheduler)``; either may be None to use AdamW / ``lr_scheduler_type``.
+        quantization_config: a ``transformers.BitsAndBytesConfig`` applied when ``model`` is loaded from an id / path
+            (QLoRA; needs ``peft_config``). The same may be given as ``args.model_init_kwargs["quantization_config"]``.
+        peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig``): train adapters only, the base model frozen.
         tools: sync or async functions (type hints + Google-style docstrings) the model may call in
             multi-turn rollouts; needs conversational prompts and a chat template that renders tools.
         environment_factory: a callable making an environment (``reset(**row)``, public methods as tools,
@@ -104,6 +109,7 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         reward_processing_classes: Any = None,
         callbacks: Optional[list] = None,
         optimizers: tuple[Optional[torch.optim.Optimizer], Any] = (None, None),
+        quantization_config: Any = None,
         peft_config: Any = None,
         tools: Optional[list] = None,
         rollout_func: Optional[Callable] = None,
@@ -117,20 +123,26 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
             raise TypeError(f"args must be a grouprl.GRPOConfig, got {type(args).__name__}.")
         self.args = args
         self.accelerator = _make_accelerator(args)
-        _set_log_level(args)
+        apply_log_level(args)
         if self.accelerator.device.type == "cpu":
             reuse_freed_host_memory()  # freed tensors are reused, not page-faulted in again (host_memory.py)
         self.plan = plan_batches(args, self.accelerator.num_processes)
         agents = AgentSpec.from_arguments(tools, environment_factory, rollout_func)  # tool schemas checked, environments probed
         train_dataset = environment_dataset(train_dataset, agents and agents.environments, max_steps=args.max_steps,
                                             prompts_per_generation=self.plan.prompts_per_generation)
-        check_dataset(train_dataset, "train_dataset")
+        environments_own_prompts = bool(agents and agents.environments)  # rows may lack a prompt: reset() supplies it (TRL)
+        check_dataset(train_dataset, "train_dataset", prompt_required=not environments_own_prompts)
         if isinstance(train_dataset, datasets.IterableDataset):
             if args.max_steps <= 0:
                 raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
             _check_stream_dispatch(args)
+        if workers_for(train_dataset, args.dataloader_num_workers) != args.dataloader_num_workers:
+            # Written back as TRL does (its tests read it): workers would interleave shards of the stream (row_loading.py).
+            logger.warning(f"train_dataset is an IterableDataset, whose prompts one reader must stream in order: "
+                           f"dataloader_num_workers={args.dataloader_num_workers} is set to 0.")
+            args.dataloader_num_workers = 0
         if args.eval_strategy != "no":
-            check_eval_setup(args, eval_dataset, self.accelerator.num_processes)
+            check_eval_setup(args, eval_dataset, self.accelerator.num_processes, prompt_required=not environments_own_prompts)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         environment_rewards = agents.reward_functions if agents else []
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
@@ -160,8 +172,11 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         if args.use_vllm and args.vllm_mode == "colocate" and generation_backend is None:
             require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")  # before any model is loaded
 
+        policy_init_kwargs = quantization.with_quantization_config(args.model_init_kwargs, quantization_config)
+        quantization.check_request(model, policy_init_kwargs, use_peft)
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
-        self.model = load_model(model, args.model_init_kwargs, args.trust_remote_code)
+        self.model = load_model(model, policy_init_kwargs, args.trust_remote_code)
+        quantization.check_setup(self.model, use_peft, args, generation_backend)
         if peft_config is not None and is_peft_model(self.model):
             raise ValueError("model is already a PeftModel; pass either a PeftModel or peft_config, not both.")
         reference_model = None
@@ -205,6 +220,7 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
                                  "target_modules / modules_to_save, or leave cast_lm_head_to_fp32=False.")
         elif use_peft and args.beta != 0.0:  # a pre-wrapped adapter may be trained already: keep a frozen copy as pi_ref
             reference_adapter = add_reference_adapter(self.model)
+        quantization.prepare_policy(self.model, bf16_capable=self.accelerator.device.type != "cpu" or cpu_has_fast_bf16())
 
         steps_per_epoch = None
         if not isinstance(train_dataset, datasets.IterableDataset):
@@ -223,7 +239,7 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
                                                       args, max_num_seqs=self.plan.completions_per_process)
         self.generation_backend = backend
         sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset,
-                                seed=args.seed if args.data_seed is None else args.data_seed)
+                                seed=args.seed if args.data_seed is None else args.data_seed, num_workers=args.dataloader_num_workers)
         max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         tokenize = make_prompt_tokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
                                          chat_template_kwargs=args.chat_template_kwargs, tools=[t.schema for t in agents.tools] if agents else None)
@@ -247,6 +263,7 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
                 multi_objective_aggregation=args.multi_objective_aggregation,
                 mask_truncated_completions=args.mask_truncated_completions,
                 remove_unused_columns=args.remove_unused_columns, pad_token_id=tokenizer.pad_token_id,
+                default_prompt=EMPTY_PROMPT if environments_own_prompts else None,
             ),
             completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.log_multimodal)
             if args.log_completions else None,
@@ -283,7 +300,8 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         if self.accelerator.num_processes > 1:
             set_seed(args.seed, device_specific=True)  # seed + process index: each process samples its own completions
         if self.accelerator.is_main_process:
-            logger.warning(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
+            # INFO, as transformers' Trainer logs its run summary: shown with log_level="info" (log_level.py).
+            logger.info(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
         self.run.fire("on_init_end")
         self._send_telemetry()
 
@@ -343,12 +361,15 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
     def get_train_dataloader(self) -> TrainPromptBatches:
         """One epoch of this process's generation batches, as TRL's dataloader yields them: lists of dataset rows
         (one per completion, each prompt repeated for its completions), each repeated steps_per_generation x
-        num_iterations times; the same lists training_step receives. Walks its own copy of the prompt order."""
+        num_iterations times; the same lists training_step receives. Iterating walks the prompt order from the start
+        of an epoch without moving training's position; ``num_workers`` / ``loader`` are those of the DataLoader that
+        fetches training's rows (dataloader_num_workers)."""
         rollouts = self.run.rollouts
         return TrainPromptBatches(
             rollouts.sampler, tokenize=rollouts.tokenize, num_generations=self.args.num_generations,
             repeats=self.plan.steps_per_generation * self.plan.num_iterations, process_index=self.accelerator.process_index,
             num_processes=self.accelerator.num_processes, remove_unused_columns=self.args.remove_unused_columns,
+            default_prompt=rollouts.settings.default_prompt,
         )
 
     # ---- TRL-compatible surface ----------------------------------------------------------
@@ -391,8 +412,15 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
             self._load_checkpoint(path)
         if self.args.report_to and not self.accelerator.trackers:
             self.accelerator.init_trackers(self.args.project, config=_tracker_config(self.args), init_kwargs=_tracker_init_kwargs(self.args))
-        metrics = loop.train(self.run)
+        try:
+            metrics = loop.train(self.run)
+        finally:
+            self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
+        """The DataLoader evaluation reads (a name of a dict eval_dataset, a dataset, or None: the trainer's); a stream gets 0 workers."""
+        return evaluation.eval_loader(self.run, evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset))
 
     def save_model(self, output_dir: Optional[str] = None) -> None:
         """Write the model and tokenizer (`from_pretrained`-loadable) to output_dir (default: args.output_dir)."""
@@ -512,13 +540,6 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
         deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
-
-
-def _set_log_level(args: GRPOConfig) -> None:
-    """log_level / log_level_replica / log_on_each_node, as the Trainer applies them (transformers' and grouprl's loggers)."""
-    level = args.get_process_log_level()
-    logging.set_verbosity(level)
-    logger.setLevel(level)
 
 
 def _check_stream_dispatch(args: GRPOConfig) -> None:

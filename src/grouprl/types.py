@@ -25,6 +25,7 @@ class PromptBatch:
     group_ids: list[int]  # (B,) global group index; a group straddling processes has one id
     num_samples: list[int]  # (B,) completions this process samples for the prompt (G unless split)
     multimodal: list[Any] | None = None  # (B,) multimodal.PromptImages or None per prompt; None = no images at all
+    prompts_given: bool = True  # False: the rows had no 'prompt'; `prompts` holds empty user messages that reset() completes
 
     def __len__(self) -> int:
         return len(self.prompts)

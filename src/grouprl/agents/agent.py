@@ -59,7 +59,8 @@ class AgentSpec:
 
     def build(self, tokenize: PromptTokenizer, settings: TurnSettings, trainer: Any) -> "Agent":
         if self.has_tools:
-            check_tool_template(settings.tokenizer, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs)
+            template = check_tool_template(settings.tokenizer, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs)
+            settings = replace(settings, tool_chat_template=template)
         return Agent(self, tokenize, settings, trainer)
 
 
@@ -109,7 +110,9 @@ class Agent:
         standalone = {t.name for t in self.spec.tools}
         transcripts = []
         for b, name, instance in zip(rows, names, instances):
-            row = {"prompt": copy.deepcopy(prompts.prompts[b]), **{k: copy.deepcopy(v[b]) for k, v in prompts.columns.items()}}
+            row = {k: copy.deepcopy(v[b]) for k, v in prompts.columns.items()}
+            if prompts.prompts_given:  # a row without a prompt gets none in reset(), as in TRL: the placeholder is not its data
+                row = {"prompt": copy.deepcopy(prompts.prompts[b]), **row}
             if environments.multi:
                 row.pop(ENVIRONMENT_COLUMN)  # a routing field, not an input of reset()
             observation = instance.reset(**row)

@@ -11,18 +11,32 @@ The rendering without tools is cut right after its last end-of-turn token (any s
 model turn ends with that token; what a template writes after it (ChatML's newline) belongs to the
 suffix. This needs a *prefix-preserving* template: earlier messages render the same whatever
 follows. `check_tool_template` tests that, and that the template renders tool calls and tool
-messages at all, once at start-up.
+messages at all, once at start-up. When the tokenizer carries the exact template of a family
+grouprl has a training template for (training_templates.py: Qwen3), the suffixes are rendered with
+that one instead, and `check_tool_template` returns it; prompts keep the tokenizer's template.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from .parsing import TOOL_CALL_OPEN
+from .training_templates import known_families, training_template_for
+
+logger = logging.getLogger(__name__)
 
 
-def render_ids(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool, chat_template_kwargs: dict) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, **chat_template_kwargs)
+class NotPrefixPreserving(ValueError):
+    pass
+
+
+def render_ids(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool, chat_template_kwargs: dict,
+               chat_template: Optional[str] = None) -> list[int]:
+    """Token ids of a conversation, rendered with `chat_template` (None: the tokenizer's own)."""
+    template = {"chat_template": chat_template} if chat_template is not None else {}
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, **template,
+                                        **chat_template_kwargs)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -33,26 +47,31 @@ def _dummy_turn(tool_name: str, arguments: Optional[dict] = None) -> list[dict]:
     return [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
 
 
-def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], *, stop_ids: set[int], chat_template_kwargs: dict) -> list[int]:
+def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], *, stop_ids: set[int], chat_template_kwargs: dict,
+                    chat_template: Optional[str] = None) -> list[int]:
     """Token ids to append after a model turn that ended with tool calls, given the tools' messages."""
     # The real tool name, not a placeholder: some templates derive the tool header from the call.
     before = _dummy_turn(tool_messages[0]["name"])
-    prefix = render_ids(tokenizer, before, add_generation_prompt=False, chat_template_kwargs=chat_template_kwargs)
-    full = render_ids(tokenizer, before + tool_messages, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
+    render = dict(chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+    prefix = render_ids(tokenizer, before, add_generation_prompt=False, **render)
+    full = render_ids(tokenizer, before + tool_messages, add_generation_prompt=True, **render)
     ends = [i for i, token in enumerate(prefix) if token in stop_ids]
     if ends:
         prefix = prefix[: ends[-1] + 1]
     if full[: len(prefix)] != prefix:
-        raise ValueError(
+        raise NotPrefixPreserving(
             "The chat template is not prefix-preserving: a conversation renders differently once tool messages follow it, so "
-            "tool results cannot be appended as tokens. Set tokenizer.chat_template to a template that renders earlier "
-            "messages the same whatever comes after them."
+            "tool results cannot be appended as tokens."
         )
     return full[len(prefix) :]
 
 
-def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwargs: dict) -> None:
-    """Fail at start-up, with what to do, if this tokenizer cannot run tool-calling rollouts."""
+def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwargs: dict) -> Optional[str]:
+    """Fail at start-up, with what to do, if this tokenizer cannot run tool-calling rollouts.
+
+    Returns the template to render tool results with: None for the tokenizer's own, or grouprl's training
+    template for its family when the tokenizer's own is a known original that is not prefix-preserving.
+    """
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("tools / environment_factory need a chat template that renders tool calls; the tokenizer has none.")
     name, key, value, content = "tool_name_7f3a", "tool_key_2b9c", "tool_value_5d1e", "tool_content_8c4f"
@@ -71,4 +90,40 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
             "format) unless the tokenizer has a response_template; this chat template writes calls differently. Set "
             "tokenizer.response_template (transformers response parsing) for its format."
         )
-    tool_suffix_ids(tokenizer, messages[2:], stop_ids=stop_ids, chat_template_kwargs=chat_template_kwargs)
+    try:
+        tool_suffix_ids(tokenizer, messages[2:], stop_ids=stop_ids, chat_template_kwargs=chat_template_kwargs)
+        return None
+    except NotPrefixPreserving:
+        pass
+    training = training_template_for(tokenizer.chat_template)
+    if training is None:
+        raise NotPrefixPreserving(_not_prefix_preserving_message(tokenizer, messages, chat_template_kwargs))
+    # Our own template must pass the check it stands in for; failing it is a grouprl bug, said as such.
+    try:
+        tool_suffix_ids(tokenizer, messages[2:], stop_ids=stop_ids, chat_template_kwargs=chat_template_kwargs, chat_template=training.text)
+    except NotPrefixPreserving as err:
+        raise RuntimeError(f"grouprl's {training.family} training template ({training.path}) is not prefix-preserving: a grouprl bug.") from err
+    logger.info(
+        "tools: the tokenizer's chat template is %s's, which is not prefix-preserving (%s); tool results are rendered with "
+        "grouprl's %s training template (%s), which renders prompts identically. Prompts and saved checkpoints keep the "
+        "tokenizer's template.",
+        training.family, training.flaw, training.family, training.path,
+    )
+    return training.text
+
+
+def _not_prefix_preserving_message(tokenizer: Any, messages: list[dict], chat_template_kwargs: dict) -> str:
+    """The error for a template grouprl cannot fix, showing where the two renderings part."""
+    alone = tokenizer.apply_chat_template(messages[:2], tokenize=False, **chat_template_kwargs)
+    followed = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
+    at = next((i for i, (a, b) in enumerate(zip(alone, followed)) if a != b), min(len(alone), len(followed)))
+    start = max(0, at - 40)
+    return (
+        "The chat template is not prefix-preserving: it renders a tool-calling assistant turn differently once a tool message "
+        f"follows it (from character {at}: {alone[start:at + 40]!r} when the turn is last, {followed[start:at + 40]!r} once a "
+        "tool answers), so tool results cannot be appended to the sampled tokens. grouprl has prefix-preserving training "
+        f"templates for {known_families()}, recognised by the exact text of their original template; this template is not one "
+        "of them. Pass a processing_class whose chat_template renders every message the same whatever follows it "
+        "(tokenizer.chat_template = <your template>; GRPOTrainer(..., processing_class=tokenizer)); prompts are rendered "
+        "with it too."
+    )

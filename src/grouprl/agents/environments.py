@@ -12,8 +12,10 @@ environment's tools appear in its prompt. An environment has
 
 Instances are pooled: one is made per environment at start-up (to read its tools) and more only
 when a generation needs more rollouts of that environment at once; they are reset and reused.
-Without a dataset the environment owns the data: the prompts are empty user messages that
-``reset()`` fills, and ``max_steps`` sets the length of training.
+The environment may own the data: dataset rows need no ``prompt`` (a dict factory's dataset may
+hold only the ``environment`` column), and without a dataset at all (single factory) the rows are
+placeholders; either way the prompt is an empty user message that ``reset()`` fills, and without a
+dataset ``max_steps`` sets the length of training.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import datasets
 from .tools import Tool, make_tools
 
 ENVIRONMENT_COLUMN = "environment"
+EMPTY_PROMPT = [{"role": "user", "content": ""}]  # the prompt of a row without one; reset() appends the task to it
 SPECIAL_METHODS = ("reset", "get_reward")
 
 
@@ -103,9 +106,10 @@ def environment_dataset(train_dataset: Any, environments: Optional[Environments]
     if train_dataset is not None or environments is None:
         return train_dataset
     if environments.multi:
-        raise ValueError("A dict environment_factory (several environments) needs a train_dataset with an 'environment' column "
-                         "to route each row; pass one, or a single environment factory.")
+        raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                         "`environment` column naming each row's environment (rows need no 'prompt': reset() supplies it). "
+                         "Pass such a dataset, or a single environment factory.")
     if max_steps <= 0:
         raise ValueError("Without a train_dataset the environment owns the data (reset() supplies each prompt), so "
                          "GRPOConfig.max_steps must be set (> 0) to say how long to train.")
-    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * prompts_per_generation})
+    return datasets.Dataset.from_dict({"prompt": [EMPTY_PROMPT] * prompts_per_generation})

@@ -35,6 +35,7 @@ class TurnSettings:
     max_completion_length: int  # budget of the whole multi-turn completion, tool suffixes included
     max_tool_calling_iterations: Optional[int]  # None = until no rollout calls a tool (or the budget is spent)
     chat_template_kwargs: dict = field(default_factory=dict)
+    tool_chat_template: Optional[str] = None  # renders tool results (chat.py); None = the tokenizer's own template
 
 
 @dataclass
@@ -124,7 +125,8 @@ def continue_with_tools(backend: GenerationBackend, transcripts: list[Transcript
             transcript.tool_calls += len(turn_results)
             transcript.tool_failures += sum(r.failed for r in turn_results)
             tool_messages = [r.message() for r in turn_results]
-            suffix = tool_suffix_ids(settings.tokenizer, tool_messages, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs)
+            suffix = tool_suffix_ids(settings.tokenizer, tool_messages, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs,
+                                     chat_template=settings.tool_chat_template)
             if len(transcript.token_ids) + len(suffix) >= settings.max_completion_length:
                 continue  # rolled back: the rollout ends with its calls (they ran and count), without their results
             transcript.add_tool_turn(tool_messages, suffix)

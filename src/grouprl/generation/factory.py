@@ -4,7 +4,8 @@
                                          server (`grouprl serve`, needs no vLLM) or `vllm serve`
     use_vllm=True, vllm_mode="colocate"  vLLM inside each training process
     generation_engine="server"           a grouprl server, named the grouprl way
-    generation_engine="engine" / "auto"  the fast in-process engine (auto: where it applies)
+    generation_engine="engine" / "auto"  the fast in-process engine (auto: where it applies, and while
+                                         model.generate is transformers' own; overrides.py)
     generation_engine="transformers"     transformers `generate`
 """
 
@@ -17,6 +18,7 @@ from transformers import PreTrainedModel
 from ..multimodal import image_token_ids
 from .engine import FastGenerator, engine_supports
 from .hf import TransformersGenerator
+from .overrides import EngineUnlessGenerateOverridden
 from .protocol import GenerationBackend
 from .remote import RemoteGenerator, server_base_url
 
@@ -32,10 +34,15 @@ def build_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[in
     reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
     if args.generation_engine == "engine" and reason:
         raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
+    transformers = TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation,
+                                         suppress_token_ids=image_token_ids(model.config))
     if args.generation_engine == "transformers" or reason:
-        return TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation,
-                                     suppress_token_ids=image_token_ids(model.config))
-    return FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id)
+        return transformers
+    # The engine never calls model.generate: while the user has replaced it, 'auto' calls it and 'engine' refuses (overrides.py).
+    backend = EngineUnlessGenerateOverridden(FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
+                                             fallback=transformers if args.generation_engine == "auto" else None)
+    backend.check()  # 'engine' with generate already replaced fails here, before training starts
+    return backend
 
 
 def connect_server(tokenizer: Any, args: Any) -> GenerationBackend:

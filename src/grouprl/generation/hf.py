@@ -37,13 +37,16 @@ class TransformersGenerator:
         """`multimodal`: (prompts,) each prompt's `multimodal.PromptImages` or None."""
         if not prompt_ids:
             return []
+        if params.extra.get("num_return_sequences", 1) != 1:
+            raise ValueError(f"generation_kwargs num_return_sequences={params.extra['num_return_sequences']}: GRPO samples "
+                             "num_generations completions per prompt itself; set GRPOConfig.num_generations instead.")
         device = next(self.model.parameters()).device
-        return_sequences = num_samples
+        # One row per sample, as TRL: generate's num_return_sequences would have to stay <= num_beams under
+        # beam search (generation_kwargs), and it repeats image tensors per image, which pairs some models'
+        # multi-image prompts with the wrong images. Sampling is unchanged: generate repeats rows the same way.
+        prompt_ids = [ids for ids in prompt_ids for _ in range(num_samples)]
         if multimodal is not None:
-            # One row per sample, each with its prompt's own images: generate's num_return_sequences
-            # repeats image tensors per image, which pairs some models' multi-image prompts with the wrong images.
-            prompt_ids = [ids for ids in prompt_ids for _ in range(num_samples)]
-            multimodal, return_sequences = [m for m in multimodal for _ in range(num_samples)], 1
+            multimodal = [m for m in multimodal for _ in range(num_samples)]
         input_ids, attention_mask = left_pad(prompt_ids, self.pad_token_id)
         width = input_ids.shape[1]
         images = {k: v.to(device) for k, v in collate(multimodal, width, width).items()} if multimodal is not None else {}
@@ -55,7 +58,6 @@ class TransformersGenerator:
             top_k=params.top_k,  # 0 disables; None would fall back to generation_config's 50
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
-            num_return_sequences=return_sequences,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             use_cache=True,
@@ -73,10 +75,10 @@ class TransformersGenerator:
             self.model.train(was_training)
         sequences = output.sequences if hasattr(output, "sequences") else output
         new_tokens = sequences[:, width:].tolist()
-        if len(new_tokens) != len(prompt_ids) * return_sequences:
+        if len(new_tokens) != len(prompt_ids):
             raise RuntimeError(
-                f"transformers generate returned {len(new_tokens)} sequences for {len(prompt_ids)} prompt rows x {return_sequences} samples; "
-                "check generation_kwargs (num_return_sequences / num_beams)."
+                f"model.generate returned {len(new_tokens)} sequences for {len(prompt_ids)} rows (prompts x samples); it must return "
+                "one per input row (check generation_kwargs, or an overridden generate)."
             )
         eos = set(self.eos_token_ids)
         completions = []

@@ -167,7 +167,28 @@ def score_completions(
     scores = torch.empty((n, len(functions)), dtype=torch.float32)
     for index, f in enumerate(functions):
         scores[:, index] = _check_output(f.name, outputs[index], n, prompts)
+    _warn_unscorable(scores, kwargs)
     return scores
+
+
+# Arguments that are not the row's data, left out of the unscorable-row warning (as TRL does).
+NOT_ROW_DATA = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+
+
+def _warn_unscorable(scores: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """TRL's warning when no reward function scored a completion, showing the first such row's arguments."""
+    unscorable = torch.isnan(scores).all(dim=1)
+    count = int(unscorable.sum())
+    if not count:
+        return
+    row, n = int(unscorable.nonzero()[0]), len(scores)
+    shown = {k: v[row] for k, v in kwargs.items() if k not in NOT_ROW_DATA and isinstance(v, list) and len(v) == n}
+    shown.update(prompt=kwargs["prompts"][row], completion=kwargs["completions"][row])
+    logger.warning(
+        "All reward functions returned None for the following kwargs: %s\n%d of %d completions got no reward from any function; "
+        "they get advantage 0 and are left out of their group's mean and std. Make sure at least one reward function returns "
+        "a number for every completion.", "{" + ", ".join(f"{k!r}: {_short(v, 200)}" for k, v in shown.items()) + "}", count, n,
+    )
 
 
 @dataclass(frozen=True)
