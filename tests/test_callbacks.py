@@ -53,13 +53,15 @@ def test_events_fire_in_trainer_order(tiny_model_dir, tmp_path):
 
     expected = [("on_init_end", 0), ("on_train_begin", 0), ("on_epoch_begin", 0),
                 *step(1), *step(2, "on_log", "on_save"), *step(3, "on_epoch_end"),
-                ("on_epoch_begin", 3), *step(4, "on_log", "on_save", "on_epoch_end"), ("on_train_end", 4)]
+                ("on_epoch_begin", 3), *step(4, "on_log", "on_save", "on_epoch_end"),
+                ("on_log", 4), ("on_train_end", 4)]  # the end-of-training summary is logged (on_log) before on_train_end
     assert recorder.events == expected
     for kwargs in recorder.kwargs["on_step_end"]:
         assert kwargs["model"] is trainer.model and kwargs["optimizer"] is trainer.optimizer
         assert kwargs["lr_scheduler"] is trainer.lr_scheduler and kwargs["processing_class"] is trainer.processing_class
     logs = [kwargs["logs"] for kwargs in recorder.kwargs["on_log"]]
-    assert [entry["step"] for entry in logs] == [2, 4] and all("loss" in entry and "reward" in entry for entry in logs)
+    assert [entry["step"] for entry in logs] == [2, 4, 4] and all("loss" in entry and "reward" in entry for entry in logs[:2])
+    assert "train_loss" in logs[-1]  # the end-of-training summary
     assert sorted(os.listdir(config.output_dir)).count("checkpoint-2") == 1
 
 

@@ -210,13 +210,20 @@ def test_compat_doc_lists_every_field_as_the_code_says(tmp_path):
 
 
 def test_hub_settings_reach_push_to_hub(tiny_model_dir, tmp_path, monkeypatch):
+    from huggingface_hub import HfApi, ModelCard
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     pushed = []
     monkeypatch.setattr(PreTrainedModel, "push_to_hub", lambda self, repo_id, **kw: pushed.append(("model", repo_id, kw)))
     monkeypatch.setattr(PreTrainedTokenizerBase, "push_to_hub", lambda self, repo_id, **kw: pushed.append(("tokenizer", repo_id, kw)))
+    uploads = []
+    monkeypatch.setattr(HfApi, "upload_file", lambda self, **kw: uploads.append((self.token, kw)))
     config = make_config(tmp_path, hub_model_id="me/run", hub_token="hf_x", hub_private_repo=True, hub_revision="exp")
-    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).push_to_hub()
+    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).push_to_hub(dataset_name="me/data")
     assert {kind for kind, _, _ in pushed} == {"model", "tokenizer"}
     for _, repo_id, kwargs in pushed:
         assert repo_id == "me/run" and (kwargs["token"], kwargs["private"], kwargs["revision"]) == ("hf_x", True, "exp")
+    # the model card (TRL's script passes dataset_name) goes with the same token and revision
+    [(token, upload)] = uploads
+    assert token == "hf_x" and (upload["repo_id"], upload["revision"], upload["path_in_repo"]) == ("me/run", "exp", "README.md")
+    assert ModelCard.load(upload["path_or_fileobj"]).data.datasets == ["me/data"]

@@ -241,7 +241,8 @@ def train_command(argv: list[str]) -> int:
         print(f"grouprl: model saved to {config.output_dir}; metrics in {os.path.join(config.output_dir, 'metrics.jsonl')} "
               f"(charts: grouprl report {config.output_dir})")
     if config.push_to_hub:
-        trainer.push_to_hub()
+        trainer.push_to_hub(dataset_name=script.dataset_name)  # as trl grpo: the dataset goes into the model card
+    trainer.end()  # finish the trackers and the process group, as trl grpo does last
     return 0
 
 

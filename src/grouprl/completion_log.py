@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -28,6 +29,47 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 FIXED_COLUMNS = ("step", "prompt", "completion", "advantage")
+
+
+class RecentCompletions:
+    """TRL's ``trainer._logs``: the rows of the latest generation batch (all processes), kept whatever log_completions is.
+
+    ``logs`` is a plain dict, as TRL's: ``prompt``, ``completion`` (as reward functions got them), ``advantages``,
+    ``images`` (each row's prompt images; only with log_multimodal), deques of at most the generation batch
+    size, and ``rewards`` / ``extra``: name -> such a deque (a reward function's values, NaN for None; a
+    ``log_extra`` column). Scripts read it, or replace an entry (e.g. ``_logs["images"] = deque(maxlen=0)``).
+    """
+
+    def __init__(self, size: int, log_multimodal: bool = True):
+        self.log_multimodal = log_multimodal
+        recent = lambda: deque(maxlen=size)  # noqa: E731 - the factory of every column
+        self.logs: dict[str, Any] = {
+            "images": recent(), "prompt": recent(), "completion": recent(),
+            "rewards": defaultdict(recent), "advantages": recent(), "extra": defaultdict(recent),
+        }
+
+    def record(
+        self,
+        accelerator: Accelerator,
+        prompts: list[Any],  # (n,) this process's rows
+        completions: list[Any],  # (n,)
+        rewards: dict[str, torch.Tensor],  # name -> (N,) global, NaN for None
+        advantages: torch.Tensor,  # (N,) global
+        extras: dict[str, list[Any]],  # log_extra columns of this process, each (n,)
+        images: list[list[Any]] | None = None,  # (n,) each row's prompt images, None without images
+    ) -> None:
+        """Append one generation batch (call on every process: prompts, completions and extras are gathered)."""
+        gather = gather_object if accelerator.num_processes > 1 else list
+        self.logs["prompt"].extend(gather(list(prompts)))
+        self.logs["completion"].extend(gather(list(completions)))
+        for name, values in rewards.items():
+            self.logs["rewards"][name].extend(values.tolist())
+        self.logs["advantages"].extend(advantages.tolist())
+        names = sorted(set(gather(list(extras))))  # every process's column names
+        for name in names:  # a column one process lacks is None on its rows (TRL)
+            self.logs["extra"][name].extend(gather(list(extras.get(name, [None] * len(completions)))))
+        if images is not None and self.log_multimodal:
+            self.logs["images"].extend(gather([list(row) for row in images]))
 
 
 @dataclass

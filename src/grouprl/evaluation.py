@@ -20,7 +20,7 @@ gives the same numbers.
 from __future__ import annotations
 
 import time
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 import datasets
@@ -28,12 +28,13 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.utils import logging
 
-from .algorithms.logprobs import completion_logprobs
 from .algorithms.losses import masked_mean, policy_loss
 from .config import GRPOConfig, resolve_steps
 from .data import check_dataset, local_prompt_batch
 from .distributed import global_mean
-from .metrics import JsonlWriter, MetricWindow
+from .generation_inputs import GenerationInputs
+from .metrics import MetricWindow
+from .objective import policy_logprobs
 from .rollout import RolloutMaker
 from .row_loading import sequential_loader, workers_for
 from .types import Rollout
@@ -86,18 +87,54 @@ def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> di
             metrics.update(evaluate(run, dataset, f"{metric_key_prefix}_{name}"))
         return metrics
     started = time.time()
-    window, batches, completions = _sample_and_score(run, eval_dataset)
-    runtime = time.time() - started
-    summary = {k: v for k, v in window.summary().items() if k != "num_tokens"}
-    metrics = {f"{metric_key_prefix}_{k}": v for k, v in summary.items()}
-    metrics.update({
-        f"{metric_key_prefix}_runtime": runtime,
-        f"{metric_key_prefix}_samples_per_second": completions / max(runtime, 1e-9),
-        f"{metric_key_prefix}_steps_per_second": batches / max(runtime, 1e-9),
-    })
-    _log(run, metrics)
+    was_training = run.model.training
+    run.model.eval()  # as in TRL, the trainer's override points see model.training False during evaluation and its log
+    try:
+        window, batches, completions = _sample_and_score(run, eval_dataset)
+        runtime = time.time() - started
+        summary = {k: v for k, v in window.summary().items() if k != "num_tokens"}
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in summary.items()}
+        metrics.update({
+            f"{metric_key_prefix}_runtime": runtime,
+            f"{metric_key_prefix}_samples_per_second": completions / max(runtime, 1e-9),
+            f"{metric_key_prefix}_steps_per_second": batches / max(runtime, 1e-9),
+        })
+        run.trainer.log(metrics)  # log_history, trackers, on_log, metrics.jsonl and an "eval at step" line
+    finally:
+        run.model.train(was_training)
     run.fire("on_evaluate", metrics=metrics)
     return metrics
+
+
+@dataclass
+class EvaluationPass:
+    """What the trainer's eval-mode defaults use while an evaluation runs (TrainingRun.evaluation_pass)."""
+
+    rollouts: RolloutMaker  # G_eval completions per prompt, its own counters
+    window: MetricWindow  # the eval metrics
+
+
+def eval_batch(run: Any, inputs: GenerationInputs) -> Any:
+    """One eval batch sampled and scored (GRPOTrainer._generate_and_score_completions in eval mode): no old or
+    reference logprobs, nothing buffered."""
+    current = _current_pass(run)
+    prompts = inputs.prompt_batch
+    with run.accelerator.autocast():
+        rollout = Rollout(prompts, current.rollouts.generate(prompts))
+    _, advantages = current.rollouts.score(rollout, run.state, current.window)
+    return current.rollouts.make_train_batch(rollout, advantages)
+
+
+def _current_pass(run: Any) -> EvaluationPass:
+    if run.evaluation_pass is None:
+        raise RuntimeError("The trainer's model is in eval mode outside of evaluate(): its eval-mode steps (_generate_and_score_completions, "
+                           "_compute_loss) run inside trainer.evaluate(); call model.train() before training steps.")
+    return run.evaluation_pass
+
+
+def format_eval_line(entry: dict[str, Any]) -> str:
+    shown = [f"{k} {v:.4g}" for k, v in entry.items() if k.endswith(("_reward", "_loss", "_reward_std")) and isinstance(v, float)]
+    return f"eval at step {entry.get('step')} | " + " | ".join(shown)
 
 
 def _eval_rollouts(run: Any, num_generations: int) -> RolloutMaker:
@@ -139,8 +176,7 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
     run.rollouts.sync_weights(accelerator.unwrap_model(run.model), run.state.global_step)  # a server samples the current weights
     rollouts = _eval_rollouts(run, size)
     window, batches, completions = MetricWindow(), 0, 0
-    was_training = run.model.training
-    run.model.eval()
+    run.evaluation_pass = EvaluationPass(rollouts, window)
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
@@ -156,44 +192,35 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
                     num_processes=accelerator.num_processes, tokenize=rollouts.tokenize,
                     remove_unused_columns=rollouts.settings.remove_unused_columns, default_prompt=rollouts.settings.default_prompt,
                 )
-                with accelerator.autocast():
-                    rollout = Rollout(prompts, rollouts.generate(prompts))
-                _, advantages = rollouts.score(rollout, run.state, window)
-                _add_loss(run, rollouts.make_train_batch(rollout, advantages), window)
+                inputs = GenerationInputs.of(prompts, dict(zip(indices, rows)), rollouts.settings.remove_unused_columns)
+                batch = run.trainer._prepare_inputs(inputs)  # eval mode: _generate_and_score_completions(inputs), as TRL
+                with torch.no_grad():
+                    loss = run.trainer.compute_loss(run.model, batch)
+                window.add("loss", global_mean(accelerator, float(loss)))
                 batches += 1
                 completions += len(rows) * size
     finally:
-        run.model.train(was_training)
+        run.evaluation_pass = None
     if isinstance(dataset, datasets.Dataset) and batches == 0:
         raise ValueError("evaluation: the eval dataset produced no complete batch.")
     return window, batches, completions
 
 
-def _add_loss(run: Any, batch: Any, window: MetricWindow) -> None:
-    """eval_loss / eval_entropy: the policy loss at ratio 1 on these samples (no gradient)."""
+def eval_loss(run: Any, batch: Any) -> torch.Tensor:
+    """The policy loss at ratio 1 on eval samples (GRPOTrainer._compute_loss in eval mode); eval_entropy and the loss's
+    statistics go to the eval window."""
     config, accelerator = run.config, run.accelerator
+    window = _current_pass(run).window
     b = batch.to(accelerator.device)
     with torch.no_grad(), accelerator.autocast():
-        out = completion_logprobs(
-            run.model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
-            temperature=config.temperature, rows_per_chunk=config.per_device_eval_batch_size, multimodal=b.multimodal,
-        )
+        out = policy_logprobs(run, run.model, b, rows_per_chunk=config.per_device_eval_batch_size)
         logprobs, entropy = out.logprobs, out.entropy
         settings = {**run.loss_settings, "beta": 0.0}  # no reference pass in evaluation: the KL term is left out
         loss, stats = policy_loss(
             config.loss_type, logprobs, None, b.advantages, b.loss_mask, **settings, grad_accum_steps=1,
             token_denominator=max(batch.num_loss_tokens, 1.0) / accelerator.num_processes,
         )
-    window.add("loss", global_mean(accelerator, loss.item()))
     window.add("entropy", global_mean(accelerator, masked_mean(entropy, b.loss_mask).item()))  # model tokens only
     for name, value in stats.items():
         window.add(name, global_mean(accelerator, value.item()))
-
-
-def _log(run: Any, metrics: dict[str, float]) -> None:
-    """Like a training log entry: log_history, trackers, metrics.jsonl and one console line."""
-    entry = run.publish(metrics)
-    if run.accelerator.is_main_process:
-        JsonlWriter(f"{run.config.output_dir}/metrics.jsonl").write(entry)
-        shown = [f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith(("_reward", "_loss", "_reward_std")) and isinstance(v, float)]
-        print(f"eval at step {run.state.global_step} | " + " | ".join(shown), flush=True)
+    return loss

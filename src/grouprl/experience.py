@@ -1,4 +1,5 @@
-"""One generation batch, made ready to train on.
+"""One generation batch, made ready to train on (score_generation: GRPOTrainer._generate_and_score_completions),
+then cut into micro-batches (split_generation, called by GRPOTrainer._prepare_inputs).
 
     draw completions -> rewards -> advantages -> TrainBatch
         (dynamic sampling: drop groups whose rewards tie, draw further generations to refill)
@@ -20,9 +21,10 @@ from transformers.utils import logging
 from .algorithms.masks import tied_groups
 from .distributed import own_rows, whole_groups
 from .algorithms.importance import sampler_importance_weights
-from .algorithms.logprobs import completion_logprobs
 from .batching import length_grouped, regrouping_is_exact, row_order_key
+from .generation_inputs import GenerationInputs
 from .health import guard_advantages
+from .objective import policy_logprobs
 from .types import Rewards, Rollout, TrainBatch
 
 if TYPE_CHECKING:
@@ -31,12 +33,13 @@ if TYPE_CHECKING:
 logger = logging.get_logger("grouprl")
 
 
-def generation_micro_batches(run: "TrainingRun") -> list[TrainBatch]:
-    """Generate and score one generation batch; return its micro-batches in training order."""
+def score_generation(run: "TrainingRun", inputs: GenerationInputs) -> TrainBatch:
+    """One generation batch made ready to train on (GRPOTrainer._generate_and_score_completions): completions, rewards,
+    advantages, and the old / reference logprobs and sampler weights it needs."""
     config, plan = run.config, run.plan
     with run.timer.phase("sync_weights"):
         run.rollouts.sync_weights(run.accelerator.unwrap_model(run.model), run.state.global_step)
-    batch = draw_batch(run)
+    batch = draw_batch(run, inputs)
     # An in-process sampler draws from the very weights being trained: nothing to correct, and the
     # extra forward pass for pi_old would be pure cost. Separate engines (server, vLLM) say they need it.
     separate_sampler = getattr(run.rollouts.backend, "needs_importance_correction", True)
@@ -60,6 +63,12 @@ def generation_micro_batches(run: "TrainingRun") -> list[TrainBatch]:
         with run.timer.phase("ref_logprobs"):
             with run.reference.scoring(run.model, run.accelerator.unwrap_model(run.model)) as reference:
                 batch.ref_logprobs = batch_logprobs(run, reference, batch)
+    return batch
+
+
+def split_generation(run: "TrainingRun", batch: TrainBatch) -> list[TrainBatch]:
+    """Shuffle a generation batch's rows and cut them into its micro-batches, queued num_iterations times."""
+    config, plan = run.config, run.plan
     order = torch.randperm(len(batch))  # global RNG, seeded: reproducible and restored on resume
     parts = list(torch.tensor_split(order, plan.steps_per_generation))
     if regrouping_is_exact(config.loss_type, config.top_entropy_quantile, [len(p) for p in parts]):
@@ -73,26 +82,23 @@ def batch_logprobs(run: "TrainingRun", model: torch.nn.Module, batch: TrainBatch
     """(n, T) logprobs of the batch's completions under `model`, in chunks of one micro-batch."""
     with run.accelerator.autocast():
         b = batch.to(run.accelerator.device)
-        out = completion_logprobs(
-            model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
-            temperature=run.config.temperature, rows_per_chunk=run.plan.per_device_batch_size, with_entropy=False, multimodal=b.multimodal,
-        )
+        out = policy_logprobs(run, model, b, rows_per_chunk=run.plan.per_device_batch_size, with_entropy=False)
     return out.logprobs.float().cpu()
 
 
-def draw_batch(run: "TrainingRun") -> TrainBatch:
+def draw_batch(run: "TrainingRun", inputs: GenerationInputs) -> TrainBatch:
     if run.config.dynamic_sampling:
-        rollout, advantages = dynamic_sample(run)
+        rollout, advantages = dynamic_sample(run, inputs)
     else:
         with run.timer.phase("generate"), run.accelerator.autocast():
-            rollout = run.rollouts.sample()
+            rollout = run.rollouts.sample(inputs)
         with run.timer.phase("reward"):
             _, advantages = run.rollouts.score(rollout, run.state, run.window)
     guard_advantages(run, advantages)
     return run.rollouts.make_train_batch(rollout, advantages)
 
 
-def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
+def dynamic_sample(run: "TrainingRun", inputs: GenerationInputs) -> tuple[Rollout, torch.Tensor]:
     """DAPO dynamic sampling: keep only groups whose rewards differ.
 
     Draws generations until the kept groups fill one generation batch, or
@@ -109,9 +115,9 @@ def dynamic_sample(run: "TrainingRun") -> tuple[Rollout, torch.Tensor]:
     kept_rollouts: list[Rollout] = []
     kept_rewards: list[Rewards] = []
     drawn = rounds = 0
-    for _ in range(1 + config.max_dynamic_sampling_rounds):
+    for attempt in range(1 + config.max_dynamic_sampling_rounds):
         with run.timer.phase("generate"), run.accelerator.autocast():
-            rollout = run.rollouts.sample()
+            rollout = run.rollouts.sample(inputs if attempt == 0 else None)  # further rounds draw further prompts
         with run.timer.phase("reward"):
             rewards, _ = run.rollouts.score(rollout, run.state, run.window)
         rollout = whole_groups(rollout)  # every process sees the whole batch, so groups are kept or dropped whole

@@ -2,13 +2,22 @@
 
     until max steps:
         for each of gradient_accumulation_steps micro-batches:
-            if no micro-batch is buffered: generate -> score -> advantages -> (old / reference
-                logprobs, sampler IS weights) -> shuffle rows -> split into steps_per_generation
-                micro-batches, queued num_iterations times                      (experience.py)
-            forward the micro-batch -> policy loss -> backward                  (objective.py)
+            if no micro-batch is buffered: draw the next generation's prompts (the `inputs` rows)
+            trainer.training_step(model, inputs)
+                trainer._prepare_inputs(inputs): if no micro-batch is buffered:
+                    trainer._generate_and_score_completions(inputs): generate -> score ->
+                        advantages -> (old / reference logprobs, sampler IS weights)  (experience.py)
+                    -> shuffle rows -> split into steps_per_generation micro-batches,
+                       queued num_iterations times
+                trainer.compute_loss -> _compute_loss: forward -> policy loss    (objective.py)
+                -> backward
         clip gradients -> optimizer step -> LR step -> entropy controller / reference sync
-        -> log -> evaluate -> checkpoint
+        -> trainer.log -> evaluate -> checkpoint
+    trainer.log(train summary) -> on_train_end
     (TrainerCallback events fire at the same points as in transformers' Trainer: callbacks.py)
+
+The `trainer.*` methods are TRL's override points (trainer_hooks.py): a TRL subclass's versions run,
+and their defaults are the grouprl stages named on the right.
 
 The buffer semantics are TRL's (§2.13): one generation feeds steps_per_generation x num_iterations
 micro-steps, replayed in the same order each iteration, independently of where optimizer steps
@@ -38,10 +47,10 @@ from .checkpoint import load_policy_weights, rng_state, save_checkpoint
 from .config import BatchPlan, GRPOConfig, resolve_steps
 from .distributed import gather_objects, global_mean, global_sum
 from .evaluation import should_evaluate
-from .experience import generation_micro_batches
+from .generation_inputs import GenerationInputs
 from .health import RunHealth, guard_gradients, stop_safely
-from .metrics import JsonlWriter, MetricWindow, PhaseTimer, format_log_line, progress_postfix
-from .objective import loss_settings, train_micro_batch
+from .metrics import TRAINER_METRICS, JsonlWriter, MetricWindow, PhaseTimer, progress_postfix
+from .objective import loss_settings, train_micro_batch  # noqa: F401 - GRPOTrainer.training_step calls loop.train_micro_batch
 from .reference import Reference, mix_into_reference
 from .rollout import RolloutMaker
 
@@ -70,6 +79,11 @@ class TrainingRun:
     step_losses: list[float] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)  # detectors, NaN guards, last good state (health.py)
     callbacks: CallbackHandler = field(default_factory=CallbackHandler)  # the user's TrainerCallbacks
+    trainer: Any = None  # the GRPOTrainer: its TRL override points (training_step, log, ...) drive the loop
+    inputs: Optional[GenerationInputs] = None  # the generation batch the buffered micro-batches come from
+    progress: Any = None  # the tqdm bar while training (log lines are written through it)
+    flos: float = 0.0  # this process's floating-point operations not yet added to state.total_flos
+    evaluation_pass: Any = None  # set while evaluating: the eval RolloutMaker and metric window (evaluation.py)
 
     def fire(self, event: str, **extra: Any) -> Any:
         """Call a TrainerCallback event on every callback; returns the shared TrainerControl."""
@@ -85,8 +99,37 @@ class TrainingRun:
         self.fire("on_log", logs=entry)
         return entry
 
+    def echo(self, entry: dict[str, Any], line: Optional[str]) -> None:
+        """A published log entry to output_dir/metrics.jsonl and, if given, a console line (main process)."""
+        if not self.accelerator.is_main_process:
+            return
+        JsonlWriter(os.path.join(self.config.output_dir, "metrics.jsonl")).write(entry)
+        if line is None:
+            return
+        if self.progress is not None and not self.progress.disable:
+            self.progress.write(line)
+        else:
+            print(line, flush=True)
+
+    def count_flos(self, micro: Any) -> None:
+        """Add a micro-batch's training flos: 6 x tokens x non-embedding parameters (transformers' estimate)."""
+        if self._flos_per_token is None:
+            model = self.accelerator.unwrap_model(self.model)
+            try:
+                parameters = model.num_parameters(exclude_embeddings=True)
+            except (AttributeError, TypeError):
+                parameters = sum(p.numel() for p in model.parameters())
+            self._flos_per_token = 6 * parameters
+        self.flos += self._flos_per_token * float(micro.prompt_mask.sum() + micro.completion_mask.sum())
+
+    def store_flos(self) -> None:
+        """Add every process's counted flos to state.total_flos (as Trainer.store_flos)."""
+        self.state.total_flos += global_sum(self.accelerator, self.flos)
+        self.flos = 0.0
+
     def __post_init__(self) -> None:
         self.loss_settings = loss_settings(self.config)
+        self._flos_per_token: Optional[float] = None
 
     @property
     def timer(self) -> PhaseTimer:
@@ -101,6 +144,7 @@ class TrainingRun:
             "step_losses": list(self.step_losses),
             "window": {k: list(v) for k, v in self.window.values.items()},
             "entropy_controller": self.entropy_controller.state_dict() if self.entropy_controller else None,
+            "inputs": self.inputs,
         }
         if with_reference:  # a copy of a whole model: only when writing a checkpoint
             state["reference_model"] = self.reference.state_dict() if self.reference and self.config.sync_ref_model else None
@@ -109,6 +153,7 @@ class TrainingRun:
     def load_loop_state(self, state: dict[str, Any]) -> None:
         self.rollouts.sampler.load_state_dict(state["sampler"])
         self.pending = deque(state["pending"])
+        self.inputs = state.get("inputs")
         self.rollouts.generations_made = state["generations_made"]
         self.rollouts.tokens_seen = state["tokens_seen"]
         self.step_losses = list(state["step_losses"])
@@ -143,8 +188,10 @@ def train(run: TrainingRun) -> dict[str, float]:
     ga = run.plan.gradient_accumulation_steps
     logging_steps = resolve_steps(config.logging_steps, run.total_steps)
     save_steps = resolve_steps(config.save_steps, run.total_steps)
-    writer = JsonlWriter(f"{config.output_dir}/metrics.jsonl") if accelerator.is_main_process else None
+    if accelerator.is_main_process:
+        os.makedirs(config.output_dir, exist_ok=True)  # metrics.jsonl, completions and checkpoints go there
     progress = tqdm(total=run.total_steps, initial=state.global_step, desc="grouprl", unit="step", disable=config.disable_tqdm or not accelerator.is_main_process)
+    run.progress = progress
     run.model.train()
     started, first_step = time.time(), state.global_step
     run.callbacks.control.should_training_stop = False  # a stop asked for in an earlier train() call is over
@@ -162,11 +209,10 @@ def train(run: TrainingRun) -> dict[str, float]:
         run.fire("on_step_begin")
         step_loss = 0.0
         for k in range(ga):
-            if not run.pending:
-                run.pending.extend(generation_micro_batches(run))
-            micro = run.pending.popleft()
+            if not run.pending:  # the next generation batch (TRL's dataloader batch)
+                run.inputs = run.rollouts.draw_prompts()
             with nullcontext() if k == ga - 1 else accelerator.no_sync(run.model):
-                step_loss += train_micro_batch(run, micro)
+                step_loss += float(run.trainer.training_step(run.model, run.inputs, None))
             if k < ga - 1:
                 run.fire("on_substep_end")
         grad_norm, learning_rate = optimizer_step(run)
@@ -181,7 +227,8 @@ def train(run: TrainingRun) -> dict[str, float]:
         step_stats = run.health.end_step(run)  # phase times, silent-failure detectors
         control = run.fire("on_step_end")  # a callback may ask for a log, evaluation, checkpoint or stop at this step
         if should_log(config, state.global_step, logging_steps, run.steps_per_epoch) or control.should_log:
-            write_log(run, writer, progress)
+            trainer_level = {k: v for k, v in run.window.summary().items() if k in TRAINER_METRICS}
+            run.trainer.log(trainer_level)  # GRPOTrainer.log merges the GRPO metrics gathered since the last entry
         new_best = False
         if run.evaluate is not None and (should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate):
             new_best = evaluate_and_track(run)
@@ -194,26 +241,29 @@ def train(run: TrainingRun) -> dict[str, float]:
             run.fire("on_epoch_end")
             epoch_open = False
     progress.close()
+    run.progress = None
     run.health.finish()
     if config.load_best_model_at_end and state.best_model_checkpoint is not None:
         run.accelerator.wait_for_everyone()
         load_policy_weights(accelerator.unwrap_model(run.model), state.best_model_checkpoint)
 
-    runtime = time.time() - started
-    steps_done = max(state.global_step - first_step, 1)
-    final = {
-        "train_runtime": runtime,
-        "train_samples_per_second": steps_done * run.plan.completions_per_optimizer_step / max(runtime, 1e-9),
-        "train_steps_per_second": steps_done / max(runtime, 1e-9),
-        "train_loss": sum(run.step_losses) / max(len(run.step_losses), 1),
-        "epoch": state.epoch,
-        "step": state.global_step,
-    }
-    state.log_history.append(final)
-    if writer is not None:
-        writer.write(final)
+    run.store_flos()
+    metrics = train_summary(run, time.time() - started, state.global_step - first_step)
+    run.trainer.log(metrics)  # as Trainer: adds epoch, and GRPO merges the metrics of steps not logged yet
     run.fire("on_train_end")
-    return final
+    return metrics
+
+
+def train_summary(run: TrainingRun, runtime: float, steps_done: int) -> dict[str, float]:
+    """Trainer's end-of-training metrics: speed (rounded as transformers' speed_metrics), total_flos, train_loss."""
+    steps = max(steps_done, 1)
+    return {
+        "train_runtime": round(runtime, 4),
+        "train_samples_per_second": round(steps * run.plan.completions_per_optimizer_step / max(runtime, 1e-9), 3),
+        "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
+        "total_flos": run.state.total_flos,
+        "train_loss": sum(run.step_losses) / max(len(run.step_losses), 1),
+    }
 
 
 def end_of_step_updates(run: TrainingRun) -> None:
@@ -225,16 +275,6 @@ def end_of_step_updates(run: TrainingRun) -> None:
         run.window.add("entropy_coef", controller.end_step(total, count))
     if run.config.sync_ref_model and run.state.global_step % run.config.ref_model_sync_steps == 0:
         mix_into_reference(run.reference.model, accelerator.unwrap_model(run.model), run.config.ref_model_mixup_alpha)
-
-
-def write_log(run: TrainingRun, writer: Optional[JsonlWriter], progress: Any) -> None:
-    entry = run.publish(run.window.summary())
-    run.window.clear()
-    if writer is not None:
-        writer.write(entry)
-        progress.write(format_log_line(entry, run.total_steps)) if not progress.disable else print(format_log_line(entry, run.total_steps), flush=True)
-    if run.rollouts.completion_log is not None:  # log_completions: parquet, console table, tracker tables
-        run.rollouts.completion_log.write(run.state.global_step, run.accelerator)
 
 
 def should_log(config: GRPOConfig, step: int, logging_steps: int, steps_per_epoch: Optional[int]) -> bool:
@@ -268,7 +308,8 @@ def save(run: TrainingRun) -> Optional[str]:
     run.accelerator.wait_for_everyone()
     path = None
     # every process's RNG and buffered micro-batches (the loop state below is the main process's)
-    processes = gather_objects({"rng": rng_state(), "pending": list(run.pending)}) if run.accelerator.num_processes > 1 else None
+    processes = gather_objects({"rng": rng_state(), "pending": list(run.pending), "inputs": run.inputs}) if run.accelerator.num_processes > 1 else None
+    run.store_flos()
     if run.state.best_global_step == run.state.global_step and run.state.best_metric is not None:
         run.state.best_model_checkpoint = os.path.join(run.config.output_dir, f"checkpoint-{run.state.global_step}")
     if run.accelerator.is_main_process:

@@ -19,6 +19,11 @@ from typing import Any, Iterator, Optional
 import torch
 
 
+# Logged by transformers' Trainer itself at each scheduled log entry; TRL's GRPOTrainer.log merges the others
+# (its own metrics since the last entry) into every entry, the end-of-training summary included.
+TRAINER_METRICS = ("loss", "grad_norm", "learning_rate")
+
+
 class MetricWindow:
     """Named lists of floats since the last log entry.
 

@@ -9,18 +9,19 @@ rows into padded tensors with a loss mask.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from accelerate import Accelerator
 
 from .agents import Agent, tool_call_stats
 from .algorithms.advantages import group_advantages
-from .completion_log import CompletionLog
+from .completion_log import CompletionLog, RecentCompletions
 from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
 from .distributed import gather_rows, global_sum, local_rows
 from .generation.dispatch import generate_on_main_process
 from .generation.protocol import GenerationBackend
+from .generation_inputs import GenerationInputs
 from .metrics import MetricWindow, completion_length_stats, reward_stats
 from .multimodal import rows_images
 from .rewards.scoring import RewardFunction, score_completions
@@ -56,6 +57,10 @@ class RolloutMaker:
     completion_log: Optional[CompletionLog] = None  # set when log_completions is on
     synced_step: Optional[int] = None  # optimizer step whose weights the backend samples from
     agent: Optional[Agent] = None  # multi-turn rollouts (tools, environments, rollout_func); None = single-turn sampling
+    recent: Optional[RecentCompletions] = None  # TRL's trainer._logs: the latest generation batch's rows
+    # A TRL subclass's overrides (GRPOTrainer._generate / _calculate_rewards); each returns None when not overridden.
+    generate_hook: Optional[Callable[[PromptBatch], Optional[list[Completion]]]] = None
+    reward_hook: Optional[Callable[["RolloutMaker", Rollout, MetricWindow], Optional[torch.Tensor]]] = None
 
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
         """Hand the policy's weights to the backend before sampling, at most once per optimizer step (as TRL)."""
@@ -63,7 +68,8 @@ class RolloutMaker:
             self.backend.sync_weights(model)
             self.synced_step = step
 
-    def sample(self) -> Rollout:
+    def draw_prompts(self) -> GenerationInputs:
+        """The next generation's prompts on this process, as the rows TRL's override points receive."""
         indices, rows = self.sampler.next_generation()
         prompts = local_prompt_batch(
             indices,
@@ -77,9 +83,19 @@ class RolloutMaker:
             default_prompt=self.settings.default_prompt,
         )
         self.generations_made += 1
+        return GenerationInputs.of(prompts, dict(zip(indices, rows)), self.settings.remove_unused_columns)
+
+    def sample(self, inputs: Optional[GenerationInputs] = None) -> Rollout:
+        """Completions for `inputs` (default: the next prompts drawn)."""
+        prompts = (inputs if inputs is not None else self.draw_prompts()).prompt_batch
         return Rollout(prompts, self.generate(prompts))
 
     def generate(self, prompts: PromptBatch) -> list[Completion]:
+        if self.generate_hook is not None and (overridden := self.generate_hook(prompts)) is not None:
+            return overridden
+        return self.generate_default(prompts)
+
+    def generate_default(self, prompts: PromptBatch) -> list[Completion]:
         if self.agent is not None:
             return self.agent.generate(self.backend, prompts, self.sampling)
         return generate_for(self.backend, prompts, self.sampling)
@@ -91,8 +107,10 @@ class RolloutMaker:
         then shrinks in place to the kept completions and the returned values cover those only.
         """
         self.log_lengths(rollout, window)
-        per_function = self.reward_table(rollout, trainer_state, window)  # (n_local, F)
-        rewards = Rewards(gather_rows(self.accelerator, per_function), [f.name for f in self.reward_functions], self.reward_weights)
+        scored = self.reward_hook(self, rollout, window) if self.reward_hook is not None else None  # an overridden _calculate_rewards
+        if scored is None:
+            scored = gather_rows(self.accelerator, self.reward_table(rollout, trainer_state, window))  # (N_global, F)
+        rewards = Rewards(scored, [f.name for f in self.reward_functions], self.reward_weights)
         group_size = self.settings.num_generations
         keep = self.keep_rows(rollout, rewards)  # (N_global,) bool or None
         if keep is not None:
@@ -107,23 +125,19 @@ class RolloutMaker:
         local = advantages[local_rows(self.accelerator, len(rollout.completions))]
         if self.completion_log is not None:
             self.record_completions(rollout, rewards, local)
+        if self.recent is not None:
+            self.record_recent(rollout, rewards, advantages)
         return rewards, local
 
     def reward_table(self, rollout: Rollout, trainer_state: Any, window: MetricWindow) -> torch.Tensor:
         """(n_local, F) rewards of this process's completions; log_extra columns land in completion_extras."""
-        row_prompt = rollout.row_prompt
-        batch = rollout.prompts
-        conversational = is_conversational(batch.prompts[0])
         self.completion_extras = {}
         return score_completions(
             self.reward_functions,
-            prompts=[batch.prompts[b] for b in row_prompt],
-            completions=[(c.messages or [{"role": "assistant", "content": c.text}]) if conversational else c.text for c in rollout.completions],
+            prompts=[rollout.prompts.prompts[b] for b in rollout.row_prompt],
+            completions=completion_inputs(rollout),
             completion_ids=[c.token_ids for c in rollout.completions],
-            columns={
-                **{name: [values[b] for b in row_prompt] for name, values in batch.columns.items()},
-                **{name: [c.reward_kwargs.get(name) for c in rollout.completions] for name in {k for c in rollout.completions for k in c.reward_kwargs}},
-            },
+            columns=reward_columns(rollout),
             trainer_state=trainer_state,
             log_metric=window.add,
             log_extra=self.completion_extras.__setitem__,
@@ -158,6 +172,20 @@ class RolloutMaker:
             images=rows_images(batch.columns, rollout.row_prompt) if batch.multimodal is not None else None,
         )
 
+    def record_recent(self, rollout: Rollout, rewards: Rewards, advantages: torch.Tensor) -> None:
+        """TRL's trainer._logs: prompts and completions as reward functions saw them, global rewards and advantages."""
+        batch = rollout.prompts
+        images = rows_images(batch.columns, rollout.row_prompt) if batch.multimodal is not None else None
+        self.recent.record(
+            self.accelerator,
+            prompts=[batch.prompts[b] for b in rollout.row_prompt],
+            completions=completion_inputs(rollout),
+            rewards={name: rewards.per_function[:, k] for k, name in enumerate(rewards.names)},
+            advantages=advantages,
+            extras=self.completion_extras,
+            images=images,
+        )
+
     def global_advantages(self, rewards: Rewards, group_size: Optional[int] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Advantages (N_global,) of gathered rewards (groups of `group_size`, default G), and group_advantages' statistics."""
         return group_advantages(
@@ -172,6 +200,21 @@ class RolloutMaker:
         batch = pack_rollout(rollout, advantages, self.settings.pad_token_id, self.settings.mask_truncated_completions)
         batch.num_loss_tokens = global_sum(self.accelerator, float(batch.loss_mask.sum()))
         return batch
+
+
+def completion_inputs(rollout: Rollout) -> list[Any]:
+    """(N,) completions as reward functions get them: text, or for conversational prompts the assistant (and tool) messages."""
+    conversational = is_conversational(rollout.prompts.prompts[0])
+    return [(c.messages or [{"role": "assistant", "content": c.text}]) if conversational else c.text for c in rollout.completions]
+
+
+def reward_columns(rollout: Rollout) -> dict[str, list[Any]]:
+    """Keyword columns for reward functions, each (N,): the dataset's extra columns, then per-completion extras."""
+    batch, completions = rollout.prompts, rollout.completions
+    return {
+        **{name: [values[b] for b in rollout.row_prompt] for name, values in batch.columns.items()},
+        **{name: [c.reward_kwargs.get(name) for c in completions] for name in {k for c in completions for k in c.reward_kwargs}},
+    }
 
 
 def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:

@@ -16,7 +16,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, set_seed
-from transformers import PreTrainedModel, Trainer, TrainerState, enable_full_determinism, get_scheduler
+from transformers import PreTrainedModel, Trainer, TrainerControl, TrainerState, enable_full_determinism, get_scheduler
+from huggingface_hub import HfApi
+from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import evaluation, loop, quantization
@@ -26,7 +28,7 @@ from .agents.environments import EMPTY_PROMPT, environment_dataset
 from .agents.multiturn import TurnSettings
 from .algorithms.entropy import EntropyController
 from .callbacks import CallbackHandler
-from .completion_log import CompletionLog
+from .completion_log import CompletionLog, RecentCompletions
 from .checkpoint import load_policy_weights, load_training_state, resolve_resume_path, restore_rng_state
 from .config import GRPOConfig, plan_batches
 from .data import PromptSampler, check_dataset
@@ -45,13 +47,16 @@ from .reference import Reference, separate_reference_model
 from .row_loading import workers_for
 from .rewards.models import check_reward_funcs, load_reward_functions
 from .rewards.scoring import prepare_reward_functions, reward_name
+from .generation_inputs import TrainPromptBatches
 from .rollout import RolloutMaker, RolloutSettings
+from .trainer_hooks import OverridePoints
+from .trainer_reporting import TrainerReporting
 from .types import SamplingParams
 
 logger = logging.get_logger("grouprl")
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerReporting, OverridePoints):
     """Train a causal LM with GRPO. Drop-in for ``trl.GRPOTrainer`` (same arguments, same config).
 
     Args:
@@ -84,7 +89,14 @@ class GRPOTrainer:
             rollout replacing generation. See ``grouprl.agents`` and the README's "Tools and agents".
         generation_backend: grouprl extension: any object with the ``GenerationBackend`` protocol
             (default: transformers ``generate`` on the policy).
+
+    Subclass it as TRL's: the loop runs through TRL's override points (training_step, _prepare_inputs,
+    _generate_and_score_completions, _generate, _calculate_rewards, compute_loss, _compute_loss,
+    _get_per_token_logps_and_entropies, get_high_entropy_mask, get_off_policy_mask, log; see trainer_hooks.py), and a
+    subclass overriding a TRL method grouprl never calls is refused when it is defined.
     """
+
+    _grouprl_surface = True  # TRL's methods defined here are grouprl's own (subclasses are checked: trainer_hooks.py)
 
     def __init__(
         self,
@@ -173,6 +185,11 @@ class GRPOTrainer:
         self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code)
         check_multimodal_setup(train_dataset, self.processing_class)
         tokenizer = text_tokenizer(self.processing_class)
+        self._tokenizer = tokenizer
+        if tokenizer is not self.processing_class and self.overrides("_get_per_token_logps_and_entropies"):
+            raise NotImplementedError(f"{type(self).__name__} overrides _get_per_token_logps_and_entropies, which grouprl can call only "
+                                      "for text models: it passes images to a vision-language model its own way, not as TRL's "
+                                      "pixel_values keyword arguments. Remove the override, or override _compute_loss instead.")
         self.eos_token_ids = eos_token_ids(tokenizer, self.model)
         self.reward_functions = prepare_reward_functions(load_reward_functions(
             reward_funcs, reward_processing_classes, model_init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code,
@@ -180,6 +197,9 @@ class GRPOTrainer:
         ))
         self.reward_funcs = [f.fn for f in self.reward_functions]
         self.reward_func_names = [f.name for f in self.reward_functions]
+        # TRL's attributes: the weights as a tensor, and each reward model's tokenizer (None for a function)
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.reward_processing_classes = [getattr(f, "tokenizer", None) if hasattr(f, "model") else None for f in self.reward_funcs]
         for prepared in (m for m in (self.model, reference_model) if m is not None):
             if args.disable_dropout:
                 disable_dropout(prepared)
@@ -233,7 +253,7 @@ class GRPOTrainer:
             sampler=sampler,
             tokenize=tokenize,
             reward_functions=self.reward_functions,
-            reward_weights=torch.tensor(weights, dtype=torch.float32),
+            reward_weights=self.reward_weights,
             sampling=SamplingParams(
                 max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, extra=dict(args.generation_kwargs or {}),
@@ -248,6 +268,9 @@ class GRPOTrainer:
             completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.log_multimodal)
             if args.log_completions else None,
             agent=agent,
+            recent=RecentCompletions(self.plan.completions_per_generation, args.log_multimodal),
+            generate_hook=self._generate_through_override,
+            reward_hook=self._rewards_through_override,
         )
         self.state = TrainerState(max_steps=total_steps, logging_steps=args.logging_steps, save_steps=args.save_steps,
                                   num_train_epochs=args.num_train_epochs, train_batch_size=args.per_device_train_batch_size)
@@ -269,7 +292,9 @@ class GRPOTrainer:
             steps_per_epoch=steps_per_epoch, reference=reference, entropy_controller=entropy_controller, aux_loss_coef=aux_loss_coef,
             callbacks=CallbackHandler(callbacks, model=self.model, processing_class=self.processing_class, optimizer=optimizer,
                                       lr_scheduler=scheduler),
+            trainer=self,
         )
+        self._mirror_settings(args, aux_loss_coef)
         if args.eval_strategy != "no" or eval_dataset is not None:  # scheduled, or asked for by a callback (control.should_evaluate)
             self.run.evaluate = self.evaluate
         if self.accelerator.num_processes > 1:
@@ -278,6 +303,74 @@ class GRPOTrainer:
             # INFO, as transformers' Trainer logs its run summary: shown with log_level="info" (log_level.py).
             logger.info(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
         self.run.fire("on_init_end")
+        self._send_telemetry()
+
+    def _mirror_settings(self, args: GRPOConfig, aux_loss_coef: float) -> None:
+        """The settings TRL's GRPOTrainer copies onto itself, under its names (read-only copies; the run uses args)."""
+        for name in (
+            "max_completion_length", "num_generations", "max_tool_calling_iterations", "temperature", "top_p", "top_k", "min_p",
+            "repetition_penalty", "use_transformers_continuous_batching", "pad_to_multiple_of", "use_vllm", "vllm_mode",
+            "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_importance_sampling_correction",
+            "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "loss_type",
+            "multi_objective_aggregation", "scale_rewards", "importance_sampling_level", "off_policy_mask_threshold",
+            "mask_truncated_completions", "top_entropy_quantile", "use_adaptive_entropy", "shuffle_dataset", "num_iterations", "beta",
+            "log_completions", "log_multimodal", "log_unique_prompts", "num_completions_to_print",
+        ):
+            setattr(self, name, getattr(args, name))
+        self.num_generations_eval = args.num_generations_eval or args.num_generations
+        self.chat_template_kwargs = args.chat_template_kwargs or {}
+        self.epsilon_low = args.epsilon
+        self.epsilon_high = args.effective_epsilon_high
+        self.router_aux_loss_coef = aux_loss_coef
+        self.aux_loss_enabled = aux_loss_coef != 0.0  # the MoE load-balancing loss is added to the objective
+        self._entropy_bonus_enabled = args.entropy_bonus_enabled
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy-bonus coefficient now: the adaptive controller's current value with use_adaptive_entropy."""
+        controller = self.run.entropy_controller
+        return controller.coef if controller is not None else self.args.entropy_coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        if self.run.entropy_controller is None:
+            raise ValueError("entropy_coef can change only on a run with the entropy bonus on (GRPOConfig.entropy_coef != 0 or "
+                             "use_adaptive_entropy=True): with it off, the bonus term is not computed at all.")
+        self.run.entropy_controller.coef = float(value)
+
+    @property
+    def _last_world_entropy(self) -> float:
+        """The global mean entropy of the last optimizer step, as the adaptive controller saw it (inf before the first)."""
+        controller = self.run.entropy_controller
+        return controller.last_entropy if controller is not None else float("inf")
+
+    @property
+    def model_wrapped(self) -> torch.nn.Module:
+        """The model as accelerate prepared it (DDP / FSDP wrapper, or the model itself), as Trainer.model_wrapped."""
+        return self.run.model
+
+    @property
+    def control(self) -> TrainerControl:
+        """The TrainerControl the callbacks share."""
+        return self.run.callbacks.control
+
+    @control.setter
+    def control(self, value: TrainerControl) -> None:
+        self.run.callbacks.control = value
+
+    def get_train_dataloader(self) -> TrainPromptBatches:
+        """One epoch of this process's generation batches, as TRL's dataloader yields them: lists of dataset rows
+        (one per completion, each prompt repeated for its completions), each repeated steps_per_generation x
+        num_iterations times; the same lists training_step receives. Iterating walks the prompt order from the start
+        of an epoch without moving training's position; ``num_workers`` / ``loader`` are those of the DataLoader that
+        fetches training's rows (dataloader_num_workers)."""
+        rollouts = self.run.rollouts
+        return TrainPromptBatches(
+            rollouts.sampler, tokenize=rollouts.tokenize, num_generations=self.args.num_generations,
+            repeats=self.plan.steps_per_generation * self.plan.num_iterations, process_index=self.accelerator.process_index,
+            num_processes=self.accelerator.num_processes, remove_unused_columns=self.args.remove_unused_columns,
+            default_prompt=rollouts.settings.default_prompt,
+        )
 
     # ---- TRL-compatible surface ----------------------------------------------------------
 
@@ -305,29 +398,25 @@ class GRPOTrainer:
         """Remove a callback (an instance, or the first instance of a class)."""
         self.run.callbacks.pop(callback)
 
-    def train(self, resume_from_checkpoint: Union[bool, str, None] = None) -> dict[str, float]:
-        """Run training; `resume_from_checkpoint` = True (latest in output_dir) or a checkpoint path."""
+    def train(self, resume_from_checkpoint: Union[bool, str, None] = None) -> TrainOutput:
+        """Run training; `resume_from_checkpoint` = True (latest in output_dir) or a checkpoint path.
+
+        Returns transformers' ``TrainOutput(global_step, training_loss, metrics)``; metrics as Trainer's: train_runtime,
+        train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch (plus, as TRL's GRPO, the
+        metrics of steps after the last log entry). The report_to trackers stay open for later logs; ``end()`` closes them.
+        """
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         path = resolve_resume_path(resume_from_checkpoint, self.args.output_dir)
         if path is not None:
             self._load_checkpoint(path)
-        if self.args.report_to:
+        if self.args.report_to and not self.accelerator.trackers:
             self.accelerator.init_trackers(self.args.project, config=_tracker_config(self.args), init_kwargs=_tracker_init_kwargs(self.args))
         try:
-            return loop.train(self.run)
+            metrics = loop.train(self.run)
         finally:
             self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
-            if self.args.report_to:
-                self.accelerator.end_training()
-
-    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
-        """The DataLoader that fetches the training prompts' rows (dataloader_num_workers processes for map-style data).
-
-        Unlike transformers', its batches are one generation's unique prompts as (index, row) pairs, in
-        grouprl's seeded, resumable order; the trainer draws from it itself.
-        """
-        return self.run.rollouts.sampler.loader
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
         """The DataLoader evaluation reads (a name of a dict eval_dataset, a dataset, or None: the trainer's); a stream gets 0 workers."""
@@ -342,17 +431,29 @@ class GRPOTrainer:
             self.processing_class.save_pretrained(output_dir)
 
     def push_to_hub(self, commit_message: str = "End of training", **kwargs: Any) -> Any:
-        """Save, then push the model and tokenizer to args.hub_model_id (default: output_dir's name), with
-        args.hub_token / hub_private_repo / hub_revision unless given here."""
+        """Save, write the model card, then push the model, tokenizer and card (README.md) to args.hub_model_id
+        (default: output_dir's name), with args.hub_token / hub_private_repo / hub_revision unless given here.
+        As Trainer's, `model_name`, `dataset_name` and `tags` go to create_model_card (TRL's script passes
+        dataset_name); other keyword arguments go to the model's and tokenizer's push_to_hub."""
+        card = {name: kwargs.pop(name) for name in ("model_name", "dataset_name", "tags") if name in kwargs}
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         self.save_model()
         if not self.accelerator.is_main_process:
             return None
+        card.setdefault("model_name", repo_id.split("/")[-1])
+        self.create_model_card(**card)
         hub = {"token": self.args.hub_token, "private": self.args.hub_private_repo, "revision": self.args.hub_revision}
         kwargs = {**{k: v for k, v in hub.items() if v is not None}, **kwargs}
         model = self.accelerator.unwrap_model(self.run.model)
         self.processing_class.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
-        return model.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
+        result = model.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
+        pushed = getattr(getattr(result, "repo_url", None), "repo_id", None)  # owner/name as the Hub resolved it
+        self._pushed_repo_id = pushed or repo_id
+        # after the model: its push writes a bare README.md, which the card replaces
+        HfApi(token=kwargs.get("token")).upload_file(
+            path_or_fileobj=os.path.join(self.args.output_dir, "README.md"), path_in_repo="README.md", repo_id=self._pushed_repo_id,
+            revision=kwargs.get("revision"), commit_message=commit_message)
+        return result
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sample and score every eval prompt (num_generations_eval each); return and log eval_* metrics.
@@ -378,12 +479,15 @@ class GRPOTrainer:
             own = processes[self.accelerator.process_index]
             restore_rng_state(own["rng"])
             self.run.pending = deque(own["pending"])
+            self.run.inputs = own.get("inputs")
         elif self.accelerator.num_processes > 1:  # written by one process (or a last-good save): its buffer is not ours
             logger.warning(f"{path} holds one process's buffered micro-batches; each of the {self.accelerator.num_processes} processes "
                            "starts with a fresh generation instead.")
             self.run.pending.clear()
+            self.run.inputs = None
         restored = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
         self.state.global_step, self.state.epoch, self.state.log_history = restored.global_step, restored.epoch, restored.log_history
+        self.state.total_flos, self.state.num_input_tokens_seen = restored.total_flos, restored.num_input_tokens_seen
         if self.accelerator.is_main_process:  # drop what the interrupted run logged after this checkpoint
             JsonlWriter(os.path.join(self.args.output_dir, "metrics.jsonl")).rewrite(self.state.log_history)
         logger.warning(f"Resumed from {path} at step {self.state.global_step}.")

@@ -154,6 +154,16 @@ class Rewards:
 
 PER_TOKEN_FIELDS = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "sampler_logprobs", "ref_logprobs", "is_weights")
 
+# TRL's name -> TrainBatch field, for code written against the dict TRL's _generate_and_score_completions
+# returns and its compute_loss receives. `loss_mask` is grouprl's: TRL's completion_mask * tool_mask,
+# with truncated completions dropped under mask_truncated_completions.
+TRL_KEYS = {
+    "prompt_ids": "prompt_ids", "prompt_mask": "prompt_mask", "completion_ids": "completion_ids", "completion_mask": "completion_mask",
+    "advantages": "advantages", "old_per_token_logps": "old_logprobs", "ref_per_token_logps": "ref_logprobs",
+    "sampling_per_token_logps": "sampler_logprobs", "importance_sampling_ratio": "is_weights", "num_items_in_batch": "num_loss_tokens",
+    "loss_mask": "loss_mask",
+}
+
 
 @dataclass
 class TrainBatch:
@@ -173,7 +183,34 @@ class TrainBatch:
     multimodal: list[Any] | None = None  # (n,) each row's prompt images (multimodal.PromptImages or None), collated per forward
 
     def __len__(self) -> int:
+        """Rows (not keys: the TRL-style item access below is a view, not a full Mapping)."""
         return self.prompt_ids.shape[0]
+
+    # TRL-style access: batch["advantages"], batch["old_per_token_logps"] = ..., "ref_per_token_logps" in batch.
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self, self._field(key))
+        if value is None:
+            raise KeyError(f"{key!r}: this batch has none (as in TRL, the key is present only when computed).")
+        return value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self, self._field(key), value)
+
+    def __contains__(self, key: object) -> bool:
+        return key in TRL_KEYS and getattr(self, TRL_KEYS[key]) is not None
+
+    def keys(self) -> list[str]:
+        return [key for key in TRL_KEYS if key in self]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    @staticmethod
+    def _field(key: str) -> str:
+        if key not in TRL_KEYS:
+            raise KeyError(f"{key!r} is not a key of grouprl's TrainBatch; keys: {', '.join(TRL_KEYS)} (images travel in the "
+                           "`multimodal` attribute, not as pixel_values).")
+        return TRL_KEYS[key]
 
     def _tensor_fields(self) -> list[str]:
         return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
