@@ -484,6 +484,15 @@ def plan_batches(config: GRPOConfig, num_processes: int = 1) -> BatchPlan:
     )
 
 
+def interval_due(strategy: str, step: int, every: int, steps_per_epoch: Optional[int]) -> bool:
+    """TrainingArguments' IntervalStrategy at an optimizer step: "steps" every `every` steps, "epoch" at each epoch's end, "no" never."""
+    if strategy == "steps":
+        return step % every == 0
+    if strategy == "epoch":
+        return bool(steps_per_epoch) and step % steps_per_epoch == 0
+    return False
+
+
 def resolve_steps(value: float, total_steps: int) -> int:
     """TrainingArguments convention: a value in (0, 1) is a fraction of the total optimizer steps."""
     if 0 < value < 1:

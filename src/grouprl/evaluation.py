@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from transformers.utils import logging
 
 from .algorithms.losses import masked_mean, policy_loss
-from .config import GRPOConfig, resolve_steps
+from .config import GRPOConfig, interval_due, resolve_steps
 from .data import check_dataset, local_prompt_batch
 from .distributed import global_mean
 from .generation_inputs import GenerationInputs
@@ -68,12 +68,9 @@ def check_eval_setup(config: GRPOConfig, eval_dataset: Any, num_processes: int, 
 
 def should_evaluate(config: GRPOConfig, step: int, total_steps: int, steps_per_epoch: Optional[int]) -> bool:
     """Scheduled evaluation at this optimizer step (eval_delay counts steps, or epochs with eval_strategy='epoch')."""
-    if config.eval_strategy == "steps":
-        every = resolve_steps(config.eval_steps if config.eval_steps is not None else config.logging_steps, total_steps)
-        return step % every == 0 and step >= config.eval_delay
-    if config.eval_strategy == "epoch":
-        return bool(steps_per_epoch) and step % steps_per_epoch == 0 and step / steps_per_epoch >= config.eval_delay
-    return False
+    every = resolve_steps(config.eval_steps if config.eval_steps is not None else config.logging_steps, total_steps)
+    delayed = step < config.eval_delay if config.eval_strategy == "steps" else bool(steps_per_epoch) and step / steps_per_epoch < config.eval_delay
+    return interval_due(config.eval_strategy, step, every, steps_per_epoch) and not delayed
 
 
 def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> dict[str, float]:

@@ -44,7 +44,7 @@ from .algorithms.entropy import EntropyController
 from .best_checkpoint import record_evaluation
 from .callbacks import CallbackHandler
 from .checkpoint import load_policy_weights, rng_state, save_checkpoint
-from .config import BatchPlan, GRPOConfig, resolve_steps
+from .config import BatchPlan, GRPOConfig, interval_due, resolve_steps
 from .distributed import gather_objects, global_mean, global_sum
 from .evaluation import should_evaluate
 from .generation_inputs import GenerationInputs
@@ -278,13 +278,7 @@ def end_of_step_updates(run: TrainingRun) -> None:
 
 
 def should_log(config: GRPOConfig, step: int, logging_steps: int, steps_per_epoch: Optional[int]) -> bool:
-    if config.logging_first_step and step == 1:
-        return True
-    if config.logging_strategy == "steps":
-        return step % logging_steps == 0
-    if config.logging_strategy == "epoch":
-        return bool(steps_per_epoch) and step % steps_per_epoch == 0
-    return False
+    return (config.logging_first_step and step == 1) or interval_due(config.logging_strategy, step, logging_steps, steps_per_epoch)
 
 
 def evaluate_and_track(run: TrainingRun) -> bool:
@@ -296,11 +290,7 @@ def evaluate_and_track(run: TrainingRun) -> bool:
 def should_save(config: GRPOConfig, step: int, save_steps: int, steps_per_epoch: Optional[int], new_best: bool = False) -> bool:
     if config.save_strategy == "best":
         return new_best
-    if config.save_strategy == "steps":
-        return step % save_steps == 0
-    if config.save_strategy == "epoch":
-        return bool(steps_per_epoch) and step % steps_per_epoch == 0
-    return False
+    return interval_due(config.save_strategy, step, save_steps, steps_per_epoch)
 
 
 def save(run: TrainingRun) -> Optional[str]:
