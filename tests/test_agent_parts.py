@@ -134,3 +134,18 @@ def test_template_checks_name_the_problem(tokenizer):
     assert shifting.chat_template != TOOL_CHAT_TEMPLATE
     with pytest.raises(ValueError, match="not prefix-preserving"):
         check_tool_template(shifting, stop_ids=set(), chat_template_kwargs={})
+
+
+def test_tool_calls_are_seen_when_the_tokenizer_marks_their_tags_special():
+    # Some tokenizers register <tool_call> as a special token; decoding without special tokens drops the tags.
+    from transformers import AddedToken
+
+    from grouprl.agents.parsing import parse_turn
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)], special_tokens=True)
+    text = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(IM_END)]
+    assert "<tool_call>" not in tok.decode(ids, skip_special_tokens=True)  # the case being guarded against
+    message = parse_turn(tok, ids, prefix=[], tools=None)
+    assert message["tool_calls"] == [call("add", a=3, b=4)] and message["content"] == ""

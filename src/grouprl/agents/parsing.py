@@ -20,13 +20,26 @@ from typing import Any, Optional
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_MARKERS = (TOOL_CALL_OPEN, "</tool_call>")
 
 
 def parse_turn(tokenizer: Any, ids: list[int], prefix: list[int], tools: Optional[list[dict]]) -> dict:
     """{"role": "assistant", "content": str} plus "tool_calls" (function-call dicts) if the turn calls tools."""
     if getattr(tokenizer, "response_template", None) is not None:
         return _parse_with_template(tokenizer, ids, prefix, tools)
-    return parse_hermes(tokenizer.decode(ids, skip_special_tokens=True))
+    return parse_hermes(decode_keeping_tool_markers(tokenizer, ids))
+
+
+def decode_keeping_tool_markers(tokenizer: Any, ids: list[int]) -> str:
+    """The turn's text without special tokens (end of turn, padding), except the tool-call markers.
+
+    Some tokenizers register `<tool_call>` / `</tool_call>` as special tokens; decoding with
+    skip_special_tokens=True would then drop the markers and every call would go unseen.
+    """
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {i for i, token in added.items() if getattr(token, "special", False) and token.content not in TOOL_CALL_MARKERS}
+    special |= set(getattr(tokenizer, "all_special_ids", ())) - {i for i, t in added.items() if t.content in TOOL_CALL_MARKERS}
+    return tokenizer.decode([i for i in ids if i not in special], skip_special_tokens=False)
 
 
 def parse_hermes(text: str) -> dict:
