@@ -3,6 +3,8 @@
     from grouprl import GRPOConfig, GRPOTrainer   # instead of: from trl import ...
 """
 
+from .algorithms.advantages import register_advantage
+from .algorithms.losses import register_loss
 from .config import BatchPlan, GRPOConfig, plan_batches
 from .generation import RemoteGenerator, ServerError
 from .gfpo import GFPOConfig, GFPOTrainer
@@ -15,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchPlan", "GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer", "NonFiniteError", "RemoteGenerator", "RewardFunctionError",
-    "ServerError", "plan_batches", "write_report", "__version__",
+    "ServerError", "plan_batches", "register_advantage", "register_loss", "write_report", "__version__",
 ]

@@ -21,7 +21,7 @@ from .types import TrainBatch
 
 def regrouping_is_exact(loss_type: str, top_entropy_quantile: float, part_sizes: list[int]) -> bool:
     """Whether moving rows between the micro-batches of one optimizer step leaves the update unchanged."""
-    if loss_type == "bnpo" or top_entropy_quantile < 1.0:
+    if not LOSSES[loss_type].regroupable or top_entropy_quantile < 1.0:
         return False
     global_token_mean = not LOSSES[loss_type].divides_by_grad_accum  # dapo, cispo, vespo: weight = 1 / global tokens
     return global_token_mean or len(set(part_sizes)) <= 1

@@ -23,9 +23,10 @@ from typing import Any, Optional, Union
 import torch
 from transformers import TrainingArguments
 
+from .algorithms.advantages import ADVANTAGE_ESTIMATORS
+from .algorithms.losses import LOSSES
 from .training_arguments import refused_settings
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 EVAL_STRATEGIES = ("no", "steps", "epoch")
@@ -36,6 +37,7 @@ DICT_FIELDS = (
     "lr_scheduler_kwargs",
     "gradient_checkpointing_kwargs",
     "transformers_continuous_batching_config",
+    "loss_kwargs",
 )
 
 # field -> (the value that means "off", what the feature is). Setting any other value raises
@@ -169,6 +171,11 @@ class GRPOConfig(TrainingArguments):
     max_tool_calling_iterations: Optional[int] = field(default=None, metadata=_meta("Maximum tool-calling rounds per rollout (None = until the model stops calling tools or max_completion_length is used up)."))
 
     # ---- grouprl extensions (not in TRL) ----
+    loss_kwargs: Optional[Union[dict, str]] = field(default=None, metadata=_meta(
+        "Hyper-parameters of the loss_type's own objective (a loss added with grouprl.register_loss(..., params=...)); JSON on the CLI."))
+    advantage_estimator: str = field(default="grpo", metadata=_meta(
+        "How rewards become advantages: 'grpo' (group-relative, scale_rewards / multi_objective_aggregation) or a name added with "
+        "grouprl.register_advantage."))
     dynamic_sampling: bool = field(default=False, metadata=_meta(
         "DAPO dynamic sampling: drop groups whose rewards all tie and refill the generation batch from further generations."))
     max_dynamic_sampling_rounds: int = field(default=4, metadata=_meta(
@@ -235,7 +242,16 @@ class GRPOConfig(TrainingArguments):
 
     def validate(self) -> None:
         """Check every field that can be checked without knowing the model or the process count."""
-        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        if self.loss_type not in LOSSES:
+            raise ValueError(f"GRPOConfig.loss_type={self.loss_type!r} is not one of {', '.join(map(repr, LOSSES))}; "
+                             "add your own with grouprl.register_loss(name, objective, aggregate) before building the config.")
+        unknown = sorted(set(self.loss_kwargs or {}) - set(LOSSES[self.loss_type].params))
+        if unknown:
+            raise ValueError(f"GRPOConfig.loss_kwargs: loss_type={self.loss_type!r} has no hyper-parameter {unknown[0]!r}; its "
+                             f"hyper-parameters are {sorted(LOSSES[self.loss_type].params) or 'none'} (register_loss(..., params=...)).")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"GRPOConfig.advantage_estimator={self.advantage_estimator!r} is not one of "
+                             f"{', '.join(map(repr, ADVANTAGE_ESTIMATORS))}; add your own with grouprl.register_advantage(name, fn).")
         _check_choice("importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
         _check_choice("multi_objective_aggregation", self.multi_objective_aggregation, ("sum_then_normalize", "normalize_then_sum"))
         _check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)

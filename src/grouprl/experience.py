@@ -21,6 +21,7 @@ from transformers.utils import logging
 from .algorithms.masks import tied_groups
 from .distributed import own_rows, whole_groups
 from .algorithms.importance import sampler_importance_weights
+from .algorithms.losses import LOSSES
 from .batching import length_grouped, regrouping_is_exact, row_order_key
 from .generation_inputs import GenerationInputs
 from .health import guard_advantages
@@ -48,9 +49,9 @@ def score_generation(run: "TrainingRun", inputs: GenerationInputs) -> TrainBatch
         with run.timer.phase("old_logprobs"):
             batch.old_logprobs = batch_logprobs(run, run.model, batch)
     if correct_sampler:
-        if config.loss_type == "vespo" and config.vllm_importance_sampling_mode.startswith("sequence"):
+        if not LOSSES[config.loss_type].sampler_weights_in_loss and config.vllm_importance_sampling_mode.startswith("sequence"):
             raise ValueError(
-                "loss_type='vespo' folds the sampler-mismatch correction into its token-level weights, so it needs "
+                f"loss_type={config.loss_type!r} folds the sampler-mismatch correction into its token-level weights, so it needs "
                 f"vllm_importance_sampling_mode='token_truncate' or 'token_mask', not {config.vllm_importance_sampling_mode!r}."
             )
         rho, stats = sampler_importance_weights(

@@ -43,6 +43,7 @@ def loss_settings(config: GRPOConfig) -> dict[str, Any]:
         vespo_lambda_neg=config.vespo_lambda_neg,
         beta=config.beta,
         use_bias_correction_kl=config.use_bias_correction_kl,
+        loss_params=config.loss_kwargs or {},
     )
 
 

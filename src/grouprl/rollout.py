@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from .agents import Agent, tool_call_stats
-from .algorithms.advantages import group_advantages
+from .algorithms.advantages import estimate_advantages
 from .completion_log import CompletionLog, RecentCompletions
 from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
 from .distributed import gather_rows, global_sum, local_rows
@@ -37,6 +37,7 @@ class RolloutSettings:
     remove_unused_columns: bool
     pad_token_id: int
     default_prompt: Optional[list[dict]] = None  # the prompt of rows without one (environments own the data); None: required
+    advantage_estimator: str = "grpo"  # a name in algorithms.advantages.ADVANTAGE_ESTIMATORS
 
 
 @dataclass
@@ -188,7 +189,8 @@ class RolloutMaker:
 
     def global_advantages(self, rewards: Rewards, group_size: Optional[int] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Advantages (N_global,) of gathered rewards (groups of `group_size`, default G), and group_advantages' statistics."""
-        return group_advantages(
+        return estimate_advantages(
+            self.settings.advantage_estimator,
             rewards.per_function,
             rewards.weights,
             group_size=group_size or self.settings.num_generations,

@@ -259,7 +259,7 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, extra=dict(args.generation_kwargs or {}),
             ),
             settings=RolloutSettings(
-                num_generations=args.num_generations, scale_rewards=args.scale_rewards,
+                num_generations=args.num_generations, scale_rewards=args.scale_rewards, advantage_estimator=args.advantage_estimator,
                 multi_objective_aggregation=args.multi_objective_aggregation,
                 mask_truncated_completions=args.mask_truncated_completions,
                 remove_unused_columns=args.remove_unused_columns, pad_token_id=tokenizer.pad_token_id,

@@ -15,6 +15,8 @@ could score get advantage 0, and so do groups whose std is undefined (fewer than
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -84,3 +86,45 @@ def group_advantages(
 
     advantages = torch.nan_to_num(advantages, nan=0.0)
     return advantages, {"total": total, "group_std": group_std, "unscorable": unscorable}
+
+
+def _grpo(rewards_per_function: torch.Tensor, weights: torch.Tensor, **settings: object) -> torch.Tensor:
+    return group_advantages(rewards_per_function, weights, **settings)[0]  # type: ignore[arg-type]
+
+
+# name -> fn(rewards_per_function (N, F), weights (F,), *, group_size, scale_rewards, aggregation, eps) -> (N,)
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {"grpo": _grpo}
+
+
+def register_advantage(name: str, fn: Callable[..., torch.Tensor], *, replace: bool = False) -> None:
+    """Make ``GRPOConfig(advantage_estimator=name)`` available, from any module (before building the config).
+
+    ``fn(rewards_per_function, weights, *, group_size, scale_rewards, aggregation, eps) -> advantages`` gets the
+    (N, F) rewards of the whole generation (rows group-major, G = group_size per prompt; NaN = a function did
+    not apply) and returns one advantage per row (N,). Rows no function could score get advantage 0 whatever
+    it returns; the logged reward statistics are the same as with "grpo".
+    """
+    if not callable(fn):
+        raise TypeError(f"register_advantage({name!r}): fn must be callable.")
+    if name in ADVANTAGE_ESTIMATORS and not replace:
+        raise ValueError(f"register_advantage: advantage_estimator {name!r} exists already; pass replace=True to redefine it.")
+    ADVANTAGE_ESTIMATORS[name] = fn
+
+
+def estimate_advantages(
+    estimator: str, rewards_per_function: torch.Tensor, weights: torch.Tensor, *, group_size: int, scale_rewards: str = "group",
+    aggregation: str = "sum_then_normalize", eps: float = 1e-4,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(advantages (N,), group_advantages' statistics) with the registered `estimator`."""
+    settings = {"group_size": group_size, "scale_rewards": scale_rewards, "aggregation": aggregation, "eps": eps}
+    advantages, stats = group_advantages(rewards_per_function, weights, **settings)  # type: ignore[arg-type]
+    if estimator == "grpo":
+        return advantages, stats
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"Unknown advantage_estimator {estimator!r}; registered: {', '.join(ADVANTAGE_ESTIMATORS)}.")
+    custom = ADVANTAGE_ESTIMATORS[estimator](rewards_per_function, weights, **settings)
+    if not isinstance(custom, torch.Tensor) or custom.shape != advantages.shape:
+        raise ValueError(f"advantage_estimator {estimator!r} returned {getattr(custom, 'shape', type(custom).__name__)}; "
+                         f"it must return a tensor of shape {tuple(advantages.shape)} (one advantage per row).")
+    custom = torch.nan_to_num(custom.float(), nan=0.0).masked_fill(stats["unscorable"], 0.0)
+    return custom, stats

@@ -37,7 +37,7 @@ variant is one function and one entry.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -268,11 +268,13 @@ class LossSpec:
     aggregate: Callable[..., torch.Tensor]
     divides_by_grad_accum: bool = True  # False: normalised by the global token count instead
     sampler_weights_in_loss: bool = True  # False: the objective uses the sampler weights itself (vespo)
+    regroupable: bool = True  # False: a row's weight depends on its micro-batch's other rows (bnpo), so rows stay put
+    params: dict = field(default_factory=dict)  # the loss's own hyper-parameters and defaults (GRPOConfig.loss_kwargs)
 
 
 LOSSES: dict[str, LossSpec] = {
     "grpo": LossSpec(clipped_surrogate, sequence_mean_aggregation),
-    "bnpo": LossSpec(clipped_surrogate, micro_batch_token_mean_aggregation),
+    "bnpo": LossSpec(clipped_surrogate, micro_batch_token_mean_aggregation, regroupable=False),
     "dr_grpo": LossSpec(clipped_surrogate, constant_length_aggregation),
     "dapo": LossSpec(clipped_surrogate, global_token_mean_aggregation, divides_by_grad_accum=False),
     "cispo": LossSpec(cispo_objective, global_token_mean_aggregation, divides_by_grad_accum=False),
@@ -280,6 +282,37 @@ LOSSES: dict[str, LossSpec] = {
     "luspo": LossSpec(clipped_surrogate, sequence_sum_aggregation),
     "vespo": LossSpec(vespo_objective, global_token_mean_aggregation, divides_by_grad_accum=False, sampler_weights_in_loss=False),
 }
+
+
+def register_loss(
+    name: str,
+    objective: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    aggregate: Callable[..., torch.Tensor],
+    *,
+    params: Optional[dict] = None,
+    divides_by_grad_accum: bool = True,
+    sampler_weights_in_loss: bool = True,
+    regroupable: bool = True,
+    replace: bool = False,
+) -> LossSpec:
+    """Make ``GRPOConfig(loss_type=name)`` available, from any module (call it before building the config).
+
+    ``objective(logprobs, log_ratio, log_weights, advantages, mask, **settings) -> (per_token (n, T) or (n, 1),
+    stats)`` receives the built-in settings (epsilon_low, epsilon_high, delta, sampler_weights, ...) and the
+    loss's own ``params`` (defaults here, overridden by ``GRPOConfig.loss_kwargs``); it should accept ``**_``.
+    ``aggregate(per_token, mask, *, grad_accum_steps, max_completion_length, token_denominator) -> scalar``:
+    one of this module's ``*_aggregation`` functions or your own. ``divides_by_grad_accum=False`` when the
+    aggregation normalises by the global token count; ``regroupable=False`` when a row's weight depends on
+    the other rows of its micro-batch.
+    """
+    if not callable(objective) or not callable(aggregate):
+        raise TypeError(f"register_loss({name!r}): objective and aggregate must be callables.")
+    if name in LOSSES and not replace:
+        raise ValueError(f"register_loss: loss_type {name!r} exists already; pass replace=True to redefine it.")
+    spec = LossSpec(objective, aggregate, divides_by_grad_accum=divides_by_grad_accum, sampler_weights_in_loss=sampler_weights_in_loss,
+                    regroupable=regroupable, params=dict(params or {}))
+    LOSSES[name] = spec
+    return spec
 
 
 def policy_loss(
@@ -310,6 +343,7 @@ def policy_loss(
     sampler_weights: Optional[torch.Tensor] = None,  # (n, T) | (n, 1) sampler-mismatch rho
     entropy: Optional[torch.Tensor] = None,  # (n, T): given = the entropy bonus is on
     entropy_coef: float = 0.0,
+    loss_params: Optional[dict] = None,  # the loss's own hyper-parameters (GRPOConfig.loss_kwargs) over its defaults
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Scalar loss of one micro-step for `loss_type`, and its statistics (TRL metric names)."""
     if loss_type not in LOSSES:
@@ -324,7 +358,7 @@ def policy_loss(
         epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
         vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-        sampler_weights=sampler_weights,
+        sampler_weights=sampler_weights, **{**spec.params, **(loss_params or {})},
     )
     per_token = per_token.expand_as(logprobs)  # (n, T); sequence-level terms broadcast over tokens
     if sequence_keep is not None:
