@@ -233,7 +233,7 @@ class GRPOConfig(TrainingArguments):
         # transformers refuses bf16 without a bf16-capable accelerator unless use_cpu=True. grouprl trains
         # on the CPU when there is no accelerator and decides there whether bf16 pays (trainer._make_accelerator).
         wanted = self.bf16
-        if wanted and not self.use_cpu and _no_accelerator():
+        if wanted and not self.use_cpu and no_accelerator():
             self.bf16 = False
         try:
             super()._validate_args()
@@ -526,6 +526,7 @@ def unknown_field_message(cls: type, name: str) -> str:
     return f"{cls.__name__} has no field {name!r}.{hint} Every field is listed by `grouprl train --help` and in docs/trl-compat.md."
 
 
-def _no_accelerator() -> bool:
+def no_accelerator() -> bool:
+    """True when torch sees no accelerator (CUDA, XPU, MPS, ...): training runs on the CPU."""
     current = getattr(torch, "accelerator", None)
     return current.current_accelerator() is None if current is not None else not torch.cuda.is_available()

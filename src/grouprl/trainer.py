@@ -30,7 +30,7 @@ from .algorithms.entropy import EntropyController
 from .callbacks import CallbackHandler
 from .completion_log import CompletionLog, RecentCompletions
 from .checkpoint import load_policy_weights, load_training_state, resolve_resume_path, restore_rng_state
-from .config import GRPOConfig, plan_batches
+from .config import GRPOConfig, no_accelerator, plan_batches
 from .data import PromptSampler, check_dataset
 from .evaluation import check_eval_setup
 from .generation.factory import build_backend
@@ -533,7 +533,7 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
         handlers.append(DistributedDataParallelKwargs(**{k: v for k, v in ddp.items() if v is not None}))
     return Accelerator(
         mixed_precision=mixed_precision,
-        cpu=args.use_cpu or (launched and _no_accelerator()),
+        cpu=args.use_cpu or (launched and no_accelerator()),
         log_with=args.report_to or None,
         project_dir=args.logging_dir or os.path.join(args.output_dir, "runs"),
         kwargs_handlers=handlers,
@@ -551,11 +551,6 @@ def _check_stream_dispatch(args: GRPOConfig) -> None:
                          "Leave dispatch_batches unset (or False).")
     if config is not None:
         config.dispatch_batches = False
-
-
-def _no_accelerator() -> bool:
-    current = getattr(torch, "accelerator", None)
-    return current.current_accelerator() is None if current is not None else not torch.cuda.is_available()
 
 
 def _make_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Optimizer:
