@@ -54,3 +54,15 @@ class GradientRecorder(torch.optim.SGD):
     def step(self, closure=None):
         self.steps.append({name: p.grad.detach().clone() for name, p in self.named if p.grad is not None})
         return super().step(closure)
+
+
+def distinct_tokens(completion_ids, **kwargs) -> list[float]:
+    """A reward with signal on a random model: the number of distinct tokens in each completion."""
+    return [float(len(set(ids))) for ids in completion_ids]
+
+
+def numbered_prompts(n: int = 12):
+    """`n` standard prompts "i+(i % 5)=" as a datasets.Dataset."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(n)]})

@@ -1,12 +1,12 @@
 """Open registries: a loss and an advantage estimator defined here, in user code, train end to end."""
 
-import datasets
 import pytest
 import torch
 
 from grouprl import GRPOConfig, GRPOTrainer, register_advantage, register_loss
 from grouprl.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimate_advantages
 from grouprl.algorithms.losses import LOSSES, global_token_mean_aggregation, policy_loss
+from helpers import distinct_tokens, numbered_prompts
 
 SEEN = {"scales": [], "advantage_calls": 0}
 
@@ -34,10 +34,6 @@ def registered():
     ADVANTAGE_ESTIMATORS.pop("centred_ranks")
 
 
-def distinct_tokens(completion_ids, **kwargs):
-    return [float(len(set(ids))) for ids in completion_ids]
-
-
 def test_a_registered_loss_and_estimator_train_end_to_end(tiny_model_dir, tmp_path):
     SEEN["scales"].clear()
     calls_before = SEEN["advantage_calls"]
@@ -45,7 +41,7 @@ def test_a_registered_loss_and_estimator_train_end_to_end(tiny_model_dir, tmp_pa
                         learning_rate=0.05, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
                         seed=0, loss_type="scaled_reinforce", loss_kwargs={"scale": 2.5}, advantage_estimator="centred_ranks")
     trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config,
-                          train_dataset=datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(12)]}))
+                          train_dataset=numbered_prompts(12))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert SEEN["scales"] and set(SEEN["scales"]) == {2.5}

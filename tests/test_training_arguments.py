@@ -5,7 +5,6 @@ import json
 import logging
 import os
 
-import datasets
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, EarlyStoppingCallback, HfArgumentParser, TrainingArguments
@@ -14,10 +13,8 @@ import grouprl.loop
 import grouprl.trainer
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.training_arguments import HONOURED, INERT, REFUSED, compat_table
-
-
-def distinct_tokens(completion_ids, **kwargs):
-    return [float(len(set(ids))) for ids in completion_ids]
+from helpers import distinct_tokens
+from helpers import numbered_prompts as prompts
 
 
 def make_config(tmp_path, **overrides):
@@ -25,10 +22,6 @@ def make_config(tmp_path, **overrides):
                   learning_rate=0.05, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
     values.update(overrides)
     return GRPOConfig(**values)
-
-
-def prompts(n=12):
-    return datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(n)]})
 
 
 def test_every_training_argument_has_one_status():
