@@ -66,3 +66,13 @@ def numbered_prompts(n: int = 12):
     import datasets
 
     return datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(n)]})
+
+
+def quiet_config(tmp_path, overrides=None, **defaults):
+    """A GRPOConfig for short test runs: output under tmp_path, G=3, a log entry every step, no checkpoints, no
+    trackers or progress bar, seed 0; `defaults` are a test file's own sizes, `overrides` (a dict) a test's changes."""
+    from grouprl import GRPOConfig
+
+    base = dict(output_dir=str(tmp_path / "out"), num_generations=3, logging_steps=1, save_strategy="no", report_to="none",
+                disable_tqdm=True, seed=0)
+    return GRPOConfig(**{**base, **defaults, **(overrides or {})})

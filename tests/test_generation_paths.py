@@ -6,11 +6,11 @@ from unittest.mock import patch
 import datasets
 import pytest
 import torch
-from helpers import parameters
+from helpers import parameters, quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.utils import GenerationMixin
 
-from grouprl import GRPOConfig, GRPOTrainer
+from grouprl import GRPOTrainer
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.overrides import EngineUnlessGenerateOverridden, generate_override
 from grouprl.types import SamplingParams
@@ -21,11 +21,7 @@ def text_length(completions, **kwargs):
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, num_generations=3, max_completion_length=8,
-                  learning_rate=0.1, max_steps=1, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-                  bf16=False)
-    values.update(overrides)
-    return GRPOConfig(**values)
+    return quiet_config(tmp_path, overrides, per_device_train_batch_size=3, max_completion_length=8, learning_rate=0.1, max_steps=1, bf16=False)
 
 
 def prompts(n=6):

@@ -14,10 +14,10 @@ import textwrap
 import datasets
 import pytest
 import torch
-from helpers import parameters
+from helpers import parameters, quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from grouprl import GRPOConfig, GRPOTrainer
+from grouprl import GRPOTrainer
 from grouprl.algorithms.logprobs import completion_logprobs
 from grouprl.cli import main, parse_train_args, quantization_config
 from grouprl.generation.engine import FastGenerator
@@ -43,11 +43,8 @@ def prompts(n=12):
 
 
 def make_config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
-                  learning_rate=0.05, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-                  bf16=False, gradient_checkpointing=False)
-    values.update(overrides)
-    return GRPOConfig(**values)
+    return quiet_config(tmp_path, overrides, per_device_train_batch_size=6, max_completion_length=8, learning_rate=0.05, max_steps=2,
+                        bf16=False, gradient_checkpointing=False)
 
 
 def quantized_base(path, bits="4bit"):

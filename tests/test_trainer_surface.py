@@ -11,21 +11,17 @@ import datasets
 import pytest
 import torch
 from accelerate.tracking import GeneralTracker
-from helpers import ScriptedBackend, parameters
+from helpers import ScriptedBackend, parameters, quiet_config
 from huggingface_hub import ModelCard
 from transformers import AutoTokenizer, TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_utils import TrainOutput
 
-from grouprl import GRPOConfig, GRPOTrainer
+from grouprl import GRPOTrainer
 from grouprl.generation_inputs import GenerationInputs
 
 
 def make_config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
-                  learning_rate=0.1, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-                  bf16=False)
-    values.update(overrides)
-    return GRPOConfig(**values)
+    return quiet_config(tmp_path, overrides, per_device_train_batch_size=6, max_completion_length=8, learning_rate=0.1, max_steps=2, bf16=False)
 
 
 def prompts(n=12):

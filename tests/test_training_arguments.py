@@ -13,15 +13,12 @@ import grouprl.loop
 import grouprl.trainer
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.training_arguments import HONOURED, INERT, REFUSED, compat_table
-from helpers import distinct_tokens
+from helpers import distinct_tokens, quiet_config
 from helpers import numbered_prompts as prompts
 
 
 def make_config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=6,
-                  learning_rate=0.05, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
-    values.update(overrides)
-    return GRPOConfig(**values)
+    return quiet_config(tmp_path, overrides, per_device_train_batch_size=6, max_completion_length=6, learning_rate=0.05, max_steps=2)
 
 
 def test_every_training_argument_has_one_status():
