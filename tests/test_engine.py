@@ -165,7 +165,7 @@ def test_engine_declines_what_it_cannot_do(model_and_tokenizer):
 
 
 def test_chunked_logprobs_equal_naive_in_value_and_gradient(monkeypatch):
-    import grouprl.algorithms.logprobs as lp
+    import grouprl.algorithms.head_logprobs as lp
 
     torch.manual_seed(0)
     logits = (torch.randn(3, 5, 40) * 2).requires_grad_()

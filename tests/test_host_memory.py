@@ -15,9 +15,23 @@ def _faults_of_repeated_allocations() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
 
 
-def test_opt_out_leaves_malloc_alone(monkeypatch):
-    monkeypatch.setenv("GROUPRL_MALLOC_TUNING", "0")
-    assert reuse_freed_host_memory() is False
+@pytest.mark.parametrize("opted_in", [False, True])
+def test_malloc_is_tuned_only_when_the_config_asks_and_only_for_a_cpu_model(monkeypatch, opted_in):
+    """A process-wide setting that cannot be undone: made inside grouprl_patches only with keep_freed_host_memory=True."""
+    from types import SimpleNamespace
+
+    from grouprl import patches
+
+    calls = []
+    monkeypatch.setattr(patches, "reuse_freed_host_memory", lambda: calls.append(1) or True)
+    cpu_model = torch.nn.Linear(2, 2)
+    with patches.grouprl_patches(cpu_model, SimpleNamespace(keep_freed_host_memory=opted_in)):
+        pass
+    with patches.grouprl_patches(torch.nn.Linear(2, 2, device="meta"), SimpleNamespace(keep_freed_host_memory=True)):
+        pass  # not a CPU model: never
+    with patches.grouprl_patches(cpu_model):
+        pass  # no config: never
+    assert calls == ([1] if opted_in else [])
 
 
 def test_after_tuning_freed_blocks_are_reused_without_page_faults():

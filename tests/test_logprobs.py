@@ -4,7 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
+import grouprl.algorithms.head_logprobs as head_module
 import grouprl.algorithms.logprobs as lp
+import grouprl.algorithms.model_forward as model_forward
 
 
 def naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
@@ -68,14 +70,14 @@ def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypa
     head = model.get_output_embeddings()
     if head_path == "hand-written backward":  # the head is a plain nn.Linear: _LinearHeadLogprobs
         spy = _SpyFunctional(model.config.vocab_size)
-        monkeypatch.setattr(lp, "F", spy)
+        monkeypatch.setattr(head_module, "F", spy)
         seen = spy.rows
     else:  # a head with its own forward: generic path
         seen = []
         real_forward = head.forward
         monkeypatch.setattr(head, "forward", lambda x: seen.append(x.shape[0]) or real_forward(x))
-    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", model.config.vocab_size * 4)  # 4 positions per chunk
-    lp._SEPARABLE.clear()
+    monkeypatch.setattr(head_module, "CHUNK_ELEMENTS", model.config.vocab_size * 4)  # 4 positions per chunk
+    model_forward._SEPARABLE.clear()
     out = lp.completion_logprobs(model, *batch, temperature=0.7, entropy_grad=True, bucket_by_length=bucket_by_length)
     assert lp.separable_head(model) is head
     masked_logps, masked_entropy = out.logprobs * batch[3], out.entropy * batch[3]
@@ -94,7 +96,7 @@ def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypa
 def test_hand_written_head_backward_equals_autograd(monkeypatch, entropy, temperature, bias):
     """_LinearHeadLogprobs against log_softmax over full logits in float64: values, and the gradients of hidden
     states, weight and bias for an arbitrary upstream gradient of both outputs, over several chunks."""
-    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 50 * 3)  # vocab 50: 3 positions per chunk, 11 positions -> 4 chunks
+    monkeypatch.setattr(head_module, "CHUNK_ELEMENTS", 50 * 3)  # vocab 50: 3 positions per chunk, 11 positions -> 4 chunks
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=bias)
     hidden = torch.randn(1, 11, 8, generator=g, requires_grad=True)
@@ -157,9 +159,9 @@ def test_head_path_holds_no_full_logits_in_memory(tiny_model_dir, monkeypatch):
     batch = ragged_batch(model.config.vocab_size)
 
     def saved_bytes(separable: bool) -> int:
-        lp._SEPARABLE.clear()
+        model_forward._SEPARABLE.clear()
         if not separable:
-            lp._SEPARABLE[model] = False
+            model_forward._SEPARABLE[model] = False
         total = 0
 
         def pack(t):

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from grouprl.algorithms import packed_attention, prompt_packing
 from grouprl.algorithms.logprobs import completion_logprobs, length_buckets
+from grouprl.patches import grouprl_patches
 from grouprl.algorithms.prompt_packing import (
     PromptGroups,
     build_pack,
@@ -51,11 +52,13 @@ def model(tiny_model_dir):
 
 
 def _run(model, rows, pack: bool, **kwargs):
+    """Forward and backward inside grouprl_patches, as in training (checkpointing recomputes through packed_attention)."""
     model.zero_grad()
-    out = completion_logprobs(model, *rows, temperature=0.7, pack_prompts=pack, **kwargs)
-    mask = rows[3]
-    loss = (out.logprobs * mask).sum() + ((out.entropy * mask).sum() if kwargs.get("entropy_grad") else 0.0)
-    loss.backward()
+    with grouprl_patches():
+        out = completion_logprobs(model, *rows, temperature=0.7, pack_prompts=pack, **kwargs)
+        mask = rows[3]
+        loss = (out.logprobs * mask).sum() + ((out.entropy * mask).sum() if kwargs.get("entropy_grad") else 0.0)
+        loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out, grads
 
@@ -127,7 +130,7 @@ def test_no_shared_prompt_and_eager_attention_fall_back_or_match(tiny_model_dir)
 
 def test_a_model_failing_the_probe_keeps_the_plain_pass(model, monkeypatch):
     monkeypatch.setattr(prompt_packing, "_PROBED", type(prompt_packing._PROBED)())
-    monkeypatch.setattr(prompt_packing, "_probe", lambda *a: False)
+    monkeypatch.setattr(prompt_packing, "_probe", lambda *a: "the probe disagrees (test)")
     rows = _rows(model.config.vocab_size)
     assert prompt_packing.shared_prompt_logprobs(model, *rows, 1.0, rows_per_chunk=None, entropy="none", plain=None) is None
 
@@ -197,7 +200,6 @@ def test_training_step_is_the_same_with_and_without_packing(tiny_model_dir, tmp_
     import datasets
 
     from grouprl import GRPOConfig, GRPOTrainer
-    from grouprl.algorithms import logprobs
 
     calls = []
     real = prompt_packing.packed_logprobs
@@ -205,8 +207,7 @@ def test_training_step_is_the_same_with_and_without_packing(tiny_model_dir, tmp_
     data = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(4)]})
 
     def run(pack: bool, name: str) -> list[dict]:
-        monkeypatch.setattr(logprobs, "PACK_SHARED_PROMPTS", pack)
-        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
+        args = GRPOConfig(pack_shared_prompts=pack, output_dir=str(tmp_path / name), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
                           learning_rate=1e-3, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
                           seed=0, beta=0.04, num_iterations=2, bf16=False)
         trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completion_ids, **kw: [float(len(set(c))) for c in completion_ids],

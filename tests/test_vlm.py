@@ -22,12 +22,8 @@ from grouprl.algorithms.logprobs import completion_logprobs
 from grouprl.data import PromptTokenizer
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.protocol import left_pad
-from grouprl.multimodal import (
-    MultimodalPromptTokenizer,
-    PromptImages,
-    attach_images,
-    collate,
-)
+from grouprl.multimodal import PromptImages, collate
+from grouprl.multimodal_prompts import MultimodalPromptTokenizer, attach_images
 from grouprl.rollout import pack_rollout
 from grouprl.types import Completion, PromptBatch, Rollout, SamplingParams
 

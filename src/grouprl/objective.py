@@ -116,7 +116,7 @@ def policy_logprobs(run: "TrainingRun", model: torch.nn.Module, b: Any, *, rows_
         return completion_logprobs(
             model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, temperature=run.config.temperature,
             rows_per_chunk=rows_per_chunk, with_entropy=with_entropy, entropy_grad=entropy_grad, with_aux_loss=with_aux_loss,
-            multimodal=b.multimodal,
+            multimodal=b.multimodal, pack_prompts=run.config.pack_shared_prompts,
         )
     name = f"{type(trainer).__name__}._get_per_token_logps_and_entropies"
     if b.multimodal is not None:

@@ -23,7 +23,7 @@ from .generation.dispatch import generate_on_main_process
 from .generation.protocol import GenerationBackend
 from .generation_inputs import GenerationInputs
 from .metrics import MetricWindow, completion_length_stats, reward_stats
-from .multimodal import rows_images
+from .multimodal_prompts import rows_images
 from .rewards.scoring import RewardFunction, score_completions
 from .types import Completion, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
 

@@ -36,13 +36,14 @@ from .evaluation import check_eval_setup
 from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
 from .generation.vllm import require_vllm
-from .host_memory import reuse_freed_host_memory
 from .log_level import apply_log_level
 from .metrics import JsonlWriter
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
 )
-from .multimodal import check_multimodal_setup, make_prompt_tokenizer, text_tokenizer
+from .multimodal import text_tokenizer
+from .multimodal_prompts import check_multimodal_setup, make_prompt_tokenizer
+from .patches import grouprl_patches
 from .reference import Reference, separate_reference_model
 from .row_loading import workers_for
 from .rewards.models import check_reward_funcs, load_reward_functions
@@ -124,8 +125,6 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         self.args = args
         self.accelerator = _make_accelerator(args)
         apply_log_level(args)
-        if self.accelerator.device.type == "cpu":
-            reuse_freed_host_memory()  # freed tensors are reused, not page-faulted in again (host_memory.py)
         self.plan = plan_batches(args, self.accelerator.num_processes)
         agents = AgentSpec.from_arguments(tools, environment_factory, rollout_func)  # tool schemas checked, environments probed
         train_dataset = environment_dataset(train_dataset, agents and agents.environments, max_steps=args.max_steps,
@@ -413,7 +412,8 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         if self.args.report_to and not self.accelerator.trackers:
             self.accelerator.init_trackers(self.args.project, config=_tracker_config(self.args), init_kwargs=_tracker_init_kwargs(self.args))
         try:
-            metrics = loop.train(self.run)
+            with grouprl_patches(self.model, self.args):  # grouprl's attention functions, for this call only (patches.py)
+                metrics = loop.train(self.run)
         finally:
             self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
@@ -462,7 +462,8 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         trainer's (a Dataset or a dict name -> Dataset, reported as eval_<name>_*). `ignore_keys`
         is accepted for compatibility: it names model outputs, which evaluation does not collect.
         """
-        return evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
+        with grouprl_patches(self.model, self.args):  # grouprl's attention functions, for this call only (patches.py)
+            return evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
 
     def _load_checkpoint(self, path: str) -> None:
         training, loop_state = load_training_state(path)
@@ -520,9 +521,7 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
                            "than fp32. Set bf16=False unless you are measuring exactly this.")
     mixed_precision = "bf16" if bf16 else ("fp16" if args.fp16 else "no")
     if (AcceleratorState._shared_state or PartialState._shared_state) and PartialState().num_processes == 1:
-        # A previous trainer (or an early PartialState()) in this process fixed the precision or the
-        # device; one process may change them.
-        AcceleratorState._reset_state(reset_partial_state=True)
+        _forget_single_process_accelerator_state()
     # accelerate joins a multi-process launch on a machine without an accelerator only when told
     # cpu=True; otherwise every process would silently train alone.
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -540,6 +539,16 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
         deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
+
+
+def _forget_single_process_accelerator_state() -> None:
+    """Let this trainer choose its own precision and device after an earlier trainer (or PartialState()) in this process.
+
+    accelerate keeps them in a process-wide shared state that refuses a different mixed_precision later, and
+    offers no public way to reset it: `_reset_state` is the one private call grouprl makes into accelerate (no
+    attribute is written by grouprl itself), made only in a single process, where nothing else shares that state.
+    """
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _check_stream_dispatch(args: GRPOConfig) -> None:

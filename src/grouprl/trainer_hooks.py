@@ -192,6 +192,7 @@ class OverridePoints:
             model, input_ids[:, :-k], attention_mask[:, :-k].bool(), input_ids[:, -k:], attention_mask[:, -k:].bool(),
             temperature=self.args.temperature, rows_per_chunk=batch_size, with_entropy=compute_entropy,
             entropy_grad=compute_entropy and torch.is_grad_enabled(), with_aux_loss=compute_aux_loss,
+            pack_prompts=self.args.pack_shared_prompts,
         )
         return out.logprobs, out.entropy, out.aux_loss
 

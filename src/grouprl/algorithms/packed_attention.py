@@ -8,9 +8,9 @@ the prompt attends to itself causally and each completion to [prompt, own tokens
 its own, so the work is the visible pairs (padding to the longest completion of the pass aside).
 
 How it is reached: the pack's layout travels as a keyword argument (`LAYOUT_KWARG`) through the
-model's forward to each attention call, and `install()` puts `sdpa_or_packed` in transformers'
-attention registry under "sdpa": with the layout it runs `packed_attention`, without it (every other
-call, in any model) it is transformers' sdpa unchanged. Gradient checkpointing recomputes a layer
+model's forward to each attention call, and `sdpa_or_packed` stands in transformers' attention
+registry under "sdpa" while `patches.grouprl_patches()` is active (and only then): with the layout it
+runs `packed_attention`, without it (every other call, in any model) it is transformers' sdpa unchanged. Gradient checkpointing recomputes a layer
 with the same keyword arguments, so recomputation takes the same path with no context to hold.
 """
 
@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 LAYOUT_KWARG = "grouprl_pack_layout"
@@ -109,8 +108,3 @@ def sdpa_or_packed(module, query, key, value, attention_mask, *args, **kwargs):
     kwargs.pop(LAYOUT_KWARG, None)
     return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
-
-def install() -> None:
-    """Register `sdpa_or_packed` as transformers' "sdpa" attention (idempotent; a pass-through for calls without a layout)."""
-    if AttentionInterface._global_mapping.get("sdpa") is not sdpa_or_packed:
-        AttentionInterface.register("sdpa", sdpa_or_packed)

@@ -19,7 +19,9 @@ is cheapest; where that saves under 10% the plain pass runs.
 
 Used only where it reproduces the plain pass: the model's own attention takes custom 4D masks
 (sdpa, eager), every layer attends fully (no sliding windows), the LM head is separable, no
-multimodal inputs, no MoE aux loss, and a one-time probe per model agrees with the plain pass.
+multimodal inputs, no MoE aux loss, and a one-time probe per model agrees with the plain pass. The
+probe's verdict is logged once per model (and attention implementation), with the reason when packing
+is off; a model error other than "this model cannot run it" propagates.
 """
 
 from __future__ import annotations
@@ -30,16 +32,15 @@ from typing import NamedTuple
 
 import torch
 
-from . import packed_attention
+from transformers.utils import logging
+
+from ..patches import grouprl_patches, patches_active
+from .head_logprobs import head_logprobs
+from .length_buckets import in_row_order, length_buckets
+from .model_forward import capture_head_input, describe, forward_keeping, is_unsupported, separable_head
 from .packed_attention import LAYOUT_KWARG, PackLayout, build_layout
-from .logprobs import (
-    in_row_order,
-    length_buckets,
-    _capture_head_input,
-    _forward,
-    head_logprobs,
-    separable_head,
-)
+
+logger = logging.get_logger("grouprl")
 
 MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's
 _MASK_STYLE = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take a custom 4D mask
@@ -179,20 +180,30 @@ def _model_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(~visible, torch.finfo(torch.float32).min)
 
 
+def _sparse_attention(model: torch.nn.Module) -> bool:
+    """Whether packs attend through packed_attention (visible pairs only) rather than the dense 4D mask.
+
+    That takes an sdpa model and `grouprl_patches()` active, which registers `sdpa_or_packed` as "sdpa".
+    Outside it a pack attends through the dense mask (same values), so a pass never depends on a
+    registration it did not see: gradient checkpointing recomputes a layer in backward, and a
+    backward inside the same block as its forward recomputes it the same way.
+    """
+    return _unwrapped(model).config._attn_implementation == "sdpa" and patches_active()
+
+
 def packed_logprobs(
     model: torch.nn.Module, head: torch.nn.Module, pack: Pack, completion_ids: torch.Tensor, temperature: float, *, entropy: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (rows, T) [and entropies] of `completion_ids` (rows in the pack's order) from one packed forward.
 
-    sdpa models attend through packed_attention (visible pairs only), eager ones through the 4D mask.
+    sdpa models inside grouprl_patches() attend through packed_attention (visible pairs only), others through the 4D mask.
     """
     kwargs = {"input_ids": pack.input_ids, "attention_mask": _model_mask(model, pack.attention_mask), "position_ids": pack.position_ids,
               "use_cache": False}
-    if _unwrapped(model).config._attn_implementation == "sdpa":
-        packed_attention.install()
+    if _sparse_attention(model):
         kwargs[LAYOUT_KWARG] = pack.layout
-    with _capture_head_input(head) as captured:
-        _forward(model, kwargs, pack.keep - 1)
+    with capture_head_input(head) as captured:
+        forward_keeping(model, kwargs, pack.keep)
     states = captured[0]  # (packs, keep, H): the last `keep` positions
     packs, length = pack.input_ids.shape
     offset = length - states.shape[1]
@@ -215,22 +226,34 @@ def packing_head(model: torch.nn.Module, plain: Callable[..., torch.Tensor]) -> 
     """
     config = getattr(_unwrapped(model), "config", None)
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in _MASK_STYLE or any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])):
-        return None
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        return None
-    head = separable_head(model)  # None for sharded (FSDP / ZeRO-3) models too
-    if head is None:
-        return None
     verdicts = _PROBED.setdefault(model, {})
     if impl not in verdicts:
-        verdicts[impl] = _probe(model, head, plain)
-    return head if verdicts[impl] else None
+        head = separable_head(model)  # None for sharded (FSDP / ZeRO-3) models too
+        reason = _static_reason(config, impl) or ("the LM head is not separable" if head is None else _probe(model, head, plain))
+        verdicts[impl] = reason is None
+        name = type(_unwrapped(model)).__name__
+        if reason is None:
+            logger.info(f"grouprl: prompt packing is on for {name} ({impl} attention): rows sharing a prompt run it once.")
+        else:
+            logger.log(logging.WARNING if reason.startswith("the probe") else logging.INFO,
+                       f"grouprl: prompt packing is off for {name} ({impl} attention): {reason}. Rows run one by one.")
+    return separable_head(model) if verdicts[impl] else None
+
+
+def _static_reason(config, impl: str | None) -> str | None:
+    """Why the configuration alone rules packing out, or None."""
+    if impl not in _MASK_STYLE:
+        return f"its attention implementation {impl!r} takes no custom 4D mask (sdpa and eager do)"
+    if any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])):
+        return "some layers do not attend fully (sliding windows or other layer types)"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "it uses sliding-window attention"
+    return None
 
 
 @torch.no_grad()
-def _probe(model: torch.nn.Module, head: torch.nn.Module, plain: Callable[..., torch.Tensor]) -> bool:
-    """Three rows, two sharing a left-padded prompt, ragged completions: packed vs plain logprobs."""
+def _probe(model: torch.nn.Module, head: torch.nn.Module, plain: Callable[..., torch.Tensor]) -> str | None:
+    """Three rows, two sharing a left-padded prompt, ragged completions: None if packed equals plain, else why not."""
     vocab = head.weight.shape[0]
     device = head.weight.device
     prompt_ids = torch.tensor([[0, 3, 5, 7], [0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
@@ -239,15 +262,20 @@ def _probe(model: torch.nn.Module, head: torch.nn.Module, plain: Callable[..., t
     completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]], device=device, dtype=torch.bool)
     # A wrong mask moves logprobs by O(1); rounding in the model's own dtype (autocast off) by far less.
     tolerance = 1e-4 if head.weight.dtype == torch.float32 else 5e-2
-    try:
-        with torch.autocast(device.type, enabled=False):
+    try:  # inside grouprl_patches (no gradient here, nothing recomputes later): the sparse attention is probed
+        with torch.autocast(device.type, enabled=False), grouprl_patches():
             expected = plain(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
             pack = build_pack([[3, 5, 7], [2, 4, 6, 8]], [[[1, 2, 3], [4, 5]], [[6, 7, 8]]], 3, device)
             pack = pack._replace(input_ids=pack.input_ids % vocab)
             got, _ = packed_logprobs(model, head, pack, completion_ids, 1.0, entropy="none")
-        return torch.allclose(got[completion_mask].float(), expected[completion_mask].float(), rtol=tolerance, atol=tolerance)
-    except Exception:  # noqa: BLE001 - any model this cannot serve keeps the plain pass
-        return False
+    except Exception as err:
+        if not is_unsupported(err):
+            raise
+        return f"the probe's packed pass failed: {describe(err)}"
+    got, expected = got[completion_mask].float(), expected[completion_mask].float()
+    if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance):
+        return f"the probe's packed logprobs differ from the plain pass's by up to {float((got - expected).abs().max()):.3g}"
+    return None
 
 
 # --- the pass ------------------------------------------------------------------------------------
@@ -275,7 +303,7 @@ def shared_prompt_logprobs(
     ratio = pairs_per_token(model)
     if ratio <= 0:
         return None
-    dense = _unwrapped(model).config._attn_implementation != "sdpa"  # eager models attend through the 4D mask
+    dense = not _sparse_attention(model)
     groups = split_for_cost(group_by_prompt(prompt_ids, prompt_mask, rows_per_chunk), completion_lens, ratio, dense)
     plain_cost = sum(pack_cost(prompt_lens[r], [completion_lens[r]], ratio, dense=True) for r in range(n))
     packed_cost = sum(pack_cost(p, [completion_lens[r] for r in rows], ratio, dense) for p, rows in zip(groups.prompt_lens, groups.rows))

@@ -26,12 +26,14 @@ faster and consumes the random stream differently.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
 from transformers import DynamicCache
 
 from ..algorithms.logprobs import position_ids_from_mask
+from ..patches import grouprl_patches
 from ..types import Completion, SamplingParams
 from .decode_products import weight_major_decode
 from .kv_buffers import preallocate
@@ -90,8 +92,8 @@ class FastGenerator:
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
-        try:
-            with weight_major_decode(self.model):
+        try:  # grouprl's attention functions registered, and the decode products, for this call only
+            with grouprl_patches(self.model), weight_major_decode(self.model):
                 tokens, logprobs = self._sample(prompt_ids, num_samples, params, device)
         finally:
             self.model.train(was_training)
@@ -134,38 +136,39 @@ class FastGenerator:
         min_new = int(params.extra.get("min_new_tokens", 0))
         track_history = params.repetition_penalty != 1.0
         self.decode_batch_sizes = []
-        for step in range(params.max_new_tokens):
-            self.decode_batch_sizes.append(len(active))
-            if step < min_new:
-                logits[:, eos] = -float("inf")
-            processed = process_logits(
-                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                repetition_penalty=params.repetition_penalty, history=history, history_mask=history_mask,
-            )
-            next_tokens, next_logprobs = sample_tokens(processed, method=self.sampling_method)
-            for r, t, lp in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
-                out_tokens[r].append(t)
-                out_logprobs[r].append(lp)
-            if step == params.max_new_tokens - 1:
-                break
-            alive = ~torch.isin(next_tokens, eos)
-            if not bool(alive.any()):
-                break
-            if not bool(alive.all()):  # drop finished rows from the cache and every per-row tensor
-                keep = alive.nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                active, next_tokens, mask, positions = active[keep], next_tokens[keep], mask[keep], positions[keep]
-                history, history_mask = history[keep], history_mask[keep]
-            if track_history:
-                history = torch.cat([history, next_tokens[:, None]], dim=1)
-                history_mask = torch.cat([history_mask, history_mask.new_ones((len(active), 1))], dim=1)
-            if shared:
-                with decoding(self.model, cache):
+        # the shared-prefix attention serves every decode step; the model's own attention is back after the loop
+        with decoding(self.model, cache) if shared else contextlib.nullcontext():
+            for step in range(params.max_new_tokens):
+                self.decode_batch_sizes.append(len(active))
+                if step < min_new:
+                    logits[:, eos] = -float("inf")
+                processed = process_logits(
+                    logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                    repetition_penalty=params.repetition_penalty, history=history, history_mask=history_mask,
+                )
+                next_tokens, next_logprobs = sample_tokens(processed, method=self.sampling_method)
+                for r, t, lp in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
+                    out_tokens[r].append(t)
+                    out_logprobs[r].append(lp)
+                if step == params.max_new_tokens - 1:
+                    break
+                alive = ~torch.isin(next_tokens, eos)
+                if not bool(alive.any()):
+                    break
+                if not bool(alive.all()):  # drop finished rows from the cache and every per-row tensor
+                    keep = alive.nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    active, next_tokens, mask, positions = active[keep], next_tokens[keep], mask[keep], positions[keep]
+                    history, history_mask = history[keep], history_mask[keep]
+                if track_history:
+                    history = torch.cat([history, next_tokens[:, None]], dim=1)
+                    history_mask = torch.cat([history_mask, history_mask.new_ones((len(active), 1))], dim=1)
+                if shared:
                     out = self.model(input_ids=next_tokens[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True)
-            else:
-                mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-                out = self.model(input_ids=next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
-                                 past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1]
-            positions = positions + 1
+                else:
+                    mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+                    out = self.model(input_ids=next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
+                                     past_key_values=cache, use_cache=True)
+                logits = out.logits[:, -1]
+                positions = positions + 1
         return out_tokens, out_logprobs

@@ -13,10 +13,13 @@ prompt for all its rows' queries together (a batched matmul over B, rows of a pr
 G slots), scores against the row's own tokens per row, then one softmax over both. Rows that finish
 leave the buffer (`batch_select_indices`); their slot in the per-prompt grid simply stays empty.
 
-The attention function is registered with transformers' AttentionInterface and switched on only for
-the decode steps (`decoding`). `matches_standard_attention` checks a model once: architectures whose
-attention layers do something this does not (sliding windows, sinks, soft-capping) fail the check
-and keep the regular cache.
+The attention function is registered in transformers' attention registry only while
+`patches.grouprl_patches()` is active, and a model uses it only inside `decoding`, which sets the
+model's attention implementation through `model.set_attn_implementation` and sets the previous one
+back on exit. `matches_standard_attention` checks a model once and logs its verdict once:
+architectures whose attention layers do something this does not (sliding windows, sinks,
+soft-capping) fail the check and keep the regular cache; an error other than "this model cannot run
+it" propagates.
 """
 
 from __future__ import annotations
@@ -27,10 +30,15 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
+from transformers.utils import logging
 
 from ..algorithms.logprobs import position_ids_from_mask
+from ..algorithms.model_forward import describe, is_unsupported
+from ..patches import grouprl_patches, scoped_attention
 from .kv_buffers import compact_rows
+
+logger = logging.get_logger("grouprl")
 
 NAME = "grouprl_shared_prefix"
 _ACTIVE: contextvars.ContextVar[SharedPrefixCache | None] = contextvars.ContextVar("grouprl_shared_prefix_cache", default=None)
@@ -126,21 +134,23 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     return cache.attend(module.layer_idx, query, scale), None
 
 
-AttentionInterface.register(NAME, shared_prefix_attention)
+scoped_attention(NAME, shared_prefix_attention)  # a declaration: installed only inside grouprl_patches()
 
 
 @contextlib.contextmanager
 def decoding(model: torch.nn.Module, cache: SharedPrefixCache) -> Iterator[None]:
     """Within the block, `model`'s attention layers use `cache` through shared_prefix_attention."""
-    config = model.config
-    previous = config._attn_implementation
-    token = _ACTIVE.set(cache)
-    config._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-        _ACTIVE.reset(token)
+    previous = model.config._attn_implementation
+    with grouprl_patches():
+        token = _ACTIVE.set(cache)
+        try:
+            model.set_attn_implementation(NAME)
+            try:
+                yield
+            finally:
+                model.set_attn_implementation(previous)
+        finally:
+            _ACTIVE.reset(token)
 
 
 _VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
@@ -149,13 +159,22 @@ _VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDic
 def matches_standard_attention(model: torch.nn.Module) -> bool:
     """Whether decoding with SharedPrefixCache reproduces the model's own attention (checked once per model)."""
     if model not in _VERIFIED:
-        _VERIFIED[model] = _probe(model)
+        reason = _probe(model)
+        _VERIFIED[model] = reason is None
+        name = type(model).__name__
+        if reason is None:
+            logger.info(f"grouprl: shared-prefix decoding is on for {name}: each prompt's KV cache is read once for its samples.")
+        else:
+            logger.log(logging.WARNING if reason.startswith("the probe") else logging.INFO,
+                       f"grouprl: shared-prefix decoding is off for {name}: {reason}. Each sample keeps its own copy of the prompt's cache.")
     return _VERIFIED[model]
 
 
 @torch.no_grad()
-def _probe(model: torch.nn.Module) -> bool:
-    """Two left-padded prompts, 2 samples each, 3 decode steps: compare logits with a regular cache."""
+def _probe(model: torch.nn.Module) -> str | None:
+    """Two left-padded prompts, 2 samples each, 3 decode steps: None if the logits equal a regular cache's, else why not."""
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        return f"{type(model).__name__} has no set_attn_implementation"
     vocab = model.get_input_embeddings().weight.shape[0]
     device = next(model.parameters()).device
     ids = torch.tensor([[0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
@@ -173,12 +192,14 @@ def _probe(model: torch.nn.Module) -> bool:
         for step in steps:
             full_mask = torch.cat([full_mask, full_mask.new_ones(4, 1)], dim=1)
             kwargs = {"input_ids": step[:, None], "position_ids": positions[:, None], "use_cache": True}
-            expected = model(**kwargs, attention_mask=full_mask, past_key_values=reference).logits
+            expected = model(**kwargs, attention_mask=full_mask, past_key_values=reference).logits.float()
             with decoding(model, shared):
-                got = model(**kwargs, past_key_values=shared).logits
-            if not torch.allclose(got.float(), expected.float(), rtol=1e-3, atol=1e-4):
-                return False
+                got = model(**kwargs, past_key_values=shared).logits.float()
+            if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4):
+                return f"the probe's decode logits differ from a regular cache's by up to {float((got - expected).abs().max()):.3g}"
             positions = positions + 1
-        return True
-    except Exception:  # noqa: BLE001 - any architecture this cannot serve keeps the regular cache
-        return False
+    except Exception as err:
+        if not is_unsupported(err):
+            raise
+        return f"the probe's decode step failed: {describe(err)}"
+    return None
