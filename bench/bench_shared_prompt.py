@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from workloads import WORKLOADS, build_tokenizer, model_dir, prompts_for
 
 from grouprl.algorithms.logprobs import completion_logprobs
+from grouprl.patches import grouprl_patches
 
 
 def main(name: str, repeats: int, rows_per_prompt: int | None) -> None:
@@ -36,8 +37,9 @@ def main(name: str, repeats: int, rows_per_prompt: int | None) -> None:
         for pack in (False, True):
             model.zero_grad()
             start = time.perf_counter()
-            out = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0, pack_prompts=pack)
-            out.logprobs.sum().backward()
+            with grouprl_patches():  # as in training: packed attention registered for the forward and backward
+                out = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0, pack_prompts=pack)
+                out.logprobs.sum().backward()
             results[pack].append(time.perf_counter() - start)
     plain, packed = (min(results[p][1:]) for p in (False, True))
     print(f"plain  {[round(s, 2) for s in results[False][1:]]} s")

@@ -61,6 +61,8 @@ def main() -> None:
         disable_tqdm=True,
         shuffle_dataset=False,
         seed=0,
+        # grouprl only: let glibc keep freed blocks for reuse (a process-wide setting grouprl makes only when asked)
+        **({"keep_freed_host_memory": True} if args.framework == "grouprl" else {}),
     )
     trainer = GRPOTrainer(model=model, reward_funcs=count_tokens, args=config, train_dataset=dataset, processing_class=tokenizer)
     started = time.perf_counter()
