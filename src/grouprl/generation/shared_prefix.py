@@ -128,8 +128,13 @@ class SharedPrefixCache:
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
     cache = _ACTIVE.get()
-    if cache is None or query.shape[2] != 1 or sliding_window is not None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("shared-prefix attention serves single-token decode steps of full-attention layers only")
+    unserved = [what for what, present in (
+        ("a call outside `decoding`", cache is None), ("a multi-token step", query.shape[2] != 1),
+        ("sliding-window layers", sliding_window is not None), ("soft-capping", kwargs.get("softcap") is not None),
+        ("attention sinks", kwargs.get("s_aux") is not None)) if present]
+    if unserved:
+        raise NotImplementedError(f"shared-prefix attention serves single-token decode steps of full-attention layers only, "
+                                  f"not {', '.join(unserved)}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return cache.attend(module.layer_idx, query, scale), None
 
