@@ -38,6 +38,7 @@ def reuse_freed_host_memory() -> bool:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc
+        logger.warning("grouprl: keep_freed_host_memory=True, but this C library has no mallopt (not glibc): nothing was set.")
         return False
     applied = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if applied:

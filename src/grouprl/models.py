@@ -103,6 +103,10 @@ def cast_lm_head_to_fp32(model: PreTrainedModel) -> None:
     With tied embeddings the input embedding shares that weight; its output is cast back to the
     model's dtype so the rest of the network runs as before. The patched forward is a method bound
     to the head, so a deep copy of the model (the reference) binds its own head.
+
+    Unlike grouprl's other changes (patches.py) this one is not undone after train(): it is a
+    conversion the user asked for at construction, as in TRL, and the fp32 weight needs its fp32
+    forward for the model to run at all outside training (an fp32 head on bf16 hidden states fails).
     """
     head = model.get_output_embeddings()
     if head is None:
