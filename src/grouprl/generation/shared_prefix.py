@@ -151,6 +151,9 @@ def decoding(model: torch.nn.Module, cache: SharedPrefixCache) -> Iterator[None]
         try:
             model.set_attn_implementation(NAME)
             try:
+                if model.config._attn_implementation != NAME:  # transformers declined (it logs why): not this model
+                    raise NotImplementedError(f"{type(model).__name__} cannot switch its attention implementation "
+                                              f"(set_attn_implementation left it at {model.config._attn_implementation!r})")
                 yield
             finally:
                 model.set_attn_implementation(previous)
