@@ -14,8 +14,8 @@ gradients are those of the plain pass up to float rounding.
 With sdpa models the attention scores only the visible pairs (packed_attention.py: the prompt
 causally, each completion against [prompt, itself]); the pack also carries the same visibility as
 an ordinary (packs, 1, L, L) mask, which eager models use directly (dense: all L^2 pairs).
-`split_for_cost` estimates the cost of a pack and packs a prompt's rows into as many sequences as
-is cheapest; where that saves under 10% the plain pass runs.
+`split_for_cost` (pack_planning.py) estimates the cost of a pack and packs a prompt's rows into as many
+sequences as is cheapest; where that saves under 10% the plain pass runs.
 
 Used only where it reproduces the plain pass: the model's own attention takes custom 4D masks
 (sdpa, eager), every layer attends fully (no sliding windows), the LM head is separable, no
@@ -31,97 +31,23 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-
 from transformers.utils import logging
 
 from ..patches import grouprl_patches, patches_active
 from .head_logprobs import head_logprobs
 from .length_buckets import in_row_order, length_buckets
 from .model_forward import capture_head_input, describe, forward_keeping, is_unsupported, separable_head
+from .pack_planning import PromptGroups, group_by_prompt, pack_cost, pairs_per_token, split_for_cost
 from .packed_attention import LAYOUT_KWARG, PackLayout, build_layout
 
 logger = logging.get_logger("grouprl")
 
+# The planning names stay importable from here (callers and tests use them through this module).
+__all__ = ["Pack", "PromptGroups", "build_pack", "group_by_prompt", "pack_cost", "packed_logprobs", "packing_head", "pairs_per_token",
+           "shared_prompt_logprobs", "split_for_cost"]
+
 MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's
 _MASK_STYLE = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take a custom 4D mask
-
-
-class PromptGroups(NamedTuple):
-    rows: list[list[int]]  # row indices sharing one prompt, in row order, at most the row cap each
-    prompt_lens: list[int]  # real prompt tokens of each group
-
-
-def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_rows: int | None) -> PromptGroups:
-    """Group rows whose prompts (real tokens only) are identical; groups larger than `max_rows` are split."""
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for row, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
-        by_prompt.setdefault(tuple(i for i, m in zip(ids, mask) if m), []).append(row)
-    cap = max_rows or prompt_ids.shape[0]
-    groups, lens = [], []
-    for prompt, rows in by_prompt.items():
-        for start in range(0, len(rows), cap):
-            groups.append(rows[start : start + cap])
-            lens.append(len(prompt))
-    return PromptGroups(groups, lens)
-
-
-def pack_cost(prompt_len: int, completion_lens: list[int], pairs_per_token: float, dense: bool = False) -> float:
-    """Estimated cost, in token passes, of one packed sequence: its tokens plus the attention pairs scored.
-
-    Dense (a 4D mask, and the plain pass): all L^2 pairs of the packed length. Otherwise
-    (packed_attention): the prompt's P^2 and, for each completion, its C x (P + C) padded to the longest.
-    """
-    length = prompt_len + sum(completion_lens)
-    if dense:
-        return length + length * length / pairs_per_token
-    longest = max(completion_lens, default=0)
-    pairs = prompt_len * prompt_len + len(completion_lens) * longest * (prompt_len + longest)
-    return length + pairs / pairs_per_token
-
-
-def split_for_cost(groups: PromptGroups, completion_lens: list[int], pairs_per_token: float, dense: bool = False) -> PromptGroups:
-    """Split each group into the number of packs (1 .. its rows) with the lowest `pack_cost`.
-
-    One pack runs the prompt once; with a dense mask its attention grows with the square of the packed
-    length, so short prompts with long completions gain little from sharing, lose to the larger
-    attention and end up split. One pack per row is the plain pass.
-    """
-    rows_out, lens_out = [], []
-    for rows, p in zip(groups.rows, groups.prompt_lens):
-        splits = [_even_parts(rows, s) for s in range(1, len(rows) + 1)]
-        best = min(splits, key=lambda parts, p=p: sum(pack_cost(p, [completion_lens[r] for r in part], pairs_per_token, dense) for part in parts))
-        rows_out.extend(best)
-        lens_out.extend([p] * len(best))
-    return PromptGroups(rows_out, lens_out)
-
-
-def _even_parts(items: list[int], parts: int) -> list[list[int]]:
-    """`items` cut into `parts` contiguous runs whose sizes differ by at most one (as torch.tensor_split)."""
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for k in range(parts):
-        end = start + size + (1 if k < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
-
-
-def pairs_per_token(model: torch.nn.Module) -> float:
-    """How many attention (query, key) pairs cost as much as one token through a layer's weights.
-
-    Per layer a token costs ~2 FLOPs per weight, a pair ~4 per attention channel (QK^T and AV).
-    On W1's model this predicts 3072 where timing plain vs packed passes gave ~2800.
-    """
-    inner = _unwrapped(model)
-    config = inner.config
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if not layers or not heads:
-        return 0.0
-    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
-    embeddings = {id(p) for m in (inner.get_input_embeddings(), inner.get_output_embeddings()) if m is not None for p in m.parameters()}
-    per_layer = sum(p.numel() for p in inner.parameters() if id(p) not in embeddings) / layers
-    return per_layer / (2 * width)
 
 
 class Pack(NamedTuple):
