@@ -4,8 +4,11 @@
                                          server (`grouprl serve`, needs no vLLM) or `vllm serve`
     use_vllm=True, vllm_mode="colocate"  vLLM inside each training process
     generation_engine="server"           a grouprl server, named the grouprl way
-    generation_engine="engine" / "auto"  the fast in-process engine (auto: where it applies, and while
-                                         model.generate is transformers' own; overrides.py)
+    generation_engine="engine"           the fast in-process engine (FastGenerator)
+    generation_engine="auto"             on a CPU: the engine where it applies, while model.generate is
+                                         transformers' own (overrides.py); on any other device:
+                                         transformers `generate` (the engine is tuned and measured on
+                                         CPUs only; see `auto_engine_measured_on`)
     generation_engine="transformers"     transformers `generate`
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from ..multimodal import image_token_ids
@@ -38,11 +42,29 @@ def build_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[in
                                          suppress_token_ids=image_token_ids(model.config))
     if args.generation_engine == "transformers" or reason:
         return transformers
+    if args.generation_engine == "auto" and not auto_engine_measured_on(model_device(model)):
+        return transformers
     # The engine never calls model.generate: while the user has replaced it, 'auto' calls it and 'engine' refuses (overrides.py).
     backend = EngineUnlessGenerateOverridden(FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
                                              fallback=transformers if args.generation_engine == "auto" else None)
     backend.check()  # 'engine' with generate already replaced fails here, before training starts
     return backend
+
+
+# Devices on which FastGenerator has tests and a benchmark (docs/benchmarks.md). Safe default: "auto" picks
+# it only there; elsewhere it stays an explicit opt-in (generation_engine="engine") until it is measured.
+ENGINE_MEASURED_DEVICES = ("cpu",)
+
+
+def auto_engine_measured_on(device: torch.device) -> bool:
+    """True if generation_engine='auto' may pick the fast engine on `device` (it was tested and measured there)."""
+    return device.type in ENGINE_MEASURED_DEVICES
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's weights (CPU for a model without parameters)."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def connect_server(tokenizer: Any, args: Any) -> GenerationBackend:
