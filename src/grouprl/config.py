@@ -47,6 +47,10 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
     "use_transformers_paged": (False, "transformers continuous batching"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
     "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
+    # TRL pads for AWS Neuron's fixed shapes ('auto' = 128 there, no padding elsewhere); grouprl trims every micro-batch to
+    # its longest prompt and completion instead, and does not target Neuron.
+    "pad_to_multiple_of": (None, "padding the training batch's sequence lengths to a multiple (grouprl trims each micro-batch "
+                                 "to its longest row)"),
 }
 
 
@@ -93,7 +97,7 @@ class GRPOConfig(TrainingArguments):
     max_completion_length: int = field(default=512, metadata=_meta("Maximum new tokens per completion."))
     ds3_gather_for_generation: bool = field(default=True, metadata=_meta("Gather ZeRO-3 weights for generation."))
     shuffle_dataset: bool = field(default=True, metadata=_meta("Shuffle the prompts (seeded by data_seed)."))
-    pad_to_multiple_of: Optional[str] = field(default="auto", metadata=_meta("Pad sequence lengths to a multiple of N ('auto' or 'none': no padding)."))
+    pad_to_multiple_of: Optional[str] = field(default="auto", metadata=_meta("'auto' or 'none': no padding (TRL pads only on AWS Neuron). An integer N (pad to a multiple of N) is refused: not built."))
 
     # ---- generation (TRL §1.3) ----
     generation_batch_size: Optional[int] = field(default=None, metadata=_meta("Completions generated at once across all processes."))
@@ -180,6 +184,10 @@ class GRPOConfig(TrainingArguments):
         "DAPO dynamic sampling: drop groups whose rewards all tie and refill the generation batch from further generations."))
     max_dynamic_sampling_rounds: int = field(default=4, metadata=_meta(
         "With dynamic_sampling: at most this many extra generations per batch; if the batch is still not full, train on the groups found."))
+    # Derived, but a field so that dataclasses.replace / to_dict round trips keep it (replace passes the resolved bf16).
+    bf16_from_default: Optional[bool] = field(default=None, repr=False, metadata=_meta(
+        "Set by the config, not meant to be passed: True when bf16 was left at TRL's default, which grouprl declines on a CPU "
+        "without bf16 units (fp32 instead); an explicit bf16=True is kept."))
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GRPOConfig":
         # Runs before the dataclass __init__, so a misspelt field gets a "did you mean" instead of
@@ -192,7 +200,12 @@ class GRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         if self.output_dir is None:
             self.output_dir = "trainer_output"
-        self.bf16_from_default = self.bf16 is None  # TRL's default; the trainer may decline it on CPUs without bf16 units
+        # TRL's default; the trainer may decline it on CPUs without bf16 units. A copy (dataclasses.replace, a to_dict round
+        # trip) passes the resolved bf16 with the original's flag, which holds while bf16 still has the default's value.
+        if self.bf16 is None:
+            self.bf16_from_default = True
+        else:
+            self.bf16_from_default = bool(self.bf16_from_default) and self.bf16 == (not self.fp16)
         if self.bf16 is None:
             self.bf16 = not self.fp16
         if self.report_to is None:
@@ -334,7 +347,7 @@ class GRPOConfig(TrainingArguments):
             if getattr(self, name) != off_value:
                 raise NotImplementedError(
                     f"GRPOConfig.{name}={getattr(self, name)!r}: {feature} is not available in this version of grouprl yet. "
-                    f"Leave {name} at its default ({off_value!r})."
+                    f"Leave {name} at its default ({self.__dataclass_fields__[name].default!r})."
                 )
 
     @property
