@@ -1,7 +1,8 @@
 """GRPOTrainer: TRL's constructor and methods, assembling grouprl's components around `loop.train`.
 
-Order of construction matters for error messages: the config and batch plan are checked, then
-the dataset and reward functions, and only then is any model loaded.
+The constructor composes the builders of trainer_builders.py. Order of construction matters for error
+messages: the config, batch plan and feature combinations (combinations.py) are checked, then the
+dataset and reward functions, and only then is any model loaded.
 """
 
 from __future__ import annotations
@@ -11,47 +12,38 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
-import datasets
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, set_seed
-from transformers import PreTrainedModel, Trainer, TrainerControl, TrainerState, enable_full_determinism, get_scheduler
 from huggingface_hub import HfApi
+from transformers import PreTrainedModel, TrainerControl, TrainerState
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
-from . import evaluation, loop, quantization
-from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, require_peft, save_pretrained, wrap_with_lora
+from . import evaluation, loop
+from .adapters import save_pretrained
 from .agents import AgentSpec
-from .agents.environments import EMPTY_PROMPT, environment_dataset
-from .agents.multiturn import TurnSettings
-from .algorithms.entropy import EntropyController
 from .callbacks import CallbackHandler
-from .completion_log import CompletionLog, RecentCompletions
 from .checkpoint import load_policy_weights, load_training_state, resolve_resume_path, restore_rng_state
+from .combinations import check_combinations
 from .config import GRPOConfig, no_accelerator, plan_batches
-from .data import PromptSampler, check_dataset
-from .evaluation import check_eval_setup
 from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
-from .generation.vllm import require_vllm
+from .generation_inputs import TrainPromptBatches
 from .host_memory import reuse_freed_host_memory
 from .log_level import apply_log_level
 from .metrics import JsonlWriter
-from .models import (
-    cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
+from .models import eos_token_ids, load_tokenizer
+from .multimodal import check_multimodal_setup, text_tokenizer
+from .rewards.models import load_reward_functions
+from .rewards.scoring import prepare_reward_functions
+from .trainer_builders import (
+    active_features, build_entropy_controller, build_optimizer, build_reference, build_rollouts, collect_reward_sources, default_args,
+    load_policy, make_trainer_state, plan_steps, prepare_for_training, prepare_train_dataset, tracker_config, tracker_init_kwargs,
 )
-from .multimodal import check_multimodal_setup, make_prompt_tokenizer, text_tokenizer
-from .reference import Reference, separate_reference_model
-from .row_loading import workers_for
-from .rewards.models import check_reward_funcs, load_reward_functions
-from .rewards.scoring import prepare_reward_functions, reward_name
-from .generation_inputs import TrainPromptBatches
-from .rollout import RolloutMaker, RolloutSettings
 from .trainer_hooks import OverridePoints
 from .trainer_reporting import TrainerReporting
-from .types import SamplingParams
 
 logger = logging.get_logger("grouprl")
 
@@ -116,76 +108,32 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         environment_factory: Any = None,
         generation_backend: Optional[GenerationBackend] = None,
     ):
-        if args is None:
-            model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
-            args = GRPOConfig(output_dir=f"{os.path.basename(str(model_name).rstrip('/')) or 'model'}-GRPO")
-        if not isinstance(args, GRPOConfig):
-            raise TypeError(f"args must be a grouprl.GRPOConfig, got {type(args).__name__}.")
-        self.args = args
+        # Checked before any model loads: the config, the feature combinations, the dataset and the reward sources.
+        self.args = args = default_args(model, args)
         self.accelerator = _make_accelerator(args)
         apply_log_level(args)
         if self.accelerator.device.type == "cpu":
             reuse_freed_host_memory()  # freed tensors are reused, not page-faulted in again (host_memory.py)
         self.plan = plan_batches(args, self.accelerator.num_processes)
+        features = active_features(args, model=model, train_dataset=train_dataset, tools=tools, environment_factory=environment_factory,
+                                   rollout_func=rollout_func, peft_config=peft_config, quantization_config=quantization_config,
+                                   generation_backend=generation_backend)
+        check_combinations(features)
         agents = AgentSpec.from_arguments(tools, environment_factory, rollout_func)  # tool schemas checked, environments probed
-        train_dataset = environment_dataset(train_dataset, agents and agents.environments, max_steps=args.max_steps,
-                                            prompts_per_generation=self.plan.prompts_per_generation)
-        environments_own_prompts = bool(agents and agents.environments)  # rows may lack a prompt: reset() supplies it (TRL)
-        check_dataset(train_dataset, "train_dataset", prompt_required=not environments_own_prompts)
-        if isinstance(train_dataset, datasets.IterableDataset):
-            if args.max_steps <= 0:
-                raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
-            _check_stream_dispatch(args)
-        if workers_for(train_dataset, args.dataloader_num_workers) != args.dataloader_num_workers:
-            # Written back as TRL does (its tests read it): workers would interleave shards of the stream (row_loading.py).
-            logger.warning(f"train_dataset is an IterableDataset, whose prompts one reader must stream in order: "
-                           f"dataloader_num_workers={args.dataloader_num_workers} is set to 0.")
-            args.dataloader_num_workers = 0
-        if args.eval_strategy != "no":
-            check_eval_setup(args, eval_dataset, self.accelerator.num_processes, prompt_required=not environments_own_prompts)
+        train_dataset, environments_own_prompts = prepare_train_dataset(args, train_dataset, eval_dataset, agents, self.plan,
+                                                                        self.accelerator.num_processes)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        environment_rewards = agents.reward_functions if agents else []
-        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
-            if not environment_rewards:
-                raise ValueError("No reward source provided. Pass reward_funcs, or an environment_factory whose environment defines "
-                                 "a get_reward() method.")
-            reward_funcs, reward_processing_classes = [], []
-        else:
-            reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
-        weights = args.reward_weights or [1.0] * len(reward_funcs)
-        if len(weights) != len(reward_funcs):
-            raise ValueError(
-                f"GRPOConfig.reward_weights has {len(weights)} weights but there are {len(reward_funcs)} reward functions "
-                f"({', '.join(map(_describe_reward, reward_funcs))}); give one weight per function."
-            )
-        # An environment's get_reward() is one more reward function, weight 1 (TRL).
-        reward_funcs, reward_processing_classes = reward_funcs + environment_rewards, reward_processing_classes + [None] * len(environment_rewards)
-        weights = list(weights) + [1.0] * len(environment_rewards)
+        reward_funcs, reward_processing_classes, weights = collect_reward_sources(args, reward_funcs, reward_processing_classes, agents)
         for message in args.dubious_combinations():
             logger.warning(message)
-        use_peft = peft_config is not None or is_peft_model(model)
-        if use_peft:
-            require_peft()
-            if args.sync_ref_model:
-                raise NotImplementedError("GRPOConfig.sync_ref_model=True with LoRA: the reference is the frozen base model "
-                                          "(adapters off), which syncing would overwrite. Use sync_ref_model=False.")
-        if args.use_vllm and args.vllm_mode == "colocate" and generation_backend is None:
-            require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")  # before any model is loaded
 
-        policy_init_kwargs = quantization.with_quantization_config(args.model_init_kwargs, quantization_config)
-        quantization.check_request(model, policy_init_kwargs, use_peft)
-        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
-        self.model = load_model(model, policy_init_kwargs, args.trust_remote_code)
-        quantization.check_setup(self.model, use_peft, args, generation_backend)
-        if peft_config is not None and is_peft_model(self.model):
-            raise ValueError("model is already a PeftModel; pass either a PeftModel or peft_config, not both.")
-        reference_model = None
-        if args.beta != 0.0 and not use_peft:  # before any change to the policy
-            reference_model = separate_reference_model(model, self.model, lambda m: load_model(m, args.model_init_kwargs, args.trust_remote_code))
+        # The models: policy (and reference), tokenizer, reward functions.
+        use_peft = "lora" in features
+        self.model, reference_model = load_policy(args, model, use_peft=use_peft, peft_config=peft_config, quantization_config=quantization_config,
+                                                  generation_backend=generation_backend, features=features)
         self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code)
         check_multimodal_setup(train_dataset, self.processing_class)
-        tokenizer = text_tokenizer(self.processing_class)
-        self._tokenizer = tokenizer
+        self._tokenizer = tokenizer = text_tokenizer(self.processing_class)
         if tokenizer is not self.processing_class and self.overrides("_get_per_token_logps_and_entropies"):
             raise NotImplementedError(f"{type(self).__name__} overrides _get_per_token_logps_and_entropies, which grouprl can call only "
                                       "for text models: it passes images to a vision-language model its own way, not as TRL's "
@@ -200,92 +148,21 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         # TRL's attributes: the weights as a tensor, and each reward model's tokenizer (None for a function)
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.reward_processing_classes = [getattr(f, "tokenizer", None) if hasattr(f, "model") else None for f in self.reward_funcs]
-        for prepared in (m for m in (self.model, reference_model) if m is not None):
-            if args.disable_dropout:
-                disable_dropout(prepared)
-            if args.cast_lm_head_to_fp32:
-                if is_peft_model(prepared) and head_has_adapter(prepared):
-                    raise ValueError("cast_lm_head_to_fp32=True, but the LM head carries a LoRA adapter; take lm_head out of the "
-                                     "adapter's target_modules / modules_to_save, or leave cast_lm_head_to_fp32=False.")
-                cast_lm_head_to_fp32(prepared)
-        aux_loss_coef = router_aux_loss_coef(args.router_aux_loss_coef, self.model)
-        if args.gradient_checkpointing:
-            enable_checkpointing(self.model, args.gradient_checkpointing_kwargs or {"use_reentrant": False})
-        self.model.config.use_cache = False
-        reference_adapter = None
-        if peft_config is not None:
-            self.model = wrap_with_lora(self.model, peft_config)
-            if args.cast_lm_head_to_fp32 and head_has_adapter(self.model):
-                raise ValueError("cast_lm_head_to_fp32=True, but peft_config puts an adapter on the LM head; take lm_head out of "
-                                 "target_modules / modules_to_save, or leave cast_lm_head_to_fp32=False.")
-        elif use_peft and args.beta != 0.0:  # a pre-wrapped adapter may be trained already: keep a frozen copy as pi_ref
-            reference_adapter = add_reference_adapter(self.model)
-        quantization.prepare_policy(self.model, bf16_capable=self.accelerator.device.type != "cpu" or cpu_has_fast_bf16())
+        self.model, reference_adapter, aux_loss_coef = prepare_for_training(
+            args, self.model, reference_model, peft_config=peft_config, use_peft=use_peft,
+            bf16_capable=self.accelerator.device.type != "cpu" or cpu_has_fast_bf16())
 
-        steps_per_epoch = None
-        if not isinstance(train_dataset, datasets.IterableDataset):
-            steps_per_epoch = self.plan.optimizer_steps_per_epoch(len(train_dataset))
-        total_steps = args.max_steps if args.max_steps > 0 else max(1, int(args.num_train_epochs * steps_per_epoch + 0.999999))
-        optimizer, scheduler = optimizers
-        optimizer = optimizer or _make_optimizer(self.model, args)
-        scheduler = scheduler or get_scheduler(
-            args.lr_scheduler_type, optimizer,
-            num_warmup_steps=loop.resolve_steps(args.warmup_steps, total_steps) if args.warmup_steps else 0,
-            num_training_steps=total_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},
-        )
+        # Training: steps, optimizer, sampling, state.
+        total_steps, steps_per_epoch = plan_steps(args, self.plan, train_dataset)
+        optimizer, scheduler = build_optimizer(self.model, args, optimizers, total_steps)
         prepared_model, optimizer = self.accelerator.prepare(self.model, optimizer)
-
-        backend = generation_backend or build_backend(self.accelerator.unwrap_model(prepared_model), tokenizer, self.eos_token_ids,
-                                                      args, max_num_seqs=self.plan.completions_per_process)
-        self.generation_backend = backend
-        sampler = PromptSampler(train_dataset, self.plan.prompts_per_generation, shuffle=args.shuffle_dataset,
-                                seed=args.seed if args.data_seed is None else args.data_seed, num_workers=args.dataloader_num_workers)
-        max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        tokenize = make_prompt_tokenizer(self.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
-                                         chat_template_kwargs=args.chat_template_kwargs, tools=[t.schema for t in agents.tools] if agents else None)
-        agent = agents.build(tokenize, TurnSettings(
-            tokenizer=tokenizer, stop_ids=set(self.eos_token_ids), max_completion_length=args.max_completion_length,
-            max_tool_calling_iterations=args.max_tool_calling_iterations, chat_template_kwargs=args.chat_template_kwargs or {},
-        ), trainer=self) if agents else None
-        rollouts = RolloutMaker(
-            accelerator=self.accelerator,
-            backend=backend,
-            sampler=sampler,
-            tokenize=tokenize,
-            reward_functions=self.reward_functions,
-            reward_weights=self.reward_weights,
-            sampling=SamplingParams(
-                max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, extra=dict(args.generation_kwargs or {}),
-            ),
-            settings=RolloutSettings(
-                num_generations=args.num_generations, scale_rewards=args.scale_rewards, advantage_estimator=args.advantage_estimator,
-                multi_objective_aggregation=args.multi_objective_aggregation,
-                mask_truncated_completions=args.mask_truncated_completions,
-                remove_unused_columns=args.remove_unused_columns, pad_token_id=tokenizer.pad_token_id,
-                default_prompt=EMPTY_PROMPT if environments_own_prompts else None,
-            ),
-            completion_log=CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.log_multimodal)
-            if args.log_completions else None,
-            agent=agent,
-            recent=RecentCompletions(self.plan.completions_per_generation, args.log_multimodal),
-            generate_hook=self._generate_through_override,
-            reward_hook=self._rewards_through_override,
-        )
-        self.state = TrainerState(max_steps=total_steps, logging_steps=args.logging_steps, save_steps=args.save_steps,
-                                  num_train_epochs=args.num_train_epochs, train_batch_size=args.per_device_train_batch_size)
-        self.state.is_local_process_zero = self.accelerator.is_local_main_process
-        self.state.is_world_process_zero = self.accelerator.is_main_process
-        reference, self.ref_model = None, None
-        if args.beta != 0.0:
-            self.ref_model = reference_model.to(self.accelerator.device) if reference_model is not None else None
-            reference = Reference(model=self.ref_model, adapter=reference_adapter)
-        entropy_controller = None
-        if args.entropy_bonus_enabled:
-            entropy_controller = EntropyController(
-                coef=args.entropy_coef, adaptive=args.use_adaptive_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
-                coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max,
-            )
+        self.generation_backend = generation_backend or build_backend(self.accelerator.unwrap_model(prepared_model), tokenizer,
+                                                                      self.eos_token_ids, args, max_num_seqs=self.plan.completions_per_process)
+        rollouts = build_rollouts(self, args, backend=self.generation_backend, train_dataset=train_dataset, tokenizer=tokenizer, agents=agents,
+                                  environments_own_prompts=environments_own_prompts)
+        self.state = make_trainer_state(args, total_steps, self.accelerator)
+        reference, self.ref_model = build_reference(args, reference_model, reference_adapter, self.accelerator.device)
+        entropy_controller = build_entropy_controller(args)
         self.run = loop.TrainingRun(
             config=args, plan=self.plan, accelerator=self.accelerator, model=prepared_model, tokenizer=self.processing_class,
             optimizer=optimizer, scheduler=scheduler, rollouts=rollouts, state=self.state, total_steps=total_steps,
@@ -411,7 +288,7 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         if path is not None:
             self._load_checkpoint(path)
         if self.args.report_to and not self.accelerator.trackers:
-            self.accelerator.init_trackers(self.args.project, config=_tracker_config(self.args), init_kwargs=_tracker_init_kwargs(self.args))
+            self.accelerator.init_trackers(self.args.project, config=tracker_config(self.args), init_kwargs=tracker_init_kwargs(self.args))
         try:
             metrics = loop.train(self.run)
         finally:
@@ -540,45 +417,3 @@ def _make_accelerator(args: GRPOConfig) -> Accelerator:
         deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
-
-
-def _check_stream_dispatch(args: GRPOConfig) -> None:
-    # As TRL: a stream cannot be read by the main process and dispatched; each process reads its own part.
-    config = args.accelerator_config
-    if config is not None and config.dispatch_batches:
-        raise ValueError("Iterable datasets require `dispatch_batches=False`: GRPOConfig.accelerator_config.dispatch_batches=True "
-                         "asks the main process to read every batch and send it out, which a stream of prompts does not allow. "
-                         "Leave dispatch_batches unset (or False).")
-    if config is not None:
-        config.dispatch_batches = False
-
-
-def _make_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Optimizer:
-    """The optimizer `args.optim` names (any transformers name: adamw_torch, adafactor, adamw_8bit, sgd, ...),
-    with transformers' own resolution of the name, `optim_args` and the Adam hyper-parameters."""
-    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    # As transformers: no weight decay on biases and normalisation weights (the 1-D parameters).
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for _, p in trainable if p.ndim >= 2], "weight_decay": args.weight_decay},
-        {"params": [p for _, p in trainable if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
-
-
-def _tracker_init_kwargs(args: GRPOConfig) -> dict[str, Any]:
-    """Run name (and trackio's Space) for the trackers that take them; args.project names the project."""
-    kwargs: dict[str, Any] = {}
-    if args.run_name:
-        kwargs = {"wandb": {"name": args.run_name}, "trackio": {"name": args.run_name}}
-    if args.trackio_space_id:
-        kwargs.setdefault("trackio", {})["space_id"] = args.trackio_space_id
-    return kwargs
-
-
-def _tracker_config(args: GRPOConfig) -> dict[str, Any]:
-    return {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}
-
-
-def _describe_reward(entry: Any) -> str:
-    return entry if isinstance(entry, str) else (type(entry).__name__ if isinstance(entry, torch.nn.Module) else reward_name(entry))

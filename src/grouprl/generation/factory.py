@@ -34,7 +34,6 @@ def build_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[in
         return VLLMColocateGenerator(model.config._name_or_path, tokenizer, args, max_num_seqs=max_num_seqs)
     if args.use_vllm or args.generation_engine == "server":
         return connect_server(tokenizer, args)
-    check_unsharded()
     reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
     if args.generation_engine == "engine" and reason:
         raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
@@ -86,20 +85,16 @@ def connect_server(tokenizer: Any, args: Any) -> GenerationBackend:
                                group_port=args.vllm_group_port, regex=args.vllm_structured_outputs_regex)
 
 
-def check_unsharded() -> None:
-    """In-process generation needs whole weights on each process: refuse ZeRO-3 / FSDP before it hangs.
+def sharded_weights() -> bool:
+    """True when several processes hold shards of the weights (DeepSpeed ZeRO-3 or FSDP).
 
-    Each process decodes a different number of steps, and every forward through sharded layers is a
-    collective, so the processes would wait on each other forever.
+    In-process sampling is then refused at construction (combinations.py): each process decodes a
+    different number of steps, and every forward through sharded layers is a collective, so the
+    processes would wait on each other forever.
     """
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
     state = AcceleratorState()
     zero3 = state.distributed_type == DistributedType.DEEPSPEED and state.deepspeed_plugin.zero_stage == 3
-    if state.num_processes > 1 and (zero3 or state.distributed_type == DistributedType.FSDP):
-        raise NotImplementedError(
-            "Sampling in the training processes with sharded weights (DeepSpeed ZeRO-3 / FSDP) is not built in grouprl yet. "
-            "Sample on a generation server instead: `grouprl serve --model PATH` and generation_engine='server' "
-            "(or use_vllm=True, vllm_mode='server'), or train with ZeRO-1/2 or DDP (--accelerate_config zero2 / multi_gpu)."
-        )
+    return state.num_processes > 1 and (zero3 or state.distributed_type == DistributedType.FSDP)
