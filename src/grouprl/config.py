@@ -235,7 +235,7 @@ class GRPOConfig(TrainingArguments):
 
     def _validate_args(self) -> None:
         # transformers refuses bf16 without a bf16-capable accelerator unless use_cpu=True. grouprl trains
-        # on the CPU when there is no accelerator and decides there whether bf16 pays (trainer._make_accelerator).
+        # on the CPU when there is no accelerator and decides there whether bf16 pays (accelerator_setup.make_accelerator).
         wanted = self.bf16
         if wanted and not self.use_cpu and no_accelerator():
             self.bf16 = False

@@ -7,48 +7,43 @@ dataset and reward functions, and only then is any model loaded.
 
 from __future__ import annotations
 
-import os
-from collections import deque
-from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, set_seed
-from huggingface_hub import HfApi
-from transformers import PreTrainedModel, TrainerControl, TrainerState
+from accelerate.utils import set_seed
+from transformers import PreTrainedModel, TrainerControl
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import evaluation, loop
-from .adapters import save_pretrained
+from .accelerator_setup import cpu_has_fast_bf16, make_accelerator
 from .agents import AgentSpec
 from .callbacks import CallbackHandler
-from .checkpoint import load_policy_weights, load_training_state, resolve_resume_path, restore_rng_state
+from .checkpoint import resolve_resume_path
 from .combinations import check_combinations
-from .config import GRPOConfig, no_accelerator, plan_batches
+from .config import GRPOConfig, plan_batches
 from .generation.factory import build_backend
 from .generation.protocol import GenerationBackend
 from .generation_inputs import TrainPromptBatches
 from .host_memory import reuse_freed_host_memory
 from .log_level import apply_log_level
-from .metrics import JsonlWriter
 from .models import eos_token_ids, load_tokenizer
 from .multimodal import check_multimodal_setup, text_tokenizer
 from .rewards.models import load_reward_functions
 from .rewards.scoring import prepare_reward_functions
 from .trainer_builders import (
-    active_features, build_entropy_controller, build_optimizer, build_reference, build_rollouts, collect_reward_sources, default_args,
-    load_policy, make_trainer_state, plan_steps, prepare_for_training, prepare_train_dataset, tracker_config, tracker_init_kwargs,
+    build_entropy_controller, build_optimizer, build_reference, build_rollouts, load_policy, make_trainer_state, mirror_trl_settings,
+    plan_steps, prepare_for_training, tracker_config, tracker_init_kwargs,
 )
 from .trainer_hooks import OverridePoints
+from .trainer_inputs import active_features, collect_reward_sources, default_args, prepare_train_dataset
 from .trainer_reporting import TrainerReporting
+from .trainer_saving import TrainerSaving
 
 logger = logging.get_logger("grouprl")
 
 
-class GRPOTrainer(TrainerReporting, OverridePoints):
+class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
     """Train a causal LM with GRPO. Drop-in for ``trl.GRPOTrainer`` (same arguments, same config).
 
     Args:
@@ -110,7 +105,7 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
     ):
         # Checked before any model loads: the config, the feature combinations, the dataset and the reward sources.
         self.args = args = default_args(model, args)
-        self.accelerator = _make_accelerator(args)
+        self.accelerator = make_accelerator(args)
         apply_log_level(args)
         if self.accelerator.device.type == "cpu":
             reuse_freed_host_memory()  # freed tensors are reused, not page-faulted in again (host_memory.py)
@@ -171,7 +166,7 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
                                       lr_scheduler=scheduler),
             trainer=self,
         )
-        self._mirror_settings(args, aux_loss_coef)
+        mirror_trl_settings(self, args, aux_loss_coef)  # TRL's attribute copies of the settings
         if args.eval_strategy != "no" or eval_dataset is not None:  # scheduled, or asked for by a callback (control.should_evaluate)
             self.run.evaluate = self.evaluate
         if self.accelerator.num_processes > 1:
@@ -181,26 +176,6 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
             logger.info(self.plan.describe(None if steps_per_epoch is None else len(train_dataset)) + f"\n  total: {total_steps} optimizer steps")
         self.run.fire("on_init_end")
         self._send_telemetry()
-
-    def _mirror_settings(self, args: GRPOConfig, aux_loss_coef: float) -> None:
-        """The settings TRL's GRPOTrainer copies onto itself, under its names (read-only copies; the run uses args)."""
-        for name in (
-            "max_completion_length", "num_generations", "max_tool_calling_iterations", "temperature", "top_p", "top_k", "min_p",
-            "repetition_penalty", "use_transformers_continuous_batching", "pad_to_multiple_of", "use_vllm", "vllm_mode",
-            "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_importance_sampling_correction",
-            "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "loss_type",
-            "multi_objective_aggregation", "scale_rewards", "importance_sampling_level", "off_policy_mask_threshold",
-            "mask_truncated_completions", "top_entropy_quantile", "use_adaptive_entropy", "shuffle_dataset", "num_iterations", "beta",
-            "log_completions", "log_multimodal", "log_unique_prompts", "num_completions_to_print",
-        ):
-            setattr(self, name, getattr(args, name))
-        self.num_generations_eval = args.num_generations_eval or args.num_generations
-        self.chat_template_kwargs = args.chat_template_kwargs or {}
-        self.epsilon_low = args.epsilon
-        self.epsilon_high = args.effective_epsilon_high
-        self.router_aux_loss_coef = aux_loss_coef
-        self.aux_loss_enabled = aux_loss_coef != 0.0  # the MoE load-balancing loss is added to the objective
-        self._entropy_bonus_enabled = args.entropy_bonus_enabled
 
     @property
     def entropy_coef(self) -> float:
@@ -299,39 +274,6 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         """The DataLoader evaluation reads (a name of a dict eval_dataset, a dataset, or None: the trainer's); a stream gets 0 workers."""
         return evaluation.eval_loader(self.run, evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset))
 
-    def save_model(self, output_dir: Optional[str] = None) -> None:
-        """Write the model and tokenizer (`from_pretrained`-loadable) to output_dir (default: args.output_dir)."""
-        output_dir = output_dir or self.args.output_dir
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            save_pretrained(self.accelerator.unwrap_model(self.run.model), output_dir)  # a LoRA policy: the adapter only
-            self.processing_class.save_pretrained(output_dir)
-
-    def push_to_hub(self, commit_message: str = "End of training", **kwargs: Any) -> Any:
-        """Save, write the model card, then push the model, tokenizer and card (README.md) to args.hub_model_id
-        (default: output_dir's name), with args.hub_token / hub_private_repo / hub_revision unless given here.
-        As Trainer's, `model_name`, `dataset_name` and `tags` go to create_model_card (TRL's script passes
-        dataset_name); other keyword arguments go to the model's and tokenizer's push_to_hub."""
-        card = {name: kwargs.pop(name) for name in ("model_name", "dataset_name", "tags") if name in kwargs}
-        repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
-        self.save_model()
-        if not self.accelerator.is_main_process:
-            return None
-        card.setdefault("model_name", repo_id.split("/")[-1])
-        self.create_model_card(**card)
-        hub = {"token": self.args.hub_token, "private": self.args.hub_private_repo, "revision": self.args.hub_revision}
-        kwargs = {**{k: v for k, v in hub.items() if v is not None}, **kwargs}
-        model = self.accelerator.unwrap_model(self.run.model)
-        self.processing_class.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
-        result = model.push_to_hub(repo_id, commit_message=commit_message, **kwargs)
-        pushed = getattr(getattr(result, "repo_url", None), "repo_id", None)  # owner/name as the Hub resolved it
-        self._pushed_repo_id = pushed or repo_id
-        # after the model: its push writes a bare README.md, which the card replaces
-        HfApi(token=kwargs.get("token")).upload_file(
-            path_or_fileobj=os.path.join(self.args.output_dir, "README.md"), path_in_repo="README.md", repo_id=self._pushed_repo_id,
-            revision=kwargs.get("revision"), commit_message=commit_message)
-        return result
-
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sample and score every eval prompt (num_generations_eval each); return and log eval_* metrics.
 
@@ -340,80 +282,3 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         is accepted for compatibility: it names model outputs, which evaluation does not collect.
         """
         return evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
-
-    def _load_checkpoint(self, path: str) -> None:
-        training, loop_state = load_training_state(path)
-        load_policy_weights(self.accelerator.unwrap_model(self.run.model), path)
-        self.run.optimizer.load_state_dict(training["optimizer"])
-        self.run.scheduler.load_state_dict(training["scheduler"])
-        restore_rng_state(training["rng"])
-        self.run.load_loop_state(loop_state)
-        processes = loop_state.get("processes")  # several processes: each one's RNG and buffered micro-batches
-        if processes is not None:
-            if len(processes) != self.accelerator.num_processes:
-                raise ValueError(f"Checkpoint {path} was written by {len(processes)} processes; resume it with the same number "
-                                 f"of processes (this run has {self.accelerator.num_processes}).")
-            own = processes[self.accelerator.process_index]
-            restore_rng_state(own["rng"])
-            self.run.pending = deque(own["pending"])
-            self.run.inputs = own.get("inputs")
-        elif self.accelerator.num_processes > 1:  # written by one process (or a last-good save): its buffer is not ours
-            logger.warning(f"{path} holds one process's buffered micro-batches; each of the {self.accelerator.num_processes} processes "
-                           "starts with a fresh generation instead.")
-            self.run.pending.clear()
-            self.run.inputs = None
-        restored = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
-        self.state.global_step, self.state.epoch, self.state.log_history = restored.global_step, restored.epoch, restored.log_history
-        self.state.total_flos, self.state.num_input_tokens_seen = restored.total_flos, restored.num_input_tokens_seen
-        if self.accelerator.is_main_process:  # drop what the interrupted run logged after this checkpoint
-            JsonlWriter(os.path.join(self.args.output_dir, "metrics.jsonl")).rewrite(self.state.log_history)
-        logger.warning(f"Resumed from {path} at step {self.state.global_step}.")
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True if this x86/ARM CPU has native bf16 matrix instructions (AVX512-BF16, AMX, ARM BF16).
-
-    Without them PyTorch emulates bf16 matmuls: measured 0.95 GFLOP/s vs 175 GFLOP/s in fp32 on
-    an AVX2 machine, i.e. bf16 autocast makes a CPU step ~100x slower instead of faster.
-    """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            flags = handle.read()
-    except OSError:
-        return True  # cannot tell (not Linux): trust the configuration
-    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", " bf16"))
-
-
-def _make_accelerator(args: GRPOConfig) -> Accelerator:
-    on_cpu = args.use_cpu or not torch.cuda.is_available()
-    bf16 = args.bf16
-    if bf16 and on_cpu and not cpu_has_fast_bf16():
-        if args.bf16_from_default:
-            logger.warning("grouprl: this CPU has no native bf16 units (no AVX512-BF16/AMX), where bf16 autocast runs ~100x slower "
-                           "than fp32; training in fp32 instead of TRL's default bf16=True. Pass bf16=True explicitly to force it.")
-            bf16 = False
-        else:
-            logger.warning("grouprl: bf16=True on a CPU without native bf16 units (no AVX512-BF16/AMX): expect steps ~100x slower "
-                           "than fp32. Set bf16=False unless you are measuring exactly this.")
-    mixed_precision = "bf16" if bf16 else ("fp16" if args.fp16 else "no")
-    if (AcceleratorState._shared_state or PartialState._shared_state) and PartialState().num_processes == 1:
-        # A previous trainer (or an early PartialState()) in this process fixed the precision or the
-        # device; one process may change them.
-        AcceleratorState._reset_state(reset_partial_state=True)
-    # accelerate joins a multi-process launch on a machine without an accelerator only when told
-    # cpu=True; otherwise every process would silently train alone.
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    ddp = {"find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
-           "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph}
-    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout), **({"backend": args.ddp_backend} if args.ddp_backend else {}))]
-    if any(value is not None for value in ddp.values()):
-        handlers.append(DistributedDataParallelKwargs(**{k: v for k, v in ddp.items() if v is not None}))
-    return Accelerator(
-        mixed_precision=mixed_precision,
-        cpu=args.use_cpu or (launched and no_accelerator()),
-        log_with=args.report_to or None,
-        project_dir=args.logging_dir or os.path.join(args.output_dir, "runs"),
-        kwargs_handlers=handlers,
-        deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
-        fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
-    )

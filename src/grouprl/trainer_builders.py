@@ -1,4 +1,5 @@
-"""The parts GRPOTrainer's constructor assembles, each built by one function.
+"""The parts GRPOTrainer's constructor assembles, each built by one function (the checks of its arguments,
+which come first, are in trainer_inputs.py).
 
 ``GRPOTrainer.__init__`` calls them in order; the order is the order of its error messages (the
 config, the feature combinations, the dataset and the rewards are checked before any model is
@@ -7,7 +8,6 @@ loaded) and of the random draws (the seed is set right before the policy is load
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, Optional
 
 import datasets
@@ -19,122 +19,24 @@ from transformers.utils import logging
 from . import quantization
 from .adapters import add_reference_adapter, head_has_adapter, is_peft_model, require_peft, wrap_with_lora
 from .agents import AgentSpec
-from .agents.environments import EMPTY_PROMPT, environment_dataset
+from .agents.environments import EMPTY_PROMPT
 from .agents.multiturn import TurnSettings
 from .algorithms.entropy import EntropyController
 from .combinations import check_combinations
 from .completion_log import CompletionLog, RecentCompletions
 from .config import BatchPlan, GRPOConfig, resolve_steps
-from .data import PromptSampler, check_dataset
-from .evaluation import check_eval_setup
-from .generation.factory import sharded_weights
+from .data import PromptSampler
 from .generation.vllm import require_vllm
 from .models import cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, load_model, router_aux_loss_coef
 from .multimodal import make_prompt_tokenizer
 from .reference import Reference, separate_reference_model
-from .rewards.models import check_reward_funcs
-from .rewards.scoring import reward_name
 from .rollout import RolloutMaker, RolloutSettings
-from .row_loading import workers_for
 from .types import SamplingParams
 
 if TYPE_CHECKING:
     from .trainer import GRPOTrainer
 
 logger = logging.get_logger("grouprl")
-
-
-def default_args(model: Any, args: Optional[GRPOConfig]) -> GRPOConfig:
-    """`args`, or TRL's default GRPOConfig(output_dir="<model name>-GRPO")."""
-    if args is None:
-        model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
-        args = GRPOConfig(output_dir=f"{os.path.basename(str(model_name).rstrip('/')) or 'model'}-GRPO")
-    if not isinstance(args, GRPOConfig):
-        raise TypeError(f"args must be a grouprl.GRPOConfig, got {type(args).__name__}.")
-    return args
-
-
-def active_features(args: GRPOConfig, *, model: Any, train_dataset: Any, tools: Any, environment_factory: Any, rollout_func: Any,
-                    peft_config: Any, quantization_config: Any, generation_backend: Any) -> set[str]:
-    """The features of combinations.FEATURES this run uses, from the arguments as given (nothing is loaded)."""
-    columns = getattr(train_dataset, "column_names", None) or []
-    own_backend = generation_backend is not None
-    server = not own_backend and ((args.use_vllm and args.vllm_mode == "server") or (not args.use_vllm and args.generation_engine == "server"))
-    on = {
-        "tools": bool(tools),
-        "environment_factory": environment_factory is not None,
-        "rollout_func": rollout_func is not None,
-        "images": any(c in columns for c in ("image", "images")),
-        "in_process_sampling": not own_backend and not args.use_vllm and args.generation_engine != "server",
-        "generation_server": server,
-        "vllm_colocate": not own_backend and args.use_vllm and args.vllm_mode == "colocate",
-        "gfpo": getattr(args, "num_remains_in_group", None) is not None,
-        "dynamic_sampling": args.dynamic_sampling,
-        "lora": peft_config is not None or is_peft_model(model),
-        "sync_ref_model": args.sync_ref_model,
-        # loaded quantized from an id / path, or given quantized (a checkpoint quantized by its own config is found after loading)
-        "quantized": (isinstance(model, str) and (quantization_config is not None or quantization.requested(args.model_init_kwargs) is not None))
-        or (not isinstance(model, str) and quantization.is_quantized(model)),
-        "sharded": sharded_weights(),
-    }
-    return {name for name, used in on.items() if used}
-
-
-def prepare_train_dataset(args: GRPOConfig, train_dataset: Any, eval_dataset: Any, agents: Optional[AgentSpec], plan: BatchPlan,
-                          num_processes: int) -> tuple[Any, bool]:
-    """The training prompts (an environment may supply them), checked; and whether environments own the prompts."""
-    train_dataset = environment_dataset(train_dataset, agents and agents.environments, max_steps=args.max_steps,
-                                        prompts_per_generation=plan.prompts_per_generation)
-    environments_own_prompts = bool(agents and agents.environments)  # rows may lack a prompt: reset() supplies it (TRL)
-    check_dataset(train_dataset, "train_dataset", prompt_required=not environments_own_prompts)
-    if isinstance(train_dataset, datasets.IterableDataset):
-        if args.max_steps <= 0:
-            raise ValueError("train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0).")
-        check_stream_dispatch(args)
-    if workers_for(train_dataset, args.dataloader_num_workers) != args.dataloader_num_workers:
-        # Written back as TRL does (its tests read it): workers would interleave shards of the stream (row_loading.py).
-        logger.warning(f"train_dataset is an IterableDataset, whose prompts one reader must stream in order: "
-                       f"dataloader_num_workers={args.dataloader_num_workers} is set to 0.")
-        args.dataloader_num_workers = 0
-    if args.eval_strategy != "no":
-        check_eval_setup(args, eval_dataset, num_processes, prompt_required=not environments_own_prompts)
-    return train_dataset, environments_own_prompts
-
-
-def check_stream_dispatch(args: GRPOConfig) -> None:
-    # As TRL: a stream cannot be read by the main process and dispatched; each process reads its own part.
-    config = args.accelerator_config
-    if config is not None and config.dispatch_batches:
-        raise ValueError("Iterable datasets require `dispatch_batches=False`: GRPOConfig.accelerator_config.dispatch_batches=True "
-                         "asks the main process to read every batch and send it out, which a stream of prompts does not allow. "
-                         "Leave dispatch_batches unset (or False).")
-    if config is not None:
-        config.dispatch_batches = False
-
-
-def collect_reward_sources(args: GRPOConfig, reward_funcs: Any, reward_processing_classes: Any,
-                           agents: Optional[AgentSpec]) -> tuple[list, list, list[float]]:
-    """The reward functions / models, their tokenizers and weights, an environment's get_reward() included (weight 1, as TRL)."""
-    environment_rewards = agents.reward_functions if agents else []
-    if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
-        if not environment_rewards:
-            raise ValueError("No reward source provided. Pass reward_funcs, or an environment_factory whose environment defines "
-                             "a get_reward() method.")
-        reward_funcs, reward_processing_classes = [], []
-    else:
-        reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
-    weights = args.reward_weights or [1.0] * len(reward_funcs)
-    if len(weights) != len(reward_funcs):
-        raise ValueError(
-            f"GRPOConfig.reward_weights has {len(weights)} weights but there are {len(reward_funcs)} reward functions "
-            f"({', '.join(map(describe_reward, reward_funcs))}); give one weight per function."
-        )
-    return (reward_funcs + environment_rewards, reward_processing_classes + [None] * len(environment_rewards),
-            list(weights) + [1.0] * len(environment_rewards))
-
-
-def describe_reward(entry: Any) -> str:
-    return entry if isinstance(entry, str) else (type(entry).__name__ if isinstance(entry, torch.nn.Module) else reward_name(entry))
 
 
 def load_policy(args: GRPOConfig, model: Any, *, use_peft: bool, peft_config: Any, quantization_config: Any,
@@ -302,3 +204,23 @@ def tracker_init_kwargs(args: GRPOConfig) -> dict[str, Any]:
 def tracker_config(args: GRPOConfig) -> dict[str, Any]:
     return {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}
 
+
+def mirror_trl_settings(trainer: "GRPOTrainer", args: GRPOConfig, aux_loss_coef: float) -> None:
+    """The settings TRL's GRPOTrainer copies onto itself, under its names (read-only copies; the run uses args)."""
+    for name in (
+        "max_completion_length", "num_generations", "max_tool_calling_iterations", "temperature", "top_p", "top_k", "min_p",
+        "repetition_penalty", "use_transformers_continuous_batching", "pad_to_multiple_of", "use_vllm", "vllm_mode",
+        "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "loss_type",
+        "multi_objective_aggregation", "scale_rewards", "importance_sampling_level", "off_policy_mask_threshold",
+        "mask_truncated_completions", "top_entropy_quantile", "use_adaptive_entropy", "shuffle_dataset", "num_iterations", "beta",
+        "log_completions", "log_multimodal", "log_unique_prompts", "num_completions_to_print",
+    ):
+        setattr(trainer, name, getattr(args, name))
+    trainer.num_generations_eval = args.num_generations_eval or args.num_generations
+    trainer.chat_template_kwargs = args.chat_template_kwargs or {}
+    trainer.epsilon_low = args.epsilon
+    trainer.epsilon_high = args.effective_epsilon_high
+    trainer.router_aux_loss_coef = aux_loss_coef
+    trainer.aux_loss_enabled = aux_loss_coef != 0.0  # the MoE load-balancing loss is added to the objective
+    trainer._entropy_bonus_enabled = args.entropy_bonus_enabled
