@@ -42,7 +42,8 @@ def test_the_check_refuses_exactly_the_pairs_marked_not_built(a, b):
 
 def test_the_docs_render_the_table():
     text = open(DOC, encoding="utf-8").read()
-    assert combinations_markdown() in text, "docs/combinations.md is stale: python -c 'from grouprl.combinations import rewrite_doc; rewrite_doc()'"
+    assert combinations_markdown() in text, \
+        "docs/combinations.md is stale: python -c 'from grouprl.combinations import rewrite_doc; rewrite_doc()'"
     for (a, b) in pairs(FEATURES, 2):
         if cell(a, b).status == NOT_BUILT:
             assert f"| `{a}` | `{b}` | not built |" in text
@@ -160,4 +161,5 @@ def test_cheap_working_pairs_construct(a, b, tiny_model_dir, tmp_path, monkeypat
 
 def test_working_pairs_are_exercised():
     assert WORKING_PAIRS  # the walk above constructs at least one working pair
-    assert {frozenset(("dynamic_sampling", "in_process_sampling")), frozenset(("lora", "in_process_sampling"))} <= set(map(frozenset, WORKING_PAIRS))
+    expected = {frozenset(("dynamic_sampling", "in_process_sampling")), frozenset(("lora", "in_process_sampling"))}
+    assert expected <= set(map(frozenset, WORKING_PAIRS))

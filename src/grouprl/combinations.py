@@ -99,13 +99,15 @@ TABLE: dict[frozenset[str], Cell] = {frozenset(pair): cell for pair, cell in {
     ("gfpo", "environment_factory"): _not_built("GFPOTrainer takes no environment_factory argument; use GRPOTrainer for environments."),
     ("gfpo", "rollout_func"): _not_built("GFPOTrainer takes no rollout_func argument; use GRPOTrainer with rollout_func."),
     ("gfpo", "in_process_sampling"): _works("tests/test_gfpo.py"),
-    ("dynamic_sampling", "in_process_sampling"): _works("tests/test_objectives_e2e.py::test_dynamic_sampling_trains_only_on_groups_with_signal"),
+    ("dynamic_sampling", "in_process_sampling"): _works(
+        "tests/test_objectives_e2e.py::test_dynamic_sampling_trains_only_on_groups_with_signal"),
     # ---- LoRA and the reference model ----
     ("sync_ref_model", "lora"): _not_built(
         "with LoRA the reference is the frozen base model (adapters off), which syncing would overwrite; use sync_ref_model=False."),
     ("lora", "quantized"): _works("tests/test_qlora.py (QLoRA)"),
     ("lora", "in_process_sampling"): _works("tests/test_objectives_e2e.py"),
-    ("sync_ref_model", "in_process_sampling"): _works("tests/test_objectives_e2e.py::test_sync_ref_model_mixes_the_policy_into_the_reference"),
+    ("sync_ref_model", "in_process_sampling"): _works(
+        "tests/test_objectives_e2e.py::test_sync_ref_model_mixes_the_policy_into_the_reference"),
 }.items()}
 
 

@@ -124,8 +124,9 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
 
         # The models: policy (and reference), tokenizer, reward functions.
         use_peft = "lora" in features
-        self.model, reference_model = load_policy(args, model, use_peft=use_peft, peft_config=peft_config, quantization_config=quantization_config,
-                                                  generation_backend=generation_backend, features=features)
+        self.model, reference_model = load_policy(args, model, use_peft=use_peft, peft_config=peft_config,
+                                                  quantization_config=quantization_config, generation_backend=generation_backend,
+                                                  features=features)
         self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code)
         check_multimodal_setup(train_dataset, self.processing_class)
         self._tokenizer = tokenizer = text_tokenizer(self.processing_class)
@@ -151,10 +152,10 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
         total_steps, steps_per_epoch = plan_steps(args, self.plan, train_dataset)
         optimizer, scheduler = build_optimizer(self.model, args, optimizers, total_steps)
         prepared_model, optimizer = self.accelerator.prepare(self.model, optimizer)
-        self.generation_backend = generation_backend or build_backend(self.accelerator.unwrap_model(prepared_model), tokenizer,
-                                                                      self.eos_token_ids, args, max_num_seqs=self.plan.completions_per_process)
-        rollouts = build_rollouts(self, args, backend=self.generation_backend, train_dataset=train_dataset, tokenizer=tokenizer, agents=agents,
-                                  environments_own_prompts=environments_own_prompts)
+        self.generation_backend = generation_backend or build_backend(
+            self.accelerator.unwrap_model(prepared_model), tokenizer, self.eos_token_ids, args, max_num_seqs=self.plan.completions_per_process)
+        rollouts = build_rollouts(self, args, backend=self.generation_backend, train_dataset=train_dataset, tokenizer=tokenizer,
+                                  agents=agents, environments_own_prompts=environments_own_prompts)
         self.state = make_trainer_state(args, total_steps, self.accelerator)
         reference, self.ref_model = build_reference(args, reference_model, reference_adapter, self.accelerator.device)
         entropy_controller = build_entropy_controller(args)

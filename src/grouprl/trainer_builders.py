@@ -133,7 +133,8 @@ def build_rollouts(trainer: "GRPOTrainer", args: GRPOConfig, *, backend: Any, tr
                             seed=args.seed if args.data_seed is None else args.data_seed, num_workers=args.dataloader_num_workers)
     max_context = getattr(trainer.model.config.get_text_config(), "max_position_embeddings", None)
     tokenize = make_prompt_tokenizer(trainer.processing_class, max_context=max_context, max_completion_length=args.max_completion_length,
-                                     chat_template_kwargs=args.chat_template_kwargs, tools=[t.schema for t in agents.tools] if agents else None)
+                                     chat_template_kwargs=args.chat_template_kwargs,
+                                     tools=[t.schema for t in agents.tools] if agents else None)
     agent = agents.build(tokenize, TurnSettings(
         tokenizer=tokenizer, stop_ids=set(trainer.eos_token_ids), max_completion_length=args.max_completion_length,
         max_tool_calling_iterations=args.max_tool_calling_iterations, chat_template_kwargs=args.chat_template_kwargs or {},

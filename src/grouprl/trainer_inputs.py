@@ -40,7 +40,8 @@ def active_features(args: GRPOConfig, *, model: Any, train_dataset: Any, tools: 
     """The features of combinations.FEATURES this run uses, from the arguments as given (nothing is loaded)."""
     columns = getattr(train_dataset, "column_names", None) or []
     own_backend = generation_backend is not None
-    server = not own_backend and ((args.use_vllm and args.vllm_mode == "server") or (not args.use_vllm and args.generation_engine == "server"))
+    vllm_server = args.use_vllm and args.vllm_mode == "server"
+    server = not own_backend and (vllm_server or (not args.use_vllm and args.generation_engine == "server"))
     on = {
         "tools": bool(tools),
         "environment_factory": environment_factory is not None,
@@ -54,8 +55,8 @@ def active_features(args: GRPOConfig, *, model: Any, train_dataset: Any, tools: 
         "lora": peft_config is not None or is_peft_model(model),
         "sync_ref_model": args.sync_ref_model,
         # loaded quantized from an id / path, or given quantized (a checkpoint quantized by its own config is found after loading)
-        "quantized": (isinstance(model, str) and (quantization_config is not None or quantization.requested(args.model_init_kwargs) is not None))
-        or (not isinstance(model, str) and quantization.is_quantized(model)),
+        "quantized": quantization.is_quantized(model) if not isinstance(model, str)
+        else quantization_config is not None or quantization.requested(args.model_init_kwargs) is not None,
         "sharded": sharded_weights(),
     }
     return {name for name, used in on.items() if used}
