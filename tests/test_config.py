@@ -155,3 +155,28 @@ def test_dubious_combinations_warn(kwargs, fragment):
 ])
 def test_sensible_combinations_do_not_warn(kwargs):
     assert GRPOConfig(**kwargs).dubious_combinations() == []
+
+
+@pytest.mark.parametrize("value", ["auto", "none", None, "null"])
+def test_pad_to_multiple_of_no_padding_values_are_accepted(value):
+    assert GRPOConfig(pad_to_multiple_of=value).pad_to_multiple_of is None
+
+
+@pytest.mark.parametrize("value", [64, "8"])
+def test_pad_to_multiple_of_an_integer_is_refused_by_name(value):
+    # grouprl trims micro-batches to their longest row; a padding request must not be accepted and then ignored.
+    with pytest.raises(NotImplementedError, match=r"pad_to_multiple_of=\d+: padding .* Leave pad_to_multiple_of at its default \('auto'\)"):
+        GRPOConfig(pad_to_multiple_of=value)
+
+
+def test_replace_and_dict_round_trip_keep_bf16_from_default():
+    import dataclasses
+
+    default = GRPOConfig(output_dir="x", report_to="none")
+    assert default.bf16 and default.bf16_from_default
+    assert dataclasses.replace(default, num_generations=4).bf16_from_default  # was lost: replace passes the resolved bf16=True
+    assert GRPOConfig(**{k: v for k, v in default.to_dict().items() if k in {f.name for f in dataclasses.fields(GRPOConfig) if f.init}}
+                      ).bf16_from_default
+    assert not dataclasses.replace(default, bf16=False).bf16_from_default  # bf16 changed: no longer the default's value
+    explicit = GRPOConfig(output_dir="x", bf16=True)
+    assert not explicit.bf16_from_default and not dataclasses.replace(explicit, num_generations=4).bf16_from_default

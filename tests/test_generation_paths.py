@@ -132,3 +132,26 @@ def test_generate_override_names_what_replaced_generate(tiny_model_dir):
     assert generate_override(wrapped) is None  # PeftModel.generate calls the base model's own
     wrapped.get_base_model().generate = lambda **kwargs: None
     assert generate_override(wrapped) == "generate is set on the Qwen2ForCausalLM instance"
+
+
+@pytest.mark.parametrize("device, engine, expected", [
+    ("cpu", "auto", EngineUnlessGenerateOverridden),  # measured on CPUs: the fast engine is the default there
+    ("cuda", "auto", TransformersGenerator),  # not measured on GPUs yet: transformers generate
+    ("cuda", "engine", EngineUnlessGenerateOverridden),  # an explicit opt-in is still honoured
+    ("cuda", "transformers", TransformersGenerator),
+])
+def test_auto_engine_is_the_fast_engine_only_where_it_was_measured(tiny_model_dir, tmp_path, monkeypatch, device, engine, expected):
+    from grouprl.generation import factory
+
+    monkeypatch.setattr(factory, "model_device", lambda model: torch.device(device))  # a faked GPU: the weights stay on the CPU
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=text_length, args=config(tmp_path, generation_engine=engine),
+                          train_dataset=prompts())
+    assert type(trainer.generation_backend) is expected
+
+
+def test_auto_engine_measured_devices():
+    from grouprl.generation.factory import auto_engine_measured_on
+
+    assert auto_engine_measured_on(torch.device("cpu"))
+    assert not auto_engine_measured_on(torch.device("cuda", 0))
+    assert not auto_engine_measured_on(torch.device("mps"))

@@ -249,9 +249,11 @@ def test_num_iterations_trains_off_policy(tiny_model_dir, tmp_path):
 
 
 def test_default_bf16_declined_on_cpu_without_bf16_units(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    import grouprl.accelerator_setup as accelerator_setup
     import grouprl.trainer as trainer_module
 
-    monkeypatch.setattr(trainer_module, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(accelerator_setup, "cpu_has_fast_bf16", lambda: False)  # the precision decision
+    monkeypatch.setattr(trainer_module, "cpu_has_fast_bf16", lambda: False)  # quantized layers' dtype
     config = make_config(tmp_path, max_steps=1)  # bf16 left at TRL's default (True)
     assert config.bf16 and config.bf16_from_default
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, EarlyStoppingCallback, HfArgument
 
 import grouprl.loop
 import grouprl.trainer
+import grouprl.trainer_builders
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.training_arguments import HONOURED, INERT, REFUSED, compat_table
 from helpers import distinct_tokens, quiet_config
@@ -166,7 +167,7 @@ def test_log_level_sets_the_loggers(tiny_model_dir, tmp_path):
 def test_empty_cache_steps_and_full_determinism(tiny_model_dir, tmp_path, monkeypatch):
     cleared, determinism = [], []
     monkeypatch.setattr(grouprl.loop, "clear_device_cache", lambda: cleared.append(1))
-    monkeypatch.setattr(grouprl.trainer, "enable_full_determinism", lambda seed: determinism.append(seed))
+    monkeypatch.setattr(grouprl.trainer_builders, "enable_full_determinism", lambda seed: determinism.append(seed))
     config = make_config(tmp_path, max_steps=4, torch_empty_cache_steps=2, full_determinism=True, seed=7)
     GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).train()
     assert len(cleared) == 2 and determinism == [7]

@@ -12,7 +12,7 @@ so no second quantized copy is loaded, and ``save_model`` writes the adapter onl
 
 Adapter dtype: TRL keeps the adapters of a bitsandbytes-quantized model in bf16, the QLoRA paper's
 choice. On a CPU without native bf16 units, where grouprl already trains in fp32 instead of TRL's
-bf16 (``trainer.cpu_has_fast_bf16``), they stay in fp32: emulated bf16 products are ~100x slower,
+bf16 (``accelerator_setup.cpu_has_fast_bf16``), they stay in fp32: emulated bf16 products are ~100x slower,
 and fp32 keeps updates that bf16 would round away.
 
 peft's ``prepare_model_for_kbit_training`` is not called, as in TRL's GRPOTrainer: the adapters are
@@ -92,17 +92,11 @@ def is_bitsandbytes_quantized(model: Any) -> bool:
     return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
 
 
-def check_setup(model: Any, use_peft: bool, args: Any, generation_backend: Any) -> None:
-    """After loading: a quantized model trains only through adapters, only if its method supports it, and samples in-process."""
+def check_setup(model: Any, use_peft: bool) -> None:
+    """After loading: a quantized model trains only through adapters, and only if its method supports it (where it may
+    sample is a feature combination: combinations.py)."""
     if not is_quantized(model):
         return
-    if generation_backend is None and (args.use_vllm or args.generation_engine == "server"):
-        field = "use_vllm=True" if args.use_vllm else "generation_engine='server'"
-        raise NotImplementedError(
-            f"GRPOConfig.{field} with a quantized model ({describe(model)}): sending its weights to a separate inference "
-            "engine (dequantized, with the adapters merged) is not built in grouprl yet. Sample in the training process "
-            "(use_vllm=False, generation_engine='auto'), or train without quantization_config."
-        )
     base = model.get_base_model() if is_peft_model(model) else model
     quantizer = getattr(base, "hf_quantizer", None)
     if not use_peft and not getattr(quantizer, "is_qat_trainable", False):

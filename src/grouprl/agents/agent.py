@@ -36,10 +36,7 @@ class AgentSpec:
     def from_arguments(cls, tools: Any, environment_factory: Any, rollout_func: Any) -> Optional["AgentSpec"]:
         if not tools and environment_factory is None and rollout_func is None:
             return None
-        if rollout_func is not None:
-            if tools or environment_factory is not None:
-                raise ValueError("rollout_func replaces generation entirely, so it cannot be combined with tools or environment_factory: "
-                                 "call your tools inside rollout_func (marking their tokens with env_mask=0), or drop rollout_func.")
+        if rollout_func is not None:  # with tools or environment_factory it is refused by the combination table (combinations.py)
             if not callable(rollout_func):
                 raise TypeError(f"rollout_func must be a function (prompts, trainer) -> dict, got {type(rollout_func).__name__}.")
         if tools is not None and not isinstance(tools, (list, tuple)):

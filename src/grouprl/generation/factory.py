@@ -4,8 +4,11 @@
                                          server (`grouprl serve`, needs no vLLM) or `vllm serve`
     use_vllm=True, vllm_mode="colocate"  vLLM inside each training process
     generation_engine="server"           a grouprl server, named the grouprl way
-    generation_engine="engine" / "auto"  the fast in-process engine (auto: where it applies, and while
-                                         model.generate is transformers' own; overrides.py)
+    generation_engine="engine"           the fast in-process engine (FastGenerator)
+    generation_engine="auto"             on a CPU: the engine where it applies, while model.generate is
+                                         transformers' own (overrides.py); on any other device:
+                                         transformers `generate` (the engine is tuned and measured on
+                                         CPUs only; see `auto_engine_measured_on`)
     generation_engine="transformers"     transformers `generate`
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from ..multimodal import image_token_ids
@@ -30,7 +34,6 @@ def build_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[in
         return VLLMColocateGenerator(model.config._name_or_path, tokenizer, args, max_num_seqs=max_num_seqs)
     if args.use_vllm or args.generation_engine == "server":
         return connect_server(tokenizer, args)
-    check_unsharded()
     reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
     if args.generation_engine == "engine" and reason:
         raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
@@ -38,11 +41,29 @@ def build_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[in
                                          suppress_token_ids=image_token_ids(model.config))
     if args.generation_engine == "transformers" or reason:
         return transformers
+    if args.generation_engine == "auto" and not auto_engine_measured_on(model_device(model)):
+        return transformers
     # The engine never calls model.generate: while the user has replaced it, 'auto' calls it and 'engine' refuses (overrides.py).
     backend = EngineUnlessGenerateOverridden(FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
                                              fallback=transformers if args.generation_engine == "auto" else None)
     backend.check()  # 'engine' with generate already replaced fails here, before training starts
     return backend
+
+
+# Devices on which FastGenerator has tests and a benchmark (docs/benchmarks.md). Safe default: "auto" picks
+# it only there; elsewhere it stays an explicit opt-in (generation_engine="engine") until it is measured.
+ENGINE_MEASURED_DEVICES = ("cpu",)
+
+
+def auto_engine_measured_on(device: torch.device) -> bool:
+    """True if generation_engine='auto' may pick the fast engine on `device` (it was tested and measured there)."""
+    return device.type in ENGINE_MEASURED_DEVICES
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's weights (CPU for a model without parameters)."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def connect_server(tokenizer: Any, args: Any) -> GenerationBackend:
@@ -64,20 +85,16 @@ def connect_server(tokenizer: Any, args: Any) -> GenerationBackend:
                                group_port=args.vllm_group_port, regex=args.vllm_structured_outputs_regex)
 
 
-def check_unsharded() -> None:
-    """In-process generation needs whole weights on each process: refuse ZeRO-3 / FSDP before it hangs.
+def sharded_weights() -> bool:
+    """True when several processes hold shards of the weights (DeepSpeed ZeRO-3 or FSDP).
 
-    Each process decodes a different number of steps, and every forward through sharded layers is a
-    collective, so the processes would wait on each other forever.
+    In-process sampling is then refused at construction (combinations.py): each process decodes a
+    different number of steps, and every forward through sharded layers is a collective, so the
+    processes would wait on each other forever.
     """
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
     state = AcceleratorState()
     zero3 = state.distributed_type == DistributedType.DEEPSPEED and state.deepspeed_plugin.zero_stage == 3
-    if state.num_processes > 1 and (zero3 or state.distributed_type == DistributedType.FSDP):
-        raise NotImplementedError(
-            "Sampling in the training processes with sharded weights (DeepSpeed ZeRO-3 / FSDP) is not built in grouprl yet. "
-            "Sample on a generation server instead: `grouprl serve --model PATH` and generation_engine='server' "
-            "(or use_vllm=True, vllm_mode='server'), or train with ZeRO-1/2 or DDP (--accelerate_config zero2 / multi_gpu)."
-        )
+    return state.num_processes > 1 and (zero3 or state.distributed_type == DistributedType.FSDP)

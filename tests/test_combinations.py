@@ -1,0 +1,165 @@
+"""The feature-combination table (combinations.py): every pair it marks not built is refused at construction, naming
+both features, before any model loads; pairs it marks as working construct; docs/combinations.md is the table."""
+
+import os
+from itertools import combinations as pairs
+
+import datasets
+import pytest
+from helpers import distinct_tokens, numbered_prompts, quiet_config
+from PIL import Image
+
+import grouprl.trainer_inputs
+from grouprl import GFPOConfig, GFPOTrainer, GRPOTrainer
+from grouprl.combinations import (
+    FEATURES, NOT_BUILT, TABLE, UNTESTED, WORKS, UnsupportedCombination, cell, check_combinations, combinations_markdown, rewrite_doc,
+)
+from grouprl.gfpo import shortest_k_filter
+
+DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "combinations.md")
+
+
+def test_every_declared_pair_names_known_features_and_says_why():
+    for pair, found in TABLE.items():
+        assert len(pair) == 2 and pair <= set(FEATURES), pair
+        assert found.status in (WORKS, NOT_BUILT) and found.note, pair  # untested pairs are simply not declared
+    assert cell("tools", "lora").status == UNTESTED
+    with pytest.raises(KeyError, match="'telepathy' is not a feature"):
+        cell("telepathy", "lora")
+
+
+@pytest.mark.parametrize("a, b", list(pairs(FEATURES, 2)))
+def test_the_check_refuses_exactly_the_pairs_marked_not_built(a, b):
+    if cell(a, b).status != NOT_BUILT:
+        check_combinations({a, b})  # works / untested: allowed
+        return
+    with pytest.raises(UnsupportedCombination) as raised:
+        check_combinations({b, a})
+    message = str(raised.value)
+    assert FEATURES[a] in message and FEATURES[b] in message and cell(a, b).note in message
+    assert isinstance(raised.value, NotImplementedError) and isinstance(raised.value, ValueError)
+
+
+def test_the_docs_render_the_table():
+    text = open(DOC, encoding="utf-8").read()
+    assert combinations_markdown() in text, \
+        "docs/combinations.md is stale: python -c 'from grouprl.combinations import rewrite_doc; rewrite_doc()'"
+    for (a, b) in pairs(FEATURES, 2):
+        if cell(a, b).status == NOT_BUILT:
+            assert f"| `{a}` | `{b}` | not built |" in text
+
+
+def test_rewrite_doc_replaces_only_the_generated_part(tmp_path):
+    from grouprl.combinations import TABLE_BEGIN, TABLE_END
+
+    path = tmp_path / "doc.md"
+    path.write_text(f"before\n{TABLE_BEGIN}\nold\n{TABLE_END}\nafter\n")
+    assert rewrite_doc(str(path)) and not rewrite_doc(str(path))
+    text = path.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and combinations_markdown() in text
+
+
+# ---- the trainer: how each feature is turned on through GRPOTrainer's arguments ----
+
+class Room:
+    def reset(self, **row):
+        return None
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a * b
+
+
+def with_images(n=6):
+    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is {i}?"}] for i in range(n)],
+                                       "image": [Image.new("RGB", (4, 4), (i, 0, 0)) for i in range(n)]})
+
+
+def lora():
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+
+
+def four_bit():
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True)
+
+
+# feature -> (GRPOTrainer keyword arguments, GRPOConfig overrides); in-process sampling is what the defaults do.
+RECIPES = {
+    "tools": lambda: ({"tools": [multiply]}, {}),
+    "environment_factory": lambda: ({"environment_factory": Room}, {}),
+    "rollout_func": lambda: ({"rollout_func": lambda prompts, trainer: {}}, {}),
+    "images": lambda: ({"train_dataset": with_images()}, {}),
+    "in_process_sampling": lambda: ({}, {}),
+    "generation_server": lambda: ({}, {"generation_engine": "server"}),
+    "vllm_colocate": lambda: ({}, {"use_vllm": True}),
+    "dynamic_sampling": lambda: ({}, {"dynamic_sampling": True}),
+    "lora": lambda: ({"peft_config": lora()}, {}),
+    "sync_ref_model": lambda: ({}, {"beta": 0.1, "sync_ref_model": True}),
+    "quantized": lambda: ({"quantization_config": four_bit()}, {}),
+    "sharded": lambda: ({}, {}),  # several processes with FSDP / ZeRO-3: faked below
+}
+
+
+def build(tmp_path, monkeypatch, features):
+    kwargs, overrides = {"train_dataset": numbered_prompts(6)}, {}
+    for name in features:
+        more_kwargs, more_overrides = RECIPES[name]()
+        kwargs.update(more_kwargs)
+        overrides.update(more_overrides)
+    monkeypatch.setattr(grouprl.trainer_inputs, "sharded_weights", lambda: "sharded" in features)
+    args = quiet_config(tmp_path, overrides, per_device_train_batch_size=3, max_completion_length=4, max_steps=1, bf16=False)
+    return lambda model: GRPOTrainer(model, reward_funcs=distinct_tokens, args=args, **kwargs)
+
+
+NOT_BUILT_PAIRS = [(a, b) for a, b in pairs(FEATURES, 2) if cell(a, b).status == NOT_BUILT and a in RECIPES and b in RECIPES]
+
+
+@pytest.mark.parametrize("a, b", NOT_BUILT_PAIRS)
+def test_the_trainer_refuses_each_not_built_pair_before_loading_a_model(a, b, tmp_path, monkeypatch):
+    make = build(tmp_path, monkeypatch, {a, b})
+    with pytest.raises(UnsupportedCombination) as raised:
+        make(str(tmp_path / "no-model-here"))  # refused before the model is looked for
+    assert FEATURES[a] in str(raised.value) and FEATURES[b] in str(raised.value)
+
+
+def test_environment_factory_with_image_prompts_is_refused_at_construction(tiny_model_dir, tmp_path, monkeypatch):
+    # It used to generate without the images and then fail deep in multimodal.py ("The expanded size of the tensor (0) ...").
+    with pytest.raises(ValueError, match=r"environment_factory .* cannot be combined with image prompts|image prompts .* cannot be "
+                                         r"combined with environment_factory"):
+        build(tmp_path, monkeypatch, {"environment_factory", "images"})(tiny_model_dir)
+
+
+def test_gfpo_with_dynamic_sampling_is_refused(tiny_model_dir, tmp_path):
+    args = GFPOConfig(output_dir=str(tmp_path), num_generations=3, num_remains_in_group=2, per_device_train_batch_size=3, max_steps=1,
+                      dynamic_sampling=True, report_to="none")
+    with pytest.raises(UnsupportedCombination, match=r"GFPO .* cannot be combined with dynamic_sampling=True"):
+        GFPOTrainer(tiny_model_dir, distinct_tokens, args=args, train_dataset=numbered_prompts(6), group_filter_func=shortest_k_filter)
+
+
+CHEAP = {"in_process_sampling", "dynamic_sampling", "lora", "sync_ref_model"}
+WORKING_PAIRS = [(a, b) for a, b in pairs(FEATURES, 2) if cell(a, b).status == WORKS and {a, b} <= CHEAP]
+
+
+@pytest.mark.parametrize("a, b", WORKING_PAIRS)
+def test_cheap_working_pairs_construct(a, b, tiny_model_dir, tmp_path, monkeypatch):
+    trainer = build(tmp_path, monkeypatch, {a, b})(tiny_model_dir)
+    for name in (a, b):  # each feature is really on
+        assert {"dynamic_sampling": lambda: trainer.args.dynamic_sampling, "lora": lambda: hasattr(trainer.model, "peft_config"),
+                "sync_ref_model": lambda: trainer.args.sync_ref_model and trainer.ref_model is not None,
+                "in_process_sampling": lambda: trainer.generation_backend is not None}[name](), name
+
+
+def test_working_pairs_are_exercised():
+    assert WORKING_PAIRS  # the walk above constructs at least one working pair
+    expected = {frozenset(("dynamic_sampling", "in_process_sampling")), frozenset(("lora", "in_process_sampling"))}
+    assert expected <= set(map(frozenset, WORKING_PAIRS))
