@@ -106,10 +106,10 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         score = trainer.run.rollouts.score
 
         def recording_score(rollout, trainer_state, window):
-            rewards, advantages = score(rollout, trainer_state, window)
+            rollout, rewards, advantages = score(rollout, trainer_state, window)
             seen.append({"advantages": advantages.clone(), "completions": [c.token_ids for c in rollout.completions],
                          "group_ids": list(rollout.prompts.group_ids), "num_samples": list(rollout.prompts.num_samples)})
-            return rewards, advantages
+            return rollout, rewards, advantages
 
         trainer.run.rollouts.score = recording_score
         return trainer

@@ -80,9 +80,11 @@ def test_gfpo_keeps_k_shortest_of_each_own_group_and_normalises_over_them(tiny_m
     score, make_batch = trainer.run.rollouts.score, trainer.run.rollouts.make_train_batch
 
     def capture_score(rollout, *args):
-        rewards, advantages = score(rollout, *args)
-        captured.append((rollout, rewards, advantages))
-        return rewards, advantages
+        drawn = len(rollout.completions)
+        kept, rewards, advantages = score(rollout, *args)
+        assert len(rollout.completions) == drawn  # the sampled rollout is left whole; the kept rows are a new one
+        captured.append((kept, rewards, advantages))
+        return kept, rewards, advantages
 
     def capture_batch(rollout, advantages):
         batches.append(make_batch(rollout, advantages))

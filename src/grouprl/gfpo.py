@@ -18,18 +18,17 @@ function returned None are handled as in GRPO; ``normalize_then_sum`` works; k m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from accelerate.state import PartialState
-from accelerate.utils import gather_object
 from transformers.utils import logging
 
 from .algorithms.filters import group_filter_scores, reward_per_token_filter, shortest_k_filter, top_k_in_groups
 from .config import GRPOConfig, plan_batches
 from .data import is_conversational
-from .rollout import RolloutMaker
+from .distributed import gather_objects, layout_of
 from .trainer import GRPOTrainer
 from .types import Rewards, Rollout
 
@@ -54,23 +53,27 @@ class GFPOConfig(GRPOConfig):
             )
 
 
-@dataclass
-class GroupFilteredRollouts(RolloutMaker):
-    """A RolloutMaker that keeps the top-k completions of each group by the filter's score."""
+@dataclass(frozen=True)
+class TopKInGroups:
+    """GFPO's row filter (RolloutMaker.row_filter): keep the k completions of each group that the filter scores highest.
 
-    group_filter_func: Optional[Callable[..., Any]] = None
-    num_remains_in_group: int = 0
+    Gets this process's rollout and the global rewards; returns the (N_global,) keep mask. The filter sees each
+    group's own completions, gathered from every process (a group may be cut by a process boundary).
+    """
 
-    def keep_rows(self, rollout: Rollout, rewards: Rewards) -> torch.Tensor:
-        size = self.settings.num_generations
+    group_filter_func: Callable[..., Any]
+    num_remains_in_group: int
+
+    def __call__(self, rollout: Rollout, rewards: Rewards) -> torch.Tensor:
+        layout = layout_of(rollout.prompts)
         conversational = is_conversational(rollout.prompts.prompts[0])
         completions = [[{"role": "assistant", "content": c.text}] if conversational else c.text for c in rollout.completions]
         completion_ids = [list(c.token_ids) for c in rollout.completions]
-        if self.accelerator.num_processes > 1:
-            completions, completion_ids = gather_object(completions), gather_object(completion_ids)
+        if layout.num_processes > 1:  # global row order: every process's share, in process order
+            completions = [c for part in gather_objects(completions) for c in part]
+            completion_ids = [ids for part in gather_objects(completion_ids) for ids in part]
         totals = torch.nansum(rewards.per_function * rewards.weights.unsqueeze(0), dim=1)  # (N,) None counts as 0
-        groups = len(completions) // size
-        spans = [range(g * size, (g + 1) * size) for g in range(groups)]  # group g's own rows
+        spans = [range(start, start + size) for start, size in zip(layout.group_starts(), layout.group_sizes)]  # each group's own rows
         scores = group_filter_scores(
             self.group_filter_func,
             group_completions=[[completions[i] for i in span] for span in spans],
@@ -113,9 +116,7 @@ class GFPOTrainer(GRPOTrainer):
                          optimizers=optimizers, peft_config=peft_config, generation_backend=generation_backend)
         self.group_filter_func = group_filter_func
         if k is not None:
-            base = self.run.rollouts
-            self.run.rollouts = GroupFilteredRollouts(**{f.name: getattr(base, f.name) for f in fields(RolloutMaker)},
-                                                      group_filter_func=group_filter_func, num_remains_in_group=k)
+            self.run.rollouts.row_filter = TopKInGroups(group_filter_func, k)
 
 
 def _check_whole_groups(args: GRPOConfig, k: int) -> None:
