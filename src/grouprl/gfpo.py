@@ -8,7 +8,9 @@ completions of every group; the ``num_remains_in_group`` (k) highest-scoring one
 are kept, advantages are computed over those k only (with ``scale_rewards`` and
 ``multi_objective_aggregation`` as in GRPO), and the other G - k rows leave the batch: they add no
 tokens, no loss and no reward metrics. A generation therefore trains on k/G of its completions,
-still split into ``steps_per_generation`` micro-batches. Evaluation does not filter.
+still split into ``steps_per_generation`` micro-batches. Evaluation does not filter. With several
+processes a group may be cut by a process boundary: the filter sees it whole, and the kept rows are
+dealt out evenly again (``distributed.keep_rows``), so groups x k must split into equal micro-batches.
 
 Differences from TRL's last version, on purpose: the filter gets each group's own completions
 (TRL sliced a wrong, overlapping window for every group but the first); rows where every reward
@@ -110,7 +112,7 @@ class GFPOTrainer(GRPOTrainer):
         if k is not None:
             if not callable(group_filter_func):
                 raise TypeError(f"group_filter_func must be callable, got {type(group_filter_func).__name__}.")
-            _check_whole_groups(args, k)
+            _check_kept_rows_split(args, k)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config, generation_backend=generation_backend)
@@ -119,19 +121,15 @@ class GFPOTrainer(GRPOTrainer):
             self.run.rollouts.row_filter = TopKInGroups(group_filter_func, k)
 
 
-def _check_whole_groups(args: GRPOConfig, k: int) -> None:
-    """Each process must hold whole groups, and the kept rows must split into steps_per_generation micro-batches."""
+def _check_kept_rows_split(args: GRPOConfig, k: int) -> None:
+    """The kept rows (k per group) are dealt out again over the processes (group_layout.py); every process must get
+    the same number of them, in steps_per_generation equal micro-batches."""
     plan = plan_batches(args, PartialState().num_processes)
-    per_process, size = plan.completions_per_process, plan.num_generations
-    if per_process % size != 0:
+    groups = plan.prompts_per_generation
+    kept, parts = groups * k, plan.num_processes * plan.steps_per_generation
+    if kept % parts != 0:
         raise ValueError(
-            f"GFPO filters whole groups on each process, but each process samples {per_process} completions, not a multiple of "
-            f"num_generations={size}. Make per_device_train_batch_size x steps_per_generation a multiple of {size}."
-        )
-    kept = per_process // size * k
-    if kept % plan.steps_per_generation != 0:
-        raise ValueError(
-            f"GFPO keeps {kept} completions per process per generation ({per_process // size} groups x num_remains_in_group={k}), "
-            f"which cannot be split into steps_per_generation={plan.steps_per_generation} equal micro-batches. Choose "
-            "num_remains_in_group or the batch so that groups x k is a multiple of steps_per_generation."
+            f"GFPO keeps {kept} completions per generation ({groups} groups x num_remains_in_group={k}), which cannot be split "
+            f"into steps_per_generation={plan.steps_per_generation} equal micro-batches on each of {plan.num_processes} "
+            f"process(es). Choose num_remains_in_group or the batch so that groups x k is a multiple of {parts}."
         )
