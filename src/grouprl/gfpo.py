@@ -20,11 +20,11 @@ function returned None are handled as in GRPO; ``normalize_then_sum`` works; k m
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from accelerate.state import PartialState
 from transformers.utils import logging
 
 from .algorithms.filters import group_filter_scores, reward_per_token_filter, shortest_k_filter, top_k_in_groups
@@ -124,7 +124,8 @@ class GFPOTrainer(GRPOTrainer):
 def _check_kept_rows_split(args: GRPOConfig, k: int) -> None:
     """The kept rows (k per group) are dealt out again over the processes (group_layout.py); every process must get
     the same number of them, in steps_per_generation equal micro-batches."""
-    plan = plan_batches(args, PartialState().num_processes)
+    # the launcher's process count, read as GRPOConfig reads it (no accelerate state is created before the trainer's own)
+    plan = plan_batches(args, max(args.world_size, int(os.environ.get("WORLD_SIZE", "1"))))
     groups = plan.prompts_per_generation
     kept, parts = groups * k, plan.num_processes * plan.steps_per_generation
     if kept % parts != 0:
