@@ -22,13 +22,21 @@ def share(layout: GroupLayout) -> Rollout:
     """The rollout a process samples under `layout`: completion text "g<group id>s<sample index in its group>"."""
     pieces = layout.pieces()
     starts = layout.group_starts()
-    prompts = PromptBatch([f"p{layout.group_ids[g]}" for g, _ in pieces], [[layout.group_ids[g]] for g, _ in pieces],
-                          {"answer": [layout.group_ids[g] * 10 for g, _ in pieces]}, [g for g, _ in pieces],
-                          [layout.group_ids[g] for g, _ in pieces], [n for _, n in pieces], layout=layout)
+    prompts = PromptBatch(
+        [f"p{layout.group_ids[g]}" for g, _ in pieces],
+        [[layout.group_ids[g]] for g, _ in pieces],
+        {"answer": [layout.group_ids[g] * 10 for g, _ in pieces]},
+        [g for g, _ in pieces],
+        [layout.group_ids[g] for g, _ in pieces],
+        [n for _, n in pieces],
+        layout=layout,
+    )
     groups = layout.row_groups()
     local = {g: i for i, (g, _) in enumerate(pieces)}
-    completions = [Completion(local[groups[r]], [r], f"g{layout.group_ids[groups[r]]}s{r - starts[groups[r]]}", "stop")
-                   for r in layout.rows(layout.process_index)]
+    completions = [
+        Completion(local[groups[r]], [r], f"g{layout.group_ids[groups[r]]}s{r - starts[groups[r]]}", "stop")
+        for r in layout.rows(layout.process_index)
+    ]
     return Rollout(prompts, completions)
 
 
@@ -56,7 +64,10 @@ def test_gather_joins_cut_groups_and_gives_each_process_its_rows_back():
     whole = join_rollouts(layouts()[0], parts)
     assert whole.prompts.prompts == ["p21", "p22", "p23"] and whole.prompts.num_samples == [4, 4, 4]
     assert whole.prompts.columns == {"answer": [210, 220, 230]}
-    assert whole.row_prompt == [0] * 4 + [1] * 4 + [2] * 4 and [c.prompt_index for c in whole.completions] == whole.row_prompt
+    assert (
+        whole.row_prompt == [0] * 4 + [1] * 4 + [2] * 4
+        and [c.prompt_index for c in whole.completions] == whole.row_prompt
+    )
     assert texts(whole) == [f"g{21 + g}s{s}" for g in range(3) for s in range(4)]
     for layout, part in zip(layouts(), parts):  # own_rollout undoes the join
         mine = own_rollout(layout, whole)
@@ -79,7 +90,7 @@ def test_selecting_groups_0_and_2_deals_their_rows_again():
 
 
 def test_selecting_rows_keeps_them_in_place_only_when_the_shares_stay_even():
-    first, second = layouts()
+    first = layouts()[0]
     # 2 rows of each group: process 0 keeps rows 0, 2 (group 0) and 4 (group 1), process 1 rows 7 (group 1), 8, 9
     keep = torch.zeros(12, dtype=torch.bool)
     keep[[0, 2, 4, 7, 8, 9]] = True
@@ -142,6 +153,12 @@ def test_dispatch_samples_whole_groups_once_and_cuts_them_by_the_layout():
         [[22, 2], [22, 3], [23, 0], [23, 1], [23, 2], [23, 3]],
     ]
     backend = CountingBackend()
-    per_prompt = sample_groups(backend, [[1], [2], [3]], [4, 2, 4], params)  # a share with a cut group: one call per count
+    per_prompt = sample_groups(
+        backend, [[1], [2], [3]], [4, 2, 4], params
+    )  # a share with a cut group: one call per count
     assert sorted(backend.calls) == [(1, 2), (2, 4)]
-    assert [[c.token_ids for c in group] for group in per_prompt] == [[[1, i] for i in range(4)], [[2, 0], [2, 1]], [[3, i] for i in range(4)]]
+    assert [[c.token_ids for c in group] for group in per_prompt] == [
+        [[1, i] for i in range(4)],
+        [[2, 0], [2, 1]],
+        [[3, i] for i in range(4)],
+    ]

@@ -18,9 +18,10 @@ in the layout (0..num_groups-1), "group id" its global id (stable across process
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 from .types import Rollout
 
@@ -40,7 +41,9 @@ class GroupLayout:
         if any(size < 1 for size in self.group_sizes):
             raise ValueError(f"GroupLayout: every group needs at least one row, got sizes {list(self.group_sizes)}.")
         if len(self.bounds) < 2 or self.bounds[0] != 0 or self.bounds[-1] != sum(self.group_sizes):
-            raise ValueError(f"GroupLayout: bounds {list(self.bounds)} must run from 0 to the {sum(self.group_sizes)} rows.")
+            raise ValueError(
+                f"GroupLayout: bounds {list(self.bounds)} must run from 0 to the {sum(self.group_sizes)} rows."
+            )
         if any(a > b for a, b in zip(self.bounds, self.bounds[1:])):
             raise ValueError(f"GroupLayout: bounds {list(self.bounds)} must not decrease.")
         if not 0 <= self.process_index < self.num_processes:
@@ -49,21 +52,24 @@ class GroupLayout:
     # ---- construction ------------------------------------------------------------------------
 
     @classmethod
-    def dealt(cls, group_ids: Sequence[int], group_sizes: Sequence[int], num_processes: int, process_index: int = 0) -> "GroupLayout":
+    def dealt(
+        cls, group_ids: Sequence[int], group_sizes: Sequence[int], num_processes: int, process_index: int = 0
+    ) -> GroupLayout:
         """Groups in this order, their rows dealt in contiguous shares: process p gets rows n*p//P .. n*(p+1)//P."""
         n = sum(group_sizes)
         bounds = tuple(n * p // num_processes for p in range(num_processes + 1))
         return cls(tuple(group_ids), tuple(group_sizes), bounds, process_index)
 
     @classmethod
-    def for_generation(cls, generation_index: int, num_prompts: int, group_size: int, num_processes: int,
-                       process_index: int = 0) -> "GroupLayout":
+    def for_generation(
+        cls, generation_index: int, num_prompts: int, group_size: int, num_processes: int, process_index: int = 0
+    ) -> GroupLayout:
         """The sampler's layout: `num_prompts` groups of `group_size`, ids numbered on from earlier generations."""
         first = generation_index * num_prompts
         return cls.dealt(range(first, first + num_prompts), [group_size] * num_prompts, num_processes, process_index)
 
     @classmethod
-    def uncut(cls, sizes_per_process: Sequence[Sequence[int]], process_index: int = 0) -> "GroupLayout":
+    def uncut(cls, sizes_per_process: Sequence[Sequence[int]], process_index: int = 0) -> GroupLayout:
         """Each process holds its own whole groups (sizes listed per process); ids 0.. in process order.
 
         For prompt batches built without a layout (by hand, or from TRL-style per-completion prompts):
@@ -73,7 +79,7 @@ class GroupLayout:
         bounds = (0, *accumulate(sum(shares) for shares in sizes_per_process))
         return cls(tuple(range(len(sizes))), tuple(sizes), bounds, process_index)
 
-    def redealt(self, group_ids: Sequence[int], group_sizes: Sequence[int]) -> "GroupLayout":
+    def redealt(self, group_ids: Sequence[int], group_sizes: Sequence[int]) -> GroupLayout:
         """Other groups dealt over the same processes, read from the same process."""
         return GroupLayout.dealt(group_ids, group_sizes, self.num_processes, self.process_index)
 
@@ -120,7 +126,9 @@ class GroupLayout:
         """The one size every group has (group-normalised advantages need it)."""
         sizes = set(self.group_sizes)
         if len(sizes) != 1:
-            raise ValueError(f"the groups have different sizes {sorted(sizes)}; advantages are normalised over groups of one size.")
+            raise ValueError(
+                f"the groups have different sizes {sorted(sizes)}; advantages are normalised over groups of one size."
+            )
         return sizes.pop()
 
     # ---- moving values between shares and whole groups ---------------------------------------
@@ -134,23 +142,27 @@ class GroupLayout:
     def join(self, per_process: Sequence[Sequence[T]]) -> list[T]:
         """One value per group from each process's per-piece values (the process holding a group's head gives it)."""
         if len(per_process) != self.num_processes:
-            raise ValueError(f"GroupLayout.join: values from {len(per_process)} processes for a layout of {self.num_processes}.")
+            raise ValueError(
+                f"GroupLayout.join: values from {len(per_process)} processes for a layout of {self.num_processes}."
+            )
         found: dict[int, T] = {}
         for p, values in enumerate(per_process):
             pieces = self.pieces(p)
             if len(values) != len(pieces):
-                raise ValueError(f"GroupLayout.join: process {p} gave {len(values)} values for its {len(pieces)} groups.")
+                raise ValueError(
+                    f"GroupLayout.join: process {p} gave {len(values)} values for its {len(pieces)} groups."
+                )
             for (g, _), value in zip(pieces, values):
                 found.setdefault(g, value)
         return [found[g] for g in range(self.num_groups)]
 
     # ---- choosing rows -----------------------------------------------------------------------
 
-    def select_groups(self, positions: Sequence[int]) -> "GroupLayout":
+    def select_groups(self, positions: Sequence[int]) -> GroupLayout:
         """The chosen groups (whole), their rows dealt out again over the processes."""
         return self.redealt([self.group_ids[g] for g in positions], [self.group_sizes[g] for g in positions])
 
-    def select_rows(self, keep: Sequence[bool]) -> "GroupLayout":
+    def select_rows(self, keep: Sequence[bool]) -> GroupLayout:
         """The kept rows (a (rows,) mask): groups shrink to their kept rows (empty ones go), dealt out again."""
         if len(keep) != self.num_rows:
             raise ValueError(f"GroupLayout.select_rows: a mask of {len(keep)} rows for a layout of {self.num_rows}.")
@@ -173,14 +185,18 @@ def join_rollouts(layout: GroupLayout, parts: Sequence[Rollout]) -> Rollout:
     """The whole-groups rollout from every process's share (process order): cut groups joined, rows in global order."""
     for p, part in enumerate(parts):
         if part.prompts.num_samples != [n for _, n in layout.pieces(p)]:
-            raise ValueError(f"process {p}'s rollout holds {part.prompts.num_samples} rows per prompt; its layout share is "
-                             f"{[n for _, n in layout.pieces(p)]}.")
+            raise ValueError(
+                f"process {p}'s rollout holds {part.prompts.num_samples} rows per prompt; its layout share is "
+                f"{[n for _, n in layout.pieces(p)]}."
+            )
     everything = Rollout.concat(list(parts))  # one prompt entry per piece
     piece_group = [g for p in range(layout.num_processes) for g, _ in layout.pieces(p)]
     first_piece = {}
     for i, g in enumerate(piece_group):
         first_piece.setdefault(g, i)
-    prompts = everything.prompts.subset([first_piece[g] for g in range(layout.num_groups)], list(layout.group_sizes), layout)
+    prompts = everything.prompts.subset(
+        [first_piece[g] for g in range(layout.num_groups)], list(layout.group_sizes), layout
+    )
     prompts.prompts_given = all(part.prompts.prompts_given for part in parts)
     row_groups = layout.row_groups()
     return Rollout(prompts, [replace(c, prompt_index=row_groups[r]) for r, c in enumerate(everything.completions)])
@@ -189,13 +205,18 @@ def join_rollouts(layout: GroupLayout, parts: Sequence[Rollout]) -> Rollout:
 def own_rollout(layout: GroupLayout, whole: Rollout) -> Rollout:
     """This process's share of a whole-groups rollout laid out by `layout` (its groups in layout order)."""
     if whole.prompts.num_samples != list(layout.group_sizes):
-        raise ValueError(f"own_rollout: the rollout's groups hold {whole.prompts.num_samples} rows; the layout says "
-                         f"{list(layout.group_sizes)}.")
+        raise ValueError(
+            f"own_rollout: the rollout's groups hold {whole.prompts.num_samples} rows; the layout says "
+            f"{list(layout.group_sizes)}."
+        )
     pieces = layout.pieces()
     prompts = whole.prompts.subset([g for g, _ in pieces], [n for _, n in pieces], layout)
     local_index = {g: i for i, (g, _) in enumerate(pieces)}
     row_groups = layout.row_groups()
-    completions = [replace(whole.completions[r], prompt_index=local_index[row_groups[r]]) for r in layout.rows(layout.process_index)]
+    completions = [
+        replace(whole.completions[r], prompt_index=local_index[row_groups[r]])
+        for r in layout.rows(layout.process_index)
+    ]
     return Rollout(prompts, completions)
 
 
@@ -209,5 +230,7 @@ def keep_own_rows(layout: GroupLayout, share: Rollout, keep: Sequence[bool]) -> 
     chosen = [b for b, n in enumerate(counts) if n]
     prompts = share.prompts.subset(chosen, [counts[b] for b in chosen], after)
     new_index = {b: i for i, b in enumerate(chosen)}
-    kept = [replace(c, prompt_index=new_index[b]) for c, b, k in zip(share.completions, share.row_prompt, local_keep) if k]
+    kept = [
+        replace(c, prompt_index=new_index[b]) for c, b, k in zip(share.completions, share.row_prompt, local_keep) if k
+    ]
     return Rollout(prompts, kept)

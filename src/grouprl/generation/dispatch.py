@@ -12,14 +12,20 @@ collectives.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..group_layout import GroupLayout
 from ..types import Completion, SamplingParams
 
 
-def sample_groups(backend: Any, prompt_ids: Sequence[list[int]], counts: Sequence[int], params: SamplingParams,
-                  multimodal: Optional[Sequence[Any]] = None) -> list[list[Completion]]:
+def sample_groups(
+    backend: Any,
+    prompt_ids: Sequence[list[int]],
+    counts: Sequence[int],
+    params: SamplingParams,
+    multimodal: Sequence[Any] | None = None,
+) -> list[list[Completion]]:
     """`counts[b]` completions of each prompt b, as one list per prompt (in the backend's order within it).
 
     `multimodal`: each prompt's processed images, passed as `multimodal=` (backends without it cannot serve VLMs).
@@ -35,14 +41,17 @@ def sample_groups(backend: Any, prompt_ids: Sequence[list[int]], counts: Sequenc
         else:
             completions = backend.generate(ids, count, params, multimodal=[multimodal[b] for b in members])
         if len(completions) != len(members) * count:
-            raise RuntimeError(f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(members)} prompts x {count}.")
+            raise RuntimeError(
+                f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(members)} prompts x {count}."
+            )
         for completion in completions:
             per_prompt[members[completion.prompt_index]].append(completion)
     return per_prompt
 
 
-def sample_for_processes(backend: Any, layout: GroupLayout, group_prompt_ids: Sequence[list[int]],
-                         params: SamplingParams) -> list[list[Completion]]:
+def sample_for_processes(
+    backend: Any, layout: GroupLayout, group_prompt_ids: Sequence[list[int]], params: SamplingParams
+) -> list[list[Completion]]:
     """Every whole group of `layout` sampled at once (one prompt per group), then cut into each process's rows."""
     per_group = sample_groups(backend, group_prompt_ids, layout.group_sizes, params)
     return layout.deal([completion for group in per_group for completion in group])
