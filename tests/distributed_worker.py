@@ -20,7 +20,7 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grouprl import GRPOConfig, GRPOTrainer
+from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
 from grouprl.types import Completion
 
 NUM_GENERATIONS = 4
@@ -41,7 +41,15 @@ SCENARIOS = {
     # DAPO dynamic sampling: the groups of prompts with an even token sum tie and are dropped; the
     # kept rows are dealt out again over the processes
     "dapo_dynamic": ("dapo", False, {"dynamic_sampling": True, "max_dynamic_sampling_rounds": 2}),
+    # GFPO keeping the first 2 samples of each group: with 2 processes process 0 keeps 4 rows (group 0's and both kept
+    # rows of the cut group 1) and process 1 keeps 2, so the kept rows are gathered and dealt out again, 3 each
+    "gfpo": ("grpo", False, {"num_remains_in_group": 2, "gradient_accumulation_steps": 1}),
 }
+
+
+def first_two(group_completions, group_rewards, **kwargs):
+    """A GFPO filter that keeps samples 0 and 1 of every group (the highest scores)."""
+    return [[-float(i) for i in range(len(group))] for group in group_completions]
 
 
 class GroupScript:
@@ -89,7 +97,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     micro_steps = extra.get("steps_per_generation") or accumulation
     if extra.get("generation_engine") == "server":
         extra["vllm_server_base_url"] = os.environ["GROUPRL_TEST_SERVER"]
-    config = GRPOConfig(
+    gfpo = "num_remains_in_group" in extra
+    config = (GFPOConfig if gfpo else GRPOConfig)(
         output_dir=os.path.join(out_dir, f"{scenario}-{processes}p"), per_device_train_batch_size=12 // (processes * micro_steps),
         gradient_accumulation_steps=accumulation, num_generations=NUM_GENERATIONS, max_completion_length=8, learning_rate=0.5,
         max_steps=2, logging_steps=1, save_strategy="steps" if resume else "no", save_steps=1, report_to="none", disable_tqdm=True,
@@ -101,15 +110,17 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     def build() -> GRPOTrainer:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         sgd = torch.optim.SGD(model.parameters(), lr=config.learning_rate)  # update = gradient, so a gradient bug shows
-        trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=config, train_dataset=dataset, processing_class=tokenizer,
-                              optimizers=(sgd, None), generation_backend=None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling))
+        backend = None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling)
+        trainer = (GFPOTrainer if gfpo else GRPOTrainer)(
+            model=model, reward_funcs=distinct_tokens, args=config, train_dataset=dataset, processing_class=tokenizer, optimizers=(sgd, None),
+            generation_backend=backend, **({"group_filter_func": first_two} if gfpo else {}))
         score = trainer.run.rollouts.score
 
         def recording_score(rollout, trainer_state, window):
-            rewards, advantages = score(rollout, trainer_state, window)
+            rollout, rewards, advantages = score(rollout, trainer_state, window)
             seen.append({"advantages": advantages.clone(), "completions": [c.token_ids for c in rollout.completions],
                          "group_ids": list(rollout.prompts.group_ids), "num_samples": list(rollout.prompts.num_samples)})
-            return rewards, advantages
+            return rollout, rewards, advantages
 
         trainer.run.rollouts.score = recording_score
         return trainer

@@ -290,7 +290,7 @@ def test_environment_tools_reset_reward_and_pool(tool_model_dir, tmp_path, tok):
     expected_prompt = tok.apply_chat_template([{"role": "user", "content": "1 times 7? Count up."}], tools=[made[0].increment],
                                               add_generation_prompt=True, tokenize=True, return_dict=False)
     assert rollout.completions[3].prompt_ids == list(expected_prompt)
-    rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
+    _, rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
     assert rewards.per_function[:, 1].tolist() == [2.0, 0.0, 0.0, 2.0, 0.0, 0.0]
     assert environments_seen[-1] == envs
     trainer.train()  # two more generations: the pool is reused, not grown
@@ -314,7 +314,7 @@ def test_environments_routed_by_column_with_their_own_tools(tool_model_dir, tmp_
     assert '"name": "shout"' not in tok.decode(rollout.completions[0].prompt_ids)
     assert '"name": "increment"' not in tok.decode(rollout.completions[3].prompt_ids)
     assert "environment" not in envs[0].resets[-1]  # a routing column, not passed to reset()
-    rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
+    _, rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
     counter_reward = rewards.per_function[:, rewards.names.index("Counter")]
     assert counter_reward[:3].tolist() == [1.0, 1.0, 1.0] and torch.isnan(counter_reward[3:]).all()  # None for Echo rollouts
 
@@ -361,7 +361,7 @@ def test_dataset_of_environment_names_only(tool_model_dir, tmp_path, tok):
     assert rollout.completions[0].prompt_ids == list(expected)
     assert rollout.completions[3].prompt_ids == list(tok.apply_chat_template([{"role": "user", "content": ""}], tools=[Echo().shout],
                                                                              add_generation_prompt=True, tokenize=True, return_dict=False))
-    rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
+    _, rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
     assert rewards.per_function[:3, 0].tolist() == [2.0, 2.0, 2.0] and torch.isnan(rewards.per_function[3:, 0]).all()
     trainer.train()
     assert trainer.state.log_history[-1]["train_loss"] is not None
@@ -389,7 +389,7 @@ def test_rollout_func_output_is_trained_on_as_given(tool_model_dir, tmp_path, to
     rollout = trainer.run.rollouts.sample()
     prompts, given_trainer = received[0]
     assert given_trainer is trainer and len(prompts) == 6 and prompts[0] == prompts[2] != prompts[3]  # one entry per completion
-    rewards, advantages = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
+    _, rewards, advantages = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
     assert rewards.per_function[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     batch = trainer.run.rollouts.make_train_batch(rollout, advantages)
     assert batch.prompt_ids[0].tolist() == [5, 6, 7] and batch.completion_ids[0].tolist() == [10, 11, 12, eos]

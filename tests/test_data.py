@@ -4,6 +4,7 @@ import datasets
 import pytest
 
 from grouprl.data import PromptSampler, PromptTokenizer, check_dataset, local_prompt_batch
+from grouprl.group_layout import GroupLayout
 from grouprl.demo.tokenizer import build_tokenizer
 
 
@@ -90,14 +91,14 @@ def test_iterable_sampler_resumes_by_position():
 def test_process_slices_split_groups(tokenizer):
     rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}, {"prompt": "c", "answer": "3"}]
     tokenize = PromptTokenizer(tokenizer, max_context=None, max_completion_length=4)
-    slices = [local_prompt_batch([0, 1, 2], rows, generation_index=5, num_generations=4, process_index=p, num_processes=2,
+    slices = [local_prompt_batch([0, 1, 2], rows, GroupLayout.for_generation(5, 3, 4, num_processes=2, process_index=p),
                                  tokenize=tokenize, remove_unused_columns=False) for p in range(2)]
     # 12 completions, 6 per process: process 0 gets a x4 + b x2, process 1 gets b x2 + c x4
     assert slices[0].prompts == ["a", "b"] and slices[0].num_samples == [4, 2]
     assert slices[1].prompts == ["b", "c"] and slices[1].num_samples == [2, 4]
     assert slices[0].group_ids[1] == slices[1].group_ids[0] == 16  # the straddling group keeps one id
     assert slices[1].columns == {"answer": ["2", "3"]}
-    removed = local_prompt_batch([0], rows[:1], generation_index=0, num_generations=2, process_index=0, num_processes=1,
+    removed = local_prompt_batch([0], rows[:1], GroupLayout.for_generation(0, 1, 2, num_processes=1),
                                  tokenize=tokenize, remove_unused_columns=True)
     assert removed.columns == {}
 
@@ -112,10 +113,10 @@ def test_rows_without_prompt_only_where_environments_supply_it(tokenizer):
     tokenize = PromptTokenizer(tokenizer, max_context=None, max_completion_length=4)
     rows = list(routing)
     with pytest.raises(ValueError, match="Row 1 has no 'prompt'.*environment_factory"):
-        local_prompt_batch([1], rows[1:], generation_index=0, num_generations=2, process_index=0, num_processes=1,
+        local_prompt_batch([1], rows[1:], GroupLayout.for_generation(0, 1, 2, num_processes=1),
                            tokenize=tokenize, remove_unused_columns=False)
     placeholder = [{"role": "user", "content": ""}]
-    batch = local_prompt_batch([0, 1], rows, generation_index=0, num_generations=2, process_index=0, num_processes=1,
+    batch = local_prompt_batch([0, 1], rows, GroupLayout.for_generation(0, 2, 2, num_processes=1),
                                tokenize=tokenize, remove_unused_columns=False, default_prompt=placeholder)
     assert batch.prompts == [placeholder, placeholder] and batch.prompts[0] is not placeholder and not batch.prompts_given
     assert batch.columns == {"environment": ["a", "b"]}

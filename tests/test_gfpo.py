@@ -80,9 +80,11 @@ def test_gfpo_keeps_k_shortest_of_each_own_group_and_normalises_over_them(tiny_m
     score, make_batch = trainer.run.rollouts.score, trainer.run.rollouts.make_train_batch
 
     def capture_score(rollout, *args):
-        rewards, advantages = score(rollout, *args)
-        captured.append((rollout, rewards, advantages))
-        return rewards, advantages
+        drawn = len(rollout.completions)
+        kept, rewards, advantages = score(rollout, *args)
+        assert len(rollout.completions) == drawn  # the sampled rollout is left whole; the kept rows are a new one
+        captured.append((kept, rewards, advantages))
+        return kept, rewards, advantages
 
     def capture_batch(rollout, advantages):
         batches.append(make_batch(rollout, advantages))
@@ -112,3 +114,29 @@ def test_gfpo_keeps_k_shortest_of_each_own_group_and_normalises_over_them(tiny_m
         assert rewards.per_function.shape == (3 * K, 1)
     assert all(len(b) == 3 * K for b in batches)  # dropped rows left the batch
     assert trainer.state.global_step == 2
+
+
+def test_evaluation_samples_every_completion_without_filtering(tiny_model_dir, tmp_path):
+    """Evaluation builds its own sampler (no row filter): all G completions of every eval prompt are scored."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    backend = ScriptedBackend(lambda prompt_ids, sample: [20 + sample + j for j in range(1 + sample)] + [eos], eos, tokenizer)
+    calls = []
+
+    def spy_filter(group_completions, group_rewards, group_completion_ids):
+        calls.append(len(group_completions))
+        return shortest_k_filter(group_completions, group_rewards, group_completion_ids)
+
+    config = GFPOConfig(output_dir=str(tmp_path / "out"), num_generations=G, num_remains_in_group=K, per_device_train_batch_size=4,
+                        per_device_eval_batch_size=8, max_completion_length=8, max_steps=1, save_strategy="no", disable_tqdm=True,
+                        bf16=False, report_to="none")
+    data = datasets.Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(4)]})
+    trainer = GFPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=data, eval_dataset=data,
+                          generation_backend=backend, group_filter_func=spy_filter)
+    make_batch = trainer.run.rollouts.make_train_batch
+    metrics = trainer.evaluate()
+    assert calls == []  # the filter never ran in evaluation
+    assert trainer.run.rollouts.row_filter is not None and trainer.run.rollouts.make_train_batch == make_batch
+    # samples 0..3 have 2..5 distinct tokens (EOS included): all G scored give a mean reward of 3.5, the 2 shortest 2.5
+    assert metrics["eval_reward"] == pytest.approx(3.5)
+    assert sum(len(prompts) * n for prompts, n in backend.calls) == 4 * G

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 import datasets
 import torch
 
+from .group_layout import GroupLayout
 from .row_loading import batches_loader, stream_loader
 from .types import PromptBatch
 
@@ -257,29 +258,25 @@ class RestOfEpoch:
 def local_prompt_batch(
     indices: list[int],
     rows: list[dict],
+    layout: GroupLayout,
     *,
-    generation_index: int,
-    num_generations: int,
-    process_index: int,
-    num_processes: int,
     tokenize: PromptTokenizer,
     remove_unused_columns: bool,
     default_prompt: Optional[list[dict]] = None,
 ) -> PromptBatch:
-    """The slice of one global generation (U prompts x G completions) that this process samples.
+    """This process's share of one generation: the prompts of the groups `layout` puts rows of here.
 
+    `rows` are the generation's prompts, one per group of the layout, in its order; each prompt here is
+    sampled as many times as the layout gives this process rows of its group.
     `default_prompt`: the prompt of rows without one (environments own the data); None: every row needs one.
     """
-    total = len(rows) * num_generations
-    per_process = total // num_processes
-    first, last = process_index * per_process, (process_index + 1) * per_process
+    if len(rows) != layout.num_groups:
+        raise ValueError(f"local_prompt_batch: {len(rows)} prompt rows for a layout of {layout.num_groups} groups.")
     prompts, prompt_ids, multimodal, dataset_indices, group_ids, counts = [], [], [], [], [], []
     given = True
     columns: dict[str, list[Any]] = {}
-    for u, (index, row) in enumerate(zip(indices, rows)):
-        lo, hi = max(first, u * num_generations), min(last, (u + 1) * num_generations)
-        if lo >= hi:
-            continue
+    for u, count in layout.pieces():
+        index, row = indices[u], rows[u]
         if PROMPT_COLUMN not in row:
             if default_prompt is None:
                 raise ValueError(f"Row {index} has no 'prompt' (columns: {sorted(row)}); every row needs one unless an "
@@ -291,12 +288,12 @@ def local_prompt_batch(
         prompt_ids.append(ids)
         multimodal.append(images)
         dataset_indices.append(index)
-        group_ids.append(generation_index * len(rows) + u)
-        counts.append(hi - lo)
+        group_ids.append(layout.group_ids[u])
+        counts.append(count)
         for name, value in row.items():
             if name == PROMPT_COLUMN or (remove_unused_columns and name not in KEPT_WHEN_REMOVING):
                 continue
             columns.setdefault(name, []).append(value)
     has_images = any(m is not None for m in multimodal)
     return PromptBatch(prompts, prompt_ids, columns, dataset_indices, group_ids, counts, multimodal if has_images else None,
-                       prompts_given=given)
+                       prompts_given=given, layout=layout)

@@ -1,14 +1,15 @@
-"""Cross-process helpers. Every process holds the same number of rows of a generation batch, in
-process order, so concatenating along dim 0 restores the global group-major order."""
+"""Cross-process helpers. Every process holds a contiguous share of a generation batch's rows, in
+process order (group_layout.py says which), so concatenating along dim 0 restores the global
+group-major order."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from accelerate import Accelerator, PartialState
 
+from .group_layout import GroupLayout, join_rollouts, keep_own_rows, own_rollout
 from .types import PromptBatch, Rollout
 
 
@@ -28,12 +29,6 @@ def global_sum(accelerator: Accelerator, value: float) -> float:
 
 def global_mean(accelerator: Accelerator, value: float) -> float:
     return global_sum(accelerator, value) / accelerator.num_processes
-
-
-def local_rows(accelerator: Accelerator, rows_per_process: int) -> slice:
-    """This process's slice of a gathered (global) batch."""
-    start = accelerator.process_index * rows_per_process
-    return slice(start, start + rows_per_process)
 
 
 def gather_varlen(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
@@ -91,43 +86,37 @@ def run_on_main(fn: Callable[[], Any]) -> Any:
     return result
 
 
-def whole_groups(rollout: Rollout) -> Rollout:
-    """The global generation batch on every process: each process's slice gathered, cut groups joined."""
-    parts = gather_objects(rollout)
-    if len(parts) == 1:
-        return rollout
-    prompts = PromptBatch([], [], {name: [] for name in rollout.prompts.columns}, [], [], [])
-    with_images = any(part.prompts.multimodal is not None for part in parts)
-    prompts.multimodal = [] if with_images else None
-    completions = []
-    for part in parts:
-        rows_of = [[] for _ in range(len(part.prompts))]
-        for completion, b in zip(part.completions, part.row_prompt):
-            rows_of[b].append(completion)
-        for b, rows in enumerate(rows_of):
-            if not (prompts.group_ids and prompts.group_ids[-1] == part.prompts.group_ids[b]):  # a new group
-                for name in ("prompts", "prompt_ids", "dataset_indices", "group_ids"):
-                    getattr(prompts, name).append(getattr(part.prompts, name)[b])
-                for name, values in part.prompts.columns.items():
-                    prompts.columns[name].append(values[b])
-                prompts.num_samples.append(0)
-                if with_images:
-                    prompts.multimodal.append(None if part.prompts.multimodal is None else part.prompts.multimodal[b])
-            prompts.num_samples[-1] += len(rows)  # the tail of a group cut by the process boundary joins its head
-            completions.extend(replace(c, prompt_index=len(prompts) - 1) for c in rows)
-    return Rollout(prompts, completions)
-
-
-def own_rows(rollout: Rollout, advantages: torch.Tensor) -> tuple[Rollout, torch.Tensor]:
-    """This process's contiguous share of a global rollout's rows (groups may be cut), with their advantages."""
+def layout_of(prompts: PromptBatch) -> GroupLayout:
+    """The batch's group layout; for a batch built without one, each process's prompts as whole groups of its own."""
+    if prompts.layout is not None:
+        return prompts.layout
     state = PartialState()
-    if state.num_processes == 1:
-        return rollout, advantages
-    n = len(rollout.completions)
-    start, end = n * state.process_index // state.num_processes, n * (state.process_index + 1) // state.num_processes
-    row_prompt = rollout.row_prompt[start:end]
-    chosen = list(dict.fromkeys(row_prompt))  # prompts with rows here, in order
-    prompts = rollout.select_prompts(chosen).prompts
-    prompts.num_samples = [row_prompt.count(b) for b in chosen]
-    completions = [replace(c, prompt_index=chosen.index(b)) for c, b in zip(rollout.completions[start:end], row_prompt)]
-    return Rollout(prompts, completions), advantages[start:end]
+    return GroupLayout.uncut(gather_objects(list(prompts.num_samples)), state.process_index)
+
+
+def whole_groups(rollout: Rollout, layout: GroupLayout) -> Rollout:
+    """The global generation batch on every process: each process's share gathered, cut groups joined."""
+    if layout.num_processes == 1:
+        return rollout
+    return join_rollouts(layout, gather_objects(rollout))
+
+
+def keep_rows(rollout: Rollout, layout: GroupLayout, keep: Sequence[bool]) -> Rollout:
+    """This process's share of the rows a global (rows,) mask keeps, laid out by layout.select_rows(keep).
+
+    Rows change process only when the kept rows no longer split evenly along the old shares; then the
+    rollout is gathered whole and dealt out again.
+    """
+    if layout.keeps_rows_in_place(keep):
+        return keep_own_rows(layout, rollout, keep)
+    whole = whole_groups(rollout, layout)
+    kept_whole = keep_own_rows(GroupLayout.dealt(layout.group_ids, layout.group_sizes, 1), whole, keep)
+    return own_rollout(layout.select_rows(keep), kept_whole)
+
+
+def keep_row_values(values: list[Any], layout: GroupLayout, keep: Sequence[bool]) -> list[Any]:
+    """keep_rows for a per-row list of this process (e.g. a reward function's logged extras)."""
+    if layout.keeps_rows_in_place(keep):
+        return [v for v, k in zip(values, keep[layout.local_rows]) if k]
+    everything = [v for part in gather_objects(values) for v in part]
+    return [v for v, k in zip(everything, keep) if k][layout.select_rows(keep).local_rows]

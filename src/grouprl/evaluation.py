@@ -20,7 +20,7 @@ gives the same numbers.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import datasets
@@ -30,7 +30,7 @@ from transformers.utils import logging
 
 from .algorithms.losses import masked_mean, policy_loss
 from .config import GRPOConfig, interval_due, resolve_steps
-from .data import check_dataset, local_prompt_batch
+from .data import check_dataset
 from .distributed import global_mean
 from .generation_inputs import GenerationInputs
 from .metrics import MetricWindow
@@ -118,7 +118,7 @@ def eval_batch(run: Any, inputs: GenerationInputs) -> Any:
     prompts = inputs.prompt_batch
     with run.accelerator.autocast():
         rollout = Rollout(prompts, current.rollouts.generate(prompts))
-    _, advantages = current.rollouts.score(rollout, run.state, current.window)
+    rollout, _, advantages = current.rollouts.score(rollout, run.state, current.window)
     return current.rollouts.make_train_batch(rollout, advantages)
 
 
@@ -135,11 +135,15 @@ def format_eval_line(entry: dict[str, Any]) -> str:
 
 
 def _eval_rollouts(run: Any, num_generations: int) -> RolloutMaker:
-    """A plain RolloutMaker sharing the training one's parts, with G_eval and its own counters."""
-    base = {f.name: getattr(run.rollouts, f.name) for f in fields(RolloutMaker)}
-    base.update(settings=replace(run.rollouts.settings, num_generations=num_generations), completion_log=None,
-                completion_extras={}, generations_made=0, tokens_seen=0)
-    return RolloutMaker(**base)
+    """The eval sampler: the training one's backend, prompts, rewards, agent and override hooks, with G_eval, fresh
+    counters, no completion log and no row filter (GFPO does not filter in evaluation)."""
+    train = run.rollouts
+    return RolloutMaker(
+        accelerator=train.accelerator, backend=train.backend, sampler=train.sampler, tokenize=train.tokenize,
+        reward_functions=train.reward_functions, reward_weights=train.reward_weights, sampling=train.sampling,
+        settings=replace(train.settings, num_generations=num_generations), synced_step=train.synced_step, agent=train.agent,
+        recent=train.recent, generate_hook=train.generate_hook, reward_hook=train.reward_hook,
+    )
 
 
 def pick_eval_dataset(default: Any, chosen: Any) -> Any:
@@ -184,12 +188,7 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
                     logger.warning("evaluation: the last %d prompts cannot be split evenly over %d processes and are skipped.",
                                    len(rows), accelerator.num_processes)
                     break
-                prompts = local_prompt_batch(
-                    indices, rows, generation_index=number, num_generations=size, process_index=accelerator.process_index,
-                    num_processes=accelerator.num_processes, tokenize=rollouts.tokenize,
-                    remove_unused_columns=rollouts.settings.remove_unused_columns, default_prompt=rollouts.settings.default_prompt,
-                )
-                inputs = GenerationInputs.of(prompts, dict(zip(indices, rows)), rollouts.settings.remove_unused_columns)
+                inputs = rollouts.prompt_inputs(indices, rows, number)
                 batch = run.trainer._prepare_inputs(inputs)  # eval mode: _generate_and_score_completions(inputs), as TRL
                 with torch.no_grad():
                     loss = run.trainer.compute_loss(run.model, batch)

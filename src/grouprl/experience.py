@@ -19,7 +19,8 @@ import torch
 from transformers.utils import logging
 
 from .algorithms.masks import tied_groups
-from .distributed import own_rows, whole_groups
+from .distributed import layout_of, whole_groups
+from .group_layout import own_rollout
 from .algorithms.importance import sampler_importance_weights
 from .algorithms.losses import LOSSES
 from .batching import length_grouped, regrouping_is_exact, row_order_key
@@ -94,7 +95,7 @@ def draw_batch(run: "TrainingRun", inputs: GenerationInputs) -> TrainBatch:
         with run.timer.phase("generate"), run.accelerator.autocast():
             rollout = run.rollouts.sample(inputs)
         with run.timer.phase("reward"):
-            _, advantages = run.rollouts.score(rollout, run.state, run.window)
+            rollout, _, advantages = run.rollouts.score(rollout, run.state, run.window)
     guard_advantages(run, advantages)
     return run.rollouts.make_train_batch(rollout, advantages)
 
@@ -120,8 +121,9 @@ def dynamic_sample(run: "TrainingRun", inputs: GenerationInputs) -> tuple[Rollou
         with run.timer.phase("generate"), run.accelerator.autocast():
             rollout = run.rollouts.sample(inputs if attempt == 0 else None)  # further rounds draw further prompts
         with run.timer.phase("reward"):
-            rewards, _ = run.rollouts.score(rollout, run.state, run.window)
-        rollout = whole_groups(rollout)  # every process sees the whole batch, so groups are kept or dropped whole
+            rollout, rewards, _ = run.rollouts.score(rollout, run.state, run.window)
+        layout = layout_of(rollout.prompts)
+        rollout = whole_groups(rollout, layout)  # every process sees the whole batch, so groups are kept or dropped whole
         drawn, rounds = drawn + len(rollout.completions), rounds + 1
         tied = tied_groups(rewards.total, group_size)  # (prompts,)
         keep = [b for b in range(len(rollout.prompts)) if not tied[b]]
@@ -152,4 +154,5 @@ def dynamic_sample(run: "TrainingRun", inputs: GenerationInputs) -> tuple[Rollou
         "dynamic_sampling/generation_rounds": rounds,
         "dynamic_sampling/kept_groups": len(rollout.prompts) if kept_rollouts else 0,
     })
-    return own_rows(rollout, advantages)
+    dealt = layout.redealt(rollout.prompts.group_ids, rollout.prompts.num_samples)  # the kept groups over the processes
+    return own_rollout(dealt, rollout), advantages[dealt.local_rows]

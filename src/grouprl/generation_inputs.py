@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 from .data import KEPT_WHEN_REMOVING, PromptSampler, local_prompt_batch
+from .group_layout import GroupLayout
 from .types import PromptBatch
 
 
@@ -89,11 +90,9 @@ class TrainPromptBatches:
             indices, rows = sampler.next_generation()
             if generations is None and sampler.state.epoch > 0:  # a stream: one pass
                 return
-            prompts = local_prompt_batch(
-                indices, rows, generation_index=number, num_generations=self.num_generations, process_index=self.process_index,
-                num_processes=self.num_processes, tokenize=self.tokenize, remove_unused_columns=self.remove_unused_columns,
-                default_prompt=self.default_prompt,
-            )
+            layout = GroupLayout.for_generation(number, len(rows), self.num_generations, self.num_processes, self.process_index)
+            prompts = local_prompt_batch(indices, rows, layout, tokenize=self.tokenize, remove_unused_columns=self.remove_unused_columns,
+                                         default_prompt=self.default_prompt)
             inputs = GenerationInputs.of(prompts, dict(zip(indices, rows)), self.remove_unused_columns)
             for _ in range(self.repeats):
                 yield inputs

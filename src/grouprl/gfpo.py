@@ -8,7 +8,9 @@ completions of every group; the ``num_remains_in_group`` (k) highest-scoring one
 are kept, advantages are computed over those k only (with ``scale_rewards`` and
 ``multi_objective_aggregation`` as in GRPO), and the other G - k rows leave the batch: they add no
 tokens, no loss and no reward metrics. A generation therefore trains on k/G of its completions,
-still split into ``steps_per_generation`` micro-batches. Evaluation does not filter.
+still split into ``steps_per_generation`` micro-batches. Evaluation does not filter. With several
+processes a group may be cut by a process boundary: the filter sees it whole, and the kept rows are
+dealt out evenly again (``distributed.keep_rows``), so groups x k must split into equal micro-batches.
 
 Differences from TRL's last version, on purpose: the filter gets each group's own completions
 (TRL sliced a wrong, overlapping window for every group but the first); rows where every reward
@@ -18,18 +20,17 @@ function returned None are handled as in GRPO; ``normalize_then_sum`` works; k m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from accelerate.state import PartialState
-from accelerate.utils import gather_object
 from transformers.utils import logging
 
 from .algorithms.filters import group_filter_scores, reward_per_token_filter, shortest_k_filter, top_k_in_groups
 from .config import GRPOConfig, plan_batches
 from .data import is_conversational
-from .rollout import RolloutMaker
+from .distributed import gather_objects, layout_of
 from .trainer import GRPOTrainer
 from .types import Rewards, Rollout
 
@@ -54,23 +55,27 @@ class GFPOConfig(GRPOConfig):
             )
 
 
-@dataclass
-class GroupFilteredRollouts(RolloutMaker):
-    """A RolloutMaker that keeps the top-k completions of each group by the filter's score."""
+@dataclass(frozen=True)
+class TopKInGroups:
+    """GFPO's row filter (RolloutMaker.row_filter): keep the k completions of each group that the filter scores highest.
 
-    group_filter_func: Optional[Callable[..., Any]] = None
-    num_remains_in_group: int = 0
+    Gets this process's rollout and the global rewards; returns the (N_global,) keep mask. The filter sees each
+    group's own completions, gathered from every process (a group may be cut by a process boundary).
+    """
 
-    def keep_rows(self, rollout: Rollout, rewards: Rewards) -> torch.Tensor:
-        size = self.settings.num_generations
+    group_filter_func: Callable[..., Any]
+    num_remains_in_group: int
+
+    def __call__(self, rollout: Rollout, rewards: Rewards) -> torch.Tensor:
+        layout = layout_of(rollout.prompts)
         conversational = is_conversational(rollout.prompts.prompts[0])
         completions = [[{"role": "assistant", "content": c.text}] if conversational else c.text for c in rollout.completions]
         completion_ids = [list(c.token_ids) for c in rollout.completions]
-        if self.accelerator.num_processes > 1:
-            completions, completion_ids = gather_object(completions), gather_object(completion_ids)
+        if layout.num_processes > 1:  # global row order: every process's share, in process order
+            completions = [c for part in gather_objects(completions) for c in part]
+            completion_ids = [ids for part in gather_objects(completion_ids) for ids in part]
         totals = torch.nansum(rewards.per_function * rewards.weights.unsqueeze(0), dim=1)  # (N,) None counts as 0
-        groups = len(completions) // size
-        spans = [range(g * size, (g + 1) * size) for g in range(groups)]  # group g's own rows
+        spans = [range(start, start + size) for start, size in zip(layout.group_starts(), layout.group_sizes)]  # each group's own rows
         scores = group_filter_scores(
             self.group_filter_func,
             group_completions=[[completions[i] for i in span] for span in spans],
@@ -107,30 +112,25 @@ class GFPOTrainer(GRPOTrainer):
         if k is not None:
             if not callable(group_filter_func):
                 raise TypeError(f"group_filter_func must be callable, got {type(group_filter_func).__name__}.")
-            _check_whole_groups(args, k)
+            _check_kept_rows_split(args, k)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config, generation_backend=generation_backend)
         self.group_filter_func = group_filter_func
         if k is not None:
-            base = self.run.rollouts
-            self.run.rollouts = GroupFilteredRollouts(**{f.name: getattr(base, f.name) for f in fields(RolloutMaker)},
-                                                      group_filter_func=group_filter_func, num_remains_in_group=k)
+            self.run.rollouts.row_filter = TopKInGroups(group_filter_func, k)
 
 
-def _check_whole_groups(args: GRPOConfig, k: int) -> None:
-    """Each process must hold whole groups, and the kept rows must split into steps_per_generation micro-batches."""
-    plan = plan_batches(args, PartialState().num_processes)
-    per_process, size = plan.completions_per_process, plan.num_generations
-    if per_process % size != 0:
+def _check_kept_rows_split(args: GRPOConfig, k: int) -> None:
+    """The kept rows (k per group) are dealt out again over the processes (group_layout.py); every process must get
+    the same number of them, in steps_per_generation equal micro-batches."""
+    # the launcher's process count, read as GRPOConfig reads it (no accelerate state is created before the trainer's own)
+    plan = plan_batches(args, max(args.world_size, int(os.environ.get("WORLD_SIZE", "1"))))
+    groups = plan.prompts_per_generation
+    kept, parts = groups * k, plan.num_processes * plan.steps_per_generation
+    if kept % parts != 0:
         raise ValueError(
-            f"GFPO filters whole groups on each process, but each process samples {per_process} completions, not a multiple of "
-            f"num_generations={size}. Make per_device_train_batch_size x steps_per_generation a multiple of {size}."
-        )
-    kept = per_process // size * k
-    if kept % plan.steps_per_generation != 0:
-        raise ValueError(
-            f"GFPO keeps {kept} completions per process per generation ({per_process // size} groups x num_remains_in_group={k}), "
-            f"which cannot be split into steps_per_generation={plan.steps_per_generation} equal micro-batches. Choose "
-            "num_remains_in_group or the batch so that groups x k is a multiple of steps_per_generation."
+            f"GFPO keeps {kept} completions per generation ({groups} groups x num_remains_in_group={k}), which cannot be split "
+            f"into steps_per_generation={plan.steps_per_generation} equal micro-batches on each of {plan.num_processes} "
+            f"process(es). Choose num_remains_in_group or the batch so that groups x k is a multiple of {parts}."
         )

@@ -8,7 +8,7 @@ rows into padded tensors with a loss mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,8 +18,9 @@ from .agents import Agent, tool_call_stats
 from .algorithms.advantages import estimate_advantages
 from .completion_log import CompletionLog, RecentCompletions
 from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
-from .distributed import gather_rows, global_sum, local_rows
-from .generation.dispatch import generate_on_main_process
+from .distributed import gather_objects, gather_rows, global_sum, keep_row_values, keep_rows, layout_of, run_on_main
+from .generation.dispatch import sample_for_processes, sample_groups
+from .group_layout import GroupLayout
 from .generation.protocol import GenerationBackend
 from .generation_inputs import GenerationInputs
 from .metrics import MetricWindow, completion_length_stats, reward_stats
@@ -62,6 +63,9 @@ class RolloutMaker:
     # A TRL subclass's overrides (GRPOTrainer._generate / _calculate_rewards); each returns None when not overridden.
     generate_hook: Optional[Callable[[PromptBatch], Optional[list[Completion]]]] = None
     reward_hook: Optional[Callable[["RolloutMaker", Rollout, MetricWindow], Optional[torch.Tensor]]] = None
+    # Which rows of the global batch train, given this process's rollout and the global rewards: a (N_global,) bool
+    # mask (GFPO's group filter); None keeps every row. Advantages are then computed over the kept rows only.
+    row_filter: Optional[Callable[[Rollout, Rewards], torch.Tensor]] = None
 
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
         """Hand the policy's weights to the backend before sampling, at most once per optimizer step (as TRL)."""
@@ -72,18 +76,16 @@ class RolloutMaker:
     def draw_prompts(self) -> GenerationInputs:
         """The next generation's prompts on this process, as the rows TRL's override points receive."""
         indices, rows = self.sampler.next_generation()
-        prompts = local_prompt_batch(
-            indices,
-            rows,
-            generation_index=self.generations_made,
-            num_generations=self.settings.num_generations,
-            process_index=self.accelerator.process_index,
-            num_processes=self.accelerator.num_processes,
-            tokenize=self.tokenize,
-            remove_unused_columns=self.settings.remove_unused_columns,
-            default_prompt=self.settings.default_prompt,
-        )
+        inputs = self.prompt_inputs(indices, rows, self.generations_made)
         self.generations_made += 1
+        return inputs
+
+    def prompt_inputs(self, indices: list[int], rows: list[dict], generation_index: int) -> GenerationInputs:
+        """This process's share of a generation of `rows` (one prompt per group of G), laid out over the processes."""
+        layout = GroupLayout.for_generation(generation_index, len(rows), self.settings.num_generations,
+                                            self.accelerator.num_processes, self.accelerator.process_index)
+        prompts = local_prompt_batch(indices, rows, layout, tokenize=self.tokenize, remove_unused_columns=self.settings.remove_unused_columns,
+                                     default_prompt=self.settings.default_prompt)
         return GenerationInputs.of(prompts, dict(zip(indices, rows)), self.settings.remove_unused_columns)
 
     def sample(self, inputs: Optional[GenerationInputs] = None) -> Rollout:
@@ -101,34 +103,35 @@ class RolloutMaker:
             return self.agent.generate(self.backend, prompts, self.sampling)
         return generate_for(self.backend, prompts, self.sampling)
 
-    def score(self, rollout: Rollout, trainer_state: Any, window: MetricWindow) -> tuple[Rewards, torch.Tensor]:
-        """Rewards of the global batch and this process's advantages (N,); logs reward/length metrics.
+    def score(self, rollout: Rollout, trainer_state: Any, window: MetricWindow) -> tuple[Rollout, Rewards, torch.Tensor]:
+        """The rows that train on this process, the global batch's rewards, and this process's advantages (N,);
+        logs reward/length metrics.
 
-        A subclass may drop rows between scoring and advantages (`keep_rows`, GFPO); the rollout
-        then shrinks in place to the kept completions and the returned values cover those only.
+        With a `row_filter` (GFPO) only the kept rows go on: the returned rollout is a new one holding this
+        process's share of them (the given one is left as it was) and the rewards and advantages cover them only.
         """
         self.log_lengths(rollout, window)
         scored = self.reward_hook(self, rollout, window) if self.reward_hook is not None else None  # an overridden _calculate_rewards
         if scored is None:
             scored = gather_rows(self.accelerator, self.reward_table(rollout, trainer_state, window))  # (N_global, F)
         rewards = Rewards(scored, [f.name for f in self.reward_functions], self.reward_weights)
-        group_size = self.settings.num_generations
-        keep = self.keep_rows(rollout, rewards)  # (N_global,) bool or None
+        layout, group_size = layout_of(rollout.prompts), self.settings.num_generations
+        keep = self.row_filter(rollout, rewards) if self.row_filter is not None else None  # (N_global,) bool
         if keep is not None:
-            local_keep = keep[local_rows(self.accelerator, len(rollout.completions))]
-            shrink_rollout(rollout, local_keep)
-            self.completion_extras = {name: [v for v, k in zip(values, local_keep.tolist()) if k] for name, values in self.completion_extras.items()}
-            group_size = int(keep.view(-1, group_size).sum(dim=1)[0])
+            rollout = keep_rows(rollout, layout, keep)
+            self.completion_extras = {name: keep_row_values(values, layout, keep) for name, values in self.completion_extras.items()}
             rewards = Rewards(rewards.per_function[keep], rewards.names, rewards.weights)
+            layout = rollout.prompts.layout
+            group_size = layout.uniform_group_size()
         advantages, stats = self.global_advantages(rewards, group_size)
         window.add_all(reward_stats(rewards.per_function, rewards.names, stats["total"], stats["group_std"]))
         # Completions no reward function scored are reported by score_completions, with their row (TRL's warning).
-        local = advantages[local_rows(self.accelerator, len(rollout.completions))]
+        local = advantages[layout.local_rows]
         if self.completion_log is not None:
-            self.record_completions(rollout, rewards, local)
+            self.record_completions(rollout, rewards, local, layout)
         if self.recent is not None:
             self.record_recent(rollout, rewards, advantages)
-        return rewards, local
+        return rollout, rewards, local
 
     def reward_table(self, rollout: Rollout, trainer_state: Any, window: MetricWindow) -> torch.Tensor:
         """(n_local, F) rewards of this process's completions; log_extra columns land in completion_extras."""
@@ -144,10 +147,6 @@ class RolloutMaker:
             log_extra=self.completion_extras.__setitem__,
         )
 
-    def keep_rows(self, rollout: Rollout, rewards: Rewards) -> Optional[torch.Tensor]:
-        """Which rows of the global batch train (None = all). GRPO keeps every row."""
-        return None
-
     def log_lengths(self, rollout: Rollout, window: MetricWindow) -> None:
         """completions/* (and tools/*) metrics and the running num_tokens, over everything the model generated."""
         lengths = torch.tensor([c.num_model_tokens for c in rollout.completions])  # tool output is not the model's length
@@ -160,8 +159,8 @@ class RolloutMaker:
         self.tokens_seen += int(global_sum(self.accelerator, prompt_tokens + int(lengths.sum())))
         window.add("num_tokens", self.tokens_seen)
 
-    def record_completions(self, rollout: Rollout, rewards: Rewards, advantages: torch.Tensor) -> None:
-        batch, rows = rollout.prompts, local_rows(self.accelerator, len(rollout.completions))
+    def record_completions(self, rollout: Rollout, rewards: Rewards, advantages: torch.Tensor, layout: GroupLayout) -> None:
+        batch, rows = rollout.prompts, layout.local_rows
         texts = {b: self.tokenize.prompt_text(batch.prompts[b], batch.prompt_ids[b]) for b in set(rollout.row_prompt)}
         self.completion_log.record(
             self.accelerator,
@@ -222,44 +221,28 @@ def reward_columns(rollout: Rollout) -> dict[str, list[Any]]:
 def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:
     """Ask the backend for each prompt's num_samples completions; return them in row order.
 
-    Prompts on a process usually all need G samples; a group cut by a process boundary needs
-    fewer, so prompts are sent in one call per distinct sample count. Prompts with images also
-    pass each prompt's processed images (`multimodal=`; backends without it cannot serve VLMs). A
-    backend that only the main process may use (`main_process_only`: a server) samples whole
-    groups there for every process.
+    Prompts on a process usually all need G samples; a group cut by a process boundary needs fewer
+    (dispatch.sample_groups sends one call per distinct count). A backend that only the main process
+    may use (`main_process_only`: a server) samples whole groups there for every process.
     """
     if getattr(backend, "main_process_only", False):
         return generate_on_main_process(backend, prompts, params)
-    by_count: dict[int, list[int]] = {}
-    for b, count in enumerate(prompts.num_samples):
-        by_count.setdefault(count, []).append(b)
-    per_prompt: dict[int, list[Completion]] = {}
-    for count, members in by_count.items():
-        ids = [prompts.prompt_ids[b] for b in members]
-        if prompts.multimodal is None:
-            completions = backend.generate(ids, count, params)
-        else:
-            completions = backend.generate(ids, count, params, multimodal=[prompts.multimodal[b] for b in members])
-        if len(completions) != len(members) * count:
-            raise RuntimeError(f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(members)} prompts x {count}.")
-        for completion in completions:
-            per_prompt.setdefault(members[completion.prompt_index], []).append(completion)
-    ordered = []
-    for b in range(len(prompts)):
-        for completion in per_prompt.get(b, []):
-            completion.prompt_index = b
-            ordered.append(completion)
-    return ordered
+    per_prompt = sample_groups(backend, prompts.prompt_ids, prompts.num_samples, params, prompts.multimodal)
+    return [replace(c, prompt_index=b) for b, completions in enumerate(per_prompt) for c in completions]
 
 
-def shrink_rollout(rollout: Rollout, keep: torch.Tensor) -> None:
-    """Keep only the completions where `keep` (n,) is True; each prompt's num_samples follows."""
-    kept = keep.tolist()
-    counts = [0] * len(rollout.prompts)
-    for b, k in zip(rollout.row_prompt, kept):
-        counts[b] += int(k)
-    rollout.completions = [c for c, k in zip(rollout.completions, kept) if k]
-    rollout.prompts.num_samples = counts
+def generate_on_main_process(backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:
+    """This process's completions (row order of `prompts`), sampled as whole groups by the main process for everyone.
+
+    An exception there is raised on every process (run_on_main), so no process waits in a collective for ever.
+    """
+    if prompts.multimodal is not None:
+        raise NotImplementedError(f"{type(backend).__name__} samples text prompts only; prompts with images need an in-process "
+                                  "backend (generation_engine='auto' or 'transformers').")
+    layout = layout_of(prompts)
+    group_prompts = layout.join(gather_objects(prompts.prompt_ids))  # the main process needs every group's prompt
+    shares = run_on_main(lambda: sample_for_processes(backend, layout, group_prompts, params))
+    return [replace(c, prompt_index=b) for c, b in zip(shares[layout.process_index], prompts.row_index())]
 
 
 def row_prompt_ids(rollout: Rollout) -> list[list[int]]:

@@ -9,9 +9,12 @@ everywhere: ``True`` = this token is real / trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from .group_layout import GroupLayout
 
 
 @dataclass
@@ -26,9 +29,26 @@ class PromptBatch:
     num_samples: list[int]  # (B,) completions this process samples for the prompt (G unless split)
     multimodal: list[Any] | None = None  # (B,) multimodal.PromptImages or None per prompt; None = no images at all
     prompts_given: bool = True  # False: the rows had no 'prompt'; `prompts` holds empty user messages that reset() completes
+    # Where every process's rows of this generation live (group_layout.py); None for a batch built by hand
+    # (then each process's prompts are taken to be whole groups of their own).
+    layout: Optional["GroupLayout"] = None
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def subset(self, indices: list[int], num_samples: list[int], layout: Optional["GroupLayout"] = None) -> "PromptBatch":
+        """The prompts at `indices` (in that order) with new sample counts and layout; a new batch."""
+        return PromptBatch(
+            prompts=[self.prompts[b] for b in indices],
+            prompt_ids=[self.prompt_ids[b] for b in indices],
+            columns={name: [values[b] for b in indices] for name, values in self.columns.items()},
+            dataset_indices=[self.dataset_indices[b] for b in indices],
+            group_ids=[self.group_ids[b] for b in indices],
+            num_samples=list(num_samples),
+            multimodal=None if self.multimodal is None else [self.multimodal[b] for b in indices],
+            prompts_given=self.prompts_given,
+            layout=layout,
+        )
 
     def row_index(self) -> list[int]:
         """(N,) prompt index of each completion row."""
@@ -93,18 +113,9 @@ class Rollout:
         return [r for r, b in enumerate(self.row_prompt) if b in wanted]
 
     def select_prompts(self, prompt_indices: list[int]) -> "Rollout":
-        """The rollout restricted to some prompts (whole groups), renumbered."""
-        p = self.prompts
+        """The rollout restricted to some prompts (whole groups), renumbered; the result has no layout."""
         new_index = {b: k for k, b in enumerate(prompt_indices)}
-        prompts = PromptBatch(
-            prompts=[p.prompts[b] for b in prompt_indices],
-            prompt_ids=[p.prompt_ids[b] for b in prompt_indices],
-            columns={name: [values[b] for b in prompt_indices] for name, values in p.columns.items()},
-            dataset_indices=[p.dataset_indices[b] for b in prompt_indices],
-            group_ids=[p.group_ids[b] for b in prompt_indices],
-            num_samples=[p.num_samples[b] for b in prompt_indices],
-            multimodal=None if p.multimodal is None else [p.multimodal[b] for b in prompt_indices],
-        )
+        prompts = self.prompts.subset(prompt_indices, [self.prompts.num_samples[b] for b in prompt_indices])
         row_prompt = self.row_prompt
         completions = [replace(self.completions[r], prompt_index=new_index[row_prompt[r]]) for r in self.prompt_rows(prompt_indices)]
         return Rollout(prompts, completions)

@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from ..generation.dispatch import sample_groups
 from ..generation.protocol import GenerationBackend
 from ..types import Completion, SamplingParams
 from .chat import tool_suffix_ids
@@ -97,19 +98,12 @@ def generate_rows(backend: GenerationBackend, row_prompts: list[list[int]], para
     rows_of: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for row, prompt in enumerate(row_prompts):
         rows_of[tuple(prompt)].append(row)
-    by_count: dict[int, list[tuple[int, ...]]] = defaultdict(list)
-    for prompt, rows in rows_of.items():
-        by_count[len(rows)].append(prompt)
+    unique = list(rows_of)
     out: list[Optional[Completion]] = [None] * len(row_prompts)
-    for count, unique in by_count.items():
-        completions = backend.generate([list(p) for p in unique], count, params)
-        if len(completions) != len(unique) * count:
-            raise RuntimeError(f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(unique)} prompts x {count}.")
-        handed: dict[int, int] = defaultdict(int)
-        for completion in completions:
-            rows = rows_of[unique[completion.prompt_index]]
-            out[rows[handed[completion.prompt_index]]] = completion
-            handed[completion.prompt_index] += 1
+    per_prompt = sample_groups(backend, [list(p) for p in unique], [len(rows_of[p]) for p in unique], params)
+    for prompt, completions in zip(unique, per_prompt):
+        for row, completion in zip(rows_of[prompt], completions):
+            out[row] = completion
     return out  # type: ignore[return-value]
 
 

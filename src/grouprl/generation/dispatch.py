@@ -1,57 +1,57 @@
-"""Generation for a backend that only the main process talks to (a generation server, vLLM server).
+"""Asking a backend for groups of samples, and cutting whole groups back into the processes' shares.
 
-Every process holds a slice of the global generation batch; a group may be cut by a process
-boundary. The processes send their prompts to the main process, which asks the backend for each
-*whole* group (G samples of one prompt in one request, as TRL does), cuts every group's
-completions back into the processes' slices in global row order, and hands each process its own.
+`sample_groups` is the one place that turns "prompt b needs n_b samples" into backend calls: one
+call per distinct sample count (usually one: G), each completion routed back to its prompt.
+
+`sample_for_processes` serves a backend that only the main process may talk to (a generation
+server, vLLM server): it samples every *whole* group in one request (G samples of one prompt, as TRL
+does) and cuts the rows into the processes' shares by the generation's `GroupLayout`. The gathering
+and the hand-back to the other processes are the caller's (rollout.py), so this module stays free of
+collectives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from accelerate import PartialState
-
-from ..distributed import gather_objects, run_on_main
-from ..types import Completion, PromptBatch, SamplingParams
+from ..group_layout import GroupLayout
+from ..types import Completion, SamplingParams
 
 
-def generate_on_main_process(backend: Any, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:
-    """This process's completions (row order of `prompts`), sampled by the main process for everyone."""
-    if prompts.multimodal is not None:
-        raise NotImplementedError(f"{type(backend).__name__} samples text prompts only; prompts with images need an in-process "
-                                  "backend (generation_engine='auto' or 'transformers').")
-    state = PartialState()
-    local = list(zip(prompts.group_ids, prompts.prompt_ids, prompts.num_samples))
-    everyone = gather_objects(local)  # [process] -> [(group id, prompt ids, samples wanted here)]
-    slices = run_on_main(lambda: _sample_and_cut(backend, everyone, params))
-    mine = slices[state.process_index]
-    for completion, b in zip(mine, prompts.row_index()):
-        completion.prompt_index = b
-    return mine
+def sample_groups(
+    backend: Any,
+    prompt_ids: Sequence[list[int]],
+    counts: Sequence[int],
+    params: SamplingParams,
+    multimodal: Sequence[Any] | None = None,
+) -> list[list[Completion]]:
+    """`counts[b]` completions of each prompt b, as one list per prompt (in the backend's order within it).
 
-
-def _sample_and_cut(backend: Any, everyone: list[list[tuple[int, list[int], int]]], params: SamplingParams) -> list[list[Completion]]:
-    groups: dict[int, list] = {}  # group id -> [prompt ids, total samples], in global order
-    for part in everyone:
-        for group_id, prompt_ids, count in part:
-            groups.setdefault(group_id, [prompt_ids, 0])[1] += count
-    by_count: dict[int, list[int]] = {}  # one request per distinct group size (usually one: G)
-    for group_id, (_, total) in groups.items():
-        by_count.setdefault(total, []).append(group_id)
-    sampled: dict[int, list[Completion]] = {}
-    for total, members in by_count.items():
-        completions = backend.generate([groups[g][0] for g in members], total, params)
-        if len(completions) != len(members) * total:
-            raise RuntimeError(f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(members)} prompts x {total}.")
+    `multimodal`: each prompt's processed images, passed as `multimodal=` (backends without it cannot serve VLMs).
+    """
+    by_count: dict[int, list[int]] = {}
+    for b, count in enumerate(counts):
+        by_count.setdefault(count, []).append(b)
+    per_prompt: list[list[Completion]] = [[] for _ in counts]
+    for count, members in by_count.items():
+        ids = [prompt_ids[b] for b in members]
+        if multimodal is None:
+            completions = backend.generate(ids, count, params)
+        else:
+            completions = backend.generate(ids, count, params, multimodal=[multimodal[b] for b in members])
+        if len(completions) != len(members) * count:
+            raise RuntimeError(
+                f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(members)} prompts x {count}."
+            )
         for completion in completions:
-            sampled.setdefault(members[completion.prompt_index], []).append(completion)
-    taken = {g: 0 for g in groups}
-    slices = []
-    for part in everyone:  # processes in order: each takes the next `count` samples of its groups
-        mine = []
-        for group_id, _, count in part:
-            mine.extend(sampled[group_id][taken[group_id] : taken[group_id] + count])
-            taken[group_id] += count
-        slices.append(mine)
-    return slices
+            per_prompt[members[completion.prompt_index]].append(completion)
+    return per_prompt
+
+
+def sample_for_processes(
+    backend: Any, layout: GroupLayout, group_prompt_ids: Sequence[list[int]], params: SamplingParams
+) -> list[list[Completion]]:
+    """Every whole group of `layout` sampled at once (one prompt per group), then cut into each process's rows."""
+    per_group = sample_groups(backend, group_prompt_ids, layout.group_sizes, params)
+    return layout.deal([completion for group in per_group for completion in group])

@@ -22,7 +22,7 @@ class GenerationBackend(Protocol):
     #     weights in the same process, whose sampler logprobs need no correction.
     # `main_process_only` (default False): True for backends only the main process may call (a
     #     server); the loop then gathers every process's prompts, the main process samples whole
-    #     groups and the completions are scattered back (generation/dispatch.py). `sync_weights` is
+    #     groups and each process takes its rows by the generation's GroupLayout (generation/dispatch.py). `sync_weights` is
     #     still called on every process (gathering sharded weights is collective).
 
     def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
