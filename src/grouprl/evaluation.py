@@ -34,9 +34,11 @@ from .data import check_dataset, local_prompt_batch
 from .distributed import global_mean
 from .generation_inputs import GenerationInputs
 from .metrics import MetricWindow
-from .objective import policy_logprobs
+from .objective import LossStats, Objective, objective_stats, policy_logprobs
 from .rollout import RolloutMaker
 from .row_loading import sequential_loader, workers_for
+from .stats import metrics
+from .step_reduction import Collectives, reduce_step
 from .types import Rollout
 
 logger = logging.get_logger("grouprl")
@@ -105,28 +107,28 @@ def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> di
 
 @dataclass
 class EvaluationPass:
-    """What the trainer's eval-mode defaults use while an evaluation runs (TrainingRun.evaluation_pass)."""
+    """What the trainer's eval-mode defaults use while an evaluation runs (the run's evaluation_pass)."""
 
     rollouts: RolloutMaker  # G_eval completions per prompt, its own counters
     window: MetricWindow  # the eval metrics
 
 
-def eval_batch(run: Any, inputs: GenerationInputs) -> Any:
+def eval_batch(evaluation_pass: Optional["EvaluationPass"], inputs: GenerationInputs, *, accelerator: Any, trainer_state: Any) -> Any:
     """One eval batch sampled and scored (GRPOTrainer._generate_and_score_completions in eval mode): no old or
     reference logprobs, nothing buffered."""
-    current = _current_pass(run)
+    current = current_pass(evaluation_pass)
     prompts = inputs.prompt_batch
-    with run.accelerator.autocast():
+    with accelerator.autocast():
         rollout = Rollout(prompts, current.rollouts.generate(prompts))
-    _, advantages = current.rollouts.score(rollout, run.state, current.window)
+    _, advantages = current.rollouts.score(rollout, trainer_state, current.window)
     return current.rollouts.make_train_batch(rollout, advantages)
 
 
-def _current_pass(run: Any) -> EvaluationPass:
-    if run.evaluation_pass is None:
+def current_pass(evaluation_pass: Optional[EvaluationPass]) -> EvaluationPass:
+    if evaluation_pass is None:
         raise RuntimeError("The trainer's model is in eval mode outside of evaluate(): its eval-mode steps (_generate_and_score_completions, "
                            "_compute_loss) run inside trainer.evaluate(); call model.train() before training steps.")
-    return run.evaluation_pass
+    return evaluation_pass
 
 
 def format_eval_line(entry: dict[str, Any]) -> str:
@@ -203,21 +205,22 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
     return window, batches, completions
 
 
-def eval_loss(run: Any, batch: Any) -> torch.Tensor:
+def eval_loss(model: torch.nn.Module, batch: Any, objective: Objective, *, evaluation_pass: Optional[EvaluationPass], hooks: Any,
+              accelerator: Any, rows_per_chunk: int) -> torch.Tensor:
     """The policy loss at ratio 1 on eval samples (GRPOTrainer._compute_loss in eval mode); eval_entropy and the loss's
-    statistics go to the eval window."""
-    config, accelerator = run.config, run.accelerator
-    window = _current_pass(run).window
+    statistics, reduced over the processes in one reduction, go to the eval window."""
+    window = current_pass(evaluation_pass).window
     b = batch.to(accelerator.device)
     with torch.no_grad(), accelerator.autocast():
-        out = policy_logprobs(run, run.model, b, rows_per_chunk=config.per_device_eval_batch_size)
-        logprobs, entropy = out.logprobs, out.entropy
-        settings = {**run.loss_settings, "beta": 0.0}  # no reference pass in evaluation: the KL term is left out
-        loss, stats = policy_loss(
-            config.loss_type, logprobs, None, b.advantages, b.loss_mask, **settings, grad_accum_steps=1,
+        out = policy_logprobs(hooks, model, b, temperature=objective.temperature, rows_per_chunk=rows_per_chunk)
+        settings = {**objective.loss_kwargs, "beta": 0.0}  # no reference pass in evaluation: the KL term is left out
+        loss, values = policy_loss(
+            objective.loss_type, out.logprobs, None, b.advantages, b.loss_mask, **settings, grad_accum_steps=1,
             token_denominator=max(batch.num_loss_tokens, 1.0) / accelerator.num_processes,
         )
-    window.add("entropy", global_mean(accelerator, masked_mean(entropy, b.loss_mask).item()))  # model tokens only
-    for name, value in stats.items():
-        window.add(name, global_mean(accelerator, value.item()))
+    tokens = b.loss_mask.sum()
+    stats = LossStats(tokens=tokens, rows=float(len(b)), entropy=masked_mean(out.entropy, b.loss_mask),  # model tokens only
+                      objective=objective_stats(values, tokens, float(len(b)), objective.sequence_level))
+    (reduced,), _ = reduce_step([stats], Collectives.of(accelerator))
+    window.add_all(metrics(reduced))
     return loss

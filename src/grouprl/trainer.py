@@ -42,6 +42,7 @@ from .metrics import JsonlWriter
 from .models import (
     cast_lm_head_to_fp32, disable_dropout, enable_checkpointing, eos_token_ids, load_model, load_tokenizer, router_aux_loss_coef,
 )
+from .objective import Objective
 from .multimodal import check_multimodal_setup, make_prompt_tokenizer, text_tokenizer
 from .reference import Reference, separate_reference_model
 from .row_loading import workers_for
@@ -289,7 +290,8 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         self.run = loop.TrainingRun(
             config=args, plan=self.plan, accelerator=self.accelerator, model=prepared_model, tokenizer=self.processing_class,
             optimizer=optimizer, scheduler=scheduler, rollouts=rollouts, state=self.state, total_steps=total_steps,
-            steps_per_epoch=steps_per_epoch, reference=reference, entropy_controller=entropy_controller, aux_loss_coef=aux_loss_coef,
+            steps_per_epoch=steps_per_epoch, objective=Objective.from_config(args, self.plan, aux_loss_coef), reference=reference,
+            entropy_controller=entropy_controller,
             callbacks=CallbackHandler(callbacks, model=self.model, processing_class=self.processing_class, optimizer=optimizer,
                                       lr_scheduler=scheduler),
             trainer=self,
