@@ -30,7 +30,8 @@ NUM_GENERATIONS = 4
 
 
 class ProcessDependentSampler:
-    """Completions decided by the prompt, with sampler logprobs that depend on the process (a separate engine)."""
+    """Completions decided by the prompt, with sampler logprobs that depend on the process (a separate engine):
+    process 1's are higher, so its importance ratios are lower, and the global minimum is not the main process's."""
 
     needs_importance_correction = True
 
@@ -46,7 +47,7 @@ class ProcessDependentSampler:
         for p, ids in enumerate(prompt_ids):
             for s in range(num_samples):
                 tokens = [(ids[-1] + 7 * s + k) % 200 + 3 for k in range(2 + (s + len(ids)) % 5)] + [self.eos]
-                logprobs = [-5.0 - 0.7 * rank - 0.3 * ((k + s) % 3) for k in range(len(tokens))]
+                logprobs = [-5.0 + 0.7 * rank - 0.3 * ((k + s) % 3) for k in range(len(tokens))]
                 out.append(Completion(p, tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), "stop",
                                       sampler_logprobs=logprobs))
         return out

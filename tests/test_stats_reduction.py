@@ -175,7 +175,7 @@ def test_two_processes_log_min_max_and_sampler_statistics_over_every_process(tin
     # (b) the sampler IS statistics of the one generation (step 1) cover both processes, whose values differ
     is0, is1 = rank0["is_stats"][0], rank1["is_stats"][0]
     name = "sampling/importance_sampling_ratio/"
-    assert is0[name + "min"] != is1[name + "min"] and is0[name + "max"] != is1[name + "max"]
+    assert is1[name + "min"] < is0[name + "min"] and is0[name + "max"] != is1[name + "max"]  # the main process's own min is not the answer
     logged = entries[0]
     assert logged[name + "min"] == pytest.approx(min(is0[name + "min"], is1[name + "min"]), rel=1e-5)
     assert logged[name + "max"] == pytest.approx(max(is0[name + "max"], is1[name + "max"]), rel=1e-5)
