@@ -48,7 +48,6 @@ def instrument(counts: Counter) -> None:
 
 def worker(model_dir: str, out_path: str) -> None:
     import datasets
-    import torch
     from transformers import AutoTokenizer
 
     from grouprl import GRPOConfig, GRPOTrainer

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import datasets
 import torch
@@ -34,7 +34,8 @@ from .data import check_dataset, local_prompt_batch
 from .distributed import global_mean
 from .generation_inputs import GenerationInputs
 from .metrics import MetricWindow
-from .objective import LossStats, Objective, objective_stats, policy_logprobs
+from .objective import LossStats, Objective, objective_stats
+from .policy_logprobs import policy_logprobs
 from .rollout import RolloutMaker
 from .row_loading import sequential_loader, workers_for
 from .stats import metrics
@@ -75,21 +76,36 @@ def should_evaluate(config: GRPOConfig, step: int, total_steps: int, steps_per_e
     return interval_due(config.eval_strategy, step, every, steps_per_epoch) and not delayed
 
 
-def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
+@dataclass(frozen=True)
+class EvaluationParts:
+    """What an evaluation uses of the run (built by the loop's TrainingRun.evaluation_parts)."""
+
+    config: GRPOConfig
+    accelerator: Any
+    model: torch.nn.Module  # the prepared policy
+    rollouts: RolloutMaker  # the training sampler: its parts are shared, its counters are not
+    hooks: Any  # the GRPOTrainer: _prepare_inputs, compute_loss and log are TRL override points
+    trainer_state: Any  # transformers.TrainerState
+    fire: Callable[..., Any]  # a TrainerCallback event
+    attach: Callable[[Optional["EvaluationPass"]], None]  # makes the pass visible to the eval-mode override points
+
+
+def evaluate(parts: EvaluationParts, eval_dataset: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
     """Evaluate on a Dataset (or a dict name -> Dataset); log the metrics and return them."""
     if eval_dataset is None:
         raise ValueError("evaluate() needs an eval_dataset: pass it to GRPOTrainer(eval_dataset=...) or to evaluate().")
-    check_eval_setup(run.config, eval_dataset, run.accelerator.num_processes, prompt_required=run.rollouts.settings.default_prompt is None)
+    check_eval_setup(parts.config, eval_dataset, parts.accelerator.num_processes,
+                     prompt_required=parts.rollouts.settings.default_prompt is None)
     if isinstance(eval_dataset, dict):
         metrics: dict[str, float] = {}
         for name, dataset in eval_dataset.items():
-            metrics.update(evaluate(run, dataset, f"{metric_key_prefix}_{name}"))
+            metrics.update(evaluate(parts, dataset, f"{metric_key_prefix}_{name}"))
         return metrics
     started = time.time()
-    was_training = run.model.training
-    run.model.eval()  # as in TRL, the trainer's override points see model.training False during evaluation and its log
+    was_training = parts.model.training
+    parts.model.eval()  # as in TRL, the trainer's override points see model.training False during evaluation and its log
     try:
-        window, batches, completions = _sample_and_score(run, eval_dataset)
+        window, batches, completions = _sample_and_score(parts, eval_dataset)
         runtime = time.time() - started
         summary = {k: v for k, v in window.summary().items() if k != "num_tokens"}
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in summary.items()}
@@ -98,10 +114,10 @@ def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> di
             f"{metric_key_prefix}_samples_per_second": completions / max(runtime, 1e-9),
             f"{metric_key_prefix}_steps_per_second": batches / max(runtime, 1e-9),
         })
-        run.trainer.log(metrics)  # log_history, trackers, on_log, metrics.jsonl and an "eval at step" line
+        parts.hooks.log(metrics)  # log_history, trackers, on_log, metrics.jsonl and an "eval at step" line
     finally:
-        run.model.train(was_training)
-    run.fire("on_evaluate", metrics=metrics)
+        parts.model.train(was_training)
+    parts.fire("on_evaluate", metrics=metrics)
     return metrics
 
 
@@ -136,10 +152,10 @@ def format_eval_line(entry: dict[str, Any]) -> str:
     return f"eval at step {entry.get('step')} | " + " | ".join(shown)
 
 
-def _eval_rollouts(run: Any, num_generations: int) -> RolloutMaker:
+def _eval_rollouts(training: RolloutMaker, num_generations: int) -> RolloutMaker:
     """A plain RolloutMaker sharing the training one's parts, with G_eval and its own counters."""
-    base = {f.name: getattr(run.rollouts, f.name) for f in fields(RolloutMaker)}
-    base.update(settings=replace(run.rollouts.settings, num_generations=num_generations), completion_log=None,
+    base = {f.name: getattr(training, f.name) for f in fields(RolloutMaker)}
+    base.update(settings=replace(training.settings, num_generations=num_generations), completion_log=None,
                 completion_extras={}, generations_made=0, tokens_seen=0)
     return RolloutMaker(**base)
 
@@ -159,28 +175,27 @@ def pick_eval_dataset(default: Any, chosen: Any) -> Any:
     return dataset
 
 
-def eval_loader(run: Any, dataset: Any) -> DataLoader:
+def eval_loader(dataset: Any, config: GRPOConfig, num_processes: int) -> DataLoader:
     """The eval prompts' rows in dataset order, one eval batch of prompts at a time, as lists of (index, row).
 
     Map-style data is read by dataloader_num_workers worker processes; a stream in this process (row_loading.py).
     """
-    config = run.config
-    prompts_per_batch = config.per_device_eval_batch_size * run.accelerator.num_processes // (config.num_generations_eval or config.num_generations)
+    prompts_per_batch = config.per_device_eval_batch_size * num_processes // (config.num_generations_eval or config.num_generations)
     return sequential_loader(dataset, prompts_per_batch, num_workers=workers_for(dataset, config.dataloader_num_workers))
 
 
-def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
-    config, accelerator = run.config, run.accelerator
+def _sample_and_score(parts: EvaluationParts, dataset: Any) -> tuple[MetricWindow, int, int]:
+    config, accelerator, hooks = parts.config, parts.accelerator, parts.hooks
     size = config.num_generations_eval or config.num_generations
-    run.rollouts.sync_weights(accelerator.unwrap_model(run.model), run.state.global_step)  # a server samples the current weights
-    rollouts = _eval_rollouts(run, size)
+    parts.rollouts.sync_weights(accelerator.unwrap_model(parts.model), parts.trainer_state.global_step)  # a server samples the current weights
+    rollouts = _eval_rollouts(parts.rollouts, size)
     window, batches, completions = MetricWindow(), 0, 0
-    run.evaluation_pass = EvaluationPass(rollouts, window)
+    parts.attach(EvaluationPass(rollouts, window))
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(config.seed)
-            for number, pairs in enumerate(eval_loader(run, dataset)):
+            for number, pairs in enumerate(eval_loader(dataset, config, accelerator.num_processes)):
                 indices, rows = [index for index, _ in pairs], [row for _, row in pairs]
                 if (len(rows) * size) % accelerator.num_processes:
                     logger.warning("evaluation: the last %d prompts cannot be split evenly over %d processes and are skipped.",
@@ -192,14 +207,14 @@ def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
                     remove_unused_columns=rollouts.settings.remove_unused_columns, default_prompt=rollouts.settings.default_prompt,
                 )
                 inputs = GenerationInputs.of(prompts, dict(zip(indices, rows)), rollouts.settings.remove_unused_columns)
-                batch = run.trainer._prepare_inputs(inputs)  # eval mode: _generate_and_score_completions(inputs), as TRL
+                batch = hooks._prepare_inputs(inputs)  # eval mode: _generate_and_score_completions(inputs), as TRL
                 with torch.no_grad():
-                    loss = run.trainer.compute_loss(run.model, batch)
+                    loss = hooks.compute_loss(parts.model, batch)
                 window.add("loss", global_mean(accelerator, float(loss)))
                 batches += 1
                 completions += len(rows) * size
     finally:
-        run.evaluation_pass = None
+        parts.attach(None)
     if isinstance(dataset, datasets.Dataset) and batches == 0:
         raise ValueError("evaluation: the eval dataset produced no complete batch.")
     return window, batches, completions

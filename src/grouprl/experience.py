@@ -29,7 +29,7 @@ from .batching import length_grouped, regrouping_is_exact, row_order_key
 from .config import BatchPlan, GRPOConfig
 from .distributed import own_rows, whole_groups
 from .generation_inputs import GenerationInputs
-from .objective import policy_logprobs
+from .policy_logprobs import policy_logprobs
 from .stats import finite, largest, mean, smallest
 from .types import Rewards, Rollout, TrainBatch
 

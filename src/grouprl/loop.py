@@ -7,17 +7,22 @@
                 trainer._prepare_inputs(inputs): if no micro-batch is buffered:
                     trainer._generate_and_score_completions(inputs): generate -> score ->
                         advantages -> (old / reference logprobs, sampler IS weights)  (experience.py)
+                        -> TrainBatch, ExperienceStats (recorded in run.ledger)
                     -> shuffle rows -> split into steps_per_generation micro-batches,
                        queued num_iterations times
                 trainer.compute_loss -> _compute_loss: forward -> policy loss    (objective.py)
+                    -> loss, LossStats (recorded in run.ledger)
                 -> backward
-        clip gradients -> optimizer step -> LR step -> entropy controller / reference sync
+        clip gradients -> reduce the step's statistics over every process, once (step_reduction.py;
+        a NaN / inf anywhere stops every process here) -> optimizer step -> LR step
+        -> statistics into the metric window -> entropy controller / reference sync
         -> trainer.log -> evaluate -> checkpoint
     trainer.log(train summary) -> on_train_end
     (TrainerCallback events fire at the same points as in transformers' Trainer: callbacks.py)
 
 The `trainer.*` methods are TRL's override points (trainer_hooks.py): a TRL subclass's versions run,
-and their defaults are the grouprl stages named on the right.
+and their defaults are the grouprl stages named on the right. The stages get what they use (the
+model, the batch, `Objective`, `Sampling`), never the run; this module is the only one that holds it.
 
 The buffer semantics are TRL's (§2.13): one generation feeds steps_per_generation x num_iterations
 micro-steps, replayed in the same order each iteration, independently of where optimizer steps
@@ -33,7 +38,7 @@ import time
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
@@ -46,7 +51,7 @@ from .callbacks import CallbackHandler
 from .checkpoint import load_policy_weights, rng_state, save_checkpoint
 from .config import BatchPlan, GRPOConfig, interval_due, resolve_steps
 from .distributed import gather_objects, global_sum
-from .evaluation import should_evaluate
+from .evaluation import EvaluationParts, should_evaluate
 from .experience import Sampling
 from .generation_inputs import GenerationInputs
 from .health import NonFiniteError, RunHealth, non_finite_error, save_last_good
@@ -80,7 +85,7 @@ class TrainingRun:
     window: MetricWindow = field(default_factory=MetricWindow)
     ledger: StepLedger = field(default_factory=StepLedger)  # the stages' statistics of the current optimizer step
     pending: deque = field(default_factory=deque)  # micro-batches (TrainBatch) not yet trained on
-    evaluate: Optional[Callable[[], Any]] = None  # runs evaluation and logs it (set when eval_strategy != "no" or there is an eval set)
+    evaluates: bool = False  # trainer.evaluate() may run during training (eval_strategy != "no" or there is an eval set)
     step_losses: list[float] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)  # detectors, NaN guards, last good state (health.py)
     callbacks: CallbackHandler = field(default_factory=CallbackHandler)  # the user's TrainerCallbacks
@@ -139,6 +144,11 @@ class TrainingRun:
 
     def __post_init__(self) -> None:
         self.collectives = Collectives.of(self.accelerator)
+
+    def evaluation_parts(self) -> EvaluationParts:
+        """What evaluation (evaluation.evaluate) uses of the run."""
+        return EvaluationParts(self.config, self.accelerator, self.model, self.rollouts, self.trainer, self.state, self.fire,
+                               attach=lambda current: setattr(self, "evaluation_pass", current))
 
     def sampling(self) -> Sampling:
         """What the generation stage (experience.score_generation) uses of the run."""
@@ -265,7 +275,7 @@ def train_steps(run: TrainingRun) -> dict[str, float]:
     run.callbacks.control.should_training_stop = False  # a stop asked for in an earlier train() call is over
     epoch_open = False
     run.fire("on_train_begin")
-    if config.eval_on_start and run.evaluate is not None and state.global_step == 0:
+    if config.eval_on_start and run.evaluates and state.global_step == 0:
         evaluate_and_track(run)
     while state.global_step < run.total_steps and not run.callbacks.control.should_training_stop:
         if not epoch_open:
@@ -310,7 +320,7 @@ def train_steps(run: TrainingRun) -> dict[str, float]:
             trainer_level = {k: v for k, v in run.window.summary().items() if k in TRAINER_METRICS}
             run.trainer.log(trainer_level)  # GRPOTrainer.log merges the GRPO metrics gathered since the last entry
         new_best = False
-        if run.evaluate is not None and (should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate):
+        if run.evaluates and (should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate):
             new_best = evaluate_and_track(run)
         if should_save(config, state.global_step, save_steps, run.steps_per_epoch, new_best) or control.should_save:
             save(run)
@@ -364,7 +374,7 @@ def should_log(config: GRPOConfig, step: int, logging_steps: int, steps_per_epoc
 
 def evaluate_and_track(run: TrainingRun) -> bool:
     """Evaluate (logged by the evaluation itself); True when metric_for_best_model reached a new best."""
-    metrics = run.evaluate()
+    metrics = run.trainer.evaluate()  # a TRL override point
     return record_evaluation(run.config, run.state, metrics or {})
 
 

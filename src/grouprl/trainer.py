@@ -297,8 +297,8 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
             trainer=self,
         )
         self._mirror_settings(args, aux_loss_coef)
-        if args.eval_strategy != "no" or eval_dataset is not None:  # scheduled, or asked for by a callback (control.should_evaluate)
-            self.run.evaluate = self.evaluate
+        # scheduled, or asked for by a callback (control.should_evaluate)
+        self.run.evaluates = args.eval_strategy != "no" or eval_dataset is not None
         if self.accelerator.num_processes > 1:
             set_seed(args.seed, device_specific=True)  # seed + process index: each process samples its own completions
         if self.accelerator.is_main_process:
@@ -422,7 +422,7 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
         """The DataLoader evaluation reads (a name of a dict eval_dataset, a dataset, or None: the trainer's); a stream gets 0 workers."""
-        return evaluation.eval_loader(self.run, evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset))
+        return evaluation.eval_loader(evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset), self.args, self.accelerator.num_processes)
 
     def save_model(self, output_dir: Optional[str] = None) -> None:
         """Write the model and tokenizer (`from_pretrained`-loadable) to output_dir (default: args.output_dir)."""
@@ -464,7 +464,8 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         trainer's (a Dataset or a dict name -> Dataset, reported as eval_<name>_*). `ignore_keys`
         is accepted for compatibility: it names model outputs, which evaluation does not collect.
         """
-        return evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
+        return evaluation.evaluate(self.run.evaluation_parts(), eval_dataset if eval_dataset is not None else self.eval_dataset,
+                                   metric_key_prefix)
 
     def _load_checkpoint(self, path: str) -> None:
         training, loop_state = load_training_state(path)
