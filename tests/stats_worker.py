@@ -89,6 +89,23 @@ def run(scenario: str, out_dir: str, model_dir: str) -> None:
 
         grouprl.objective.policy_loss = recording_policy_loss
         grouprl.experience.sampler_importance_weights = recording_importance
+        # collectives made while computing each micro-batch's loss and statistics (the reduction waits for the step's end)
+        calls = {"collectives": 0}
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object"):
+            def counted(*args, _original=getattr(torch.distributed, name), **kwargs):
+                calls["collectives"] += 1
+                return _original(*args, **kwargs)
+            setattr(torch.distributed, name, counted)
+        compute_loss = trainer.compute_loss
+        result["loss_collectives"] = []
+
+        def counted_compute_loss(model, inputs, *args, **kwargs):
+            before = calls["collectives"]
+            loss = compute_loss(model, inputs, *args, **kwargs)
+            result["loss_collectives"].append(calls["collectives"] - before)
+            return loss
+
+        trainer.compute_loss = counted_compute_loss
     else:
         inner = trainer.accelerator.unwrap_model(trainer.run.model)
 
@@ -102,6 +119,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> None:
         trainer.train()
     except NonFiniteError as error:
         result["error"] = str(error)
+    result["step_collectives"] = trainer.run.collectives.collectives  # the loop's reductions of the statistics
     result["log_history"] = trainer.state.log_history
     result["global_step"] = trainer.state.global_step
     torch.save(result, os.path.join(out_dir, f"{scenario}-rank{rank}.pt"))

@@ -191,6 +191,10 @@ def test_two_processes_log_min_max_and_sampler_statistics_over_every_process(tin
     assert step2["policy_ratio/min"] != pytest.approx((local0["policy_ratio/min"] + local1["policy_ratio/min"]) / 2, rel=1e-6)
     weighted = (local0["policy_ratio/mean"] * local0["tokens"] + local1["policy_ratio/mean"] * local1["tokens"]) / (local0["tokens"] + local1["tokens"])
     assert step2["policy_ratio/mean"] == pytest.approx(weighted, rel=1e-5)  # TRL's global mean over loss tokens
+    # no collective while a micro-batch's loss and statistics are computed (there were 9 per micro-step); the loop
+    # reduces everything in one SUM and one MAX all-reduce per optimizer step
+    assert rank0["loss_collectives"] == [0, 0] == rank1["loss_collectives"]
+    assert rank0["step_collectives"] == 2 * 2 == rank1["step_collectives"]
     for key in ("clip_ratio/low_min", "clip_ratio/high_max"):
         reduce = min if key.endswith("min") else max
         values = [v for v in (local0[key], local1[key]) if not math.isnan(v)]
