@@ -372,7 +372,7 @@ def tiny_moe_dir(tiny_model_dir, tmp_path_factory):
 
 def test_moe_router_aux_loss(tiny_moe_dir, tmp_path):
     trainer = GRPOTrainer(model=tiny_moe_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=1), train_dataset=prompts())
-    assert trainer.run.aux_loss_coef == 0.02  # None: the model config's value
+    assert trainer.run.objective.aux_loss_coef == 0.02  # None: the model config's value
     before = parameters(trainer.model)
     trainer.train()
     assert history(trainer, "aux_loss")[0] > 0.0
@@ -380,7 +380,7 @@ def test_moe_router_aux_loss(tiny_moe_dir, tmp_path):
     assert gate and all(not torch.equal(before[k], parameters(trainer.model)[k]) for k in gate)
     off = GRPOTrainer(model=tiny_moe_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "b", max_steps=1, router_aux_loss_coef=0.0),
                       train_dataset=prompts())
-    assert off.run.aux_loss_coef == 0.0
+    assert off.run.objective.aux_loss_coef == 0.0
 
 
 def test_router_aux_loss_on_a_dense_model_is_an_error(tiny_model_dir, tmp_path):

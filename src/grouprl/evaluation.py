@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import datasets
 import torch
@@ -34,9 +34,12 @@ from .data import check_dataset
 from .distributed import global_mean
 from .generation_inputs import GenerationInputs
 from .metrics import MetricWindow
-from .objective import policy_logprobs
+from .objective import LossStats, Objective, objective_stats
+from .policy_logprobs import policy_logprobs
 from .rollout import RolloutMaker
 from .row_loading import sequential_loader, workers_for
+from .stats import metrics
+from .step_reduction import Collectives, reduce_step
 from .types import Rollout
 
 logger = logging.get_logger("grouprl")
@@ -73,21 +76,36 @@ def should_evaluate(config: GRPOConfig, step: int, total_steps: int, steps_per_e
     return interval_due(config.eval_strategy, step, every, steps_per_epoch) and not delayed
 
 
-def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
+@dataclass(frozen=True)
+class EvaluationParts:
+    """What an evaluation uses of the run (built by the loop's TrainingRun.evaluation_parts)."""
+
+    config: GRPOConfig
+    accelerator: Any
+    model: torch.nn.Module  # the prepared policy
+    rollouts: RolloutMaker  # the training sampler: its parts are shared, its counters are not
+    hooks: Any  # the GRPOTrainer: _prepare_inputs, compute_loss and log are TRL override points
+    trainer_state: Any  # transformers.TrainerState
+    fire: Callable[..., Any]  # a TrainerCallback event
+    attach: Callable[[Optional["EvaluationPass"]], None]  # makes the pass visible to the eval-mode override points
+
+
+def evaluate(parts: EvaluationParts, eval_dataset: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
     """Evaluate on a Dataset (or a dict name -> Dataset); log the metrics and return them."""
     if eval_dataset is None:
         raise ValueError("evaluate() needs an eval_dataset: pass it to GRPOTrainer(eval_dataset=...) or to evaluate().")
-    check_eval_setup(run.config, eval_dataset, run.accelerator.num_processes, prompt_required=run.rollouts.settings.default_prompt is None)
+    check_eval_setup(parts.config, eval_dataset, parts.accelerator.num_processes,
+                     prompt_required=parts.rollouts.settings.default_prompt is None)
     if isinstance(eval_dataset, dict):
         metrics: dict[str, float] = {}
         for name, dataset in eval_dataset.items():
-            metrics.update(evaluate(run, dataset, f"{metric_key_prefix}_{name}"))
+            metrics.update(evaluate(parts, dataset, f"{metric_key_prefix}_{name}"))
         return metrics
     started = time.time()
-    was_training = run.model.training
-    run.model.eval()  # as in TRL, the trainer's override points see model.training False during evaluation and its log
+    was_training = parts.model.training
+    parts.model.eval()  # as in TRL, the trainer's override points see model.training False during evaluation and its log
     try:
-        window, batches, completions = _sample_and_score(run, eval_dataset)
+        window, batches, completions = _sample_and_score(parts, eval_dataset)
         runtime = time.time() - started
         summary = {k: v for k, v in window.summary().items() if k != "num_tokens"}
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in summary.items()}
@@ -96,37 +114,37 @@ def evaluate(run: Any, eval_dataset: Any, metric_key_prefix: str = "eval") -> di
             f"{metric_key_prefix}_samples_per_second": completions / max(runtime, 1e-9),
             f"{metric_key_prefix}_steps_per_second": batches / max(runtime, 1e-9),
         })
-        run.trainer.log(metrics)  # log_history, trackers, on_log, metrics.jsonl and an "eval at step" line
+        parts.hooks.log(metrics)  # log_history, trackers, on_log, metrics.jsonl and an "eval at step" line
     finally:
-        run.model.train(was_training)
-    run.fire("on_evaluate", metrics=metrics)
+        parts.model.train(was_training)
+    parts.fire("on_evaluate", metrics=metrics)
     return metrics
 
 
 @dataclass
 class EvaluationPass:
-    """What the trainer's eval-mode defaults use while an evaluation runs (TrainingRun.evaluation_pass)."""
+    """What the trainer's eval-mode defaults use while an evaluation runs (the run's evaluation_pass)."""
 
     rollouts: RolloutMaker  # G_eval completions per prompt, its own counters
     window: MetricWindow  # the eval metrics
 
 
-def eval_batch(run: Any, inputs: GenerationInputs) -> Any:
+def eval_batch(evaluation_pass: Optional["EvaluationPass"], inputs: GenerationInputs, *, accelerator: Any, trainer_state: Any) -> Any:
     """One eval batch sampled and scored (GRPOTrainer._generate_and_score_completions in eval mode): no old or
     reference logprobs, nothing buffered."""
-    current = _current_pass(run)
+    current = current_pass(evaluation_pass)
     prompts = inputs.prompt_batch
-    with run.accelerator.autocast():
+    with accelerator.autocast():
         rollout = Rollout(prompts, current.rollouts.generate(prompts))
-    rollout, _, advantages = current.rollouts.score(rollout, run.state, current.window)
+    rollout, _, advantages = current.rollouts.score(rollout, trainer_state, current.window)
     return current.rollouts.make_train_batch(rollout, advantages)
 
 
-def _current_pass(run: Any) -> EvaluationPass:
-    if run.evaluation_pass is None:
+def current_pass(evaluation_pass: Optional[EvaluationPass]) -> EvaluationPass:
+    if evaluation_pass is None:
         raise RuntimeError("The trainer's model is in eval mode outside of evaluate(): its eval-mode steps (_generate_and_score_completions, "
                            "_compute_loss) run inside trainer.evaluate(); call model.train() before training steps.")
-    return run.evaluation_pass
+    return evaluation_pass
 
 
 def format_eval_line(entry: dict[str, Any]) -> str:
@@ -134,15 +152,14 @@ def format_eval_line(entry: dict[str, Any]) -> str:
     return f"eval at step {entry.get('step')} | " + " | ".join(shown)
 
 
-def _eval_rollouts(run: Any, num_generations: int) -> RolloutMaker:
+def _eval_rollouts(training: RolloutMaker, num_generations: int) -> RolloutMaker:
     """The eval sampler: the training one's backend, prompts, rewards, agent and override hooks, with G_eval, fresh
     counters, no completion log and no row filter (GFPO does not filter in evaluation)."""
-    train = run.rollouts
     return RolloutMaker(
-        accelerator=train.accelerator, backend=train.backend, sampler=train.sampler, tokenize=train.tokenize,
-        reward_functions=train.reward_functions, reward_weights=train.reward_weights, sampling=train.sampling,
-        settings=replace(train.settings, num_generations=num_generations), synced_step=train.synced_step, agent=train.agent,
-        recent=train.recent, generate_hook=train.generate_hook, reward_hook=train.reward_hook,
+        accelerator=training.accelerator, backend=training.backend, sampler=training.sampler, tokenize=training.tokenize,
+        reward_functions=training.reward_functions, reward_weights=training.reward_weights, sampling=training.sampling,
+        settings=replace(training.settings, num_generations=num_generations), synced_step=training.synced_step, agent=training.agent,
+        recent=training.recent, generate_hook=training.generate_hook, reward_hook=training.reward_hook,
     )
 
 
@@ -161,62 +178,63 @@ def pick_eval_dataset(default: Any, chosen: Any) -> Any:
     return dataset
 
 
-def eval_loader(run: Any, dataset: Any) -> DataLoader:
+def eval_loader(dataset: Any, config: GRPOConfig, num_processes: int) -> DataLoader:
     """The eval prompts' rows in dataset order, one eval batch of prompts at a time, as lists of (index, row).
 
     Map-style data is read by dataloader_num_workers worker processes; a stream in this process (row_loading.py).
     """
-    config = run.config
-    prompts_per_batch = config.per_device_eval_batch_size * run.accelerator.num_processes // (config.num_generations_eval or config.num_generations)
+    prompts_per_batch = config.per_device_eval_batch_size * num_processes // (config.num_generations_eval or config.num_generations)
     return sequential_loader(dataset, prompts_per_batch, num_workers=workers_for(dataset, config.dataloader_num_workers))
 
 
-def _sample_and_score(run: Any, dataset: Any) -> tuple[MetricWindow, int, int]:
-    config, accelerator = run.config, run.accelerator
+def _sample_and_score(parts: EvaluationParts, dataset: Any) -> tuple[MetricWindow, int, int]:
+    config, accelerator, hooks = parts.config, parts.accelerator, parts.hooks
     size = config.num_generations_eval or config.num_generations
-    run.rollouts.sync_weights(accelerator.unwrap_model(run.model), run.state.global_step)  # a server samples the current weights
-    rollouts = _eval_rollouts(run, size)
+    parts.rollouts.sync_weights(accelerator.unwrap_model(parts.model), parts.trainer_state.global_step)  # a server samples the current weights
+    rollouts = _eval_rollouts(parts.rollouts, size)
     window, batches, completions = MetricWindow(), 0, 0
-    run.evaluation_pass = EvaluationPass(rollouts, window)
+    parts.attach(EvaluationPass(rollouts, window))
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(config.seed)
-            for number, pairs in enumerate(eval_loader(run, dataset)):
+            for number, pairs in enumerate(eval_loader(dataset, config, accelerator.num_processes)):
                 indices, rows = [index for index, _ in pairs], [row for _, row in pairs]
                 if (len(rows) * size) % accelerator.num_processes:
                     logger.warning("evaluation: the last %d prompts cannot be split evenly over %d processes and are skipped.",
                                    len(rows), accelerator.num_processes)
                     break
                 inputs = rollouts.prompt_inputs(indices, rows, number)
-                batch = run.trainer._prepare_inputs(inputs)  # eval mode: _generate_and_score_completions(inputs), as TRL
+                batch = hooks._prepare_inputs(inputs)  # eval mode: _generate_and_score_completions(inputs), as TRL
                 with torch.no_grad():
-                    loss = run.trainer.compute_loss(run.model, batch)
+                    loss = hooks.compute_loss(parts.model, batch)
                 window.add("loss", global_mean(accelerator, float(loss)))
                 batches += 1
                 completions += len(rows) * size
     finally:
-        run.evaluation_pass = None
+        parts.attach(None)
     if isinstance(dataset, datasets.Dataset) and batches == 0:
         raise ValueError("evaluation: the eval dataset produced no complete batch.")
     return window, batches, completions
 
 
-def eval_loss(run: Any, batch: Any) -> torch.Tensor:
+def eval_loss(model: torch.nn.Module, batch: Any, objective: Objective, *, evaluation_pass: Optional[EvaluationPass], hooks: Any,
+              accelerator: Any, rows_per_chunk: int) -> torch.Tensor:
     """The policy loss at ratio 1 on eval samples (GRPOTrainer._compute_loss in eval mode); eval_entropy and the loss's
-    statistics go to the eval window."""
-    config, accelerator = run.config, run.accelerator
-    window = _current_pass(run).window
+    statistics, reduced over the processes in one reduction, go to the eval window."""
+    window = current_pass(evaluation_pass).window
     b = batch.to(accelerator.device)
     with torch.no_grad(), accelerator.autocast():
-        out = policy_logprobs(run, run.model, b, rows_per_chunk=config.per_device_eval_batch_size)
-        logprobs, entropy = out.logprobs, out.entropy
-        settings = {**run.loss_settings, "beta": 0.0}  # no reference pass in evaluation: the KL term is left out
-        loss, stats = policy_loss(
-            config.loss_type, logprobs, None, b.advantages, b.loss_mask, **settings, grad_accum_steps=1,
+        out = policy_logprobs(hooks, model, b, temperature=objective.temperature, rows_per_chunk=rows_per_chunk,
+                              pack_prompts=objective.pack_shared_prompts)
+        settings = {**objective.loss_kwargs, "beta": 0.0}  # no reference pass in evaluation: the KL term is left out
+        loss, values = policy_loss(
+            objective.loss_type, out.logprobs, None, b.advantages, b.loss_mask, **settings, grad_accum_steps=1,
             token_denominator=max(batch.num_loss_tokens, 1.0) / accelerator.num_processes,
         )
-    window.add("entropy", global_mean(accelerator, masked_mean(entropy, b.loss_mask).item()))  # model tokens only
-    for name, value in stats.items():
-        window.add(name, global_mean(accelerator, value.item()))
+    tokens = b.loss_mask.sum()
+    stats = LossStats(tokens=tokens, rows=float(len(b)), entropy=masked_mean(out.entropy, b.loss_mask),  # model tokens only
+                      objective=objective_stats(values, tokens, float(len(b)), objective.sequence_level))
+    (reduced,), _ = reduce_step([stats], Collectives.of(accelerator))
+    window.add_all(metrics(reduced))
     return loss

@@ -14,10 +14,12 @@ warns about each kind once, counts the steps where it recurs and logs a summary 
     learning rate 0               learning_rate                                  == 0 (not the first
                                                                                  step of a warmup)
 
-Non-finite values stop the run before they reach the weights: `guard_advantages`, `guard_loss`
-and `guard_gradients` raise `NonFiniteError` naming where the NaN / inf appeared (a reward
-function returning one raises `RewardFunctionError` naming the function, in rewards/scoring.py).
-`stop_safely` (around `loop.train`) then saves the last good state first. That state is exact:
+Non-finite values stop the run before they reach the weights: the advantages, each micro-batch's
+loss and the gradients are finite() checks of the step's statistics (stats.py), reduced with them
+once per optimizer step, before the update, so every process learns which process saw a NaN / inf
+and all raise the same `NonFiniteError` (`non_finite_error`) together: none is left waiting in a
+collective. (A reward function returning one raises `RewardFunctionError` naming the function, in
+rewards/scoring.py.) The loop then saves the last good state first (`save_last_good`). That state is exact:
 the model, optimizer and scheduler do not change until the optimizer step, which a failing step
 never reaches, and `RunHealth.start_step` kept the rest (RNG, sampler position, buffered
 micro-batches, metric window, entropy controller) as it was when the step began. So the
@@ -26,20 +28,17 @@ checkpoint equals the one a save after the previous step would have written.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from transformers.utils import logging
 
-from .checkpoint import COMPLETE_MARKER, rng_state, save_checkpoint
-from .rewards.scoring import RewardFunctionError
-
-if TYPE_CHECKING:
-    from .loop import TrainingRun
+from .checkpoint import COMPLETE_MARKER, rng_state
+from .metrics import MetricWindow
+from .step_reduction import Failure, first_failure_of
 
 logger = logging.get_logger("grouprl")
 
@@ -228,18 +227,18 @@ class RunHealth:
         self.last_good: Optional[LastGoodState] = None
         self._mark: dict[str, int] = {}
 
-    def start_step(self, run: TrainingRun) -> None:
-        self.last_good = LastGoodState(run.state.global_step, run.loop_state(with_reference=False), rng_state())
-        self._mark = run.window.mark()
+    def start_step(self, step: int, loop_state: dict[str, Any], window: MetricWindow) -> None:
+        self.last_good = LastGoodState(step, loop_state, rng_state())
+        self._mark = window.mark()
 
-    def end_step(self, run: TrainingRun) -> dict[str, Any]:
-        """After the optimizer step: close the phase timers, run the detectors; returns the step's metrics."""
-        run.window.close_step()
-        stats = run.window.summary(since=self._mark)
-        if run.accelerator.is_main_process:  # the metrics are global: one process warns
-            findings = detect(stats, step=run.state.global_step, max_completion_length=run.config.max_completion_length,
-                              warmup=bool(run.config.warmup_steps))
-            self.monitor.observe(findings, run.state.global_step)
+    def end_step(self, window: MetricWindow, *, step: int, warn: bool, max_completion_length: Optional[int] = None,
+                 warmup: bool = False) -> dict[str, Any]:
+        """After the optimizer step: close the phase timers, run the detectors (`warn`: this process reports, the
+        metrics being global); returns the step's metrics."""
+        window.close_step()
+        stats = window.summary(since=self._mark)
+        if warn:
+            self.monitor.observe(detect(stats, step=step, max_completion_length=max_completion_length, warmup=warmup), step)
         return stats
 
     def finish(self) -> None:
@@ -248,82 +247,68 @@ class RunHealth:
             logger.warning(summary)
 
 
-def guard_advantages(run: TrainingRun, advantages: torch.Tensor) -> None:
-    finite = torch.isfinite(advantages)
-    if bool(finite.all()):
-        return
-    bad = (~finite).nonzero().flatten().tolist()
-    raise NonFiniteError(
-        f"Advantages are not finite at step {run.state.global_step + 1}: {len(bad)} of {len(advantages)} rows are NaN or inf "
-        f"(first: row {bad[0]}). The rewards were finite, so the advantage computation produced them: check a custom "
-        "RolloutMaker or group filter, and keep rewards in a moderate range."
-    )
+# ---- non-finite values: what each finite() check says -----------------------------------------------
 
 
-def guard_loss(run: TrainingRun, loss: float, loss_mask: torch.Tensor, **inputs: Optional[torch.Tensor]) -> None:
-    """`inputs`: the loss's tensors by readable name; per-token ones (n, T) are checked on loss tokens only."""
-    if math.isfinite(loss):
-        return
-    culprits = []
-    for name, tensor in inputs.items():
-        if tensor is None:
-            continue
-        values = tensor.detach()[loss_mask] if tensor.shape == loss_mask.shape else tensor.detach()
-        if not bool(torch.isfinite(values).all()):
-            culprits.append(name)
-    where = ", ".join(culprits) if culprits else "none of its inputs (a loss term overflowed)"
-    raise NonFiniteError(
-        f"The loss is {loss} at step {run.state.global_step + 1}; non-finite inputs: {where}. The update was not applied. "
-        "Usually weights or activations overflowed: lower learning_rate, keep max_grad_norm > 0, prefer bf16 to fp16; "
-        "non-finite reference log-probabilities point at the reference model."
-    )
+def describe_non_finite(failure: Failure, step: int) -> str:
+    """This process's sentence for a failed finite() check (stats.finite): where the NaN / inf is and what to try."""
+    entry = failure.entry
+    if failure.check == "advantages":
+        advantages = entry.advantages.detach().cpu()
+        bad = (~torch.isfinite(advantages)).nonzero().flatten().tolist()
+        return (
+            f"Advantages are not finite at step {step}: {len(bad)} of {len(advantages)} rows are NaN or inf "
+            f"(first: row {bad[0]}). The rewards were finite, so the advantage computation produced them: check a custom "
+            "RolloutMaker or group filter, and keep rewards in a moderate range."
+        )
+    if failure.check == "loss":
+        culprits = [name for name, ok in (entry.loss_inputs or {}).items() if not bool(ok)]
+        where = ", ".join(culprits) if culprits else "none of its inputs (a loss term overflowed)"
+        return (
+            f"The loss is {float(entry.loss)} at step {step}; non-finite inputs: {where}. The update was not applied. "
+            "Usually weights or activations overflowed: lower learning_rate, keep max_grad_norm > 0, prefer bf16 to fp16; "
+            "non-finite reference log-probabilities point at the reference model."
+        )
+    if failure.check == "gradients":
+        return (
+            f"The gradients are not finite at step {step} (grad_norm = {float(entry.grad_norm)}) although the loss was "
+            "finite; the update was not applied. Lower learning_rate, keep max_grad_norm > 0, prefer bf16 to fp16, and check "
+            "custom layers or backward hooks."
+        )
+    return f"{failure.check} is not finite at step {step}; the update was not applied."
 
 
-def guard_gradients(run: TrainingRun, grad_norm: float) -> None:
-    # Under fp16 loss scaling an inf gradient is routine: the scaler skips that step and lowers the scale.
-    if math.isfinite(grad_norm) or run.accelerator.scaler is not None:
-        return
-    raise NonFiniteError(
-        f"The gradients are not finite at step {run.state.global_step + 1} (grad_norm = {grad_norm}) although the loss was "
-        "finite; the update was not applied. Lower learning_rate, keep max_grad_norm > 0, prefer bf16 to fp16, and check "
-        "custom layers or backward hooks."
-    )
+def non_finite_error(failures: list[Failure], *, step: int, process_index: int, num_processes: int,
+                     gather: Callable[[Any], list[Any]]) -> NonFiniteError:
+    """The one error every process raises when a finite() check failed anywhere in this step. Each process describes
+    its own first failure (the cause; what follows from it is left out); `gather` (a collective every process reaches,
+    since every process got the same failures from the step's reduction) shares the sentences, so all raise the same
+    message naming the processes."""
+    own = first_failure_of(failures, process_index)
+    sentences = gather(describe_non_finite(own, step) if own is not None else None)
+    if num_processes == 1:
+        return NonFiniteError(sentences[0])
+    lines = [f"  process {p}: {sentence}" for p, sentence in enumerate(sentences) if sentence is not None]
+    named = ", ".join(str(p) for p, sentence in enumerate(sentences) if sentence is not None)
+    return NonFiniteError(f"Non-finite values on process {named} of {num_processes} at step {step}; every process stopped "
+                          "before the update:\n" + "\n".join(lines))
 
 
-def stop_safely(train: Callable[[TrainingRun], Any]) -> Callable[[TrainingRun], Any]:
-    """Around `loop.train`: on NaN / inf or a failing reward function, save the last good state, then
-    re-raise the error with where that state is."""
-
-    @functools.wraps(train)
-    def wrapper(run: TrainingRun) -> Any:
-        try:
-            return train(run)
-        except (NonFiniteError, RewardFunctionError) as err:
-            note = save_last_good(run)
-            err.args = (f"{err.args[0] if err.args else err}\n{note}", *err.args[1:])
-            raise
-
-    return wrapper
-
-
-def save_last_good(run: TrainingRun) -> str:
+def save_last_good(good: Optional[LastGoodState], *, step: int, loop_state: Callable[[], dict[str, Any]], output_dir: str,
+                   writes: bool, write: Callable[[int, dict[str, Any], Optional[dict[str, Any]]], Any]) -> str:
     """Checkpoint the state before the failing step (or, if the failure came after its optimizer step,
-    e.g. in evaluation, the state after it); returns a sentence saying where it is."""
-    good = run.health.last_good
-    if good is not None and good.step == run.state.global_step:  # the failing step had not updated anything yet
-        step, loop_state, rng = good.step, {**run.loop_state(), **good.loop_state}, good.rng
+    e.g. in evaluation, the state after it); returns a sentence saying where it is. `write(step, loop_state, rng)`
+    writes a checkpoint; `writes`: this process writes (the main one)."""
+    if good is not None and good.step == step:  # the failing step had not updated anything yet
+        step, state, rng = good.step, {**loop_state(), **good.loop_state}, good.rng
     else:
-        step, loop_state, rng = run.state.global_step, run.loop_state(), None
+        state, rng = loop_state(), None
     if step == 0:
         return "The run stopped before its first update, so there was no trained state to save."
-    path = os.path.join(run.config.output_dir, f"checkpoint-{step}")
-    if not os.path.exists(os.path.join(path, COMPLETE_MARKER)) and run.accelerator.is_main_process:
+    path = os.path.join(output_dir, f"checkpoint-{step}")
+    if not os.path.exists(os.path.join(path, COMPLETE_MARKER)) and writes:
         try:
-            save_checkpoint(
-                run.config.output_dir, step, model=run.accelerator.unwrap_model(run.model), tokenizer=run.tokenizer,
-                optimizer=run.optimizer, scheduler=run.scheduler, trainer_state=run.state, loop_state=loop_state,
-                save_total_limit=run.config.save_total_limit, rng=rng,
-            )
+            write(step, state, rng)
         except Exception as save_error:  # noqa: BLE001 - the original error matters more; say why nothing was saved
             return f"Saving the last good state (step {step}) failed too: {type(save_error).__name__}: {save_error}"
     return (f"The last good state (after step {step}) is saved in {path}: fix the cause, then resume with "

@@ -7,17 +7,22 @@
                 trainer._prepare_inputs(inputs): if no micro-batch is buffered:
                     trainer._generate_and_score_completions(inputs): generate -> score ->
                         advantages -> (old / reference logprobs, sampler IS weights)  (experience.py)
+                        -> TrainBatch, ExperienceStats (recorded in run.ledger)
                     -> shuffle rows -> split into steps_per_generation micro-batches,
                        queued num_iterations times
                 trainer.compute_loss -> _compute_loss: forward -> policy loss    (objective.py)
+                    -> loss, LossStats (recorded in run.ledger)
                 -> backward
-        clip gradients -> optimizer step -> LR step -> entropy controller / reference sync
+        clip gradients -> reduce the step's statistics over every process, once (step_reduction.py;
+        a NaN / inf anywhere stops every process here) -> optimizer step -> LR step
+        -> statistics into the metric window -> entropy controller / reference sync
         -> trainer.log -> evaluate -> checkpoint
     trainer.log(train summary) -> on_train_end
     (TrainerCallback events fire at the same points as in transformers' Trainer: callbacks.py)
 
 The `trainer.*` methods are TRL's override points (trainer_hooks.py): a TRL subclass's versions run,
-and their defaults are the grouprl stages named on the right.
+and their defaults are the grouprl stages named on the right. The stages get what they use (the
+model, the batch, `Objective`, `Sampling`), never the run; this module is the only one that holds it.
 
 The buffer semantics are TRL's (§2.13): one generation feeds steps_per_generation x num_iterations
 micro-steps, replayed in the same order each iteration, independently of where optimizer steps
@@ -33,7 +38,7 @@ import time
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
@@ -45,14 +50,18 @@ from .best_checkpoint import record_evaluation
 from .callbacks import CallbackHandler
 from .checkpoint import load_policy_weights, rng_state, save_checkpoint
 from .config import BatchPlan, GRPOConfig, interval_due, resolve_steps
-from .distributed import gather_objects, global_mean, global_sum
-from .evaluation import should_evaluate
+from .distributed import gather_objects, global_sum
+from .evaluation import EvaluationParts, should_evaluate
+from .experience import Sampling
 from .generation_inputs import GenerationInputs
-from .health import RunHealth, guard_gradients, stop_safely
+from .health import NonFiniteError, RunHealth, non_finite_error, save_last_good
 from .metrics import TRAINER_METRICS, JsonlWriter, MetricWindow, PhaseTimer, progress_postfix
-from .objective import loss_settings, train_micro_batch  # noqa: F401 - GRPOTrainer.training_step calls loop.train_micro_batch
+from .objective import Objective
 from .reference import Reference, mix_into_reference
+from .rewards.scoring import RewardFunctionError
 from .rollout import RolloutMaker
+from .stats import finite, mean, metrics
+from .step_reduction import Collectives, StepLedger, reduce_step
 
 
 @dataclass
@@ -70,12 +79,13 @@ class TrainingRun:
     state: Any  # transformers.TrainerState
     total_steps: int
     steps_per_epoch: Optional[int]
+    objective: Objective  # the loss's settings, built once from the config
     reference: Optional[Reference] = None  # beta != 0
     entropy_controller: Optional[EntropyController] = None  # entropy bonus on
-    aux_loss_coef: float = 0.0  # MoE router load-balancing loss weight (0 = off)
     window: MetricWindow = field(default_factory=MetricWindow)
+    ledger: StepLedger = field(default_factory=StepLedger)  # the stages' statistics of the current optimizer step
     pending: deque = field(default_factory=deque)  # micro-batches (TrainBatch) not yet trained on
-    evaluate: Optional[Callable[[], Any]] = None  # runs evaluation and logs it (set when eval_strategy != "no" or there is an eval set)
+    evaluates: bool = False  # trainer.evaluate() may run during training (eval_strategy != "no" or there is an eval set)
     step_losses: list[float] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)  # detectors, NaN guards, last good state (health.py)
     callbacks: CallbackHandler = field(default_factory=CallbackHandler)  # the user's TrainerCallbacks
@@ -84,6 +94,9 @@ class TrainingRun:
     progress: Any = None  # the tqdm bar while training (log lines are written through it)
     flos: float = 0.0  # this process's floating-point operations not yet added to state.total_flos
     evaluation_pass: Any = None  # set while evaluating: the eval RolloutMaker and metric window (evaluation.py)
+    collectives: Collectives = field(init=False)  # the step's reductions over the processes (from the accelerator)
+    trained_tokens: Any = field(init=False, default=0.0)  # tokens trained on since the last store_flos (a tensor: no host sync)
+    _flos_per_token: Optional[float] = field(init=False, default=None)
 
     def fire(self, event: str, **extra: Any) -> Any:
         """Call a TrainerCallback event on every callback; returns the shared TrainerControl."""
@@ -112,7 +125,11 @@ class TrainingRun:
             print(line, flush=True)
 
     def count_flos(self, micro: Any) -> None:
-        """Add a micro-batch's training flos: 6 x tokens x non-embedding parameters (transformers' estimate)."""
+        """Count a micro-batch's tokens for the training flos (6 x tokens x non-embedding parameters, transformers' estimate)."""
+        self.trained_tokens = self.trained_tokens + micro.prompt_mask.sum() + micro.completion_mask.sum()
+
+    def store_flos(self) -> None:
+        """Add every process's counted flos to state.total_flos (as Trainer.store_flos)."""
         if self._flos_per_token is None:
             model = self.accelerator.unwrap_model(self.model)
             try:
@@ -120,16 +137,22 @@ class TrainingRun:
             except (AttributeError, TypeError):
                 parameters = sum(p.numel() for p in model.parameters())
             self._flos_per_token = 6 * parameters
-        self.flos += self._flos_per_token * float(micro.prompt_mask.sum() + micro.completion_mask.sum())
-
-    def store_flos(self) -> None:
-        """Add every process's counted flos to state.total_flos (as Trainer.store_flos)."""
+        self.flos += self._flos_per_token * float(self.trained_tokens)
+        self.trained_tokens = 0.0
         self.state.total_flos += global_sum(self.accelerator, self.flos)
         self.flos = 0.0
 
     def __post_init__(self) -> None:
-        self.loss_settings = loss_settings(self.config)
-        self._flos_per_token: Optional[float] = None
+        self.collectives = Collectives.of(self.accelerator)
+
+    def evaluation_parts(self) -> EvaluationParts:
+        """What evaluation (evaluation.evaluate) uses of the run."""
+        return EvaluationParts(self.config, self.accelerator, self.model, self.rollouts, self.trainer, self.state, self.fire,
+                               attach=lambda current: setattr(self, "evaluation_pass", current))
+
+    def sampling(self) -> Sampling:
+        """What the generation stage (experience.score_generation) uses of the run."""
+        return Sampling(self.rollouts, self.config, self.plan, self.accelerator, self.state, self.window, self.timer)
 
     @property
     def timer(self) -> PhaseTimer:
@@ -166,24 +189,79 @@ class TrainingRun:
             self.reference.load_state_dict(state.get("reference_model"))
 
 
-def optimizer_step(run: TrainingRun) -> tuple[float, float]:
-    """Clip, step, schedule; returns (grad_norm before clipping, learning rate used)."""
-    with run.timer.phase("optimizer"):
-        params = [p for p in run.model.parameters() if p.requires_grad]
-        max_norm = run.config.max_grad_norm if run.config.max_grad_norm > 0 else float("inf")
-        grad_norm = float(run.accelerator.clip_grad_norm_(params, max_norm))
-        guard_gradients(run, grad_norm)  # NaN / inf: stop before the update
-        learning_rate = run.scheduler.get_last_lr()[0]
-        run.fire("on_pre_optimizer_step")
-        run.optimizer.step()
-        run.fire("on_optimizer_step")
-        run.scheduler.step()
-        run.optimizer.zero_grad(set_to_none=True)
-    return grad_norm, learning_rate
+@dataclass(frozen=True)
+class StepStats:
+    """The loop's own statistics of an optimizer step."""
+
+    loss: Any = mean("loss")  # this process's summed micro-batch losses; logged as the mean over processes
+    grad_norm: Any = finite("gradients")  # the clipped-over norm: NaN / inf stops every process (None under fp16 scaling)
 
 
-@stop_safely  # NaN / inf or a failing reward function: save the last good state, then stop
+def train_micro_batch(run: TrainingRun, micro: Any) -> torch.Tensor:
+    """Loss (trainer.compute_loss) and backward of one micro-batch; returns the (GA-scaled) loss, detached (no host sync)."""
+    if len(micro) == 0:  # dynamic sampling kept fewer rows than micro-steps
+        return torch.zeros((), device=run.accelerator.device)
+    loss = run.trainer.compute_loss(run.model, micro)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"{type(run.trainer).__name__}.compute_loss must return the loss as a one-element tensor, got "
+                        f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
+    with run.timer.phase("backward"):
+        run.accelerator.backward(loss)
+    run.count_flos(micro)
+    return loss.detach().reshape(())
+
+
+def clip_gradients(run: TrainingRun) -> torch.Tensor:
+    """Clip to max_grad_norm; returns the norm before clipping (a tensor: read once the step is reduced)."""
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    max_norm = run.config.max_grad_norm if run.config.max_grad_norm > 0 else float("inf")
+    norm = run.accelerator.clip_grad_norm_(params, max_norm)
+    return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm))
+
+
+def reduce_statistics(run: TrainingRun, step_stats: StepStats) -> list[Any]:
+    """Every statistic of this optimizer step, over every process, in one reduction; raises the same NonFiniteError on
+    every process if any process saw a NaN / inf (before the update). Returns the reduced entries, step_stats last."""
+    run.ledger.record(step_stats)
+    reduced, failures = reduce_step(run.ledger.take(), run.collectives)
+    if failures:
+        raise non_finite_error(failures, step=run.state.global_step + 1, process_index=run.accelerator.process_index,
+                               num_processes=run.accelerator.num_processes, gather=gather_objects)
+    return reduced
+
+
+def apply_update(run: TrainingRun) -> float:
+    """Optimizer step, then schedule; returns the learning rate used."""
+    learning_rate = run.scheduler.get_last_lr()[0]
+    run.fire("on_pre_optimizer_step")
+    run.optimizer.step()
+    run.fire("on_optimizer_step")
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return learning_rate
+
+
+def _as_loss(value: Any, device: torch.device) -> torch.Tensor:
+    """training_step's result (TRL: a detached tensor; an override may return a number) as a 0-dim tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(value), device=device)
+
+
 def train(run: TrainingRun) -> dict[str, float]:
+    """Train to max_steps; on NaN / inf or a failing reward function, save the last good state, then re-raise the error
+    with where that state is."""
+    try:
+        return train_steps(run)
+    except (NonFiniteError, RewardFunctionError) as err:
+        note = save_last_good(run.health.last_good, step=run.state.global_step, loop_state=run.loop_state,
+                              output_dir=run.config.output_dir, writes=run.accelerator.is_main_process,
+                              write=lambda step, loop_state, rng: write_checkpoint(run, step, loop_state, rng))
+        err.args = (f"{err.args[0] if err.args else err}\n{note}", *err.args[1:])
+        raise
+
+
+def train_steps(run: TrainingRun) -> dict[str, float]:
     config, state, accelerator = run.config, run.state, run.accelerator
     ga = run.plan.gradient_accumulation_steps
     logging_steps = resolve_steps(config.logging_steps, run.total_steps)
@@ -197,40 +275,52 @@ def train(run: TrainingRun) -> dict[str, float]:
     run.callbacks.control.should_training_stop = False  # a stop asked for in an earlier train() call is over
     epoch_open = False
     run.fire("on_train_begin")
-    if config.eval_on_start and run.evaluate is not None and state.global_step == 0:
+    if config.eval_on_start and run.evaluates and state.global_step == 0:
         evaluate_and_track(run)
     while state.global_step < run.total_steps and not run.callbacks.control.should_training_stop:
         if not epoch_open:
             run.fire("on_epoch_begin")
             epoch_open = True
         step_started = time.perf_counter()
-        run.health.start_step(run)
+        run.health.start_step(state.global_step, run.loop_state(with_reference=False), run.window)
+        run.ledger.take()  # statistics of a step that did not finish (an error caught by the caller) are not this step's
         run.callbacks.new_step()
         run.fire("on_step_begin")
-        step_loss = 0.0
+        step_loss = torch.zeros((), device=accelerator.device)
         for k in range(ga):
             if not run.pending:  # the next generation batch (TRL's dataloader batch)
                 run.inputs = run.rollouts.draw_prompts()
             with nullcontext() if k == ga - 1 else accelerator.no_sync(run.model):
-                step_loss += float(run.trainer.training_step(run.model, run.inputs, None))
+                # training_step -> _prepare_inputs (generation: experience.py) -> compute_loss (objective.py) -> backward;
+                # the stages' statistics go to run.ledger
+                step_loss = step_loss + _as_loss(run.trainer.training_step(run.model, run.inputs, None), accelerator.device)
             if k < ga - 1:
                 run.fire("on_substep_end")
-        grad_norm, learning_rate = optimizer_step(run)
+        with run.timer.phase("optimizer"):
+            grad_norm = clip_gradients(run)
+            # one reduction of every statistic of the step; NaN / inf anywhere stops every process here, before the update
+            checked_norm = grad_norm if accelerator.scaler is None else None  # fp16 scaling skips inf steps by itself
+            reduced = reduce_statistics(run, StepStats(loss=step_loss, grad_norm=checked_norm))
+            learning_rate = apply_update(run)
         state.global_step += 1
         if config.torch_empty_cache_steps and state.global_step % config.torch_empty_cache_steps == 0:
             clear_device_cache()
-        end_of_step_updates(run)
+        for entry in reduced[:-1]:  # the stages' entries, one per generation / micro-batch, as TRL appends them
+            run.window.add_all(metrics(entry))
+        end_of_step_updates(run, reduced)
         state.epoch = state.global_step / run.steps_per_epoch if run.steps_per_epoch else None
-        loss = global_mean(accelerator, step_loss)
+        loss = reduced[-1].loss
         run.step_losses.append(loss)
-        run.window.add_all({"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, "step_time": time.perf_counter() - step_started})
-        step_stats = run.health.end_step(run)  # phase times, silent-failure detectors
+        run.window.add_all({"loss": loss, "grad_norm": float(grad_norm), "learning_rate": learning_rate,
+                            "step_time": time.perf_counter() - step_started})
+        step_stats = run.health.end_step(run.window, step=state.global_step, warn=accelerator.is_main_process,
+                                         max_completion_length=config.max_completion_length, warmup=bool(config.warmup_steps))
         control = run.fire("on_step_end")  # a callback may ask for a log, evaluation, checkpoint or stop at this step
         if should_log(config, state.global_step, logging_steps, run.steps_per_epoch) or control.should_log:
             trainer_level = {k: v for k, v in run.window.summary().items() if k in TRAINER_METRICS}
             run.trainer.log(trainer_level)  # GRPOTrainer.log merges the GRPO metrics gathered since the last entry
         new_best = False
-        if run.evaluate is not None and (should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate):
+        if run.evaluates and (should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate):
             new_best = evaluate_and_track(run)
         if should_save(config, state.global_step, save_steps, run.steps_per_epoch, new_best) or control.should_save:
             save(run)
@@ -248,10 +338,10 @@ def train(run: TrainingRun) -> dict[str, float]:
         load_policy_weights(accelerator.unwrap_model(run.model), state.best_model_checkpoint)
 
     run.store_flos()
-    metrics = train_summary(run, time.time() - started, state.global_step - first_step)
-    run.trainer.log(metrics)  # as Trainer: adds epoch, and GRPO merges the metrics of steps not logged yet
+    metrics_ = train_summary(run, time.time() - started, state.global_step - first_step)
+    run.trainer.log(metrics_)  # as Trainer: adds epoch, and GRPO merges the metrics of steps not logged yet
     run.fire("on_train_end")
-    return metrics
+    return metrics_
 
 
 def train_summary(run: TrainingRun, runtime: float, steps_done: int) -> dict[str, float]:
@@ -266,12 +356,13 @@ def train_summary(run: TrainingRun, runtime: float, steps_done: int) -> dict[str
     }
 
 
-def end_of_step_updates(run: TrainingRun) -> None:
-    """Controllers that act once per optimizer step: the entropy coefficient, the TR-DPO reference sync."""
+def end_of_step_updates(run: TrainingRun, reduced: list[Any]) -> None:
+    """Controllers that act once per optimizer step: the entropy coefficient (from the step's reduced entropy sums),
+    the TR-DPO reference sync."""
     controller, accelerator = run.entropy_controller, run.accelerator
     if controller is not None:
-        total = global_sum(accelerator, controller.window_sum)
-        count = global_sum(accelerator, controller.window_count)
+        total = sum(getattr(entry, "entropy_sum", None) or 0.0 for entry in reduced)
+        count = sum(getattr(entry, "entropy_count", None) or 0.0 for entry in reduced)
         run.window.add("entropy_coef", controller.end_step(total, count))
     if run.config.sync_ref_model and run.state.global_step % run.config.ref_model_sync_steps == 0:
         mix_into_reference(run.reference.model, accelerator.unwrap_model(run.model), run.config.ref_model_mixup_alpha)
@@ -283,7 +374,7 @@ def should_log(config: GRPOConfig, step: int, logging_steps: int, steps_per_epoc
 
 def evaluate_and_track(run: TrainingRun) -> bool:
     """Evaluate (logged by the evaluation itself); True when metric_for_best_model reached a new best."""
-    metrics = run.evaluate()
+    metrics = run.trainer.evaluate()  # a TRL override point
     return record_evaluation(run.config, run.state, metrics or {})
 
 
@@ -319,3 +410,12 @@ def save(run: TrainingRun) -> Optional[str]:
     run.accelerator.wait_for_everyone()
     run.fire("on_save")
     return path
+
+
+def write_checkpoint(run: TrainingRun, step: int, loop_state: dict[str, Any], rng: Optional[dict[str, Any]]) -> None:
+    """Write a checkpoint of the run at `step` with the given loop state and RNG (the last good state after a failure)."""
+    save_checkpoint(
+        run.config.output_dir, step, model=run.accelerator.unwrap_model(run.model), tokenizer=run.tokenizer,
+        optimizer=run.optimizer, scheduler=run.scheduler, trainer_state=run.state, loop_state=loop_state,
+        save_total_limit=run.config.save_total_limit, rng=rng,
+    )

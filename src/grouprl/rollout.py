@@ -199,8 +199,7 @@ class RolloutMaker:
 
     def make_train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
         batch = pack_rollout(rollout, advantages, self.settings.pad_token_id, self.settings.mask_truncated_completions)
-        batch.num_loss_tokens = global_sum(self.accelerator, float(batch.loss_mask.sum()))
-        return batch
+        return replace(batch, num_loss_tokens=global_sum(self.accelerator, float(batch.loss_mask.sum())))  # built complete
 
 
 def completion_inputs(rollout: Rollout) -> list[Any]:

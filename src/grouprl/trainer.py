@@ -28,6 +28,7 @@ from .generation_inputs import TrainPromptBatches
 from .log_level import apply_log_level
 from .models import eos_token_ids, load_tokenizer
 from .multimodal import text_tokenizer
+from .objective import Objective
 from .multimodal_prompts import check_multimodal_setup
 from .patches import grouprl_patches
 from .rewards.models import load_reward_functions
@@ -161,14 +162,15 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
         self.run = loop.TrainingRun(
             config=args, plan=self.plan, accelerator=self.accelerator, model=prepared_model, tokenizer=self.processing_class,
             optimizer=optimizer, scheduler=scheduler, rollouts=rollouts, state=self.state, total_steps=total_steps,
-            steps_per_epoch=steps_per_epoch, reference=reference, entropy_controller=entropy_controller, aux_loss_coef=aux_loss_coef,
+            steps_per_epoch=steps_per_epoch, objective=Objective.from_config(args, self.plan, aux_loss_coef), reference=reference,
+            entropy_controller=entropy_controller,
             callbacks=CallbackHandler(callbacks, model=self.model, processing_class=self.processing_class, optimizer=optimizer,
                                       lr_scheduler=scheduler),
             trainer=self,
         )
         mirror_trl_settings(self, args, aux_loss_coef)  # TRL's attribute copies of the settings
-        if args.eval_strategy != "no" or eval_dataset is not None:  # scheduled, or asked for by a callback (control.should_evaluate)
-            self.run.evaluate = self.evaluate
+        # scheduled, or asked for by a callback (control.should_evaluate)
+        self.run.evaluates = args.eval_strategy != "no" or eval_dataset is not None
         if self.accelerator.num_processes > 1:
             set_seed(args.seed, device_specific=True)  # seed + process index: each process samples its own completions
         if self.accelerator.is_main_process:
@@ -273,7 +275,7 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
         """The DataLoader evaluation reads (a name of a dict eval_dataset, a dataset, or None: the trainer's); a stream gets 0 workers."""
-        return evaluation.eval_loader(self.run, evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset))
+        return evaluation.eval_loader(evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset), self.args, self.accelerator.num_processes)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sample and score every eval prompt (num_generations_eval each); return and log eval_* metrics.
@@ -283,4 +285,5 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
         is accepted for compatibility: it names model outputs, which evaluation does not collect.
         """
         with grouprl_patches(self.model, self.args):  # grouprl's attention functions, for this call only (patches.py)
-            return evaluation.evaluate(self.run, eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix)
+            return evaluation.evaluate(self.run.evaluation_parts(), eval_dataset if eval_dataset is not None else self.eval_dataset,
+                                       metric_key_prefix)

@@ -135,7 +135,7 @@ class OverridePoints:
         (gradient-accumulation-scaled) loss. `inputs` is this process's generation batch (``GenerationInputs``, a list of
         dataset rows), the same for every micro-step trained on that generation."""
         micro = self._prepare_inputs(inputs)
-        return torch.tensor(loop.train_micro_batch(self.run, micro))
+        return loop.train_micro_batch(self.run, micro)
 
     def _prepare_inputs(self, generation_batch: Any) -> TrainBatch:
         """Training: the next buffered micro-batch, generating (``_generate_and_score_completions``) when the buffer is
@@ -149,7 +149,8 @@ class OverridePoints:
             if not isinstance(batch, TrainBatch):
                 raise TypeError(f"{type(self).__name__}._generate_and_score_completions must return the grouprl TrainBatch its "
                                 f"super() returned (it takes TRL's keys: batch['advantages'] = ...), got {type(batch).__name__}.")
-            run.pending.extend(experience.split_generation(run, batch))
+            run.pending.extend(experience.split_generation(batch, run.plan, loss_type=self.args.loss_type,
+                                                           top_entropy_quantile=self.args.top_entropy_quantile))
             self.state.num_input_tokens_seen = run.rollouts.tokens_seen
         return run.pending.popleft().to(self.accelerator.device)
 
@@ -160,9 +161,12 @@ class OverridePoints:
         if not isinstance(inputs, GenerationInputs) or inputs.prompt_batch is None:
             raise TypeError(f"_generate_and_score_completions needs the generation batch grouprl passed to training_step / "
                             f"_prepare_inputs (a grouprl GenerationInputs), got {type(inputs).__name__}; pass it on unchanged.")
+        run = self.run
         if not self.model.training:
-            return evaluation.eval_batch(self.run, inputs)
-        return experience.score_generation(self.run, inputs)
+            return evaluation.eval_batch(run.evaluation_pass, inputs, accelerator=self.accelerator, trainer_state=self.state)
+        batch, stats = experience.score_generation(run.sampling(), run.model, inputs, hooks=self, reference=run.reference)
+        run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (loop.py)
+        return batch
 
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> torch.Tensor:
         """The loss of a micro-batch (``_compute_loss``); as TRL, outputs cannot be returned."""
@@ -173,9 +177,17 @@ class OverridePoints:
     def _compute_loss(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
         """Training: the GRPO loss of the micro-batch, scaled for gradient accumulation, metrics logged
         (objective.micro_batch_loss). Evaluation: the policy loss at ratio 1, without KL (evaluation.eval_loss)."""
+        run = self.run
         if not self.model.training:
-            return evaluation.eval_loss(self.run, inputs)
-        return objective.micro_batch_loss(self.run, inputs)
+            return evaluation.eval_loss(run.model, inputs, run.objective, evaluation_pass=run.evaluation_pass, hooks=self,
+                                        accelerator=self.accelerator, rows_per_chunk=self.args.per_device_eval_batch_size)
+        controller = run.entropy_controller
+        loss, stats = objective.micro_batch_loss(
+            run.model, inputs, run.objective, hooks=self, device=self.accelerator.device, autocast=self.accelerator.autocast(),
+            timer=run.timer, entropy_coef=controller.applied_coef() if controller is not None else None,
+        )
+        run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (loop.py)
+        return loss
 
     def _get_per_token_logps_and_entropies(
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
