@@ -20,9 +20,9 @@ from .completion_log import CompletionLog, RecentCompletions
 from .data import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
 from .distributed import gather_objects, gather_rows, global_sum, keep_row_values, keep_rows, layout_of, run_on_main
 from .generation.dispatch import sample_for_processes, sample_groups
-from .group_layout import GroupLayout
 from .generation.protocol import GenerationBackend
 from .generation_inputs import GenerationInputs
+from .group_layout import GroupLayout
 from .metrics import MetricWindow, completion_length_stats, reward_stats
 from .multimodal_prompts import rows_images
 from .rewards.scoring import RewardFunction, score_completions
