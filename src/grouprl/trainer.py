@@ -182,7 +182,8 @@ class GRPOTrainer(TrainerReporting, OverridePoints):
         reference_model = None
         if args.beta != 0.0 and not use_peft:  # before any change to the policy
             reference_model = separate_reference_model(model, self.model, lambda m: load_model(m, args.model_init_kwargs, args.trust_remote_code))
-        self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code)
+        gguf_file = (args.model_init_kwargs or {}).get("gguf_file") if isinstance(model, str) else None
+        self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code, gguf_file)
         check_multimodal_setup(train_dataset, self.processing_class)
         tokenizer = text_tokenizer(self.processing_class)
         self._tokenizer = tokenizer
