@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
-from workloads import WORKLOADS, model_dir, parameter_count, peak_rss_mb, prompts_for  # noqa: E402
+from workloads import WORKLOADS, chat_prompts_for, cpu_flags, model_dir, native_bf16, parameter_count, peak_rss_mb, prompts_for  # noqa: E402
 
 
 def main() -> None:
@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--output_dir", default="/tmp/grouprl-bench")
     parser.add_argument("--steps", type=int, default=None, help="Override the workload's step count (smoke tests).")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32",
+                        help="bf16: autocast in bf16 (bf16=True); auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32.")
     args = parser.parse_args()
     if args.framework == "trl":
         from trl import GRPOConfig, GRPOTrainer
@@ -39,7 +41,9 @@ def main() -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = prompts_for(workload)
-    dataset = Dataset.from_dict({"prompt": prompts * workload.steps})
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and native_bf16())
+    rows = chat_prompts_for(workload) if workload.real_model else prompts  # W5: conversations, the model's chat template
+    dataset = Dataset.from_dict({"prompt": rows * workload.steps})
     generated = []
 
     def count_tokens(completion_ids, **kwargs):  # reward = length; also records generated tokens per step
@@ -53,7 +57,7 @@ def main() -> None:
         max_completion_length=workload.max_completion_length,
         max_steps=workload.steps,
         learning_rate=1e-6,
-        bf16=False,  # this CPU has no bf16 units: emulated bf16 is ~100x slower (see docs/benchmarks.md)
+        bf16=bf16,  # only where the CPU has bf16 units: emulated bf16 is ~100x slower (see docs/benchmarks.md)
         use_cpu=True,
         logging_steps=1,
         save_strategy="no",
@@ -91,6 +95,9 @@ def main() -> None:
         "useful_gflops_per_second": useful_flops / step_seconds / 1e9,
         "parameters": n_params,
         "total_seconds": total,
+        "dtype": "bf16" if bf16 else "fp32",
+        "cpu_flags": cpu_flags(),
+        "load_average": os.getloadavg(),
     }))
 
 

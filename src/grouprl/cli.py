@@ -46,6 +46,7 @@ class ModelArguments:
     model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
     dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32, bfloat16, float16 or auto."})
     attn_implementation: Optional[str] = field(default=None, metadata={"help": "Attention implementation (eager, sdpa, flash_attention_2, ...)."})
+    gguf_file: Optional[str] = field(default=None, metadata={"help": "A GGUF file inside --model_name_or_path to train from (unpacked to dense weights; needs the gguf package). The saved model is an ordinary transformers checkpoint."})
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (needs peft: pip install 'grouprl[peft]')."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
@@ -229,6 +230,8 @@ def train_command(argv: list[str]) -> int:
     init_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
     if model_args.attn_implementation:
         init_kwargs["attn_implementation"] = model_args.attn_implementation
+    if model_args.gguf_file:
+        init_kwargs["gguf_file"] = model_args.gguf_file
     config.model_init_kwargs = {**init_kwargs, **(config.model_init_kwargs or {})}
     eval_dataset = load_train_dataset(script, script.dataset_test_split) if config.eval_strategy != "no" else None
     trainer = GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=reward_funcs, args=config,

@@ -21,6 +21,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from . import gguf
 from .adapters import is_peft_model
 from .multimodal import is_vision_language_config, text_tokenizer
 
@@ -28,7 +29,7 @@ from .multimodal import is_vision_language_config, text_tokenizer
 def load_model(model: Any, model_init_kwargs: Optional[dict], trust_remote_code: bool) -> PreTrainedModel:
     """A PreTrainedModel as given, or loaded from an id / path with `model_init_kwargs` (dtype float32 by default)."""
     if isinstance(model, PreTrainedModel) or is_peft_model(model):
-        return model
+        return gguf.as_plain_model(model)  # a GGUF-loaded instance saves as an ordinary checkpoint
     if not isinstance(model, str):
         raise TypeError(f"model must be a model id / path (str) or a transformers PreTrainedModel, got {type(model).__name__}.")
     kwargs = dict(model_init_kwargs or {})
@@ -36,21 +37,26 @@ def load_model(model: Any, model_init_kwargs: Optional[dict], trust_remote_code:
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     kwargs.setdefault("trust_remote_code", trust_remote_code)
+    if kwargs.get(gguf.GGUF_KEY):
+        gguf.require_gguf_package(f"model_init_kwargs[{gguf.GGUF_KEY!r}]={kwargs[gguf.GGUF_KEY]!r}")
+        kwargs = gguf.dense_loading_kwargs(kwargs)
     try:
-        hub_kwargs = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder") if k in kwargs}
+        hub_kwargs = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder", gguf.GGUF_KEY) if k in kwargs}
         config = AutoConfig.from_pretrained(model, trust_remote_code=kwargs["trust_remote_code"], **hub_kwargs)
         auto = AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
-        return auto.from_pretrained(model, dtype=dtype, **kwargs)
+        return gguf.as_plain_model(auto.from_pretrained(model, dtype=dtype, **kwargs))
     except OSError as err:
         raise OSError(f"Could not load the model {model!r}: {err}") from err
 
 
-def load_tokenizer(processing_class: Any, model: PreTrainedModel, trust_remote_code: bool) -> Any:
-    """The processing class as given, or loaded from the model (a processor for vision-language models),
-    with its tokenizer set to pad on the left and to fall back to EOS for padding (TRL)."""
+def load_tokenizer(processing_class: Any, model: PreTrainedModel, trust_remote_code: bool, gguf_file: Optional[str] = None) -> Any:
+    """The processing class as given, or loaded from the model (a processor for vision-language models;
+    from `gguf_file` when the model came from one), with its tokenizer set to pad on the left and to
+    fall back to EOS for padding (TRL)."""
     if processing_class is None:
         auto = AutoProcessor if is_vision_language_config(model.config) else AutoTokenizer
-        processing_class = auto.from_pretrained(model.config._name_or_path, trust_remote_code=trust_remote_code)
+        source = {gguf.GGUF_KEY: gguf_file} if gguf_file else {}
+        processing_class = auto.from_pretrained(model.config._name_or_path, trust_remote_code=trust_remote_code, **source)
     tokenizer = text_tokenizer(processing_class)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:

@@ -65,7 +65,7 @@ def requested(model_init_kwargs: Optional[dict]) -> Any:
 def check_request(model: Any, model_init_kwargs: Optional[dict], use_peft: bool) -> None:
     """Before loading: refuse a quantization request that could not train, or that would be dropped."""
     config = requested(model_init_kwargs)
-    if config is None:
+    if config is None or describe(config) == "gguf":  # how a GGUF file is unpacked, not a quantization: gguf.dense_loading_kwargs checks it
         return
     if not isinstance(model, str):
         logger.warning("quantization_config (trainer argument or model_init_kwargs) is ignored: the model is already "

@@ -127,7 +127,8 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
         self.model, reference_model = load_policy(args, model, use_peft=use_peft, peft_config=peft_config,
                                                   quantization_config=quantization_config, generation_backend=generation_backend,
                                                   features=features)
-        self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code)
+        gguf_file = (args.model_init_kwargs or {}).get("gguf_file") if isinstance(model, str) else None
+        self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code, gguf_file)
         check_multimodal_setup(train_dataset, self.processing_class)
         self._tokenizer = tokenizer = text_tokenizer(self.processing_class)
         if tokenizer is not self.processing_class and self.overrides("_get_per_token_logps_and_entropies"):
