@@ -31,8 +31,8 @@ import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from workloads import WORKLOADS, model_dir, prompts_for  # noqa: E402
 
+from grouprl.core.types import SamplingParams  # noqa: E402
 from grouprl.generation import FastGenerator  # noqa: E402
-from grouprl.types import SamplingParams  # noqa: E402
 
 TRAIN_ROWS = 4096  # tokens per product when timing the training shapes (a micro-batch's worth)
 
@@ -87,8 +87,11 @@ def schedule(name: str, model, tokenizer) -> list[int]:
     eos = model.generation_config.eos_token_id
     generator = FastGenerator(model, tokenizer, eos if isinstance(eos, list) else [eos], tokenizer.pad_token_id)
     torch.manual_seed(0)
-    generator.generate([tokenizer(p)["input_ids"] for p in prompts_for(workload)], workload.num_generations,
-                       SamplingParams(max_new_tokens=workload.max_completion_length))
+    generator.generate(
+        [tokenizer(p)["input_ids"] for p in prompts_for(workload)],
+        workload.num_generations,
+        SamplingParams(max_new_tokens=workload.max_completion_length),
+    )
     return list(generator.decode_batch_sizes)
 
 
@@ -114,13 +117,23 @@ def main(names: list[str]) -> None:
         decode = sum(decode_cache[r] for r in rows)
         prefill = prompt_tokens * layer_rate["forward"]
         trained = prompt_tokens + generated
-        train = trained * (2 * layer_rate["forward"] + layer_rate["input_grad"] + layer_rate["weight_grad"]) \
-            + generated * (head_rate["forward"] + head_rate["input_grad"] + head_rate["weight_grad"])
-        print(json.dumps({
-            "workload": name, "floor_seconds_per_step": decode + prefill + train, "decode_floor_seconds": decode,
-            "prefill_floor_seconds": prefill, "train_floor_seconds": train, "generated_tokens": generated,
-            "decode_ms_per_step_by_rows": {str(r): round(1e3 * decode_cache[r], 2) for r in sorted(set(rows))},
-        }), flush=True)
+        train = trained * (
+            2 * layer_rate["forward"] + layer_rate["input_grad"] + layer_rate["weight_grad"]
+        ) + generated * (head_rate["forward"] + head_rate["input_grad"] + head_rate["weight_grad"])
+        print(
+            json.dumps(
+                {
+                    "workload": name,
+                    "floor_seconds_per_step": decode + prefill + train,
+                    "decode_floor_seconds": decode,
+                    "prefill_floor_seconds": prefill,
+                    "train_floor_seconds": train,
+                    "generated_tokens": generated,
+                    "decode_ms_per_step_by_rows": {str(r): round(1e3 * decode_cache[r], 2) for r in sorted(set(rows))},
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

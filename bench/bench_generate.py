@@ -15,8 +15,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from workloads import WORKLOADS, model_dir, prompts_for  # noqa: E402
 
+from grouprl.core.types import SamplingParams  # noqa: E402
 from grouprl.generation import FastGenerator, TransformersGenerator  # noqa: E402
-from grouprl.types import SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -41,8 +41,18 @@ def main() -> None:
             completions = backend.generate(prompts, workload.num_generations, params)
             timings.append(time.perf_counter() - start)
             tokens.append(sum(len(c.token_ids) for c in completions))
-        print(json.dumps({"workload": name, "backend": label, "seconds": sum(timings) / len(timings),
-                          "generated_tokens": sum(tokens) / len(tokens), "tokens_per_second": sum(tokens) / sum(timings)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "workload": name,
+                    "backend": label,
+                    "seconds": sum(timings) / len(timings),
+                    "generated_tokens": sum(tokens) / len(tokens),
+                    "tokens_per_second": sum(tokens) / sum(timings),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

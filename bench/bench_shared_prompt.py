@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from workloads import WORKLOADS, build_tokenizer, model_dir, prompts_for
 
-from grouprl.algorithms.logprobs import completion_logprobs
-from grouprl.patches import grouprl_patches
+from grouprl.model.logprobs import completion_logprobs
+from grouprl.model.patches import grouprl_patches
 
 
 def main(name: str, repeats: int, rows_per_prompt: int | None) -> None:
@@ -29,7 +29,9 @@ def main(name: str, repeats: int, rows_per_prompt: int | None) -> None:
     g, t = rows_per_prompt or workload.num_generations, workload.max_completion_length
     prompt_ids = batch["input_ids"].repeat_interleave(g, 0)
     prompt_mask = batch["attention_mask"].bool().repeat_interleave(g, 0)
-    completion_ids = torch.randint(1, workload.vocab_size, (prompt_ids.shape[0], t), generator=torch.Generator().manual_seed(0))
+    completion_ids = torch.randint(
+        1, workload.vocab_size, (prompt_ids.shape[0], t), generator=torch.Generator().manual_seed(0)
+    )
     completion_mask = torch.ones_like(completion_ids, dtype=torch.bool)
     print(f"{name}: {prompt_ids.shape[0]} rows, prompt tokens {prompt_mask.sum(1).tolist()[::g]}, completion {t}")
     results: dict[bool, list[float]] = {False: [], True: []}
@@ -38,7 +40,9 @@ def main(name: str, repeats: int, rows_per_prompt: int | None) -> None:
             model.zero_grad()
             start = time.perf_counter()
             with grouprl_patches():  # as in training: packed attention registered for the forward and backward
-                out = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0, pack_prompts=pack)
+                out = completion_logprobs(
+                    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0, pack_prompts=pack
+                )
                 out.logprobs.sum().backward()
             results[pack].append(time.perf_counter() - start)
     plain, packed = (min(results[p][1:]) for p in (False, True))

@@ -21,8 +21,16 @@ import sys
 from collections import Counter
 
 COUNTED_SYNCS = ("item", "tolist", "__float__", "__bool__")
-COUNTED_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object", "broadcast_object_list",
-                       "reduce_scatter", "gather_object")
+COUNTED_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "all_gather_object",
+    "broadcast_object_list",
+    "reduce_scatter",
+    "gather_object",
+)
 
 
 def instrument(counts: Counter) -> None:
@@ -55,13 +63,29 @@ def worker(model_dir: str, out_path: str) -> None:
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = GRPOConfig(
-        output_dir=os.path.join(os.path.dirname(out_path), "run"), per_device_train_batch_size=8 // processes,
-        gradient_accumulation_steps=2, num_generations=4, max_completion_length=8, max_steps=4, logging_steps=1,
-        save_strategy="no", report_to="none", disable_tqdm=True, seed=0, bf16=False, loss_type="grpo", beta=0.0,
+        output_dir=os.path.join(os.path.dirname(out_path), "run"),
+        per_device_train_batch_size=8 // processes,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+        loss_type="grpo",
+        beta=0.0,
     )
     data = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(32)]})
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=lambda completion_ids, **k: [float(len(set(c))) for c in completion_ids],
-                          args=config, train_dataset=data, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=lambda completion_ids, **k: [float(len(set(c))) for c in completion_ids],
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     counts: Counter = Counter()
     instrument(counts)
     micro: list[dict] = []
@@ -84,8 +108,12 @@ def worker(model_dir: str, out_path: str) -> None:
     result = {
         "processes": processes,
         "micro_steps": len(micro),
-        "per_plain_micro_step": {k: sum(m[k] for m in plain) / max(len(plain), 1) for k in ("host_syncs", "collectives")},
-        "per_optimizer_step_outside_training_step": {k: (total[k] - inside[k]) / steps for k in ("host_syncs", "collectives")},
+        "per_plain_micro_step": {
+            k: sum(m[k] for m in plain) / max(len(plain), 1) for k in ("host_syncs", "collectives")
+        },
+        "per_optimizer_step_outside_training_step": {
+            k: (total[k] - inside[k]) / steps for k in ("host_syncs", "collectives")
+        },
         "per_optimizer_step_all": {k: total[k] / steps for k in ("host_syncs", "collectives")},
     }
     if trainer.accelerator.is_main_process:
@@ -101,9 +129,27 @@ def main() -> None:
     out_path = os.path.join(out_dir, "counts.json")
     from grouprl.launch import resolve_accelerate_config
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", resolve_accelerate_config("multi_gpu"),
-               "--num_processes", str(processes), "--main_process_port", "29533", __file__, "--worker", model_dir, out_path]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        resolve_accelerate_config("multi_gpu"),
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        "29533",
+        __file__,
+        "--worker",
+        model_dir,
+        out_path,
+    ]
     if processes == 1:
         command = [sys.executable, __file__, "--worker", model_dir, out_path]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)

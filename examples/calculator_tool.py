@@ -39,7 +39,12 @@ from grouprl.agents import tool_suffix_ids
 from grouprl.demo.model import demo_generation_config, tiny_qwen2_config
 from grouprl.demo.tokenizer import COMPACT_TOOL_CHAT_TEMPLATE, IM_END, build_tokenizer
 
-TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # single tokens, as in Qwen2.5's vocabulary
+TOOL_TOKENS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]  # single tokens, as in Qwen2.5's vocabulary
 WORDS = ("calculator", "expression", "arguments", "name", "tools")  # single tokens (longest first: BPE merges by rank)
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
@@ -85,8 +90,12 @@ def problems(n: int, seed: int) -> list[tuple[int, int]]:
 
 def make_dataset(n: int, seed: int) -> Dataset:
     pairs = problems(n, seed)
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{a}*{b}="}] for a, b in pairs],
-                              "answer": [str(a * b) for a, b in pairs]})
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"{a}*{b}="}] for a, b in pairs],
+            "answer": [str(a * b) for a, b in pairs],
+        }
+    )
 
 
 def build_calculator_tokenizer():
@@ -96,13 +105,22 @@ def build_calculator_tokenizer():
     return tokenizer
 
 
-def pretraining_example(tokenizer, a: int, b: int, use_tool: bool, rng: random.Random, cache: dict) -> tuple[list[int], list[int]]:
+def pretraining_example(
+    tokenizer, a: int, b: int, use_tool: bool, rng: random.Random, cache: dict
+) -> tuple[list[int], list[int]]:
     """(input ids, labels) of one conversation, tokenized exactly as GRPO's rollouts are; labels only on model turns."""
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
     key = (a, b)
     if key not in cache:
-        cache[key] = list(tokenizer.apply_chat_template([{"role": "user", "content": f"{a}*{b}="}], tools=[calculator],
-                                                        add_generation_prompt=True, tokenize=True, return_dict=False))
+        cache[key] = list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"{a}*{b}="}],
+                tools=[calculator],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
     prompt = cache[key]
     ids, labels = list(prompt), [-100] * len(prompt)
 
@@ -120,7 +138,13 @@ def pretraining_example(tokenizer, a: int, b: int, use_tool: bool, rng: random.R
         labels.extend([-100] * len(glue))  # tool output: context, not a target (as in GRPO's tool mask)
         model_turn(str(product))
     else:  # a guess: right 30% of the time, otherwise off by a few percent
-        model_turn(str(product if rng.random() < 0.3 else max(0, product + rng.choice([-1, 1]) * rng.randint(1, max(2, product // 20)))))
+        model_turn(
+            str(
+                product
+                if rng.random() < 0.3
+                else max(0, product + rng.choice([-1, 1]) * rng.randint(1, max(2, product // 20)))
+            )
+        )
     return ids, labels
 
 
@@ -128,17 +152,24 @@ def pretrain(output_dir: str, steps: int, batch_size: int, seed: int, tool_fract
     """Supervised training on the mixture: tool_fractions[0] of the examples call the tool during the first
     3/4 of the steps (to learn how), tool_fractions[1] during the last quarter (so that it rarely does)."""
     tokenizer = build_calculator_tokenizer()
-    config = tiny_qwen2_config(tokenizer, hidden_size=96, num_hidden_layers=2, intermediate_size=192, max_position_embeddings=192)
+    config = tiny_qwen2_config(
+        tokenizer, hidden_size=96, num_hidden_layers=2, intermediate_size=192, max_position_embeddings=192
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config = demo_generation_config(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    )
     rng, cache, started = random.Random(seed), {}, time.time()
     torch.set_flush_denormal(True)  # unused-token logits underflow into slow denormals on CPU
     for step in range(steps):
         tool_fraction = tool_fractions[0] if step < 0.75 * steps else tool_fractions[1]
-        batch = [pretraining_example(tokenizer, a, b, rng.random() < tool_fraction, rng, cache) for a, b in problems(batch_size, seed * 100003 + step)]
+        batch = [
+            pretraining_example(tokenizer, a, b, rng.random() < tool_fraction, rng, cache)
+            for a, b in problems(batch_size, seed * 100003 + step)
+        ]
         width = max(len(i) for i, _ in batch)
         input_ids = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i, _ in batch])
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
@@ -150,7 +181,10 @@ def pretrain(output_dir: str, steps: int, batch_size: int, seed: int, tool_fract
         optimizer.step()
         scheduler.step()
         if (step + 1) % 50 == 0:
-            print(f"pretraining step {step + 1}/{steps}: loss {loss.item():.3f} ({time.time() - started:.0f} s)", flush=True)
+            print(
+                f"pretraining step {step + 1}/{steps}: loss {loss.item():.3f} ({time.time() - started:.0f} s)",
+                flush=True,
+            )
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
 
@@ -160,8 +194,13 @@ def main() -> None:
     parser.add_argument("--output_dir", default="calculator-tool")
     parser.add_argument("--pretrain_steps", type=int, default=600)
     parser.add_argument("--pretrain_batch", type=int, default=32)
-    parser.add_argument("--tool_fractions", type=float, nargs=2, default=(0.5, 0.1),
-                        help="Share of pretraining examples that call the tool in the first 3/4 of pretraining and in the last 1/4.")
+    parser.add_argument(
+        "--tool_fractions",
+        type=float,
+        nargs=2,
+        default=(0.5, 0.1),
+        help="Share of pretraining examples that call the tool in the first 3/4 of pretraining and in the last 1/4.",
+    )
     parser.add_argument("--max_steps", type=int, default=30, help="GRPO optimizer steps.")
     parser.add_argument("--prompts_per_step", type=int, default=16)
     parser.add_argument("--num_generations", type=int, default=8)
@@ -212,19 +251,26 @@ def main() -> None:
     after = trainer.evaluate()
 
     summary = {
-        "tool_use_rate_before": before["eval_tool_use_rate"], "tool_use_rate_after": after["eval_tool_use_rate"],
-        "accuracy_before": before["eval_reward"], "accuracy_after": after["eval_reward"],
+        "tool_use_rate_before": before["eval_tool_use_rate"],
+        "tool_use_rate_after": after["eval_tool_use_rate"],
+        "accuracy_before": before["eval_reward"],
+        "accuracy_after": after["eval_reward"],
         "tool_calls_per_completion_before": before["eval_tools/call_frequency"],
         "tool_calls_per_completion_after": after["eval_tools/call_frequency"],
         "tool_failure_frequency_after": after["eval_tools/failure_frequency"],
-        "grpo_steps": trainer.state.global_step, "pretraining_seconds": round(pretrain_seconds, 1),
-        "grpo_seconds": round(grpo_seconds, 1), "total_seconds": round(time.time() - started, 1),
+        "grpo_steps": trainer.state.global_step,
+        "pretraining_seconds": round(pretrain_seconds, 1),
+        "grpo_seconds": round(grpo_seconds, 1),
+        "total_seconds": round(time.time() - started, 1),
     }
     with open(os.path.join(args.output_dir, "summary.json"), "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2)
-    print(f"held-out tool-use rate {summary['tool_use_rate_before']:.3f} -> {summary['tool_use_rate_after']:.3f}, "
-          f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} after {summary['grpo_steps']} GRPO steps "
-          f"({summary['grpo_seconds']} s; pretraining {summary['pretraining_seconds']} s)", flush=True)
+    print(
+        f"held-out tool-use rate {summary['tool_use_rate_before']:.3f} -> {summary['tool_use_rate_after']:.3f}, "
+        f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} after {summary['grpo_steps']} GRPO steps "
+        f"({summary['grpo_seconds']} s; pretraining {summary['pretraining_seconds']} s)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

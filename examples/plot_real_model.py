@@ -23,13 +23,17 @@ def load(run_dirs: list[str]) -> list[dict]:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| library | mode | seed | steps | held-out accuracy before -> after (gain) | format before -> after | train s | s/step | load avg (1 min) at end |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| library | mode | seed | steps | held-out accuracy before -> after (gain) | format before -> after | train s | s/step | load avg (1 min) at end |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         gain = r["accuracy_after"] - r["accuracy_before"]
-        lines.append(f"| {r['library']} | {r['mode']} | {r['seed']} | {r['steps']} | {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
-                     f"({gain:+.3f}) | {r['format_before']:.3f} -> {r['format_after']:.3f} | {r['train_seconds']:.0f} | "
-                     f"{r['seconds_per_step']:.1f} | {r['load_average'][0]:.1f} |")
+        lines.append(
+            f"| {r['library']} | {r['mode']} | {r['seed']} | {r['steps']} | {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
+            f"({gain:+.3f}) | {r['format_before']:.3f} -> {r['format_after']:.3f} | {r['train_seconds']:.0f} | "
+            f"{r['seconds_per_step']:.1f} | {r['load_average'][0]:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -45,9 +49,18 @@ def plot(runs: list[dict], path: str) -> None:
         key = (r["mode"], r["seed"])
         colour = colours.setdefault(key, f"C{len(colours)}")
         steps = [h["step"] for h in r["history"]]
-        axis.plot(steps, [h["reward"] for h in r["history"]], color=colour, linestyle="-" if r["library"] == "grouprl" else "--",
-                  label=f"{r['library']} {r['mode']} seed {r['seed']}")
-    axis.set(xlabel="optimizer step", ylabel="mean reward (answer + format)", title="SmolLM2-135M-Instruct, tagged addition: grouprl vs TRL 1.16")
+        axis.plot(
+            steps,
+            [h["reward"] for h in r["history"]],
+            color=colour,
+            linestyle="-" if r["library"] == "grouprl" else "--",
+            label=f"{r['library']} {r['mode']} seed {r['seed']}",
+        )
+    axis.set(
+        xlabel="optimizer step",
+        ylabel="mean reward (answer + format)",
+        title="SmolLM2-135M-Instruct, tagged addition: grouprl vs TRL 1.16",
+    )
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -45,7 +45,10 @@ import time
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is {a} + {b}? Reply with only the final answer inside <answer></answer> tags."
-EXAMPLE = [{"role": "user", "content": QUESTION.format(a=4, b=6)}, {"role": "assistant", "content": "<answer>10</answer>"}]
+EXAMPLE = [
+    {"role": "user", "content": QUESTION.format(a=4, b=6)},
+    {"role": "assistant", "content": "<answer>10</answer>"},
+]
 LOWEST, HIGHEST = 1, 20  # operands; held-out pairs are never trained on
 TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -92,8 +95,13 @@ def addition_rows(seed: int, count: int, exclude: set = frozenset()) -> list[dic
         if pair in seen:
             continue
         seen.add(pair)
-        rows.append({"prompt": EXAMPLE + [{"role": "user", "content": QUESTION.format(a=pair[0], b=pair[1])}],
-                     "solution": str(sum(pair)), "pair": list(pair)})
+        rows.append(
+            {
+                "prompt": EXAMPLE + [{"role": "user", "content": QUESTION.format(a=pair[0], b=pair[1])}],
+                "solution": str(sum(pair)),
+                "pair": list(pair),
+            }
+        )
     return rows
 
 
@@ -149,7 +157,9 @@ def main() -> None:
     if args.mode == "lora":
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
     config = GRPOConfig(
         output_dir=output_dir,
         num_generations=8,
@@ -181,8 +191,11 @@ def main() -> None:
         set_seed(args.eval_seed)  # the same sampling noise before and after
         started = time.perf_counter()
         metrics = trainer.evaluate()
-        return {"accuracy": metrics["eval_rewards/answer_reward/mean"], "format": metrics["eval_rewards/format_reward/mean"],
-                "seconds": time.perf_counter() - started}
+        return {
+            "accuracy": metrics["eval_rewards/answer_reward/mean"],
+            "format": metrics["eval_rewards/format_reward/mean"],
+            "seconds": time.perf_counter() - started,
+        }
 
     before = held_out_scores()
     print(f"held-out before: {before}", flush=True)
@@ -192,22 +205,45 @@ def main() -> None:
     train_seconds = time.perf_counter() - started
     after = held_out_scores()
     print(f"held-out after: {after}", flush=True)
-    history = [{"step": e["step"], "reward": e["reward"], "answer": e.get("rewards/answer_reward/mean"),
-                "format": e.get("rewards/format_reward/mean")} for e in trainer.state.log_history if "reward" in e and "step" in e]
+    history = [
+        {
+            "step": e["step"],
+            "reward": e["reward"],
+            "answer": e.get("rewards/answer_reward/mean"),
+            "format": e.get("rewards/format_reward/mean"),
+        }
+        for e in trainer.state.log_history
+        if "reward" in e and "step" in e
+    ]
     summary = {
-        "library": args.library, "mode": args.mode, "seed": args.seed, "steps": args.steps, "learning_rate": learning_rate,
-        "completions_per_step": 16, "max_completion_length": 32, "bf16": args.bf16, "eval_prompts": args.eval_size,
-        "eval_completions_per_prompt": 2, "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-        "format_before": before["format"], "format_after": after["format"], "train_seconds": train_seconds,
-        "seconds_per_step": train_seconds / args.steps, "eval_seconds": [before["seconds"], after["seconds"]],
-        "load_average": os.getloadavg(), "history": history,
+        "library": args.library,
+        "mode": args.mode,
+        "seed": args.seed,
+        "steps": args.steps,
+        "learning_rate": learning_rate,
+        "completions_per_step": 16,
+        "max_completion_length": 32,
+        "bf16": args.bf16,
+        "eval_prompts": args.eval_size,
+        "eval_completions_per_prompt": 2,
+        "accuracy_before": before["accuracy"],
+        "accuracy_after": after["accuracy"],
+        "format_before": before["format"],
+        "format_after": after["format"],
+        "train_seconds": train_seconds,
+        "seconds_per_step": train_seconds / args.steps,
+        "eval_seconds": [before["seconds"], after["seconds"]],
+        "load_average": os.getloadavg(),
+        "history": history,
     }
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "summary.json"), "w") as handle:
         json.dump(summary, handle, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}), flush=True)
     if importlib.util.find_spec("matplotlib"):
-        plot_curve(history, os.path.join(output_dir, "reward_curve.png"), f"{args.library} {args.mode} seed {args.seed}")
+        plot_curve(
+            history, os.path.join(output_dir, "reward_curve.png"), f"{args.library} {args.mode} seed {args.seed}"
+        )
 
 
 def plot_curve(history: list[dict], path: str, title: str) -> None:

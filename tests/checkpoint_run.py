@@ -11,9 +11,24 @@ def distinct_tokens(completion_ids, **kwargs):
 
 def make_trainer(model_dir, output_dir, **overrides):
     """6 steps, a checkpoint every 2, one generation per 3 steps (so checkpoints fall inside a generation)."""
-    values = dict(output_dir=str(output_dir), per_device_train_batch_size=3, steps_per_generation=3, num_generations=3,
-                  max_completion_length=8, learning_rate=0.1, max_steps=6, logging_steps=1, save_strategy="steps", save_steps=2,
-                  report_to="none", disable_tqdm=True, seed=0, bf16=False)
+    values = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=3,
+        steps_per_generation=3,
+        num_generations=3,
+        max_completion_length=8,
+        learning_rate=0.1,
+        max_steps=6,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+    )
     values.update(overrides)
     prompts = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(18)]})
-    return GRPOTrainer(model=str(model_dir), reward_funcs=distinct_tokens, args=GRPOConfig(**values), train_dataset=prompts)
+    return GRPOTrainer(
+        model=str(model_dir), reward_funcs=distinct_tokens, args=GRPOConfig(**values), train_dataset=prompts
+    )

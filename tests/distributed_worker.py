@@ -21,7 +21,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
-from grouprl.types import Completion
+from grouprl.core.types import Completion
 
 NUM_GENERATIONS = 4
 # scenario -> (loss_type, main process samples for everyone (server-style dispatch; None: the config's backend), extra config)
@@ -71,7 +71,9 @@ class GroupScript:
         pass
 
     def generate(self, prompt_ids, num_samples, params):
-        offset = NUM_GENERATIONS - num_samples if PartialState().process_index > 0 and num_samples < NUM_GENERATIONS else 0
+        offset = (
+            NUM_GENERATIONS - num_samples if PartialState().process_index > 0 and num_samples < NUM_GENERATIONS else 0
+        )
         out = []
         for p, ids in enumerate(prompt_ids):
             for s in range(offset, offset + num_samples):
@@ -99,10 +101,25 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         extra["vllm_server_base_url"] = os.environ["GROUPRL_TEST_SERVER"]
     gfpo = "num_remains_in_group" in extra
     config = (GFPOConfig if gfpo else GRPOConfig)(
-        output_dir=os.path.join(out_dir, f"{scenario}-{processes}p"), per_device_train_batch_size=12 // (processes * micro_steps),
-        gradient_accumulation_steps=accumulation, num_generations=NUM_GENERATIONS, max_completion_length=8, learning_rate=0.5,
-        max_steps=2, logging_steps=1, save_strategy="steps" if resume else "no", save_steps=1, report_to="none", disable_tqdm=True,
-        seed=0, bf16=False, gradient_checkpointing=False, max_grad_norm=0, lr_scheduler_type="constant", loss_type=loss_type, **extra,
+        output_dir=os.path.join(out_dir, f"{scenario}-{processes}p"),
+        per_device_train_batch_size=12 // (processes * micro_steps),
+        gradient_accumulation_steps=accumulation,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=8,
+        learning_rate=0.5,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="steps" if resume else "no",
+        save_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+        gradient_checkpointing=False,
+        max_grad_norm=0,
+        lr_scheduler_type="constant",
+        loss_type=loss_type,
+        **extra,
     )
     dataset = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(12)]})
     seen = []
@@ -112,27 +129,49 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         sgd = torch.optim.SGD(model.parameters(), lr=config.learning_rate)  # update = gradient, so a gradient bug shows
         backend = None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling)
         trainer = (GFPOTrainer if gfpo else GRPOTrainer)(
-            model=model, reward_funcs=distinct_tokens, args=config, train_dataset=dataset, processing_class=tokenizer, optimizers=(sgd, None),
-            generation_backend=backend, **({"group_filter_func": first_two} if gfpo else {}))
+            model=model,
+            reward_funcs=distinct_tokens,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            optimizers=(sgd, None),
+            generation_backend=backend,
+            **({"group_filter_func": first_two} if gfpo else {}),
+        )
         score = trainer.run.rollouts.score
 
         def recording_score(rollout, trainer_state, window):
             rollout, rewards, advantages = score(rollout, trainer_state, window)
-            seen.append({"advantages": advantages.clone(), "completions": [c.token_ids for c in rollout.completions],
-                         "group_ids": list(rollout.prompts.group_ids), "num_samples": list(rollout.prompts.num_samples)})
+            seen.append(
+                {
+                    "advantages": advantages.clone(),
+                    "completions": [c.token_ids for c in rollout.completions],
+                    "group_ids": list(rollout.prompts.group_ids),
+                    "num_samples": list(rollout.prompts.num_samples),
+                }
+            )
             return rollout, rewards, advantages
 
         trainer.run.rollouts.score = recording_score
         return trainer
 
     def weights(trainer: GRPOTrainer) -> dict:
-        return {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.run.model).named_parameters()}
+        return {
+            n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.run.model).named_parameters()
+        }
 
     trainer = build()
     trainer.train()
     accelerator = trainer.accelerator
-    result = {"seen": list(seen), "processes": processes, "weights": weights(trainer), "log_history": trainer.state.log_history}
-    if resume:  # a second run that resumes from the step-1 checkpoint, with a micro-batch of generation 1 still buffered
+    result = {
+        "seen": list(seen),
+        "processes": processes,
+        "weights": weights(trainer),
+        "log_history": trainer.state.log_history,
+    }
+    if (
+        resume
+    ):  # a second run that resumes from the step-1 checkpoint, with a micro-batch of generation 1 still buffered
         resumed = build()
         resumed.train(resume_from_checkpoint=os.path.join(config.output_dir, "checkpoint-1"))
         result["resumed_weights"] = weights(resumed)

@@ -15,13 +15,17 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 GGUF_NAME = "tiny-llama.f32.gguf"
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def byte_alphabet() -> list[str]:
     """GPT-2's printable spelling of the 256 bytes (the byte-level BPE alphabet), in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     spelled, extra = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -33,9 +37,21 @@ def byte_alphabet() -> list[str]:
 
 
 def tiny_llama(vocab_size: int) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=257)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=257,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # non-trivial norms, so a misplaced norm weight shows in the logits
@@ -83,9 +99,17 @@ def write_tiny_gguf(directory: str) -> tuple[str, LlamaForCausalLM]:
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
     state = model.state_dict()
-    layer_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                   "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                   "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    layer_names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
     for layer in range(config.num_hidden_layers):
         for hf_name, gguf_name in layer_names.items():

@@ -4,7 +4,7 @@ from typing import Callable
 
 import torch
 
-from grouprl.types import Completion, SamplingParams
+from grouprl.core.types import Completion, SamplingParams
 
 
 class ScriptedBackend:
@@ -14,7 +14,9 @@ class ScriptedBackend:
     cannot hide a bug.
     """
 
-    def __init__(self, script: Callable[[list[int], int], list[int]], eos_token_id: int, tokenizer=None, sampler_logprobs=None):
+    def __init__(
+        self, script: Callable[[list[int], int], list[int]], eos_token_id: int, tokenizer=None, sampler_logprobs=None
+    ):
         self.script, self.eos, self.tokenizer = script, eos_token_id, tokenizer
         self.sampler_logprobs = sampler_logprobs  # optional (prompt_ids, sample_index, tokens) -> one logprob per token
         self.calls = []
@@ -30,7 +32,9 @@ class ScriptedBackend:
                 tokens = list(self.script(list(ids), s))[: params.max_new_tokens]
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
                 logprobs = self.sampler_logprobs(list(ids), s, tokens) if self.sampler_logprobs else None
-                out.append(Completion(p, tokens, text, "stop" if tokens and tokens[-1] == self.eos else "length", logprobs))
+                out.append(
+                    Completion(p, tokens, text, "stop" if tokens and tokens[-1] == self.eos else "length", logprobs)
+                )
         return out
 
 
@@ -73,6 +77,13 @@ def quiet_config(tmp_path, overrides=None, **defaults):
     trackers or progress bar, seed 0; `defaults` are a test file's own sizes, `overrides` (a dict) a test's changes."""
     from grouprl import GRPOConfig
 
-    base = dict(output_dir=str(tmp_path / "out"), num_generations=3, logging_steps=1, save_strategy="no", report_to="none",
-                disable_tqdm=True, seed=0)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        num_generations=3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
     return GRPOConfig(**{**base, **defaults, **(overrides or {})})

@@ -1,4 +1,4 @@
-"""A deliberately slow reference of `grouprl.algorithms.losses.policy_loss`: one token at a time.
+"""A deliberately slow reference of `grouprl.core.losses.policy_loss`: one token at a time.
 
 Written straight from the formulas of the TRL semantics reference (§2.1, §2.2, §2.8-§2.10), with
 Python loops over rows and tokens and 0-d tensors (so autograd still gives gradients). It shares
@@ -17,11 +17,33 @@ def _scalar_min(a, b):
 
 
 def reference_policy_loss(
-    loss_type, logprobs, old_logprobs, advantages, mask, *, epsilon_low, epsilon_high, grad_accum_steps,
-    max_completion_length, token_denominator, importance_sampling_level="token", delta=None,
-    sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-    vespo_lambda_neg=2.0, beta=0.0, ref_logprobs=None, use_bias_correction_kl=True, sequence_keep=None, token_keep=None,
-    sampler_weights=None, entropy=None, entropy_coef=0.0,
+    loss_type,
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    epsilon_low,
+    epsilon_high,
+    grad_accum_steps,
+    max_completion_length,
+    token_denominator,
+    importance_sampling_level="token",
+    delta=None,
+    sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
+    beta=0.0,
+    ref_logprobs=None,
+    use_bias_correction_kl=True,
+    sequence_keep=None,
+    token_keep=None,
+    sampler_weights=None,
+    entropy=None,
+    entropy_coef=0.0,
 ):
     n, width = logprobs.shape
     zero = logprobs.sum() * 0.0
@@ -60,7 +82,9 @@ def reference_policy_loss(
             w_value = float(w.detach())
             if loss_type in CLIP_FAMILY:
                 clipped = min(max(w_value, 1.0 - epsilon_low), 1.0 + epsilon_high)  # a constant where it binds
-                clipped_w = w if 1.0 - epsilon_low <= w_value <= 1.0 + epsilon_high else torch.tensor(clipped, dtype=w.dtype)
+                clipped_w = (
+                    w if 1.0 - epsilon_low <= w_value <= 1.0 + epsilon_high else torch.tensor(clipped, dtype=w.dtype)
+                )
                 capped = w if delta is None or w_value <= delta else torch.tensor(delta, dtype=w.dtype)
                 loss = -_scalar_min(capped * a, clipped_w * a)
             elif loss_type == "cispo":

@@ -21,10 +21,10 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import grouprl.experience
-import grouprl.objective
+import grouprl.rollout.experience
+import grouprl.train.micro_step
 from grouprl import GRPOConfig, GRPOTrainer, NonFiniteError
-from grouprl.types import Completion
+from grouprl.core.types import Completion
 
 NUM_GENERATIONS = 4
 
@@ -48,8 +48,15 @@ class ProcessDependentSampler:
             for s in range(num_samples):
                 tokens = [(ids[-1] + 7 * s + k) % 200 + 3 for k in range(2 + (s + len(ids)) % 5)] + [self.eos]
                 logprobs = [-5.0 + 0.7 * rank - 0.3 * ((k + s) % 3) for k in range(len(tokens))]
-                out.append(Completion(p, tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), "stop",
-                                      sampler_logprobs=logprobs))
+                out.append(
+                    Completion(
+                        p,
+                        tokens,
+                        self.tokenizer.decode(tokens, skip_special_tokens=True),
+                        "stop",
+                        sampler_logprobs=logprobs,
+                    )
+                )
         return out
 
 
@@ -61,21 +68,45 @@ def run(scenario: str, out_dir: str, model_dir: str) -> None:
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = GRPOConfig(
-        output_dir=os.path.join(out_dir, scenario), per_device_train_batch_size=12 // processes, gradient_accumulation_steps=1,
-        num_generations=NUM_GENERATIONS, max_completion_length=8, learning_rate=0.5, max_steps=2 if scenario == "stats" else 3,
-        num_iterations=2 if scenario == "stats" else 1, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        seed=0, bf16=False, gradient_checkpointing=False, max_grad_norm=0, lr_scheduler_type="constant", loss_type="grpo",
-        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1e6,
+        output_dir=os.path.join(out_dir, scenario),
+        per_device_train_batch_size=12 // processes,
+        gradient_accumulation_steps=1,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=8,
+        learning_rate=0.5,
+        max_steps=2 if scenario == "stats" else 3,
+        num_iterations=2 if scenario == "stats" else 1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+        gradient_checkpointing=False,
+        max_grad_norm=0,
+        lr_scheduler_type="constant",
+        loss_type="grpo",
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=1e6,
     )
     dataset = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(12)]})
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=config, train_dataset=dataset, processing_class=tokenizer,
-                          optimizers=(torch.optim.SGD(model.parameters(), lr=config.learning_rate), None),
-                          generation_backend=ProcessDependentSampler(tokenizer) if scenario == "stats" else None)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        optimizers=(torch.optim.SGD(model.parameters(), lr=config.learning_rate), None),
+        generation_backend=ProcessDependentSampler(tokenizer) if scenario == "stats" else None,
+    )
     rank = trainer.accelerator.process_index
     result: dict = {"processes": processes, "loss_stats": [], "is_stats": [], "error": None}
     if scenario == "stats":
-        policy_loss, importance = grouprl.objective.policy_loss, grouprl.experience.sampler_importance_weights
+        policy_loss, importance = (
+            grouprl.train.micro_step.policy_loss,
+            grouprl.rollout.experience.sampler_importance_weights,
+        )
 
         def recording_policy_loss(loss_type, logprobs, old, advantages, mask, **kwargs):
             loss, stats = policy_loss(loss_type, logprobs, old, advantages, mask, **kwargs)
@@ -87,14 +118,16 @@ def run(scenario: str, out_dir: str, model_dir: str) -> None:
             result["is_stats"].append(dict(stats))
             return rho, stats
 
-        grouprl.objective.policy_loss = recording_policy_loss
-        grouprl.experience.sampler_importance_weights = recording_importance
+        grouprl.train.micro_step.policy_loss = recording_policy_loss
+        grouprl.rollout.experience.sampler_importance_weights = recording_importance
         # collectives made while computing each micro-batch's loss and statistics (the reduction waits for the step's end)
         calls = {"collectives": 0}
         for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object"):
+
             def counted(*args, _original=getattr(torch.distributed, name), **kwargs):
                 calls["collectives"] += 1
                 return _original(*args, **kwargs)
+
             setattr(torch.distributed, name, counted)
         compute_loss = trainer.compute_loss
         result["loss_collectives"] = []
@@ -109,7 +142,9 @@ def run(scenario: str, out_dir: str, model_dir: str) -> None:
     else:
         inner = trainer.accelerator.unwrap_model(trainer.run.model)
 
-        def poison(module, args, output):  # process 1 only, in step 2 (global_step 1 until its update), training forward only
+        def poison(
+            module, args, output
+        ):  # process 1 only, in step 2 (global_step 1 until its update), training forward only
             if rank == 1 and trainer.state.global_step == 1 and torch.is_grad_enabled():
                 return output * float("nan")
             return output

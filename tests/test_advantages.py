@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grouprl.algorithms.advantages import group_advantages, nanmean, nanstd
+from grouprl.core.advantages import group_advantages, nanmean, nanstd
 
 NAN = float("nan")
 EPS = 1e-4

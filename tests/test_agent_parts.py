@@ -53,8 +53,10 @@ def test_tool_schema_from_type_hints_and_docstring():
     (tool,) = make_tools([add])
     assert tool.name == "add" and not tool.is_async
     parameters = tool.schema["function"]["parameters"]
-    assert parameters["properties"] == {"a": {"type": "integer", "description": "the first number"},
-                                        "b": {"type": "integer", "description": "the second number"}}
+    assert parameters["properties"] == {
+        "a": {"type": "integer", "description": "the first number"},
+        "b": {"type": "integer", "description": "the second number"},
+    }
     assert parameters["required"] == ["a", "b"]
     assert make_tools([slow_double])[0].is_async
 
@@ -73,19 +75,34 @@ def test_tool_without_docstring_or_duplicated_is_rejected_by_name():
 
 def test_failures_become_error_results_in_call_order():
     toolbox = {t.name: t for t in make_tools([add, broken, slow_double])}
-    calls = [[call("add", a=2, b=3), call("nope"), call("add", a=1), call("broken", x=1), call("slow_double", x=4),
-              {"type": "retrieval", "function": {"name": "add"}}, call("add", a=1, b=2, c=3)]]
+    calls = [
+        [
+            call("add", a=2, b=3),
+            call("nope"),
+            call("add", a=1),
+            call("broken", x=1),
+            call("slow_double", x=4),
+            {"type": "retrieval", "function": {"name": "add"}},
+            call("add", a=1, b=2, c=3),
+        ]
+    ]
     (results,) = execute_tool_calls(calls, [toolbox])
     assert [r.content for r in results][0] == "5" and results[4].content == "8"
     assert [r.failed for r in results] == [False, True, True, True, False, True, True]
     assert "unknown tool 'nope'" in results[1].content and "tool exploded" in results[3].content
-    assert results[2].content.startswith("{'error': ") and "missing 1 required positional argument" in results[2].content
+    assert (
+        results[2].content.startswith("{'error': ") and "missing 1 required positional argument" in results[2].content
+    )
     assert results[0].message() == {"role": "tool", "name": "add", "content": "5"}
 
 
 def test_async_tools_of_every_rollout_run_concurrently():
     toolbox = {t.name: t for t in make_tools([slow_double])}
-    calls = [[call("slow_double", x=1), call("slow_double", x=2)], [call("slow_double", x=3)], [call("slow_double", x=4)]]
+    calls = [
+        [call("slow_double", x=1), call("slow_double", x=2)],
+        [call("slow_double", x=3)],
+        [call("slow_double", x=4)],
+    ]
     started = time.perf_counter()
     results = execute_tool_calls(calls, [toolbox] * 3)
     elapsed = time.perf_counter() - started
@@ -93,17 +110,34 @@ def test_async_tools_of_every_rollout_run_concurrently():
     assert elapsed < 0.9, f"4 calls of 0.3 s took {elapsed:.2f} s: they ran one after another"
 
 
-@pytest.mark.parametrize("text, expected_calls, expected_content", [
-    ("42", None, "42"),
-    ('Let me see.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', [call("add", a=1, b=2)], "Let me see."),
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>{"name": "f"}</tool_call>',
-     [call("add", a=1), call("f")], ""),
-    ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 5}"}</tool_call>', [call("add", a=5)], ""),
-    ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', None, '<tool_call>{"name": "add", "arguments": {"a": </tool_call>'),
-    ('<tool_call>{"arguments": {}}</tool_call>', None, '<tool_call>{"arguments": {}}</tool_call>'),
-    ('<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name"', None,
-     '<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name"'),
-])
+@pytest.mark.parametrize(
+    "text, expected_calls, expected_content",
+    [
+        ("42", None, "42"),
+        (
+            'Let me see.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+            [call("add", a=1, b=2)],
+            "Let me see.",
+        ),
+        (
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>{"name": "f"}</tool_call>',
+            [call("add", a=1), call("f")],
+            "",
+        ),
+        ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 5}"}</tool_call>', [call("add", a=5)], ""),
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": </tool_call>',
+            None,
+            '<tool_call>{"name": "add", "arguments": {"a": </tool_call>',
+        ),
+        ('<tool_call>{"arguments": {}}</tool_call>', None, '<tool_call>{"arguments": {}}</tool_call>'),
+        (
+            '<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name"',
+            None,
+            '<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name"',
+        ),
+    ],
+)
 def test_hermes_parser(text, expected_calls, expected_content):
     message = parse_hermes(text)
     assert message["role"] == "assistant" and message["content"] == expected_content
@@ -129,8 +163,10 @@ def test_template_checks_name_the_problem(tokenizer):
     with pytest.raises(ValueError, match="response_template"):
         check_tool_template(other_format, stop_ids=stop, chat_template_kwargs={})
     shifting = build_tokenizer()  # renders the last message differently from earlier ones: not prefix-preserving
-    shifting.chat_template = TOOL_CHAT_TEMPLATE.replace("'<|im_start|>assistant\\n' + (message['content'] or '')",
-                                                        "'<|im_start|>assistant\\n' + ('' if loop.last else 'Earlier: ') + (message['content'] or '')")
+    shifting.chat_template = TOOL_CHAT_TEMPLATE.replace(
+        "'<|im_start|>assistant\\n' + (message['content'] or '')",
+        "'<|im_start|>assistant\\n' + ('' if loop.last else 'Earlier: ') + (message['content'] or '')",
+    )
     assert shifting.chat_template != TOOL_CHAT_TEMPLATE
     with pytest.raises(ValueError, match="not prefix-preserving"):
         check_tool_template(shifting, stop_ids=set(), chat_template_kwargs={})
@@ -143,7 +179,9 @@ def test_tool_calls_are_seen_when_the_tokenizer_marks_their_tags_special():
     from grouprl.agents.parsing import parse_turn
 
     tok = build_tokenizer()
-    tok.add_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)], special_tokens=True)
+    tok.add_tokens(
+        [AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)], special_tokens=True
+    )
     text = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(IM_END)]
     assert "<tool_call>" not in tok.decode(ids, skip_special_tokens=True)  # the case being guarded against

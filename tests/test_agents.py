@@ -113,9 +113,20 @@ def dataset(n=4, **columns):
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=256,
-                  learning_rate=0.05, max_steps=1, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-                  shuffle_dataset=False)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=256,
+        learning_rate=0.05,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        shuffle_dataset=False,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -127,8 +138,14 @@ def constant_reward(completions, **kwargs):
 def make_trainer(tool_model_dir, tmp_path, script, tok, reward_funcs=constant_reward, train_dataset=None, **kwargs):
     args = kwargs.pop("args", None) or config(tmp_path)
     backend = ScriptedBackend(script, tok.convert_tokens_to_ids(IM_END), tok)
-    trainer = GRPOTrainer(model=tool_model_dir, reward_funcs=reward_funcs, args=args,
-                          train_dataset=dataset() if train_dataset is None else train_dataset, generation_backend=backend, **kwargs)
+    trainer = GRPOTrainer(
+        model=tool_model_dir,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=dataset() if train_dataset is None else train_dataset,
+        generation_backend=backend,
+        **kwargs,
+    )
     return trainer, backend
 
 
@@ -143,7 +160,9 @@ SPELLED_USER = [ord(c) for c in "user"]
 def test_sequence_is_prompt_plus_sampled_tokens_plus_template_suffix(tool_model_dir, tmp_path, tok):
     first = turn(tok, call_text("multiply", a=6, b=7))
     final = SPELLED_USER + [tok.convert_tokens_to_ids(IM_END)]
-    trainer, backend = make_trainer(tool_model_dir, tmp_path, lambda p, s: final if answered(tok, p) else first, tok, tools=[multiply])
+    trainer, backend = make_trainer(
+        tool_model_dir, tmp_path, lambda p, s: final if answered(tok, p) else first, tok, tools=[multiply]
+    )
     rollout = trainer.run.rollouts.sample()
     glue = suffix(tok, 42)
     prompt = rollout.prompts.prompt_ids[0]
@@ -153,13 +172,17 @@ def test_sequence_is_prompt_plus_sampled_tokens_plus_template_suffix(tool_model_
     assert c.tool_mask == [True] * len(first) + [False] * len(glue) + [True] * len(final)
     assert (c.tool_calls, c.tool_failures, c.finish_reason) == (1, 0, "stop")
     assert c.messages[1] == {"role": "tool", "name": "multiply", "content": "42"} and c.messages[2]["content"] == "user"
-    assert c.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}]
+    assert c.messages[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
+    ]
     # The second turn was prompted with exactly the tokens so far, one continuation per rollout group member.
     assert backend.calls[1][0][0] == prompt + first + glue
     batch = trainer.run.rollouts.make_train_batch(rollout, torch.zeros(len(rollout.completions)))
     n = len(c.token_ids)
     assert batch.completion_ids[0, :n].tolist() == c.token_ids
-    assert batch.completion_mask[0, :n].all() and not batch.completion_mask[0, n:].any()  # tool tokens stay in the attention
+    assert (
+        batch.completion_mask[0, :n].all() and not batch.completion_mask[0, n:].any()
+    )  # tool tokens stay in the attention
     assert batch.loss_mask[0, :n].tolist() == c.tool_mask and not batch.loss_mask[0, n:].any()
     assert batch.num_loss_tokens == sum(sum(x.tool_mask) for x in rollout.completions)
 
@@ -169,14 +192,26 @@ def test_rollback_and_truncation_at_the_length_limit(tool_model_dir, tmp_path, t
     glue = suffix(tok, 42)
     script = lambda p, s: turn(tok, "42") if answered(tok, p) else first  # noqa: E731
     # No room for a single model token after the results: the rollout ends with its call (which ran and counts).
-    trainer, backend = make_trainer(tool_model_dir, tmp_path, script, tok, tools=[multiply],
-                                    args=config(tmp_path, max_completion_length=len(first) + len(glue)))
+    trainer, backend = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        script,
+        tok,
+        tools=[multiply],
+        args=config(tmp_path, max_completion_length=len(first) + len(glue)),
+    )
     c = trainer.run.rollouts.sample().completions[0]
     assert c.token_ids == first and all(c.tool_mask) and c.tool_calls == 1 and c.messages[-1]["tool_calls"]
     assert len(backend.calls) == 1
     # Room for 2 tokens: the continuation is cut so the whole completion is exactly max_completion_length.
-    trainer, backend = make_trainer(tool_model_dir, tmp_path, script, tok, tools=[multiply],
-                                    args=config(tmp_path, max_completion_length=len(first) + len(glue) + 2))
+    trainer, backend = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        script,
+        tok,
+        tools=[multiply],
+        args=config(tmp_path, max_completion_length=len(first) + len(glue) + 2),
+    )
     c = trainer.run.rollouts.sample().completions[0]
     assert c.token_ids == first + glue + turn(tok, "42")[:2] and c.finish_reason == "length"
     assert len(c.token_ids) == trainer.args.max_completion_length
@@ -184,10 +219,22 @@ def test_rollback_and_truncation_at_the_length_limit(tool_model_dir, tmp_path, t
 
 def test_max_tool_calling_iterations_bounds_the_rounds(tool_model_dir, tmp_path, tok):
     first = turn(tok, call_text("multiply", a=2, b=3))
-    trainer, backend = make_trainer(tool_model_dir, tmp_path, lambda p, s: first, tok, tools=[multiply],
-                                    args=config(tmp_path, max_tool_calling_iterations=2, max_completion_length=400))
+    trainer, backend = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        lambda p, s: first,
+        tok,
+        tools=[multiply],
+        args=config(tmp_path, max_tool_calling_iterations=2, max_completion_length=400),
+    )
     c = trainer.run.rollouts.sample().completions[0]
-    assert c.tool_calls == 2 and [m["role"] for m in c.messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert c.tool_calls == 2 and [m["role"] for m in c.messages] == [
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
     assert c.token_ids == first + suffix(tok, 6) + first + suffix(tok, 6) + first
     assert len(backend.calls) == 3  # the first turn and two tool rounds (identical continuations sampled together)
 
@@ -218,17 +265,34 @@ def test_call_and_failure_frequencies_lengths_and_training(tool_model_dir, tmp_p
         seen.extend(completions)
         return [float(len(c)) for c in completions]
 
-    trainer, _ = make_trainer(tool_model_dir, tmp_path, script, tok, reward_funcs=reward, tools=[tool],
-                              args=config(tmp_path, beta=0.1, per_device_eval_batch_size=3))
+    trainer, _ = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        script,
+        tok,
+        reward_funcs=reward,
+        tools=[tool],
+        args=config(tmp_path, beta=0.1, per_device_eval_batch_size=3),
+    )
     trainer.train()
     log = trainer.state.log_history[0]
-    assert log["tools/call_frequency"] == pytest.approx(2 / 3) and log["tools/failure_frequency"] == pytest.approx(1 / 2)
-    model_tokens = [len(good) + len(answer), len(bad) + len(answer), len(direct)]  # tool output is not the model's length
+    assert log["tools/call_frequency"] == pytest.approx(2 / 3) and log["tools/failure_frequency"] == pytest.approx(
+        1 / 2
+    )
+    model_tokens = [
+        len(good) + len(answer),
+        len(bad) + len(answer),
+        len(direct),
+    ]  # tool output is not the model's length
     assert log["completions/mean_length"] == pytest.approx(sum(model_tokens) / 3)
     assert log["completions/max_length"] == max(model_tokens) and log["completions/min_length"] == min(model_tokens)
     prompt_tokens = [len(trainer.run.rollouts.tokenize(row["prompt"], i)) for i, row in enumerate(dataset(2))]
-    assert log["num_tokens"] == 3 * sum(prompt_tokens) + 2 * sum(model_tokens)  # prompts and model tokens, not tool output
-    assert [m["role"] for m in seen[0]] == ["assistant", "tool", "assistant"] and seen[2] == [{"role": "assistant", "content": "42"}]
+    assert log["num_tokens"] == 3 * sum(prompt_tokens) + 2 * sum(
+        model_tokens
+    )  # prompts and model tokens, not tool output
+    assert [m["role"] for m in seen[0]] == ["assistant", "tool", "assistant"] and seen[2] == [
+        {"role": "assistant", "content": "42"}
+    ]
     assert "unknown tool 'divide'" in seen[1][1]["content"]
     assert log["kl"] is not None and log["loss"] is not None
     metrics = trainer.evaluate(dataset(2))
@@ -238,8 +302,13 @@ def test_call_and_failure_frequencies_lengths_and_training(tool_model_dir, tmp_p
 def test_real_backend_continues_after_tool_results(tool_model_dir, tmp_path, tok):
     """The default sampler (FastGenerator) is prompted with prompt + tokens + suffix and keeps the budget."""
     first = turn(tok, call_text("multiply", a=6, b=7))
-    trainer = GRPOTrainer(model=tool_model_dir, reward_funcs=constant_reward, tools=[multiply], train_dataset=dataset(),
-                          args=config(tmp_path, max_completion_length=len(first) + len(suffix(tok, 42)) + 5))
+    trainer = GRPOTrainer(
+        model=tool_model_dir,
+        reward_funcs=constant_reward,
+        tools=[multiply],
+        train_dataset=dataset(),
+        args=config(tmp_path, max_completion_length=len(first) + len(suffix(tok, 42)) + 5),
+    )
     real = trainer.run.rollouts.backend
 
     class FirstTurnScripted:
@@ -250,7 +319,9 @@ def test_real_backend_continues_after_tool_results(tool_model_dir, tmp_path, tok
 
         def generate(self, prompt_ids, num_samples, params):
             if not answered(tok, prompt_ids[0]):
-                return ScriptedBackend(lambda p, s: first, tok.convert_tokens_to_ids(IM_END), tok).generate(prompt_ids, num_samples, params)
+                return ScriptedBackend(lambda p, s: first, tok.convert_tokens_to_ids(IM_END), tok).generate(
+                    prompt_ids, num_samples, params
+                )
             return real.generate(prompt_ids, num_samples, params)
 
     trainer.run.rollouts.backend = FirstTurnScripted()
@@ -279,16 +350,32 @@ def test_environment_tools_reset_reward_and_pool(tool_model_dir, tmp_path, tok):
         environments_seen.append(environments)
         return [0.0] * len(environments)
 
-    trainer, _ = make_trainer(tool_model_dir, tmp_path, script, tok, reward_funcs=reward, environment_factory=factory,
-                              train_dataset=dataset(answer=["0", "7", "14", "21"]), args=config(tmp_path, max_steps=2, reward_weights=[0.5]))
-    assert trainer.reward_func_names == ["reward", "Counter"] and trainer.run.rollouts.reward_weights.tolist() == [0.5, 1.0]
+    trainer, _ = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        script,
+        tok,
+        reward_funcs=reward,
+        environment_factory=factory,
+        train_dataset=dataset(answer=["0", "7", "14", "21"]),
+        args=config(tmp_path, max_steps=2, reward_weights=[0.5]),
+    )
+    assert trainer.reward_func_names == ["reward", "Counter"] and trainer.run.rollouts.reward_weights.tolist() == [
+        0.5,
+        1.0,
+    ]
     rollout = trainer.run.rollouts.sample()
     envs = [c.reward_kwargs["environments"] for c in rollout.completions]
     assert len({id(e) for e in envs}) == 6 and [e.count for e in envs] == [2, 0, 0, 2, 0, 0]
     assert envs[3].resets[-1] == {"prompt": [{"role": "user", "content": "1 times 7?"}], "answer": "7"}
     # The observation is appended to the last message, and the environment's method is the tool in the prompt.
-    expected_prompt = tok.apply_chat_template([{"role": "user", "content": "1 times 7? Count up."}], tools=[made[0].increment],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected_prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "1 times 7? Count up."}],
+        tools=[made[0].increment],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert rollout.completions[3].prompt_ids == list(expected_prompt)
     _, rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
     assert rewards.per_function[:, 1].tolist() == [2.0, 0.0, 0.0, 2.0, 0.0, 0.0]
@@ -302,10 +389,18 @@ def test_environments_routed_by_column_with_their_own_tools(tool_model_dir, tmp_
         text = tok.decode(prompt)
         if answered(tok, prompt):
             return turn(tok, "ok")
-        return turn(tok, call_text("increment", step=1) if '"name": "increment"' in text else call_text("shout", text="hi"))
+        return turn(
+            tok, call_text("increment", step=1) if '"name": "increment"' in text else call_text("shout", text="hi")
+        )
 
-    trainer, _ = make_trainer(tool_model_dir, tmp_path, script, tok, environment_factory={"counter": Counter, "echo": Echo},
-                              train_dataset=dataset(environment=["counter", "echo", "counter", "echo"]))
+    trainer, _ = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        script,
+        tok,
+        environment_factory={"counter": Counter, "echo": Echo},
+        train_dataset=dataset(environment=["counter", "echo", "counter", "echo"]),
+    )
     rollout = trainer.run.rollouts.sample()
     envs = [c.reward_kwargs["environments"] for c in rollout.completions]
     assert [type(e).__name__ for e in envs] == ["Counter"] * 3 + ["Echo"] * 3
@@ -316,7 +411,9 @@ def test_environments_routed_by_column_with_their_own_tools(tool_model_dir, tmp_
     assert "environment" not in envs[0].resets[-1]  # a routing column, not passed to reset()
     _, rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
     counter_reward = rewards.per_function[:, rewards.names.index("Counter")]
-    assert counter_reward[:3].tolist() == [1.0, 1.0, 1.0] and torch.isnan(counter_reward[3:]).all()  # None for Echo rollouts
+    assert (
+        counter_reward[:3].tolist() == [1.0, 1.0, 1.0] and torch.isnan(counter_reward[3:]).all()
+    )  # None for Echo rollouts
 
 
 def test_environment_owned_data_and_reward(tool_model_dir, tmp_path, tok):
@@ -326,10 +423,21 @@ def test_environment_owned_data_and_reward(tool_model_dir, tmp_path, tok):
             return "Count to 3."
 
     script = lambda p, s: turn(tok, "ok") if answered(tok, p) else turn(tok, call_text("increment", step=s))  # noqa: E731
-    trainer = GRPOTrainer(model=tool_model_dir, environment_factory=Puzzle, args=config(tmp_path),  # no dataset, no reward_funcs
-                          generation_backend=ScriptedBackend(script, tok.convert_tokens_to_ids(IM_END), tok))
-    assert trainer.run.rollouts.sample().completions[0].prompt_ids == list(tok.apply_chat_template(
-        [{"role": "user", "content": "Count to 3."}], tools=[Puzzle().increment], add_generation_prompt=True, tokenize=True, return_dict=False))
+    trainer = GRPOTrainer(
+        model=tool_model_dir,
+        environment_factory=Puzzle,
+        args=config(tmp_path),  # no dataset, no reward_funcs
+        generation_backend=ScriptedBackend(script, tok.convert_tokens_to_ids(IM_END), tok),
+    )
+    assert trainer.run.rollouts.sample().completions[0].prompt_ids == list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Count to 3."}],
+            tools=[Puzzle().increment],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     trainer.train()
     log = trainer.state.log_history[0]
     # The 6 rollouts have the same prompt, so they are sampled together (samples 0..5 increment by 0..5).
@@ -348,19 +456,40 @@ def test_dataset_of_environment_names_only(tool_model_dir, tmp_path, tok):
     def script(prompt, s):
         if answered(tok, prompt):
             return turn(tok, "ok")
-        return turn(tok, call_text("increment", step=2) if '"name": "increment"' in tok.decode(prompt) else "nothing to do")
+        return turn(
+            tok, call_text("increment", step=2) if '"name": "increment"' in tok.decode(prompt) else "nothing to do"
+        )
 
     routing = datasets.Dataset.from_dict({"environment": ["counter", "echo", "counter", "echo"]})
-    trainer, _ = make_trainer(tool_model_dir, tmp_path, script, tok, reward_funcs=None, train_dataset=routing,
-                              environment_factory={"counter": counter, "echo": Echo})
+    trainer, _ = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        script,
+        tok,
+        reward_funcs=None,
+        train_dataset=routing,
+        environment_factory={"counter": counter, "echo": Echo},
+    )
     assert trainer.reward_func_names == ["Counter"]  # the environment owns the reward; Echo rollouts get None
     rollout = trainer.run.rollouts.sample()
     assert made[0].resets[-1] == {}  # no placeholder prompt and no routing column among reset()'s arguments, as in TRL
-    expected = tok.apply_chat_template([{"role": "user", "content": " Count up."}], tools=[made[0].increment],
-                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = tok.apply_chat_template(
+        [{"role": "user", "content": " Count up."}],
+        tools=[made[0].increment],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert rollout.completions[0].prompt_ids == list(expected)
-    assert rollout.completions[3].prompt_ids == list(tok.apply_chat_template([{"role": "user", "content": ""}], tools=[Echo().shout],
-                                                                             add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert rollout.completions[3].prompt_ids == list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": ""}],
+            tools=[Echo().shout],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     _, rewards, _ = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
     assert rewards.per_function[:3, 0].tolist() == [2.0, 2.0, 2.0] and torch.isnan(rewards.per_function[3:, 0]).all()
     trainer.train()
@@ -379,8 +508,13 @@ def test_rollout_func_output_is_trained_on_as_given(tool_model_dir, tmp_path, to
     def rollout_func(prompts, trainer):
         received.append((prompts, trainer))
         n = len(prompts)
-        return {"prompt_ids": [[5, 6, 7]] * n, "completion_ids": [[10, 11, 12, eos]] * n, "logprobs": [[-1.0, -2.0, -3.0, -0.5]] * n,
-                "env_mask": [[1, 0, 0, 1]] * n, "turns": list(range(n))}
+        return {
+            "prompt_ids": [[5, 6, 7]] * n,
+            "completion_ids": [[10, 11, 12, eos]] * n,
+            "logprobs": [[-1.0, -2.0, -3.0, -0.5]] * n,
+            "env_mask": [[1, 0, 0, 1]] * n,
+            "turns": list(range(n)),
+        }
 
     def reward(turns, **kwargs):
         return [float(t) for t in turns]
@@ -388,18 +522,30 @@ def test_rollout_func_output_is_trained_on_as_given(tool_model_dir, tmp_path, to
     trainer, _ = make_trainer(tool_model_dir, tmp_path, None, tok, reward_funcs=reward, rollout_func=rollout_func)
     rollout = trainer.run.rollouts.sample()
     prompts, given_trainer = received[0]
-    assert given_trainer is trainer and len(prompts) == 6 and prompts[0] == prompts[2] != prompts[3]  # one entry per completion
+    assert (
+        given_trainer is trainer and len(prompts) == 6 and prompts[0] == prompts[2] != prompts[3]
+    )  # one entry per completion
     _, rewards, advantages = trainer.run.rollouts.score(rollout, trainer.state, trainer.run.window)
     assert rewards.per_function[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     batch = trainer.run.rollouts.make_train_batch(rollout, advantages)
     assert batch.prompt_ids[0].tolist() == [5, 6, 7] and batch.completion_ids[0].tolist() == [10, 11, 12, eos]
-    assert batch.loss_mask[0].tolist() == [True, False, False, True] and batch.sampler_logprobs[0].tolist() == [-1.0, -2.0, -3.0, -0.5]
+    assert batch.loss_mask[0].tolist() == [True, False, False, True] and batch.sampler_logprobs[0].tolist() == [
+        -1.0,
+        -2.0,
+        -3.0,
+        -0.5,
+    ]
     trainer.train()
 
 
 def test_rollout_func_missing_keys_named(tool_model_dir, tmp_path, tok):
-    trainer, _ = make_trainer(tool_model_dir, tmp_path, None, tok,
-                              rollout_func=lambda prompts, trainer: {"prompt_ids": [], "completion_ids": []})
+    trainer, _ = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        None,
+        tok,
+        rollout_func=lambda prompts, trainer: {"prompt_ids": [], "completion_ids": []},
+    )
     with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
         trainer.run.rollouts.sample()
 
@@ -420,16 +566,30 @@ def test_agent_errors(tool_model_dir, tmp_path, tok):
     with pytest.raises(ValueError, match="cannot be combined"):
         make_trainer(tool_model_dir, tmp_path, script, tok, tools=[multiply], rollout_func=lambda p, t: {})
     with pytest.raises(ValueError, match=r"environment_factory methods\[0\] \(increment\)"):
+
         class Undocumented(Counter):
             def increment(self, step):
                 return step
+
         make_trainer(tool_model_dir, tmp_path, script, tok, environment_factory=Undocumented)
-    trainer, _ = make_trainer(tool_model_dir, tmp_path, script, tok, environment_factory={"counter": Counter},
-                              train_dataset=dataset(environment=["counter", "nope", "counter", "nope"]))
+    trainer, _ = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        script,
+        tok,
+        environment_factory={"counter": Counter},
+        train_dataset=dataset(environment=["counter", "nope", "counter", "nope"]),
+    )
     with pytest.raises(ValueError, match="Row 1 has environment='nope'"):
         trainer.run.rollouts.sample()
-    trainer, _ = make_trainer(tool_model_dir, tmp_path, script, tok, tools=[multiply],
-                              train_dataset=datasets.Dataset.from_dict({"prompt": ["6 times 7?"] * 4}))
+    trainer, _ = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        script,
+        tok,
+        tools=[multiply],
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["6 times 7?"] * 4}),
+    )
     with pytest.raises(ValueError, match="need conversational prompts"):
         trainer.run.rollouts.sample()
 
@@ -439,7 +599,9 @@ def test_template_without_tool_support_fails_at_start(tmp_path, tok):
 
     path = save_tiny_model(tmp_path / "plain", seed=0, max_position_embeddings=1024)  # ChatML that drops tool calls
     with pytest.raises(ValueError, match="drops the tool name"):
-        GRPOTrainer(model=path, reward_funcs=constant_reward, tools=[multiply], train_dataset=dataset(), args=config(tmp_path))
+        GRPOTrainer(
+            model=path, reward_funcs=constant_reward, tools=[multiply], train_dataset=dataset(), args=config(tmp_path)
+        )
 
 
 def test_cli_tools_and_environment_factory(tool_model_dir, tmp_path, monkeypatch):
@@ -454,14 +616,42 @@ def test_cli_tools_and_environment_factory(tool_model_dir, tmp_path, monkeypatch
         "    def bump(self, k: int) -> int:\n        '''Add k.\n\n        Args:\n            k: amount\n        '''\n"
         "        self.n += k\n        return self.n\n"
         "    def get_reward(self):\n        return float(self.n)\n\n"
-        "def double(x: int) -> int:\n    '''Double x.\n\n    Args:\n        x: a number\n    '''\n    return 2 * x\n")
+        "def double(x: int) -> int:\n    '''Double x.\n\n    Args:\n        x: a number\n    '''\n    return 2 * x\n"
+    )
     monkeypatch.chdir(tmp_path)
     dataset(4).to_json(str(tmp_path / "train.jsonl"))
     out = tmp_path / "out"
-    code = main(["train", "--model_name_or_path", tool_model_dir, "--dataset_name", str(tmp_path / "train.jsonl"),
-                 "--tools", "my_agent.double", "--environment_factory", "my_agent.Tally", "--output_dir", str(out),
-                 "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", "1",
-                 "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"])
+    code = main(
+        [
+            "train",
+            "--model_name_or_path",
+            tool_model_dir,
+            "--dataset_name",
+            str(tmp_path / "train.jsonl"),
+            "--tools",
+            "my_agent.double",
+            "--environment_factory",
+            "my_agent.Tally",
+            "--output_dir",
+            str(out),
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--max_steps",
+            "1",
+            "--logging_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "true",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     entry = json.loads(open(out / "metrics.jsonl").readline())
     assert entry["rewards/Tally/mean"] == 0.0 and "tools/call_frequency" in entry
@@ -481,10 +671,35 @@ def test_calculator_example_runs(tmp_path, monkeypatch):
     assert example.calculator("37*8") == "296" and example.calculator("(1+2)/4") == "0.75"
     with pytest.raises(ValueError, match="unsupported"):
         example.calculator("__import__('os')")
-    tool_turn = [{"role": "assistant", "content": "", "tool_calls": [{}]}, {"role": "tool", "content": "296"}, {"role": "assistant", "content": "296"}]
-    assert example.final_answer_reward([tool_turn, [{"role": "assistant", "content": "295"}], tool_turn[:2]], ["296"] * 3) == [1.0, 0.0, 0.0]
-    monkeypatch.setattr(sys, "argv", ["calculator_tool.py", "--output_dir", str(tmp_path), "--pretrain_steps", "8", "--pretrain_batch", "8",
-                                      "--max_steps", "1", "--prompts_per_step", "2", "--num_generations", "2", "--eval_rows", "4"])
+    tool_turn = [
+        {"role": "assistant", "content": "", "tool_calls": [{}]},
+        {"role": "tool", "content": "296"},
+        {"role": "assistant", "content": "296"},
+    ]
+    assert example.final_answer_reward(
+        [tool_turn, [{"role": "assistant", "content": "295"}], tool_turn[:2]], ["296"] * 3
+    ) == [1.0, 0.0, 0.0]
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "calculator_tool.py",
+            "--output_dir",
+            str(tmp_path),
+            "--pretrain_steps",
+            "8",
+            "--pretrain_batch",
+            "8",
+            "--max_steps",
+            "1",
+            "--prompts_per_step",
+            "2",
+            "--num_generations",
+            "2",
+            "--eval_rows",
+            "4",
+        ],
+    )
     example.main()
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["grpo_steps"] == 1 and 0.0 <= summary["tool_use_rate_after"] <= 1.0

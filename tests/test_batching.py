@@ -2,7 +2,7 @@
 
 import torch
 
-from grouprl.batching import length_grouped, regrouping_is_exact
+from grouprl.rollout.batching import length_grouped, regrouping_is_exact
 
 
 def test_rows_are_sorted_by_length_within_each_optimizer_step_only():
@@ -28,8 +28,8 @@ def test_regrouping_is_exact_only_where_row_weights_ignore_the_micro_batch():
 def test_long_shared_prompts_keep_their_rows_together():
     """Prompts longer than completions: the key orders by prompt (longest first), then completion length,
     so one prompt's rows are adjacent; short prompts: by total length."""
-    from grouprl.batching import row_order_key
-    from grouprl.types import TrainBatch
+    from grouprl.core.types import TrainBatch
+    from grouprl.rollout.batching import row_order_key
 
     def batch(prompts, completion_lengths):
         width, t = max(len(p) for p in prompts), max(completion_lengths)
@@ -37,7 +37,9 @@ def test_long_shared_prompts_keep_their_rows_together():
         prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).bool()
         completion_mask = torch.arange(t).unsqueeze(0) < torch.tensor(completion_lengths).unsqueeze(1)
         n = len(prompts)
-        return TrainBatch(prompt_ids, prompt_mask, completion_mask.long(), completion_mask, completion_mask, torch.zeros(n))
+        return TrainBatch(
+            prompt_ids, prompt_mask, completion_mask.long(), completion_mask, completion_mask, torch.zeros(n)
+        )
 
     a, b, c = [5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6], [7, 7, 7]  # a and b: 6 tokens, c: 3 tokens
     long_prompts = batch([a, b, a, c, b, a], [3, 1, 2, 5, 4, 1])

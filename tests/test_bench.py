@@ -15,8 +15,14 @@ import run_all  # noqa: E402
 
 
 def _run(seconds: float, **extra) -> dict:
-    return {"seconds_per_step": seconds, "generated_tokens_per_step": 4000.0, "generated_tokens_per_second": 4000.0 / seconds,
-            "useful_gflops_per_second": 100.0 / seconds, "peak_rss_mib": 1000.0, **extra}
+    return {
+        "seconds_per_step": seconds,
+        "generated_tokens_per_step": 4000.0,
+        "generated_tokens_per_second": 4000.0 / seconds,
+        "useful_gflops_per_second": 100.0 / seconds,
+        "peak_rss_mib": 1000.0,
+        **extra,
+    }
 
 
 def test_median_run_rescales_rates_to_the_median_step_time():
@@ -32,7 +38,14 @@ def test_median_run_rescales_rates_to_the_median_step_time():
 def test_report_replaces_only_the_generated_section(tmp_path):
     path = tmp_path / "benchmarks.md"
     path.write_text(f"# Benchmarks\n\nintro kept\n{run_all.START}\nold table\n{run_all.END}\n\nanalysis kept\n")
-    bounds = {"W1": {"floor_seconds_per_step": 8.0, "decode_floor_seconds": 3.0, "train_floor_seconds": 4.9, "prefill_floor_seconds": 0.1}}
+    bounds = {
+        "W1": {
+            "floor_seconds_per_step": 8.0,
+            "decode_floor_seconds": 3.0,
+            "train_floor_seconds": 4.9,
+            "prefill_floor_seconds": 0.1,
+        }
+    }
     rows = [("W1", run_all.median_run([_run(10.0)]), run_all.median_run([_run(12.0)]))]
     run_all.write_report(str(path), {"float32": 160.0, "bfloat16": 1.0}, rows, [], 1, bounds)
     text = path.read_text()

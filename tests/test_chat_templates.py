@@ -27,8 +27,20 @@ DATA = Path(__file__).parent / "data"
 QWEN3 = (DATA / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
 QWEN2_5 = (DATA / "qwen2_5_chat_template.jinja").read_text(encoding="utf-8")
 EMPTY_THINK = "<think>\n\n</think>\n\n"
-TOOLS = [{"type": "function", "function": {"name": "multiply", "description": "Multiply two integers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "Multiply two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 
 
 def multiply(a: int, b: int) -> int:
@@ -69,14 +81,21 @@ def call(name="multiply", **arguments):
 
 def random_assistant(rng, calls=None):
     """An assistant turn with or without reasoning (as reasoning_content or inline <think>) and tool calls."""
-    message = {"role": "assistant", "content": rng.choice(["", "ok", "\nThe answer.", "<think>\nhmm\n</think>\n\n42", "<think>x</think>",
-                                                           "</think>bare close"])}
+    message = {
+        "role": "assistant",
+        "content": rng.choice(
+            ["", "ok", "\nThe answer.", "<think>\nhmm\n</think>\n\n42", "<think>x</think>", "</think>bare close"]
+        ),
+    }
     if rng.random() < 0.3:
         message["reasoning_content"] = rng.choice(["", "because", "\nsteps\n"])
     if calls if calls is not None else rng.random() < 0.5:
-        message["tool_calls"] = [call(a=rng.randint(0, 9), b=2) if rng.random() < 0.7 else
-                                 {"type": "function", "function": {"name": "multiply", "arguments": '{"a": 1, "b": 2}'}}
-                                 for _ in range(rng.choice([1, 2]))]
+        message["tool_calls"] = [
+            call(a=rng.randint(0, 9), b=2)
+            if rng.random() < 0.7
+            else {"type": "function", "function": {"name": "multiply", "arguments": '{"a": 1, "b": 2}'}}
+            for _ in range(rng.choice([1, 2]))
+        ]
     return message
 
 
@@ -85,7 +104,10 @@ def random_message(rng):
     if role == "assistant":
         return random_assistant(rng)
     if role == "user":  # a user text that is a tool response does not count as Qwen3's "last query"
-        return {"role": "user", "content": rng.choice(["6 times 7?", "<tool_response>\n3\n</tool_response>", "and now?"])}
+        return {
+            "role": "user",
+            "content": rng.choice(["6 times 7?", "<tool_response>\n3\n</tool_response>", "and now?"]),
+        }
     if role == "tool":
         return {"role": "tool", "name": "multiply", "content": rng.choice(["42", ""])}
     return {"role": "system", "content": "Be brief."}
@@ -100,8 +122,11 @@ def random_options(rng):
 
 def is_real_query(message):
     content = message.get("content")
-    return message["role"] == "user" and isinstance(content, str) and not (
-        content.startswith("<tool_response>") and content.endswith("</tool_response>"))
+    return (
+        message["role"] == "user"
+        and isinstance(content, str)
+        and not (content.startswith("<tool_response>") and content.endswith("</tool_response>"))
+    )
 
 
 def ends_with_reasoning_free_call(messages):
@@ -112,7 +137,9 @@ def ends_with_reasoning_free_call(messages):
     reasoning = last.get("reasoning_content")
     if not isinstance(reasoning, str):
         content = last["content"]
-        reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n") if "</think>" in content else ""
+        reasoning = (
+            content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n") if "</think>" in content else ""
+        )
     return not reasoning
 
 
@@ -120,37 +147,65 @@ def ends_with_reasoning_free_call(messages):
 
 
 def test_qwen3_is_recognised_by_its_exact_text_only():
-    assert training_template_for(QWEN3 + "\n").family == "Qwen3"  # surrounding whitespace (a saved chat_template.jinja) is ignored
-    assert training_template_for(QWEN3.replace("Tools", "Functions")) is None  # any edit inside: not the template it was checked against
-    assert training_template_for(QWEN2_5) is None and training_template_for(None) is None and training_template_for({"default": QWEN3}) is None
+    assert (
+        training_template_for(QWEN3 + "\n").family == "Qwen3"
+    )  # surrounding whitespace (a saved chat_template.jinja) is ignored
+    assert (
+        training_template_for(QWEN3.replace("Tools", "Functions")) is None
+    )  # any edit inside: not the template it was checked against
+    assert (
+        training_template_for(QWEN2_5) is None
+        and training_template_for(None) is None
+        and training_template_for({"default": QWEN3}) is None
+    )
 
 
 PROMPTS = {
     "user": [{"role": "user", "content": "6 times 7?"}],
     "system and user": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6 times 7?"}],
     "earlier reasoning, new query": [
-        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "add them"},
-        {"role": "user", "content": "6 times 7?"}],
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "add them"},
+        {"role": "user", "content": "6 times 7?"},
+    ],
     "earlier inline thinking, new query": [
-        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
-        {"role": "user", "content": "6 times 7?"}],
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+        {"role": "user", "content": "6 times 7?"},
+    ],
     "tool round without reasoning": [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "6 times 7?"},
-        {"role": "assistant", "content": "", "tool_calls": [call()]}, {"role": "tool", "name": "multiply", "content": "42"}],
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "6 times 7?"},
+        {"role": "assistant", "content": "", "tool_calls": [call()]},
+        {"role": "tool", "name": "multiply", "content": "42"},
+    ],
     "tool round with reasoning, two results": [
         {"role": "user", "content": "6 times 7, twice?"},
         {"role": "assistant", "content": "<think>\nmultiply twice\n</think>\n\n", "tool_calls": [call(), call()]},
-        {"role": "tool", "name": "multiply", "content": "42"}, {"role": "tool", "name": "multiply", "content": "42"}],
+        {"role": "tool", "name": "multiply", "content": "42"},
+        {"role": "tool", "name": "multiply", "content": "42"},
+    ],
     "two tool rounds": [
-        {"role": "user", "content": "6 times 7?"}, {"role": "assistant", "content": "Let me check.", "tool_calls": [call()]},
+        {"role": "user", "content": "6 times 7?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [call()]},
         {"role": "tool", "name": "multiply", "content": "42"},
         {"role": "assistant", "content": "", "reasoning_content": "again", "tool_calls": [call(a=1)]},
-        {"role": "tool", "name": "multiply", "content": "6"}],
+        {"role": "tool", "name": "multiply", "content": "6"},
+    ],
 }
 
 
-@pytest.mark.parametrize("options", [{}, {"enable_thinking": False}, {"enable_thinking": True}, {"tools": TOOLS},
-                                     {"tools": TOOLS, "enable_thinking": False}], ids=lambda o: ",".join(o) or "defaults")
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"enable_thinking": False},
+        {"enable_thinking": True},
+        {"tools": TOOLS},
+        {"tools": TOOLS, "enable_thinking": False},
+    ],
+    ids=lambda o: ",".join(o) or "defaults",
+)
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_training_template_renders_prompts_token_for_token_as_qwen3(tok, training, name, options):
     prompt = PROMPTS[name]
@@ -170,7 +225,9 @@ def test_training_template_renders_random_prompts_as_qwen3(tok, training):
         else:
             kwargs = {"add_generation_prompt": True}
         kwargs.update(random_options(rng))
-        assert render(tok, messages, training, tokenize=True, **kwargs) == render(tok, messages, QWEN3, tokenize=True, **kwargs), messages
+        assert render(tok, messages, training, tokenize=True, **kwargs) == render(
+            tok, messages, QWEN3, tokenize=True, **kwargs
+        ), messages
         checked += 1
     assert checked == 400
 
@@ -185,14 +242,21 @@ def test_training_template_differs_from_qwen3_only_where_qwen3_is_not_prefix_pre
         options = {"add_generation_prompt": rng.random() < 0.5, **random_options(rng)}
         original, ours = render(tok, messages, QWEN3, **options), render(tok, messages, training, **options)
         if options["add_generation_prompt"]:
-            generation_prompt = "<|im_start|>assistant\n" + (EMPTY_THINK if options.get("enable_thinking") is False else "")
+            generation_prompt = "<|im_start|>assistant\n" + (
+                EMPTY_THINK if options.get("enable_thinking") is False else ""
+            )
             assert original.endswith(generation_prompt) and ours.endswith(generation_prompt)
             original, ours = original[: -len(generation_prompt)], ours[: -len(generation_prompt)]
         if ends_with_reasoning_free_call(messages):
             # Qwen3 writes the empty block while the turn is last; the training template writes the turn as Qwen3 does once a
             # tool answers it.
             assert original.rpartition("<|im_start|>assistant\n")[2].startswith(EMPTY_THINK)
-            answered = render(tok, messages + [{"role": "tool", "name": "multiply", "content": "RESULT"}], QWEN3, tools=options["tools"])
+            answered = render(
+                tok,
+                messages + [{"role": "tool", "name": "multiply", "content": "RESULT"}],
+                QWEN3,
+                tools=options["tools"],
+            )
             assert ours == answered.rpartition("<|im_start|>user\n<tool_response>\nRESULT")[0], messages
             differing += 1
         else:
@@ -207,7 +271,9 @@ def test_training_template_is_prefix_preserving_where_qwen3_is_not(tok, training
     for _ in range(300):
         history = [random_message(rng) for _ in range(rng.randint(0, 4))] + [{"role": "user", "content": "6 times 7?"}]
         turn = random_assistant(rng, calls=True)
-        results = [{"role": "tool", "name": "multiply", "content": str(rng.randint(0, 99))} for _ in range(rng.choice([1, 2]))]
+        results = [
+            {"role": "tool", "name": "multiply", "content": str(rng.randint(0, 99))} for _ in range(rng.choice([1, 2]))
+        ]
         more = [random_assistant(rng)] if rng.random() < 0.3 else []
         options = random_options(rng)
         for template in (training, QWEN3):
@@ -216,7 +282,14 @@ def test_training_template_is_prefix_preserving_where_qwen3_is_not(tok, training
             if template is training:
                 assert after.startswith(before), (history, turn)
                 ids_before = render(tok, history + [turn], template, tokenize=True, **options)
-                ids_after = render(tok, history + [turn] + results + more, template, tokenize=True, add_generation_prompt=True, **options)
+                ids_after = render(
+                    tok,
+                    history + [turn] + results + more,
+                    template,
+                    tokenize=True,
+                    add_generation_prompt=True,
+                    **options,
+                )
                 assert ids_after[: len(ids_before)] == ids_before
             else:
                 assert after.startswith(before) == (not ends_with_reasoning_free_call(history + [turn]))
@@ -234,7 +307,10 @@ def test_qwen3_swaps_in_the_training_template_visibly(tok, training, caplog):
     assert template == training
     assert "Qwen3 training template (grouprl/agents/chat_templates/qwen3_training.jinja)" in caplog.text
     assert tok.chat_template == QWEN3  # the tokenizer (prompts, saved checkpoints) keeps its own
-    results = [{"role": "tool", "name": "multiply", "content": "42"}, {"role": "tool", "name": "multiply", "content": "6"}]
+    results = [
+        {"role": "tool", "name": "multiply", "content": "42"},
+        {"role": "tool", "name": "multiply", "content": "6"},
+    ]
     expected = "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     for kwargs, tail in (({}, ""), ({"enable_thinking": False}, EMPTY_THINK)):
         suffix = tool_suffix_ids(tok, results, stop_ids={im_end}, chat_template_kwargs=kwargs, chat_template=template)
@@ -244,23 +320,35 @@ def test_qwen3_swaps_in_the_training_template_visibly(tok, training, caplog):
 
 
 def test_prefix_preserving_templates_are_kept_as_they_are(training, caplog):
-    for template in (QWEN2_5, training):  # Qwen2.5 needs no swap; nor does a tokenizer given grouprl's template by the user
+    for template in (
+        QWEN2_5,
+        training,
+    ):  # Qwen2.5 needs no swap; nor does a tokenizer given grouprl's template by the user
         tokenizer = build_tokenizer()
         tokenizer.chat_template = template
         with caplog.at_level(logging.INFO, logger="grouprl.agents.chat"):
-            assert check_tool_template(tokenizer, stop_ids={tokenizer.convert_tokens_to_ids(IM_END)}, chat_template_kwargs={}) is None
+            assert (
+                check_tool_template(
+                    tokenizer, stop_ids={tokenizer.convert_tokens_to_ids(IM_END)}, chat_template_kwargs={}
+                )
+                is None
+            )
     assert "training template" not in caplog.text
 
 
 def test_unknown_template_that_is_not_prefix_preserving_is_refused_with_what_to_do():
     tokenizer = build_tokenizer()
-    tokenizer.chat_template = QWEN3.replace("You may call one or more functions", "You may call functions")  # an edited Qwen3
+    tokenizer.chat_template = QWEN3.replace(
+        "You may call one or more functions", "You may call functions"
+    )  # an edited Qwen3
     with pytest.raises(ValueError, match="not prefix-preserving") as caught:
         check_tool_template(tokenizer, stop_ids={tokenizer.convert_tokens_to_ids(IM_END)}, chat_template_kwargs={})
     message = str(caught.value)
     assert "training templates for Qwen3, recognised by the exact text" in message
     assert "processing_class whose chat_template" in message
-    assert repr("<|im_start|>assistant\n<think>\n\n</think>")[1:-1] in message  # where the renderings part: the dropped block
+    assert (
+        repr("<|im_start|>assistant\n<think>\n\n</think>")[1:-1] in message
+    )  # where the renderings part: the dropped block
 
 
 # ---- end to end: tool-calling GRPO with Qwen3's template --------------------------------------------------------------
@@ -288,31 +376,63 @@ def test_tool_calling_grpo_trains_with_the_qwen3_template(qwen3_model_dir, tmp_p
     # Sample 0 thinks, then calls the tool (Qwen3's format: newlines inside <tool_call>); sample 1 calls it without thinking
     # (as in TRL's tests); sample 2 answers directly. After a tool response every sample answers.
     tool_call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
-    first = [turn("<think>\nI should multiply.\n</think>\n\n" + tool_call), turn(tool_call), turn("<think>\neasy\n</think>\n\n42")]
+    first = [
+        turn("<think>\nI should multiply.\n</think>\n\n" + tool_call),
+        turn(tool_call),
+        turn("<think>\neasy\n</think>\n\n42"),
+    ]
     answer = turn("<think>\n\n</think>\n\n42")
-    glue = tok("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
-               add_special_tokens=False)["input_ids"]
+    glue = tok(
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )["input_ids"]
     script = lambda prompt, s: answer if "<tool_response>" in tok.decode(prompt) else first[s]  # noqa: E731
 
     def reward(completions, **kwargs):
         return [float(len(c)) for c in completions]  # calls earn more messages: the group's advantages differ
 
-    rows = {"prompt": [[{"role": "system", "content": "Use the tools."}, {"role": "user", "content": f"{i} times 7?"}] for i in range(4)]}
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=400,
-                      learning_rate=0.05, max_steps=1, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-                      shuffle_dataset=False)
+    rows = {
+        "prompt": [
+            [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": f"{i} times 7?"}]
+            for i in range(4)
+        ]
+    }
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=400,
+        learning_rate=0.05,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        shuffle_dataset=False,
+    )
     with caplog.at_level(logging.INFO, logger="grouprl.agents.chat"):
-        trainer = GRPOTrainer(model=qwen3_model_dir, reward_funcs=reward, args=args, tools=[multiply],
-                              train_dataset=datasets.Dataset.from_dict(rows), generation_backend=ScriptedBackend(script, im_end, tok))
+        trainer = GRPOTrainer(
+            model=qwen3_model_dir,
+            reward_funcs=reward,
+            args=args,
+            tools=[multiply],
+            train_dataset=datasets.Dataset.from_dict(rows),
+            generation_backend=ScriptedBackend(script, im_end, tok),
+        )
     assert "Qwen3 training template" in caplog.text
 
     rollout = trainer.run.rollouts.sample()
     c = rollout.completions[0]
     # The prompt is Qwen3's own rendering, tools included.
-    assert c.prompt_ids == render(tok, rows["prompt"][0], QWEN3, tokenize=True, add_generation_prompt=True, tools=[multiply])
+    assert c.prompt_ids == render(
+        tok, rows["prompt"][0], QWEN3, tokenize=True, add_generation_prompt=True, tools=[multiply]
+    )
     assert c.token_ids == first[0] + glue + answer
     assert c.tool_mask == [True] * len(first[0]) + [False] * len(glue) + [True] * len(answer)
-    assert c.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}]
+    assert c.messages[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
+    ]
     assert c.messages[1] == {"role": "tool", "name": "multiply", "content": "42"}
     assert [x.tool_calls for x in rollout.completions[:3]] == [1, 1, 0]
     batch = trainer.run.rollouts.make_train_batch(rollout, torch.zeros(len(rollout.completions)))

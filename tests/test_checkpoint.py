@@ -13,8 +13,8 @@ from helpers import max_difference, parameters
 from transformers import AutoModelForCausalLM, TrainerState
 
 import grouprl
-from grouprl import checkpoint
-from grouprl.checkpoint import latest_checkpoint, list_checkpoints, resolve_resume_path, save_checkpoint
+from grouprl.train import checkpoint
+from grouprl.train.checkpoint import latest_checkpoint, list_checkpoints, resolve_resume_path, save_checkpoint
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,15 +29,24 @@ def test_sigkill_while_saving_then_resume_equals_uninterrupted_run(tiny_model_di
 
     out = tmp_path / "killed"
     source = os.path.dirname(os.path.dirname(os.path.abspath(grouprl.__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, source, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": str(torch.get_num_threads())}  # same threads, same floating-point sums as this process
-    child = subprocess.Popen([sys.executable, os.path.join(TESTS, "train_until_killed.py"), str(tiny_model_dir), str(out), "4"],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([TESTS, source, os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }  # same threads, same floating-point sums as this process
+    child = subprocess.Popen(
+        [sys.executable, os.path.join(TESTS, "train_until_killed.py"), str(tiny_model_dir), str(out), "4"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.time() + 120
     while not (out / "saving").exists():  # the child is inside checkpoint-4's save, weights written, the rest not yet
         if child.poll() is not None or time.time() > deadline:
             child.kill()
-            pytest.fail(f"the training subprocess never reached the save of step 4:\n{child.communicate()[0].decode()[-3000:]}")
+            pytest.fail(
+                f"the training subprocess never reached the save of step 4:\n{child.communicate()[0].decode()[-3000:]}"
+            )
         time.sleep(0.05)
     child.send_signal(signal.SIGKILL)
     child.communicate()
@@ -63,7 +72,14 @@ def tiny_state():
     model = TinyModel(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return dict(model=model, tokenizer=None, optimizer=optimizer, scheduler=scheduler, trainer_state=TrainerState(), loop_state={})
+    return dict(
+        model=model,
+        tokenizer=None,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        trainer_state=TrainerState(),
+        loop_state={},
+    )
 
 
 def steps_of(output_dir):
@@ -90,7 +106,9 @@ def test_kill_while_deleting_an_old_checkpoint_leaves_no_half_checkpoint(tmp_pat
 
     def dies_mid_delete(path, *args, **kwargs):
         if os.path.basename(path).startswith(checkpoint.DELETING_PREFIX):
-            os.remove(os.path.join(path, checkpoint.TRAINING_STATE))  # part of the files are gone, then the process dies
+            os.remove(
+                os.path.join(path, checkpoint.TRAINING_STATE)
+            )  # part of the files are gone, then the process dies
             raise KeyboardInterrupt
         real_rmtree(path, *args, **kwargs)
 

@@ -34,29 +34,69 @@ def test_reward_resolution(tmp_path, monkeypatch):
 
 
 def test_builtin_reward_names_as_trl_cli(tmp_path):
-    from grouprl.config import GRPOConfig
+    from grouprl.config.grpo_config import GRPOConfig
 
     assert resolve_reward_function("accuracy_reward") is accuracy_reward
     for name in ("reasoning_accuracy_reward", "think_format_reward"):
         assert resolve_reward_function(name).__name__ == name
     overlong = resolve_reward_function("get_soft_overlong_punishment")
     assert (overlong.max_completion_len, overlong.soft_punish_cache) == (1280, 256)  # as trl grpo
-    cosine = resolve_reward_function("get_cosine_scaled_reward", GRPOConfig(output_dir=str(tmp_path), max_completion_length=64))
+    cosine = resolve_reward_function(
+        "get_cosine_scaled_reward", GRPOConfig(output_dir=str(tmp_path), max_completion_length=64)
+    )
     assert cosine.max_len == 64 and cosine.__name__ == "cosine_scaled_reward"
     assert resolve_reward_function("get_repetition_penalty_reward").ngram_size == 3
-    assert set(BUILTIN_REWARDS) >= {"accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment"}
+    assert set(BUILTIN_REWARDS) >= {
+        "accuracy_reward",
+        "reasoning_accuracy_reward",
+        "think_format_reward",
+        "get_soft_overlong_punishment",
+    }
 
 
 def test_train_command_with_reward_model_and_eval_split(tiny_model_dir, tiny_reward_model_dir, tmp_path):
     rows = {"prompt": [f"{i}+1=" for i in range(8)]}
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict({"prompt": ["9+1=", "8+2="]})}
-                         ).save_to_disk(str(tmp_path / "data"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict({"prompt": ["9+1=", "8+2="]})}
+    ).save_to_disk(str(tmp_path / "data"))
     out = tmp_path / "out"
-    code = main(["train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(tmp_path / "data"),
-                 "--reward_model_name_or_path", tiny_reward_model_dir, "--reward_funcs", "get_repetition_penalty_reward",
-                 "--eval_strategy", "steps", "--eval_steps", "1", "--per_device_eval_batch_size", "4",
-                 "--output_dir", str(out), "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "6",
-                 "--max_steps", "1", "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"])
+    code = main(
+        [
+            "train",
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--dataset_name",
+            str(tmp_path / "data"),
+            "--reward_model_name_or_path",
+            tiny_reward_model_dir,
+            "--reward_funcs",
+            "get_repetition_penalty_reward",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "1",
+            "--per_device_eval_batch_size",
+            "4",
+            "--output_dir",
+            str(out),
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "6",
+            "--max_steps",
+            "1",
+            "--logging_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "true",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert "rewards/tiny-rm/mean" in lines[0] and "rewards/repetition_penalty_reward/mean" in lines[0]
@@ -65,8 +105,12 @@ def test_train_command_with_reward_model_and_eval_split(tiny_model_dir, tiny_rew
 
 def test_yaml_sets_defaults_and_flags_override(tmp_path):
     config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump({"num_generations": 4, "learning_rate": 0.5, "env": {"GROUPRL_TEST_ENV": "on"}}))
-    script, config, model = parse_train_args(["--config", str(config_file), "--learning_rate", "0.25", "--model_name_or_path", "m"])
+    config_file.write_text(
+        yaml.safe_dump({"num_generations": 4, "learning_rate": 0.5, "env": {"GROUPRL_TEST_ENV": "on"}})
+    )
+    script, config, model = parse_train_args(
+        ["--config", str(config_file), "--learning_rate", "0.25", "--model_name_or_path", "m"]
+    )
     assert (config.num_generations, config.learning_rate, model.model_name_or_path) == (4, 0.25, "m")
     assert os.environ.pop("GROUPRL_TEST_ENV") == "on"
     config_file.write_text(yaml.safe_dump({"num_generation": 4}))
@@ -76,11 +120,39 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
 
 def test_train_command_end_to_end(tiny_model_dir, tmp_path):
     data = tmp_path / "train.jsonl"
-    datasets.Dataset.from_dict({"prompt": [f"{i}+1=" for i in range(8)], "answer": [str(i + 1) for i in range(8)]}).to_json(str(data))
+    datasets.Dataset.from_dict(
+        {"prompt": [f"{i}+1=" for i in range(8)], "answer": [str(i + 1) for i in range(8)]}
+    ).to_json(str(data))
     out = tmp_path / "out"
-    code = main(["train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--reward_funcs", "arithmetic_reward",
-                 "--output_dir", str(out), "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "6",
-                 "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"])
+    code = main(
+        [
+            "train",
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--dataset_name",
+            str(data),
+            "--reward_funcs",
+            "arithmetic_reward",
+            "--output_dir",
+            str(out),
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "6",
+            "--max_steps",
+            "2",
+            "--logging_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "true",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     assert os.path.exists(out / "model.safetensors") and os.path.exists(out / "tokenizer.json")
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -93,21 +165,73 @@ def test_train_command_with_lora_flags_and_callbacks(tiny_model_dir, tmp_path, m
         "from transformers import TrainerCallback\n"
         "class StepFile(TrainerCallback):\n"
         "    def on_step_end(self, args, state, control, **kwargs):\n"
-        "        open(args.output_dir + '/steps.txt', 'a').write(f'{state.global_step}\\n')\n")
+        "        open(args.output_dir + '/steps.txt', 'a').write(f'{state.global_step}\\n')\n"
+    )
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "train.jsonl"
-    datasets.Dataset.from_dict({"prompt": [f"{i}+1=" for i in range(8)], "answer": [str(i + 1) for i in range(8)]}).to_json(str(data))
+    datasets.Dataset.from_dict(
+        {"prompt": [f"{i}+1=" for i in range(8)], "answer": [str(i + 1) for i in range(8)]}
+    ).to_json(str(data))
     out = tmp_path / "out"
-    code = main(["train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--reward_funcs", "arithmetic_reward",
-                 "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj",
-                 "--callbacks", "my_callbacks.StepFile", "--output_dir", str(out), "--num_generations", "4",
-                 "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--max_steps", "2", "--logging_steps", "1",
-                 "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"])
+    code = main(
+        [
+            "train",
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--dataset_name",
+            str(data),
+            "--reward_funcs",
+            "arithmetic_reward",
+            "--use_peft",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--lora_target_modules",
+            "q_proj",
+            "v_proj",
+            "--callbacks",
+            "my_callbacks.StepFile",
+            "--output_dir",
+            str(out),
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "6",
+            "--max_steps",
+            "2",
+            "--logging_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "true",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     adapter = json.load(open(out / "adapter_config.json"))
     assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
     assert not os.path.exists(out / "model.safetensors")  # the adapter only
     assert open(out / "steps.txt").read().split() == ["1", "2"]
-    with pytest.raises(ValueError, match="--callbacks my_callbacks.Missing: module 'my_callbacks' has no attribute 'Missing'"):
-        main(["train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--reward_funcs", "arithmetic_reward",
-              "--callbacks", "my_callbacks.Missing", "--output_dir", str(out)])
+    with pytest.raises(
+        ValueError, match="--callbacks my_callbacks.Missing: module 'my_callbacks' has no attribute 'Missing'"
+    ):
+        main(
+            [
+                "train",
+                "--model_name_or_path",
+                tiny_model_dir,
+                "--dataset_name",
+                str(data),
+                "--reward_funcs",
+                "arithmetic_reward",
+                "--callbacks",
+                "my_callbacks.Missing",
+                "--output_dir",
+                str(out),
+            ]
+        )

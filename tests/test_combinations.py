@@ -9,12 +9,21 @@ import pytest
 from helpers import distinct_tokens, numbered_prompts, quiet_config
 from PIL import Image
 
-import grouprl.trainer_inputs
+import grouprl.compat.trainer_inputs
 from grouprl import GFPOConfig, GFPOTrainer, GRPOTrainer
-from grouprl.combinations import (
-    FEATURES, NOT_BUILT, TABLE, UNTESTED, WORKS, UnsupportedCombination, cell, check_combinations, combinations_markdown, rewrite_doc,
+from grouprl.compat.gfpo import shortest_k_filter
+from grouprl.config.combinations import (
+    FEATURES,
+    NOT_BUILT,
+    TABLE,
+    UNTESTED,
+    WORKS,
+    UnsupportedCombination,
+    cell,
+    check_combinations,
+    combinations_markdown,
+    rewrite_doc,
 )
-from grouprl.gfpo import shortest_k_filter
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "combinations.md")
 
@@ -42,24 +51,31 @@ def test_the_check_refuses_exactly_the_pairs_marked_not_built(a, b):
 
 def test_the_docs_render_the_table():
     text = open(DOC, encoding="utf-8").read()
-    assert combinations_markdown() in text, \
-        "docs/combinations.md is stale: python -c 'from grouprl.combinations import rewrite_doc; rewrite_doc()'"
-    for (a, b) in pairs(FEATURES, 2):
+    assert combinations_markdown() in text, (
+        "docs/combinations.md is stale: python -c 'from grouprl.config.combinations import rewrite_doc; rewrite_doc()'"
+    )
+    for a, b in pairs(FEATURES, 2):
         if cell(a, b).status == NOT_BUILT:
             assert f"| `{a}` | `{b}` | not built |" in text
 
 
 def test_rewrite_doc_replaces_only_the_generated_part(tmp_path):
-    from grouprl.combinations import TABLE_BEGIN, TABLE_END
+    from grouprl.config.combinations import TABLE_BEGIN, TABLE_END
 
     path = tmp_path / "doc.md"
     path.write_text(f"before\n{TABLE_BEGIN}\nold\n{TABLE_END}\nafter\n")
     assert rewrite_doc(str(path)) and not rewrite_doc(str(path))
     text = path.read_text()
-    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and combinations_markdown() in text
+    assert (
+        text.startswith("before\n")
+        and text.endswith("after\n")
+        and "old" not in text
+        and combinations_markdown() in text
+    )
 
 
 # ---- the trainer: how each feature is turned on through GRPOTrainer's arguments ----
+
 
 class Room:
     def reset(self, **row):
@@ -77,8 +93,12 @@ def multiply(a: int, b: int) -> int:
 
 
 def with_images(n=6):
-    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is {i}?"}] for i in range(n)],
-                                       "image": [Image.new("RGB", (4, 4), (i, 0, 0)) for i in range(n)]})
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"what is {i}?"}] for i in range(n)],
+            "image": [Image.new("RGB", (4, 4), (i, 0, 0)) for i in range(n)],
+        }
+    )
 
 
 def lora():
@@ -116,12 +136,16 @@ def build(tmp_path, monkeypatch, features):
         more_kwargs, more_overrides = RECIPES[name]()
         kwargs.update(more_kwargs)
         overrides.update(more_overrides)
-    monkeypatch.setattr(grouprl.trainer_inputs, "sharded_weights", lambda: "sharded" in features)
-    args = quiet_config(tmp_path, overrides, per_device_train_batch_size=3, max_completion_length=4, max_steps=1, bf16=False)
+    monkeypatch.setattr(grouprl.compat.trainer_inputs, "sharded_weights", lambda: "sharded" in features)
+    args = quiet_config(
+        tmp_path, overrides, per_device_train_batch_size=3, max_completion_length=4, max_steps=1, bf16=False
+    )
     return lambda model: GRPOTrainer(model, reward_funcs=distinct_tokens, args=args, **kwargs)
 
 
-NOT_BUILT_PAIRS = [(a, b) for a, b in pairs(FEATURES, 2) if cell(a, b).status == NOT_BUILT and a in RECIPES and b in RECIPES]
+NOT_BUILT_PAIRS = [
+    (a, b) for a, b in pairs(FEATURES, 2) if cell(a, b).status == NOT_BUILT and a in RECIPES and b in RECIPES
+]
 
 
 @pytest.mark.parametrize("a, b", NOT_BUILT_PAIRS)
@@ -134,16 +158,32 @@ def test_the_trainer_refuses_each_not_built_pair_before_loading_a_model(a, b, tm
 
 def test_environment_factory_with_image_prompts_is_refused_at_construction(tiny_model_dir, tmp_path, monkeypatch):
     # It used to generate without the images and then fail deep in multimodal.py ("The expanded size of the tensor (0) ...").
-    with pytest.raises(ValueError, match=r"environment_factory .* cannot be combined with image prompts|image prompts .* cannot be "
-                                         r"combined with environment_factory"):
+    with pytest.raises(
+        ValueError,
+        match=r"environment_factory .* cannot be combined with image prompts|image prompts .* cannot be "
+        r"combined with environment_factory",
+    ):
         build(tmp_path, monkeypatch, {"environment_factory", "images"})(tiny_model_dir)
 
 
 def test_gfpo_with_dynamic_sampling_is_refused(tiny_model_dir, tmp_path):
-    args = GFPOConfig(output_dir=str(tmp_path), num_generations=3, num_remains_in_group=2, per_device_train_batch_size=3, max_steps=1,
-                      dynamic_sampling=True, report_to="none")
+    args = GFPOConfig(
+        output_dir=str(tmp_path),
+        num_generations=3,
+        num_remains_in_group=2,
+        per_device_train_batch_size=3,
+        max_steps=1,
+        dynamic_sampling=True,
+        report_to="none",
+    )
     with pytest.raises(UnsupportedCombination, match=r"GFPO .* cannot be combined with dynamic_sampling=True"):
-        GFPOTrainer(tiny_model_dir, distinct_tokens, args=args, train_dataset=numbered_prompts(6), group_filter_func=shortest_k_filter)
+        GFPOTrainer(
+            tiny_model_dir,
+            distinct_tokens,
+            args=args,
+            train_dataset=numbered_prompts(6),
+            group_filter_func=shortest_k_filter,
+        )
 
 
 CHEAP = {"in_process_sampling", "dynamic_sampling", "lora", "sync_ref_model"}
@@ -154,9 +194,12 @@ WORKING_PAIRS = [(a, b) for a, b in pairs(FEATURES, 2) if cell(a, b).status == W
 def test_cheap_working_pairs_construct(a, b, tiny_model_dir, tmp_path, monkeypatch):
     trainer = build(tmp_path, monkeypatch, {a, b})(tiny_model_dir)
     for name in (a, b):  # each feature is really on
-        assert {"dynamic_sampling": lambda: trainer.args.dynamic_sampling, "lora": lambda: hasattr(trainer.model, "peft_config"),
-                "sync_ref_model": lambda: trainer.args.sync_ref_model and trainer.ref_model is not None,
-                "in_process_sampling": lambda: trainer.generation_backend is not None}[name](), name
+        assert {
+            "dynamic_sampling": lambda: trainer.args.dynamic_sampling,
+            "lora": lambda: hasattr(trainer.model, "peft_config"),
+            "sync_ref_model": lambda: trainer.args.sync_ref_model and trainer.ref_model is not None,
+            "in_process_sampling": lambda: trainer.generation_backend is not None,
+        }[name](), name
 
 
 def test_working_pairs_are_exercised():

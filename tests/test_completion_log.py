@@ -10,13 +10,25 @@ import pyarrow.parquet as pq
 import pytest
 
 from grouprl import GRPOConfig, GRPOTrainer
-from grouprl.completion_log import send_to_trackers
+from grouprl.rollout.completion_log import send_to_trackers
 
 
 def make_config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=6,
-                  learning_rate=0.1, max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, bf16=False,
-                  log_completions=True, num_completions_to_print=2)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=6,
+        learning_rate=0.1,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+        log_completions=True,
+        num_completions_to_print=2,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -33,7 +45,9 @@ def sometimes_none(completions, **kwargs):
 
 def test_completions_parquet_has_the_table_after_a_tiny_run(tiny_model_dir, tmp_path, capsys):
     data = datasets.Dataset.from_dict({"prompt": [f"{i}+1=" for i in range(6)]})
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=[length_reward, sometimes_none], args=make_config(tmp_path), train_dataset=data)
+    trainer = GRPOTrainer(
+        tiny_model_dir, reward_funcs=[length_reward, sometimes_none], args=make_config(tmp_path), train_dataset=data
+    )
     trainer.train()
     folder = os.path.join(trainer.args.output_dir, "completions")
     assert sorted(os.listdir(folder)) == ["completions_00001.parquet", "completions_00002.parquet"]
@@ -74,8 +88,10 @@ def test_tracker_tables_only_for_active_wandb_or_trackio(monkeypatch):
     pytest.importorskip("pandas")
     tables = []
     fake_wandb = types.SimpleNamespace(Table=lambda dataframe: tables.append(("wandb", dataframe)) or "W")
-    fake_trackio = types.SimpleNamespace(Table=lambda dataframe: tables.append(("trackio", dataframe)) or "T",
-                                         log=lambda values, step: tables.append(("trackio-log", values, step)))
+    fake_trackio = types.SimpleNamespace(
+        Table=lambda dataframe: tables.append(("trackio", dataframe)) or "T",
+        log=lambda values, step: tables.append(("trackio-log", values, step)),
+    )
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
     monkeypatch.setitem(sys.modules, "trackio", fake_trackio)
     table = {"step": [1, 1], "prompt": ["p", "p"], "completion": ["a", "b"], "advantage": [1.0, -1.0]}

@@ -4,21 +4,58 @@ import pytest
 from transformers import HfArgumentParser
 
 from grouprl import GRPOConfig, plan_batches
-from grouprl.config import NOT_YET_BUILT
+from grouprl.config.grpo_config import NOT_YET_BUILT
 
 TRL_DEFAULTS = {
-    "learning_rate": 1e-6, "logging_steps": 10, "gradient_checkpointing": True, "bf16": True, "remove_unused_columns": False,
-    "num_generations": 8, "max_completion_length": 512, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None,
-    "repetition_penalty": 1.0, "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "delta": None, "loss_type": "dapo",
-    "importance_sampling_level": "token", "scale_rewards": "group", "num_iterations": 1, "mask_truncated_completions": False,
-    "multi_objective_aggregation": "sum_then_normalize", "top_entropy_quantile": 1.0, "use_bias_correction_kl": True,
-    "shuffle_dataset": True, "generation_batch_size": 8, "steps_per_generation": 1,  # resolved, as TRL
+    "learning_rate": 1e-6,
+    "logging_steps": 10,
+    "gradient_checkpointing": True,
+    "bf16": True,
+    "remove_unused_columns": False,
+    "num_generations": 8,
+    "max_completion_length": 512,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+    "beta": 0.0,
+    "epsilon": 0.2,
+    "epsilon_high": None,
+    "delta": None,
+    "loss_type": "dapo",
+    "importance_sampling_level": "token",
+    "scale_rewards": "group",
+    "num_iterations": 1,
+    "mask_truncated_completions": False,
+    "multi_objective_aggregation": "sum_then_normalize",
+    "top_entropy_quantile": 1.0,
+    "use_bias_correction_kl": True,
+    "shuffle_dataset": True,
+    "generation_batch_size": 8,
+    "steps_per_generation": 1,  # resolved, as TRL
     "sync_ref_model": False,
-    "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512, "vllm_mode": "colocate", "vllm_importance_sampling_mode": "sequence_mask",
-    "vllm_importance_sampling_clip_max": 3.0, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0,
-    "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "entropy_target": 0.2, "entropy_coef_delta": 0.005,
-    "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0, "seed": 42, "save_steps": 500,
-    "lr_scheduler_type": "linear", "num_train_epochs": 3.0, "max_steps": -1,
+    "ref_model_mixup_alpha": 0.6,
+    "ref_model_sync_steps": 512,
+    "vllm_mode": "colocate",
+    "vllm_importance_sampling_mode": "sequence_mask",
+    "vllm_importance_sampling_clip_max": 3.0,
+    "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05,
+    "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0,
+    "entropy_target": 0.2,
+    "entropy_coef_delta": 0.005,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "max_grad_norm": 1.0,
+    "seed": 42,
+    "save_steps": 500,
+    "lr_scheduler_type": "linear",
+    "num_train_epochs": 3.0,
+    "max_steps": -1,
 }
 
 
@@ -36,10 +73,26 @@ def test_scale_rewards_aliases(given, expected):
 
 def test_hf_argument_parser_round_trip():
     parser = HfArgumentParser(GRPOConfig)
-    (config,) = parser.parse_args_into_dataclasses(args=[
-        "--output_dir", "x", "--num_generations", "4", "--loss-type", "grpo", "--scale_rewards", "false",
-        "--generation_kwargs", '{"top_k": 5}', "--reward_weights", "1.0", "0.5", "--report_to", "tensorboard", "--no_gradient_checkpointing",
-    ])
+    (config,) = parser.parse_args_into_dataclasses(
+        args=[
+            "--output_dir",
+            "x",
+            "--num_generations",
+            "4",
+            "--loss-type",
+            "grpo",
+            "--scale_rewards",
+            "false",
+            "--generation_kwargs",
+            '{"top_k": 5}',
+            "--reward_weights",
+            "1.0",
+            "0.5",
+            "--report_to",
+            "tensorboard",
+            "--no_gradient_checkpointing",
+        ]
+    )
     assert (config.num_generations, config.loss_type, config.scale_rewards) == (4, "grpo", "none")
     assert config.generation_kwargs == {"top_k": 5}
     assert config.reward_weights == [1.0, 0.5]
@@ -63,34 +116,64 @@ def test_tool_fields_are_built():
 
 
 def test_objective_fields_are_built():
-    for name in ("beta", "sync_ref_model", "importance_sampling_level", "delta", "top_entropy_quantile", "entropy_coef",
-                 "use_adaptive_entropy", "off_policy_mask_threshold", "router_aux_loss_coef", "cast_lm_head_to_fp32"):
+    for name in (
+        "beta",
+        "sync_ref_model",
+        "importance_sampling_level",
+        "delta",
+        "top_entropy_quantile",
+        "entropy_coef",
+        "use_adaptive_entropy",
+        "off_policy_mask_threshold",
+        "router_aux_loss_coef",
+        "cast_lm_head_to_fp32",
+    ):
         assert name not in NOT_YET_BUILT, name
-    GRPOConfig(beta=0.1, importance_sampling_level="sequence", loss_type="grpo", delta=2.0, top_entropy_quantile=0.2,
-               entropy_coef=0.01, use_adaptive_entropy=True, off_policy_mask_threshold=0.5, cast_lm_head_to_fp32=True)
+    GRPOConfig(
+        beta=0.1,
+        importance_sampling_level="sequence",
+        loss_type="grpo",
+        delta=2.0,
+        top_entropy_quantile=0.2,
+        entropy_coef=0.01,
+        use_adaptive_entropy=True,
+        off_policy_mask_threshold=0.5,
+        cast_lm_head_to_fp32=True,
+    )
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"num_generations": 1}, "num_generations=1"),
-    ({"loss_type": "ppo"}, "loss_type"),
-    ({"generation_batch_size": 24, "steps_per_generation": 2}, "either generation_batch_size or steps_per_generation"),
-    ({"temperature": 0.0}, "temperature"),
-    ({"generation_kwargs": "{not json"}, "generation_kwargs"),
-    ({"bf16": True, "fp16": True}, "bf16 and fp16"),
-    ({"sync_ref_model": True}, "sync_ref_model=True needs a reference model"),
-    ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
-    ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None}, "clip_min and/or"),
-    ({"vllm_importance_sampling_clip_min": 4.0}, "must be < vllm_importance_sampling_clip_max"),
-    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min"),
-    ({"max_dynamic_sampling_rounds": -1}, "max_dynamic_sampling_rounds"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_generations": 1}, "num_generations=1"),
+        ({"loss_type": "ppo"}, "loss_type"),
+        (
+            {"generation_batch_size": 24, "steps_per_generation": 2},
+            "either generation_batch_size or steps_per_generation",
+        ),
+        ({"temperature": 0.0}, "temperature"),
+        ({"generation_kwargs": "{not json"}, "generation_kwargs"),
+        ({"bf16": True, "fp16": True}, "bf16 and fp16"),
+        ({"sync_ref_model": True}, "sync_ref_model=True needs a reference model"),
+        ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
+        (
+            {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
+            "clip_min and/or",
+        ),
+        ({"vllm_importance_sampling_clip_min": 4.0}, "must be < vllm_importance_sampling_clip_max"),
+        ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min"),
+        ({"max_dynamic_sampling_rounds": -1}, "max_dynamic_sampling_rounds"),
+    ],
+)
 def test_invalid_fields_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GRPOConfig(**kwargs)
 
 
 def test_plan_defaults_follow_trl():
-    plan = plan_batches(GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4), num_processes=2)
+    plan = plan_batches(
+        GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4), num_processes=2
+    )
     assert plan.steps_per_generation == 2  # defaults to GA
     assert plan.completions_per_generation == 8 * 2 * 2
     assert plan.prompts_per_generation == 8
@@ -98,16 +181,21 @@ def test_plan_defaults_follow_trl():
 
 
 def test_plan_from_generation_batch_size():
-    plan = plan_batches(GRPOConfig(per_device_train_batch_size=4, generation_batch_size=32, num_generations=8), num_processes=2)
+    plan = plan_batches(
+        GRPOConfig(per_device_train_batch_size=4, generation_batch_size=32, num_generations=8), num_processes=2
+    )
     assert plan.steps_per_generation == 4
     assert plan.old_logprobs_needed  # GA 1 % (4 * 1) != 0: reused off-policy
 
 
-@pytest.mark.parametrize("kwargs,needed", [
-    ({"gradient_accumulation_steps": 2, "steps_per_generation": 1}, False),
-    ({"gradient_accumulation_steps": 1, "steps_per_generation": 2}, True),
-    ({"gradient_accumulation_steps": 2, "num_iterations": 2}, True),
-])
+@pytest.mark.parametrize(
+    "kwargs,needed",
+    [
+        ({"gradient_accumulation_steps": 2, "steps_per_generation": 1}, False),
+        ({"gradient_accumulation_steps": 1, "steps_per_generation": 2}, True),
+        ({"gradient_accumulation_steps": 2, "num_iterations": 2}, True),
+    ],
+)
 def test_old_logprobs_rule(kwargs, needed):
     config = GRPOConfig(per_device_train_batch_size=8, num_generations=4, **kwargs)
     assert plan_batches(config).old_logprobs_needed is needed
@@ -124,7 +212,9 @@ def test_indivisible_generation_batch_names_fields_and_valid_values():
 
 def test_generation_batch_size_must_divide_by_processes():
     with pytest.raises(ValueError, match="divisible by per_device_train_batch_size"):
-        plan_batches(GRPOConfig(per_device_train_batch_size=4, generation_batch_size=12, num_generations=4), num_processes=2)
+        plan_batches(
+            GRPOConfig(per_device_train_batch_size=4, generation_batch_size=12, num_generations=4), num_processes=2
+        )
 
 
 def test_plan_description_mentions_sizes():
@@ -134,25 +224,40 @@ def test_plan_description_mentions_sizes():
     assert "20 prompts -> 10 optimizer steps" in text
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    ({"loss_type": "luspo"}, "luspo' is meant for importance_sampling_level='sequence'"),
-    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "vespo' computes its own sequence-level weight"),
-    ({"loss_type": "dapo", "importance_sampling_level": "sequence"}, "GSPO uses loss_type='grpo'"),
-    ({"loss_type": "bnpo", "importance_sampling_level": "sequence"}, "GSPO uses loss_type='grpo'"),
-    ({"loss_type": "dr_grpo", "importance_sampling_level": "sequence"}, "GSPO uses loss_type='grpo'"),
-    ({"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 5.0}, "GSPO uses loss_type='grpo'"),
-    ({"loss_type": "cispo"}, "epsilon_high"),
-    ({"delta": 1.1}, "delta=1.1 is not above"),
-])
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"loss_type": "luspo"}, "luspo' is meant for importance_sampling_level='sequence'"),
+        (
+            {"loss_type": "vespo", "importance_sampling_level": "sequence"},
+            "vespo' computes its own sequence-level weight",
+        ),
+        ({"loss_type": "dapo", "importance_sampling_level": "sequence"}, "GSPO uses loss_type='grpo'"),
+        ({"loss_type": "bnpo", "importance_sampling_level": "sequence"}, "GSPO uses loss_type='grpo'"),
+        ({"loss_type": "dr_grpo", "importance_sampling_level": "sequence"}, "GSPO uses loss_type='grpo'"),
+        (
+            {"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 5.0},
+            "GSPO uses loss_type='grpo'",
+        ),
+        ({"loss_type": "cispo"}, "epsilon_high"),
+        ({"delta": 1.1}, "delta=1.1 is not above"),
+    ],
+)
 def test_dubious_combinations_warn(kwargs, fragment):
     messages = GRPOConfig(**kwargs).dubious_combinations()
     assert any(fragment in m for m in messages), messages
 
 
-@pytest.mark.parametrize("kwargs", [
-    {}, {"loss_type": "grpo", "importance_sampling_level": "sequence"}, {"loss_type": "luspo", "importance_sampling_level": "sequence"},
-    {"loss_type": "cispo", "epsilon_high": 5.0}, {"delta": 2.0},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+        {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+        {"loss_type": "cispo", "epsilon_high": 5.0},
+        {"delta": 2.0},
+    ],
+)
 def test_sensible_combinations_do_not_warn(kwargs):
     assert GRPOConfig(**kwargs).dubious_combinations() == []
 
@@ -165,7 +270,10 @@ def test_pad_to_multiple_of_no_padding_values_are_accepted(value):
 @pytest.mark.parametrize("value", [64, "8"])
 def test_pad_to_multiple_of_an_integer_is_refused_by_name(value):
     # grouprl trims micro-batches to their longest row; a padding request must not be accepted and then ignored.
-    with pytest.raises(NotImplementedError, match=r"pad_to_multiple_of=\d+: padding .* Leave pad_to_multiple_of at its default \('auto'\)"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"pad_to_multiple_of=\d+: padding .* Leave pad_to_multiple_of at its default \('auto'\)",
+    ):
         GRPOConfig(pad_to_multiple_of=value)
 
 
@@ -174,9 +282,16 @@ def test_replace_and_dict_round_trip_keep_bf16_from_default():
 
     default = GRPOConfig(output_dir="x", report_to="none")
     assert default.bf16 and default.bf16_from_default
-    assert dataclasses.replace(default, num_generations=4).bf16_from_default  # was lost: replace passes the resolved bf16=True
-    assert GRPOConfig(**{k: v for k, v in default.to_dict().items() if k in {f.name for f in dataclasses.fields(GRPOConfig) if f.init}}
-                      ).bf16_from_default
+    assert dataclasses.replace(
+        default, num_generations=4
+    ).bf16_from_default  # was lost: replace passes the resolved bf16=True
+    assert GRPOConfig(
+        **{
+            k: v
+            for k, v in default.to_dict().items()
+            if k in {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
+        }
+    ).bf16_from_default
     assert not dataclasses.replace(default, bf16=False).bf16_from_default  # bf16 changed: no longer the default's value
     explicit = GRPOConfig(output_dir="x", bf16=True)
     assert not explicit.bf16_from_default and not dataclasses.replace(explicit, num_generations=4).bf16_from_default

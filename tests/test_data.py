@@ -3,8 +3,8 @@
 import datasets
 import pytest
 
-from grouprl.data import PromptSampler, PromptTokenizer, check_dataset, local_prompt_batch
-from grouprl.group_layout import GroupLayout
+from grouprl.core.group_layout import GroupLayout
+from grouprl.data.prompts import PromptSampler, PromptTokenizer, check_dataset, local_prompt_batch
 from grouprl.demo.tokenizer import build_tokenizer
 
 
@@ -22,12 +22,15 @@ def test_empty_and_missing_prompt_and_wrong_type():
         check_dataset([{"prompt": "x"}])
 
 
-@pytest.mark.parametrize("prompt,match", [
-    ([{"content": "hi"}], "message 0 .* 'role' and 'content'"),
-    ([], "non-empty list of messages"),
-    (5, "must be a string or a non-empty list"),
-    ([{"role": 1, "content": "x"}], "roles are strings"),
-])
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        ([{"content": "hi"}], "message 0 .* 'role' and 'content'"),
+        ([], "non-empty list of messages"),
+        (5, "must be a string or a non-empty list"),
+        ([{"role": 1, "content": "x"}], "roles are strings"),
+    ],
+)
 def test_malformed_prompts_name_the_row(tokenizer, prompt, match):
     tokenize = PromptTokenizer(tokenizer, max_context=None, max_completion_length=8)
     with pytest.raises(ValueError, match="Row 7: .*" + match):
@@ -51,7 +54,9 @@ def test_conversational_prompt_uses_chat_template_once(tokenizer):
 
 def test_prompt_longer_than_context_is_rejected_with_row(tokenizer):
     tokenize = PromptTokenizer(tokenizer, max_context=16, max_completion_length=8)
-    with pytest.raises(ValueError, match=r"Row 3: the prompt has \d+ tokens.*context is 16.*max_completion_length to at most"):
+    with pytest.raises(
+        ValueError, match=r"Row 3: the prompt has \d+ tokens.*context is 16.*max_completion_length to at most"
+    ):
         tokenize("1+1=" * 10, 3)
 
 
@@ -82,7 +87,10 @@ def test_iterable_sampler_resumes_by_position():
     state = sampler.state_dict()
     rest = [sampler.next_generation()[1] for _ in range(2)]
     assert [r["prompt"] for g in first for r in g] == ["0", "1", "2", "3"]
-    assert [r["prompt"] for r in rest[0]] == ["4", "5"] and [r["prompt"] for r in rest[1]] == ["0", "1"]  # row 6 dropped
+    assert [r["prompt"] for r in rest[0]] == ["4", "5"] and [r["prompt"] for r in rest[1]] == [
+        "0",
+        "1",
+    ]  # row 6 dropped
     resumed = PromptSampler(data, 2, shuffle=False, seed=0)
     resumed.load_state_dict(state)
     assert resumed.next_generation()[1] == rest[0]
@@ -91,15 +99,28 @@ def test_iterable_sampler_resumes_by_position():
 def test_process_slices_split_groups(tokenizer):
     rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}, {"prompt": "c", "answer": "3"}]
     tokenize = PromptTokenizer(tokenizer, max_context=None, max_completion_length=4)
-    slices = [local_prompt_batch([0, 1, 2], rows, GroupLayout.for_generation(5, 3, 4, num_processes=2, process_index=p),
-                                 tokenize=tokenize, remove_unused_columns=False) for p in range(2)]
+    slices = [
+        local_prompt_batch(
+            [0, 1, 2],
+            rows,
+            GroupLayout.for_generation(5, 3, 4, num_processes=2, process_index=p),
+            tokenize=tokenize,
+            remove_unused_columns=False,
+        )
+        for p in range(2)
+    ]
     # 12 completions, 6 per process: process 0 gets a x4 + b x2, process 1 gets b x2 + c x4
     assert slices[0].prompts == ["a", "b"] and slices[0].num_samples == [4, 2]
     assert slices[1].prompts == ["b", "c"] and slices[1].num_samples == [2, 4]
     assert slices[0].group_ids[1] == slices[1].group_ids[0] == 16  # the straddling group keeps one id
     assert slices[1].columns == {"answer": ["2", "3"]}
-    removed = local_prompt_batch([0], rows[:1], GroupLayout.for_generation(0, 1, 2, num_processes=1),
-                                 tokenize=tokenize, remove_unused_columns=True)
+    removed = local_prompt_batch(
+        [0],
+        rows[:1],
+        GroupLayout.for_generation(0, 1, 2, num_processes=1),
+        tokenize=tokenize,
+        remove_unused_columns=True,
+    )
     assert removed.columns == {}
 
 
@@ -113,12 +134,25 @@ def test_rows_without_prompt_only_where_environments_supply_it(tokenizer):
     tokenize = PromptTokenizer(tokenizer, max_context=None, max_completion_length=4)
     rows = list(routing)
     with pytest.raises(ValueError, match="Row 1 has no 'prompt'.*environment_factory"):
-        local_prompt_batch([1], rows[1:], GroupLayout.for_generation(0, 1, 2, num_processes=1),
-                           tokenize=tokenize, remove_unused_columns=False)
+        local_prompt_batch(
+            [1],
+            rows[1:],
+            GroupLayout.for_generation(0, 1, 2, num_processes=1),
+            tokenize=tokenize,
+            remove_unused_columns=False,
+        )
     placeholder = [{"role": "user", "content": ""}]
-    batch = local_prompt_batch([0, 1], rows, GroupLayout.for_generation(0, 2, 2, num_processes=1),
-                               tokenize=tokenize, remove_unused_columns=False, default_prompt=placeholder)
-    assert batch.prompts == [placeholder, placeholder] and batch.prompts[0] is not placeholder and not batch.prompts_given
+    batch = local_prompt_batch(
+        [0, 1],
+        rows,
+        GroupLayout.for_generation(0, 2, 2, num_processes=1),
+        tokenize=tokenize,
+        remove_unused_columns=False,
+        default_prompt=placeholder,
+    )
+    assert (
+        batch.prompts == [placeholder, placeholder] and batch.prompts[0] is not placeholder and not batch.prompts_given
+    )
     assert batch.columns == {"environment": ["a", "b"]}
     assert batch.prompt_ids[0] == tokenize(placeholder, 0)
 
@@ -161,7 +195,11 @@ def test_worker_processes_read_the_same_rows_in_the_same_order_and_resume():
     pids = {row["pid"] for _, rows in draws(reading, 3) for row in rows}
     reading.release()  # (a loader left running costs seconds at pytest's exit)
     assert os.getpid() not in pids and len(pids) == 2  # read in the two worker processes
-    pids = {row["pid"] for _, rows in draws(PromptSampler(RowsWithReaderPid(6), 2, shuffle=False, seed=0), 3) for row in rows}
+    pids = {
+        row["pid"]
+        for _, rows in draws(PromptSampler(RowsWithReaderPid(6), 2, shuffle=False, seed=0), 3)
+        for row in rows
+    }
     assert pids == {os.getpid()}
 
 
@@ -181,7 +219,7 @@ def test_starting_a_loader_leaves_the_global_rng_alone():
 
 
 def test_bad_worker_counts_and_streams():
-    from grouprl.row_loading import workers_for
+    from grouprl.data.row_loading import workers_for
 
     data = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
     with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an integer >= 0"):

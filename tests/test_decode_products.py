@@ -68,10 +68,20 @@ def test_few_rows_take_the_weight_major_product_and_many_rows_do_not():
             return func(*args, **(kwargs or {}))
 
     layer = _layer(True)
-    for rows, expected, columns in [(1, "linear", None), (2, "addmm", 2), (8, "addmm", 8), (9, "addmm", 16), (31, "addmm", 32),
-                                    (32, "addmm", 32), (33, "linear", None)]:
+    for rows, expected, columns in [
+        (1, "linear", None),
+        (2, "addmm", 2),
+        (8, "addmm", 8),
+        (9, "addmm", 16),
+        (31, "addmm", 32),
+        (32, "addmm", 32),
+        (33, "linear", None),
+    ]:
         with Calls() as calls:
             weight_major_linear(layer, torch.randn(rows, 1, 48))
-        assert expected in calls.names and ({"linear", "addmm"} - {expected}).isdisjoint(calls.names), (rows, calls.names)
+        assert expected in calls.names and ({"linear", "addmm"} - {expected}).isdisjoint(calls.names), (
+            rows,
+            calls.names,
+        )
         if columns is not None:  # from 9 rows on, padded with zero rows to a multiple of 16
             assert calls.columns == columns, rows

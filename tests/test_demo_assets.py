@@ -51,7 +51,11 @@ def test_tokenizer_special_tokens_and_size() -> None:
     assert len(set(ids)) == 3 and tok.unk_token_id not in ids
     assert 100 <= len(tok) <= 400
     # Special tokens are single ids, role names are merged, digits stay single characters.
-    assert tok("<|im_start|>user\n", add_special_tokens=False)["input_ids"] == [ids[1], tok.convert_tokens_to_ids("user"), ord("\n")]
+    assert tok("<|im_start|>user\n", add_special_tokens=False)["input_ids"] == [
+        ids[1],
+        tok.convert_tokens_to_ids("user"),
+        ord("\n"),
+    ]
     assert tok("12+7=", add_special_tokens=False)["input_ids"] == [ord(c) for c in "12+7="]
 
 
@@ -65,7 +69,9 @@ def test_tokenizer_roundtrip_in_memory() -> None:
     tok = build_tokenizer()
     ids = tok(TRICKY_TEXT, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == TRICKY_TEXT
-    assert tok.decode(tok("a  b\n\n c", add_special_tokens=False)["input_ids"], skip_special_tokens=True) == "a  b\n\n c"
+    assert (
+        tok.decode(tok("a  b\n\n c", add_special_tokens=False)["input_ids"], skip_special_tokens=True) == "a  b\n\n c"
+    )
 
 
 def test_tokenizer_roundtrip_after_reload_from_qwen2_dir(tiny_dir: str) -> None:

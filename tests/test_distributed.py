@@ -27,11 +27,25 @@ RUNNABLE = [name for name in SCENARIOS if HAS_SERVER_LIBRARIES or name != "grpo_
 def launch(nproc: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     """Run a script on `nproc` CPU processes the way users do: accelerate launch with grouprl's bundled
     multi_gpu config (on a machine without GPUs the processes join over gloo), 1 thread each."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", resolve_accelerate_config("multi_gpu"),
-               "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        resolve_accelerate_config("multi_gpu"),
+        "--num_processes",
+        str(nproc),
+        "--main_process_port",
+        str(free_port()),
+        *args,
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +61,9 @@ def two_process_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, requ
     out = tmp_path_factory.mktemp("two_process")
     result = launch(2, [WORKER, str(out), str(tiny_model_dir), *RUNNABLE])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return {name: [torch.load(out / f"{name}-2p-rank{r}.pt", weights_only=False) for r in range(2)] for name in RUNNABLE}
+    return {
+        name: [torch.load(out / f"{name}-2p-rank{r}.pt", weights_only=False) for r in range(2)] for name in RUNNABLE
+    }
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -61,7 +77,9 @@ def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path
     for step, whole in enumerate(single["seen"]):
         parts = [rank0["seen"][step], rank1["seen"][step]]
         # the middle group of 3 is cut by the process boundary: 2 of its 4 samples on each process (GFPO: 1 of its 2 kept)
-        assert parts[0]["group_ids"][-1] == parts[1]["group_ids"][0] and parts[0]["num_samples"][-1] == (1 if scenario == "gfpo" else 2)
+        assert parts[0]["group_ids"][-1] == parts[1]["group_ids"][0] and parts[0]["num_samples"][-1] == (
+            1 if scenario == "gfpo" else 2
+        )
         assert parts[0]["completions"] + parts[1]["completions"] == whole["completions"]
         joined = torch.cat([parts[0]["advantages"], parts[1]["advantages"]])
         assert torch.allclose(joined, whole["advantages"], atol=1e-6), (joined, whole["advantages"])

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from chi_square import chi_square_rejects
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -11,12 +12,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from chi_square import chi_square_rejects
-from grouprl.algorithms.logprobs import completion_logprobs
+from grouprl.core.types import SamplingParams
 from grouprl.generation.engine import FastGenerator, engine_supports
-from grouprl.generation.shared_prefix import matches_standard_attention
 from grouprl.generation.sampling import process_logits
-from grouprl.types import SamplingParams
+from grouprl.generation.shared_prefix import matches_standard_attention
+from grouprl.model.logprobs import completion_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,14 @@ def _hf_generate(model, tokenizer, prompts, g, **sampling):
     width = max(map(len, prompts))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=g,
-                         pad_token_id=tokenizer.pad_token_id, **sampling)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        num_return_sequences=g,
+        pad_token_id=tokenizer.pad_token_id,
+        **sampling,
+    )
     return out[:, width:].tolist()
 
 
@@ -51,12 +57,20 @@ def test_same_seed_same_tokens_as_transformers(model_and_tokenizer, share_prefix
     """No EOS -> no row leaves the batch -> with transformers' draw the random stream is consumed exactly as generate does."""
     model, tokenizer = model_and_tokenizer
     prompts = _prompts(tokenizer)
-    engine = FastGenerator(model, tokenizer, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id, share_prefix=share_prefix,
-                           sampling_method="multinomial")
+    engine = FastGenerator(
+        model,
+        tokenizer,
+        eos_token_ids=[],
+        pad_token_id=tokenizer.pad_token_id,
+        share_prefix=share_prefix,
+        sampling_method="multinomial",
+    )
     torch.manual_seed(0)
     ours = engine.generate(prompts, 4, SamplingParams(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95))
     torch.manual_seed(0)
-    theirs = _hf_generate(model, tokenizer, prompts, 4, max_new_tokens=10, min_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95)
+    theirs = _hf_generate(
+        model, tokenizer, prompts, 4, max_new_tokens=10, min_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95
+    )
     assert [c.token_ids for c in ours] == theirs
     assert [c.prompt_index for c in ours] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert matches_standard_attention(model)  # the prompt's KV was read once per prompt, not copied per sample
@@ -67,8 +81,18 @@ def test_shared_prefix_attention_declines_models_it_does_not_reproduce():
     and the engine then decodes with the regular cache (same tokens as transformers)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    config = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=8, attn_logit_softcapping=1.0, sliding_window=2, pad_token_id=0)
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        attn_logit_softcapping=1.0,
+        sliding_window=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(config).eval()
     assert not matches_standard_attention(model)
@@ -93,11 +117,24 @@ def test_processing_matches_transformers_warpers():
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 3
     history = torch.randint(0, 50, (4, 6))
-    ours = process_logits(logits, temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.3,
-                          history=history, history_mask=torch.ones_like(history, dtype=torch.bool))
+    ours = process_logits(
+        logits,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.8,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        history=history,
+        history_mask=torch.ones_like(history, dtype=torch.bool),
+    )
     theirs = logits.clone()
-    for processor in (RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.7), TopKLogitsWarper(20),
-                      TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)):
+    for processor in (
+        RepetitionPenaltyLogitsProcessor(1.3),
+        TemperatureLogitsWarper(0.7),
+        TopKLogitsWarper(20),
+        TopPLogitsWarper(0.8),
+        MinPLogitsWarper(0.05),
+    ):
         theirs = processor(history, theirs)
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
     finite = ~torch.isinf(ours)
@@ -107,7 +144,9 @@ def test_processing_matches_transformers_warpers():
 def test_repetition_penalty_ignores_padding():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     history = torch.tensor([[0, 2]])
-    out = process_logits(logits, temperature=1.0, repetition_penalty=2.0, history=history, history_mask=torch.tensor([[False, True]]))
+    out = process_logits(
+        logits, temperature=1.0, repetition_penalty=2.0, history=history, history_mask=torch.tensor([[False, True]])
+    )
     assert out.tolist() == [[1.0, 2.0, 1.5]]  # token 0 is padding: not penalised
 
 
@@ -126,7 +165,9 @@ def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer, rows_fin
     for c in completions:
         p = torch.tensor([prompts[c.prompt_index]])
         ids = torch.tensor([c.token_ids])
-        logps = completion_logprobs(model, p, torch.ones_like(p, dtype=torch.bool), ids, torch.ones_like(ids, dtype=torch.bool), temperature=0.7).logprobs
+        logps = completion_logprobs(
+            model, p, torch.ones_like(p, dtype=torch.bool), ids, torch.ones_like(ids, dtype=torch.bool), temperature=0.7
+        ).logprobs
         assert torch.allclose(logps[0], torch.tensor(c.sampler_logprobs), atol=1e-5)
 
 
@@ -151,7 +192,9 @@ def test_prefix_sharing_gives_the_same_samples_with_eos(model_and_tokenizer):
     eos = list(range(0, 60))
     runs = []
     for share in (True, False):
-        engine = FastGenerator(model, tokenizer, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, share_prefix=share)
+        engine = FastGenerator(
+            model, tokenizer, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, share_prefix=share
+        )
         torch.manual_seed(5)
         runs.append([c.token_ids for c in engine.generate(_prompts(tokenizer), 6, SamplingParams(max_new_tokens=12))])
     assert runs[0] == runs[1]
@@ -165,7 +208,7 @@ def test_engine_declines_what_it_cannot_do(model_and_tokenizer):
 
 
 def test_chunked_logprobs_equal_naive_in_value_and_gradient(monkeypatch):
-    import grouprl.algorithms.head_logprobs as lp
+    import grouprl.model.head_logprobs as lp
 
     torch.manual_seed(0)
     logits = (torch.randn(3, 5, 40) * 2).requires_grad_()

@@ -16,9 +16,20 @@ def distinct_tokens(completion_ids, **kwargs):
 
 
 def make_config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, per_device_eval_batch_size=6, num_generations=3,
-                  max_completion_length=6, learning_rate=0.1, max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                  seed=0, bf16=False)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        per_device_eval_batch_size=6,
+        num_generations=3,
+        max_completion_length=6,
+        learning_rate=0.1,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -28,16 +39,37 @@ def prompts(n, start=0):
 
 
 def test_evaluate_without_train_returns_eval_metrics(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(12),
-                          eval_dataset=prompts(5, start=20))
+    trainer = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path),
+        train_dataset=prompts(12),
+        eval_dataset=prompts(5, start=20),
+    )
     metrics = trainer.evaluate()
-    for name in ("eval_reward", "eval_reward_std", "eval_rewards/distinct_tokens/mean", "eval_rewards/distinct_tokens/std",
-                 "eval_frac_reward_zero_std", "eval_completions/mean_length", "eval_loss", "eval_entropy", "eval_runtime",
-                 "eval_samples_per_second", "eval_steps_per_second"):
+    for name in (
+        "eval_reward",
+        "eval_reward_std",
+        "eval_rewards/distinct_tokens/mean",
+        "eval_rewards/distinct_tokens/std",
+        "eval_frac_reward_zero_std",
+        "eval_completions/mean_length",
+        "eval_loss",
+        "eval_entropy",
+        "eval_runtime",
+        "eval_samples_per_second",
+        "eval_steps_per_second",
+    ):
         assert isinstance(metrics[name], float), name
     assert 1.0 <= metrics["eval_reward"] <= 7.0
-    assert trainer.state.log_history[-1]["eval_reward"] == metrics["eval_reward"] and trainer.state.log_history[-1]["step"] == 0
-    assert metrics == {**metrics, **{k: v for k, v in trainer.evaluate().items() if "runtime" not in k and "per_second" not in k}}
+    assert (
+        trainer.state.log_history[-1]["eval_reward"] == metrics["eval_reward"]
+        and trainer.state.log_history[-1]["step"] == 0
+    )
+    assert metrics == {
+        **metrics,
+        **{k: v for k, v in trainer.evaluate().items() if "runtime" not in k and "per_second" not in k},
+    }
     lines = [json.loads(line) for line in open(os.path.join(trainer.args.output_dir, "metrics.jsonl"))]
     assert "eval_reward" in lines[0]
     assert trainer.state.global_step == 0
@@ -45,10 +77,20 @@ def test_evaluate_without_train_returns_eval_metrics(tiny_model_dir, tmp_path):
 
 def test_eval_strategy_steps_with_num_generations_eval(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    backend = ScriptedBackend(lambda ids, s: [ids[-1] % 50 + 3 + s, tokenizer.eos_token_id], tokenizer.eos_token_id, tokenizer)
-    config = make_config(tmp_path, eval_strategy="steps", eval_steps=1, num_generations_eval=2, per_device_eval_batch_size=4)
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(12),
-                          eval_dataset=prompts(5, start=20), generation_backend=backend)
+    backend = ScriptedBackend(
+        lambda ids, s: [ids[-1] % 50 + 3 + s, tokenizer.eos_token_id], tokenizer.eos_token_id, tokenizer
+    )
+    config = make_config(
+        tmp_path, eval_strategy="steps", eval_steps=1, num_generations_eval=2, per_device_eval_batch_size=4
+    )
+    trainer = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(12),
+        eval_dataset=prompts(5, start=20),
+        generation_backend=backend,
+    )
     trainer.train()
     evals = [e for e in trainer.state.log_history if "eval_reward" in e]
     assert [e["step"] for e in evals] == [1, 2]
@@ -58,17 +100,29 @@ def test_eval_strategy_steps_with_num_generations_eval(tiny_model_dir, tmp_path)
 
 
 def test_evaluation_does_not_change_training(tiny_model_dir, tmp_path):
-    plain = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "a"), train_dataset=prompts(12))
+    plain = GRPOTrainer(
+        tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "a"), train_dataset=prompts(12)
+    )
     plain.train()
-    with_eval = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "b", eval_strategy="steps", eval_steps=1),
-                            train_dataset=prompts(12), eval_dataset=prompts(4, start=20))
+    with_eval = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path / "b", eval_strategy="steps", eval_steps=1),
+        train_dataset=prompts(12),
+        eval_dataset=prompts(4, start=20),
+    )
     with_eval.train()
     assert max_difference(parameters(plain.model), parameters(with_eval.model)) == 0.0
 
 
 def test_dict_of_eval_datasets_and_override(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(12),
-                          eval_dataset={"easy": prompts(2), "hard": prompts(2, start=40)})
+    trainer = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path),
+        train_dataset=prompts(12),
+        eval_dataset={"easy": prompts(2), "hard": prompts(2, start=40)},
+    )
     metrics = trainer.evaluate()
     assert {"eval_easy_reward", "eval_hard_reward", "eval_easy_loss", "eval_hard_runtime"} <= set(metrics)
     other = trainer.evaluate(eval_dataset=prompts(2, start=60), metric_key_prefix="test")
@@ -77,17 +131,37 @@ def test_dict_of_eval_datasets_and_override(tiny_model_dir, tmp_path):
 
 def test_eval_setup_errors_before_model_load(tmp_path):
     with pytest.raises(ValueError, match="eval_strategy='steps' needs an eval_dataset"):
-        GRPOTrainer("/nonexistent/model", reward_funcs=distinct_tokens, args=make_config(tmp_path, eval_strategy="steps"), train_dataset=prompts(12))
+        GRPOTrainer(
+            "/nonexistent/model",
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path, eval_strategy="steps"),
+            train_dataset=prompts(12),
+        )
     with pytest.raises(ValueError, match=r"eval batch .* must be divisible by num_generations_eval=4"):
-        GRPOTrainer("/nonexistent/model", reward_funcs=distinct_tokens, args=make_config(tmp_path, num_generations_eval=4, eval_strategy="epoch"),
-                    train_dataset=prompts(12), eval_dataset=prompts(4))
+        GRPOTrainer(
+            "/nonexistent/model",
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path, num_generations_eval=4, eval_strategy="epoch"),
+            train_dataset=prompts(12),
+            eval_dataset=prompts(4),
+        )
     with pytest.raises(ValueError, match="no 'prompt' column"):
-        GRPOTrainer("/nonexistent/model", reward_funcs=distinct_tokens, args=make_config(tmp_path, eval_strategy="steps"),
-                    train_dataset=prompts(12), eval_dataset={"x": datasets.Dataset.from_dict({"question": ["a"]})})
+        GRPOTrainer(
+            "/nonexistent/model",
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path, eval_strategy="steps"),
+            train_dataset=prompts(12),
+            eval_dataset={"x": datasets.Dataset.from_dict({"question": ["a"]})},
+        )
 
 
 def test_stored_eval_dataset_is_checked_when_evaluated(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, num_generations_eval=4),
-                          train_dataset=prompts(12), eval_dataset=prompts(4))  # eval_strategy "no": only stored, as in TRL
+    trainer = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, num_generations_eval=4),
+        train_dataset=prompts(12),
+        eval_dataset=prompts(4),
+    )  # eval_strategy "no": only stored, as in TRL
     with pytest.raises(ValueError, match="must be divisible by num_generations_eval=4"):
         trainer.evaluate()

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.utils import GenerationMixin
 
 from grouprl import GRPOTrainer
+from grouprl.core.types import SamplingParams
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.overrides import EngineUnlessGenerateOverridden, generate_override
-from grouprl.types import SamplingParams
 
 
 def text_length(completions, **kwargs):
@@ -21,7 +21,15 @@ def text_length(completions, **kwargs):
 
 
 def config(tmp_path, **overrides):
-    return quiet_config(tmp_path, overrides, per_device_train_batch_size=3, max_completion_length=8, learning_rate=0.1, max_steps=1, bf16=False)
+    return quiet_config(
+        tmp_path,
+        overrides,
+        per_device_train_batch_size=3,
+        max_completion_length=8,
+        learning_rate=0.1,
+        max_steps=1,
+        bf16=False,
+    )
 
 
 def prompts(n=6):
@@ -64,10 +72,14 @@ def test_transformers_generator_repeats_prompts_instead_of_num_return_sequences(
 def scripted_generate(eos, pad, calls):
     """TRL's test_training_with_mask_truncated_completions stand-in: one truncated completion, one that ends
     early (padded after EOS) and one whose EOS is the last allowed token."""
+
     def fake_generate(input_ids, **kwargs):
         calls.append(input_ids.shape[0])
-        completions = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, eos, pad, pad, pad, pad], [16, 17, 18, 19, 20, 21, 22, eos]])
+        completions = torch.tensor(
+            [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, eos, pad, pad, pad, pad], [16, 17, 18, 19, 20, 21, 22, eos]]
+        )
         return torch.cat([input_ids, completions.repeat(input_ids.shape[0] // 3, 1).to(input_ids.device)], dim=1)
+
     return fake_generate
 
 
@@ -78,8 +90,12 @@ def test_patched_generation_mixin_generate_is_called(tiny_model_dir, tmp_path):
     calls = []
     with patch("transformers.generation.utils.GenerationMixin.generate") as mock_generate:
         mock_generate.side_effect = scripted_generate(tokenizer.eos_token_id, tokenizer.pad_token_id, calls)
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=text_length, train_dataset=prompts(),
-                              args=config(tmp_path, mask_truncated_completions=True))
+        trainer = GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=text_length,
+            train_dataset=prompts(),
+            args=config(tmp_path, mask_truncated_completions=True),
+        )
         before = parameters(trainer.model)
         trainer.train()
     assert calls == [3]  # one generation: 1 prompt repeated 3 times, as TRL calls generate
@@ -93,9 +109,13 @@ def test_patched_generation_mixin_generate_is_called(tiny_model_dir, tmp_path):
 def test_generate_patched_on_the_instance_after_construction_is_called(tiny_model_dir, tmp_path):
     """TRL's tool tests patch trainer.model.generate after the trainer is built."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=text_length, train_dataset=prompts(), args=config(tmp_path))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=text_length, train_dataset=prompts(), args=config(tmp_path)
+    )
     calls = []
-    with patch.object(trainer.model, "generate", side_effect=scripted_generate(tokenizer.eos_token_id, tokenizer.pad_token_id, calls)):
+    with patch.object(
+        trainer.model, "generate", side_effect=scripted_generate(tokenizer.eos_token_id, tokenizer.pad_token_id, calls)
+    ):
         trainer.train()
     assert calls == [3]
     assert trainer.state.log_history[0]["completions/clipped_ratio"] == pytest.approx(1 / 3)
@@ -105,10 +125,18 @@ def test_generate_patched_on_the_instance_after_construction_is_called(tiny_mode
 def test_engine_asked_for_explicitly_refuses_a_replaced_generate(tiny_model_dir, tmp_path):
     with patch.object(GenerationMixin, "generate", lambda self, **kwargs: None):
         with pytest.raises(ValueError, match="generation_engine='engine'.*GenerationMixin.generate is patched.*'auto'"):
-            GRPOTrainer(model=tiny_model_dir, reward_funcs=text_length, train_dataset=prompts(),
-                        args=config(tmp_path, generation_engine="engine"))
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=text_length, train_dataset=prompts(),
-                          args=config(tmp_path, generation_engine="engine"))
+            GRPOTrainer(
+                model=tiny_model_dir,
+                reward_funcs=text_length,
+                train_dataset=prompts(),
+                args=config(tmp_path, generation_engine="engine"),
+            )
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=text_length,
+        train_dataset=prompts(),
+        args=config(tmp_path, generation_engine="engine"),
+    )
     assert isinstance(trainer.generation_backend, EngineUnlessGenerateOverridden)
     trainer.model.generate = lambda **kwargs: None  # replaced after construction: refused at the first generation
     with pytest.raises(ValueError, match="generate is set on the Qwen2ForCausalLM instance"):
@@ -134,18 +162,29 @@ def test_generate_override_names_what_replaced_generate(tiny_model_dir):
     assert generate_override(wrapped) == "generate is set on the Qwen2ForCausalLM instance"
 
 
-@pytest.mark.parametrize("device, engine, expected", [
-    ("cpu", "auto", EngineUnlessGenerateOverridden),  # measured on CPUs: the fast engine is the default there
-    ("cuda", "auto", TransformersGenerator),  # not measured on GPUs yet: transformers generate
-    ("cuda", "engine", EngineUnlessGenerateOverridden),  # an explicit opt-in is still honoured
-    ("cuda", "transformers", TransformersGenerator),
-])
-def test_auto_engine_is_the_fast_engine_only_where_it_was_measured(tiny_model_dir, tmp_path, monkeypatch, device, engine, expected):
+@pytest.mark.parametrize(
+    "device, engine, expected",
+    [
+        ("cpu", "auto", EngineUnlessGenerateOverridden),  # measured on CPUs: the fast engine is the default there
+        ("cuda", "auto", TransformersGenerator),  # not measured on GPUs yet: transformers generate
+        ("cuda", "engine", EngineUnlessGenerateOverridden),  # an explicit opt-in is still honoured
+        ("cuda", "transformers", TransformersGenerator),
+    ],
+)
+def test_auto_engine_is_the_fast_engine_only_where_it_was_measured(
+    tiny_model_dir, tmp_path, monkeypatch, device, engine, expected
+):
     from grouprl.generation import factory
 
-    monkeypatch.setattr(factory, "model_device", lambda model: torch.device(device))  # a faked GPU: the weights stay on the CPU
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=text_length, args=config(tmp_path, generation_engine=engine),
-                          train_dataset=prompts())
+    monkeypatch.setattr(
+        factory, "model_device", lambda model: torch.device(device)
+    )  # a faked GPU: the weights stay on the CPU
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=text_length,
+        args=config(tmp_path, generation_engine=engine),
+        train_dataset=prompts(),
+    )
     assert type(trainer.generation_backend) is expected
 
 

@@ -7,7 +7,7 @@ from helpers import ScriptedBackend
 from transformers import AutoTokenizer
 
 from grouprl import GFPOConfig, GFPOTrainer
-from grouprl.algorithms.filters import group_filter_scores, reward_per_token_filter, shortest_k_filter, top_k_in_groups
+from grouprl.core.filters import group_filter_scores, reward_per_token_filter, shortest_k_filter, top_k_in_groups
 
 G, K = 4, 2
 
@@ -21,16 +21,22 @@ def test_top_k_in_groups_keeps_highest_scores_stably():
 def test_ready_filters():
     groups = [["aaaa", "a", "aa"]]
     assert shortest_k_filter(groups, [[0, 0, 0]]) == [[-4.0, -1.0, -2.0]]  # characters without ids
-    assert shortest_k_filter(groups, [[0, 0, 0]], group_completion_ids=[[[1], [1, 2, 3], [1, 2]]]) == [[-1.0, -3.0, -2.0]]
-    assert reward_per_token_filter(groups, [[2.0, 1.0, 1.0]], group_completion_ids=[[[1] * 4, [1], [1, 1]]]) == [[0.5, 1.0, 0.5]]
+    assert shortest_k_filter(groups, [[0, 0, 0]], group_completion_ids=[[[1], [1, 2, 3], [1, 2]]]) == [
+        [-1.0, -3.0, -2.0]
+    ]
+    assert reward_per_token_filter(groups, [[2.0, 1.0, 1.0]], group_completion_ids=[[[1] * 4, [1], [1, 1]]]) == [
+        [0.5, 1.0, 0.5]
+    ]
     conversational = [[[{"role": "assistant", "content": "abc"}], [{"role": "assistant", "content": "a"}]]]
     assert shortest_k_filter(conversational, [[0, 0]]) == [[-3.0, -1.0]]
 
 
 def test_filter_output_is_checked():
     with pytest.raises(ValueError, match="'bad' returned 2 scores for group 0, which has 3"):
+
         def bad(group_completions, group_rewards):
             return [[1.0, 2.0]]
+
         group_filter_scores(bad, [["a", "b", "c"]], [[0.0] * 3], [[[1]] * 3])
     with pytest.raises(ValueError, match="one list of scores per group"):
         group_filter_scores(lambda group_completions, group_rewards: 1.0, [["a", "b"]], [[0.0] * 2], [[[1]] * 2])
@@ -42,13 +48,31 @@ def test_config_and_trainer_validation(tmp_path):
     with pytest.raises(ValueError, match="num_remains_in_group=1 must be at least 2"):
         GFPOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=4, num_remains_in_group=1)
     data = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
-    config = GFPOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=4, num_remains_in_group=2)
+    config = GFPOConfig(
+        output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=4, num_remains_in_group=2
+    )
     with pytest.raises(ValueError, match="needs a group_filter_func"):
-        GFPOTrainer("/nonexistent/model", reward_funcs=lambda completions, **k: [0.0] * len(completions), args=config, train_dataset=data)
-    odd = GFPOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=6, steps_per_generation=2, num_remains_in_group=3)
+        GFPOTrainer(
+            "/nonexistent/model",
+            reward_funcs=lambda completions, **k: [0.0] * len(completions),
+            args=config,
+            train_dataset=data,
+        )
+    odd = GFPOConfig(
+        output_dir=str(tmp_path),
+        num_generations=4,
+        per_device_train_batch_size=6,
+        steps_per_generation=2,
+        num_remains_in_group=3,
+    )
     with pytest.raises(ValueError, match="cannot be split into steps_per_generation=2"):
-        GFPOTrainer("/nonexistent/model", reward_funcs=lambda completions, **k: [0.0] * len(completions), args=odd,
-                    train_dataset=data, group_filter_func=shortest_k_filter)
+        GFPOTrainer(
+            "/nonexistent/model",
+            reward_funcs=lambda completions, **k: [0.0] * len(completions),
+            args=odd,
+            train_dataset=data,
+            group_filter_func=shortest_k_filter,
+        )
 
 
 def distinct_tokens(completion_ids, **kwargs):
@@ -70,12 +94,31 @@ def test_gfpo_keeps_k_shortest_of_each_own_group_and_normalises_over_them(tiny_m
         seen_groups.append((group_completions, group_rewards, group_completion_ids))
         return shortest_k_filter(group_completions, group_rewards, group_completion_ids)
 
-    config = GFPOConfig(output_dir=str(tmp_path / "out"), num_generations=G, num_remains_in_group=K, per_device_train_batch_size=6,
-                        steps_per_generation=2, gradient_accumulation_steps=2, max_completion_length=8, learning_rate=1e-3,
-                        max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True, bf16=False, shuffle_dataset=False)
+    config = GFPOConfig(
+        output_dir=str(tmp_path / "out"),
+        num_generations=G,
+        num_remains_in_group=K,
+        per_device_train_batch_size=6,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        bf16=False,
+        shuffle_dataset=False,
+    )
     data = datasets.Dataset.from_dict({"prompt": [f"{i}{i}+{i}=" for i in range(9)]})
-    trainer = GFPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=data,
-                          generation_backend=backend, group_filter_func=spy_filter)
+    trainer = GFPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=data,
+        generation_backend=backend,
+        group_filter_func=spy_filter,
+    )
     captured, batches = [], []
     score, make_batch = trainer.run.rollouts.score, trainer.run.rollouts.make_train_batch
 
@@ -94,7 +137,9 @@ def test_gfpo_keeps_k_shortest_of_each_own_group_and_normalises_over_them(tiny_m
     trainer.train()
 
     assert len(seen_groups) == 2 and len(captured) == 2  # 2 generations of 3 groups each
-    for (group_completions, group_rewards, group_ids), (rollout, rewards, advantages), call in zip(seen_groups, captured, backend.calls):
+    for (group_completions, group_rewards, group_ids), (rollout, rewards, advantages), call in zip(
+        seen_groups, captured, backend.calls
+    ):
         prompt_ids, _ = call
         assert len(group_ids) == 3
         for g, prompt in enumerate(prompt_ids):
@@ -120,19 +165,38 @@ def test_evaluation_samples_every_completion_without_filtering(tiny_model_dir, t
     """Evaluation builds its own sampler (no row filter): all G completions of every eval prompt are scored."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     eos = tokenizer.eos_token_id
-    backend = ScriptedBackend(lambda prompt_ids, sample: [20 + sample + j for j in range(1 + sample)] + [eos], eos, tokenizer)
+    backend = ScriptedBackend(
+        lambda prompt_ids, sample: [20 + sample + j for j in range(1 + sample)] + [eos], eos, tokenizer
+    )
     calls = []
 
     def spy_filter(group_completions, group_rewards, group_completion_ids):
         calls.append(len(group_completions))
         return shortest_k_filter(group_completions, group_rewards, group_completion_ids)
 
-    config = GFPOConfig(output_dir=str(tmp_path / "out"), num_generations=G, num_remains_in_group=K, per_device_train_batch_size=4,
-                        per_device_eval_batch_size=8, max_completion_length=8, max_steps=1, save_strategy="no", disable_tqdm=True,
-                        bf16=False, report_to="none")
+    config = GFPOConfig(
+        output_dir=str(tmp_path / "out"),
+        num_generations=G,
+        num_remains_in_group=K,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        max_completion_length=8,
+        max_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        bf16=False,
+        report_to="none",
+    )
     data = datasets.Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(4)]})
-    trainer = GFPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=data, eval_dataset=data,
-                          generation_backend=backend, group_filter_func=spy_filter)
+    trainer = GFPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=data,
+        eval_dataset=data,
+        generation_backend=backend,
+        group_filter_func=spy_filter,
+    )
     make_batch = trainer.run.rollouts.make_train_batch
     metrics = trainer.evaluate()
     assert calls == []  # the filter never ran in evaluation

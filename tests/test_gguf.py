@@ -10,10 +10,9 @@ import os
 import datasets
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from gguf_files import write_tiny_gguf
 from helpers import max_difference, parameters, quiet_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytest.importorskip("gguf")
 
@@ -31,12 +30,23 @@ def letter_count(completions, **kwargs):
 
 
 def prompts():
-    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": f"add {i} and {i + 2}"}] for i in range(6)]})
+    return datasets.Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"add {i} and {i + 2}"}] for i in range(6)]}
+    )
 
 
 def config(tmp_path, **overrides):
-    return quiet_config(tmp_path, overrides, per_device_train_batch_size=3, max_completion_length=8, max_steps=2,
-                        learning_rate=5e-2, beta=0.0, save_strategy="steps", save_steps=2)
+    return quiet_config(
+        tmp_path,
+        overrides,
+        per_device_train_batch_size=3,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=5e-2,
+        beta=0.0,
+        save_strategy="steps",
+        save_steps=2,
+    )
 
 
 def test_gguf_directory_trains_and_saves_an_ordinary_checkpoint(gguf_dir, tmp_path):
@@ -58,7 +68,9 @@ def test_gguf_directory_trains_and_saves_an_ordinary_checkpoint(gguf_dir, tmp_pa
         assert not any(f.endswith(".gguf") for f in os.listdir(path))
         assert os.path.exists(os.path.join(path, "model.safetensors"))
         reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # no gguf_file
-        assert getattr(reloaded, "hf_quantizer", None) is None and "quantization_config" not in reloaded.config.to_dict()
+        assert (
+            getattr(reloaded, "hf_quantizer", None) is None and "quantization_config" not in reloaded.config.to_dict()
+        )
         assert max_difference(parameters(reloaded), trained) == 0.0
         tokenizer = AutoTokenizer.from_pretrained(path)
         assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template is not None
@@ -74,7 +86,9 @@ def test_gguf_loaded_instance_saves_as_ordinary_checkpoint(gguf_dir, tmp_path):
     with pytest.raises(ValueError, match="not serializable"):
         model.save_pretrained(str(tmp_path / "refused"))
     args = config(tmp_path, max_steps=1, save_strategy="no")
-    trainer = GRPOTrainer(model=model, reward_funcs=letter_count, args=args, train_dataset=prompts(), processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=letter_count, args=args, train_dataset=prompts(), processing_class=tokenizer
+    )
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=torch.float32)
@@ -87,10 +101,37 @@ def test_cli_gguf_file_flag(gguf_dir, tmp_path):
     directory, name, _ = gguf_dir
     prompts().save_to_disk(str(tmp_path / "data"))
     out = tmp_path / "out"
-    code = main(["train", "--model_name_or_path", directory, "--gguf_file", name, "--dataset_name", str(tmp_path / "data"),
-                 "--reward_funcs", "get_repetition_penalty_reward", "--output_dir", str(out), "--num_generations", "3",
-                 "--per_device_train_batch_size", "3", "--max_completion_length", "6", "--max_steps", "1", "--logging_steps", "1",
-                 "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none"])
+    code = main(
+        [
+            "train",
+            "--model_name_or_path",
+            directory,
+            "--gguf_file",
+            name,
+            "--dataset_name",
+            str(tmp_path / "data"),
+            "--reward_funcs",
+            "get_repetition_penalty_reward",
+            "--output_dir",
+            str(out),
+            "--num_generations",
+            "3",
+            "--per_device_train_batch_size",
+            "3",
+            "--max_completion_length",
+            "6",
+            "--max_steps",
+            "1",
+            "--logging_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "true",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert reloaded.config.vocab_size == 259
@@ -103,8 +144,12 @@ def test_missing_gguf_package_is_named(gguf_dir, tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda module, *a: None if module == "gguf" else real(module, *a))
     with pytest.raises(ImportError, match=r"model_init_kwargs\['gguf_file'\].*pip install gguf"):
-        GRPOTrainer(model=directory, reward_funcs=letter_count, args=config(tmp_path, model_init_kwargs={"gguf_file": name}),
-                    train_dataset=prompts())
+        GRPOTrainer(
+            model=directory,
+            reward_funcs=letter_count,
+            args=config(tmp_path, model_init_kwargs={"gguf_file": name}),
+            train_dataset=prompts(),
+        )
 
 
 def test_packed_gguf_blocks_are_refused_by_name(gguf_dir, tmp_path):
@@ -115,5 +160,9 @@ def test_packed_gguf_blocks_are_refused_by_name(gguf_dir, tmp_path):
     directory, name, _ = gguf_dir
     kept_packed = GgufConfig(dequantize=False)
     with pytest.raises(ValueError, match="dequantize=False"):
-        GRPOTrainer(model=directory, reward_funcs=letter_count, train_dataset=prompts(),
-                    args=config(tmp_path, model_init_kwargs={"gguf_file": name, "quantization_config": kept_packed}))
+        GRPOTrainer(
+            model=directory,
+            reward_funcs=letter_count,
+            train_dataset=prompts(),
+            args=config(tmp_path, model_init_kwargs={"gguf_file": name, "quantization_config": kept_packed}),
+        )

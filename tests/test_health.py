@@ -12,7 +12,7 @@ from helpers import ScriptedBackend, max_difference, parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer, NonFiniteError, RewardFunctionError
-from grouprl.health import HealthMonitor, detect
+from grouprl.train.health import HealthMonitor, detect
 
 
 def distinct_tokens(completion_ids, **kwargs):
@@ -20,9 +20,21 @@ def distinct_tokens(completion_ids, **kwargs):
 
 
 def make_config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
-                  learning_rate=0.1, lr_scheduler_type="constant", max_steps=2, logging_steps=1, save_strategy="no", report_to="none",
-                  disable_tqdm=True, seed=0, bf16=False)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=8,
+        learning_rate=0.1,
+        lr_scheduler_type="constant",
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -34,7 +46,9 @@ def prompts(n=24):
 def finishing_backend(tokenizer, length=3):
     """Every completion ends with EOS after `length` tokens that differ per sample (no truncation, distinct rewards)."""
     eos = tokenizer.eos_token_id
-    return ScriptedBackend(lambda ids, s: [(ids[-1] + 5 * s + k) % 200 + 3 for k in range(length + s)] + [eos], eos, tokenizer)
+    return ScriptedBackend(
+        lambda ids, s: [(ids[-1] + 5 * s + k) % 200 + 3 for k in range(length + s)] + [eos], eos, tokenizer
+    )
 
 
 def health_warnings(caplog):
@@ -45,27 +59,53 @@ def health_warnings(caplog):
 
 
 def test_detectors_by_hand():
-    healthy = {"completions/clipped_ratio": 0.5, "frac_reward_zero_std": 0.5, "rewards/f/mean": 0.3, "entropy": 0.01,
-               "learning_rate": 1e-6, "sampling/importance_sampling_masked_fraction": 0.5, "off_policy_mask/dropped_fraction": 0.5}
+    healthy = {
+        "completions/clipped_ratio": 0.5,
+        "frac_reward_zero_std": 0.5,
+        "rewards/f/mean": 0.3,
+        "entropy": 0.01,
+        "learning_rate": 1e-6,
+        "sampling/importance_sampling_masked_fraction": 0.5,
+        "off_policy_mask/dropped_fraction": 0.5,
+    }
     assert detect(healthy, step=3) == []  # every threshold is strict: "most" = more than half
-    sick = {"completions/clipped_ratio": 0.9, "frac_reward_zero_std": 0.75, "rewards/f/mean": 0.3, "rewards/g/mean": None,
-            "entropy": 0.001, "learning_rate": 0.0, "sampling/importance_sampling_masked_fraction": 0.6,
-            "off_policy_mask/dropped_fraction": 0.7}
+    sick = {
+        "completions/clipped_ratio": 0.9,
+        "frac_reward_zero_std": 0.75,
+        "rewards/f/mean": 0.3,
+        "rewards/g/mean": None,
+        "entropy": 0.001,
+        "learning_rate": 0.0,
+        "sampling/importance_sampling_masked_fraction": 0.6,
+        "off_policy_mask/dropped_fraction": 0.7,
+    }
     found = {f.kind: f for f in detect(sick, step=3, max_completion_length=256)}
-    assert sorted(found) == ["entropy", "is_masked", "off_policy_masked", "reward_none:g", "truncated", "zero_lr", "zero_std"]
+    assert sorted(found) == [
+        "entropy",
+        "is_masked",
+        "off_policy_masked",
+        "reward_none:g",
+        "truncated",
+        "zero_lr",
+        "zero_std",
+    ]
     assert found["truncated"].message.startswith("90% of completions hit max_completion_length=256")
     assert found["zero_std"].metric == "frac_reward_zero_std" and found["zero_std"].value == 0.75
     assert "Reward function 'g' returned None for every completion" in found["reward_none:g"].message
     # a warmup starts at lr 0: not flagged on step 1, flagged after it
     assert not [f for f in detect({"learning_rate": 0.0}, step=1, warmup=True)]
     assert [f.kind for f in detect({"learning_rate": 0.0}, step=2, warmup=True)] == ["zero_lr"]
-    assert detect({"completions/clipped_ratio": None, "entropy": float("nan")}, step=1) == []  # nothing logged: nothing to say
+    assert (
+        detect({"completions/clipped_ratio": None, "entropy": float("nan")}, step=1) == []
+    )  # nothing logged: nothing to say
 
 
 def test_monitor_warns_once_then_summarises(caplog):
     monitor = HealthMonitor()
     for step in range(1, 6):
-        monitor.observe(detect({"completions/clipped_ratio": 1.0, "entropy": 0.0 if step >= 4 else 1.0}, step=step), step)
+        monitor.observe(
+            detect({"completions/clipped_ratio": 1.0, "entropy": 0.0 if step >= 4 else 1.0}, step=step), step
+        )
     assert len(health_warnings(caplog)) == 2  # one per kind, not one per step
     summary = monitor.summary()
     assert "most completions truncated (completions/clipped_ratio): 5 step(s), steps 1-5" in summary
@@ -78,20 +118,34 @@ def test_monitor_warns_once_then_summarises(caplog):
 
 def test_truncation_warned_once_with_summary(tiny_model_dir, tmp_path, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    never_ends = ScriptedBackend(lambda ids, s: [(ids[-1] + k % (s + 1)) % 200 + 3 for k in range(20)], tokenizer.eos_token_id, tokenizer)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=3, max_completion_length=4),
-                          train_dataset=prompts(), generation_backend=never_ends)
+    never_ends = ScriptedBackend(
+        lambda ids, s: [(ids[-1] + k % (s + 1)) % 200 + 3 for k in range(20)], tokenizer.eos_token_id, tokenizer
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, max_steps=3, max_completion_length=4),
+        train_dataset=prompts(),
+        generation_backend=never_ends,
+    )
     trainer.train()
     warnings = health_warnings(caplog)
-    assert len(warnings) == 1 and "at step 1: 100% of completions hit max_completion_length=4 before ending" in warnings[0]
+    assert (
+        len(warnings) == 1 and "at step 1: 100% of completions hit max_completion_length=4 before ending" in warnings[0]
+    )
     assert "mask_truncated_completions=True" in warnings[0] and "[completions/clipped_ratio = 1]" in warnings[0]
     assert "most completions truncated (completions/clipped_ratio): 3 step(s), steps 1-3" in caplog.text
 
 
 def test_zero_std_groups(tiny_model_dir, tmp_path, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **k: [1.0] * len(completions), args=make_config(tmp_path),
-                          train_dataset=prompts(), generation_backend=finishing_backend(tokenizer))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=lambda completions, **k: [1.0] * len(completions),
+        args=make_config(tmp_path),
+        train_dataset=prompts(),
+        generation_backend=finishing_backend(tokenizer),
+    )
     trainer.train()
     (warning,) = health_warnings(caplog)
     assert "100% of groups gave all their completions the same reward" in warning and "dynamic_sampling=True" in warning
@@ -103,8 +157,13 @@ def test_reward_function_returning_none_for_every_row(tiny_model_dir, tmp_path, 
     def needs_solution(completions, **kwargs):
         return [None] * len(completions)
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[distinct_tokens, needs_solution], args=make_config(tmp_path),
-                          train_dataset=prompts(), generation_backend=finishing_backend(tokenizer))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[distinct_tokens, needs_solution],
+        args=make_config(tmp_path),
+        train_dataset=prompts(),
+        generation_backend=finishing_backend(tokenizer),
+    )
     trainer.train()
     (warning,) = health_warnings(caplog)
     assert "Reward function 'needs_solution' returned None for every completion" in warning
@@ -116,7 +175,13 @@ def test_importance_sampling_masking_most_tokens(tiny_model_dir, tmp_path, caplo
     backend = finishing_backend(tokenizer)
     backend.sampler_logprobs = lambda ids, s, tokens: [-50.0] * len(tokens)  # rho = e^{~45} > clip_max everywhere
     config = make_config(tmp_path, vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=3.0)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), generation_backend=backend)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(),
+        generation_backend=backend,
+    )
     trainer.train()
     (warning,) = health_warnings(caplog)
     assert "The sampler-mismatch correction gave weight 0 to 100% of the loss tokens" in warning
@@ -126,8 +191,13 @@ def test_importance_sampling_masking_most_tokens(tiny_model_dir, tmp_path, caplo
 def test_entropy_collapse(tiny_model_dir, tmp_path, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     config = make_config(tmp_path, temperature=0.01)  # logits / 0.01: the sampling distribution is (nearly) one-hot
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
-                          generation_backend=finishing_backend(tokenizer))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(),
+        generation_backend=finishing_backend(tokenizer),
+    )
     trainer.train()
     (warning,) = health_warnings(caplog)
     assert "The policy's mean token entropy is" in warning and "sampling has become (almost) deterministic" in warning
@@ -135,12 +205,22 @@ def test_entropy_collapse(tiny_model_dir, tmp_path, caplog):
 
 def test_learning_rate_zero_and_not_warmup(tiny_model_dir, tmp_path, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    warming = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "w", warmup_steps=2, lr_scheduler_type="linear"),
-                          train_dataset=prompts(), generation_backend=finishing_backend(tokenizer))
+    warming = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path / "w", warmup_steps=2, lr_scheduler_type="linear"),
+        train_dataset=prompts(),
+        generation_backend=finishing_backend(tokenizer),
+    )
     warming.train()
     assert warming.state.log_history[0]["learning_rate"] == 0.0 and health_warnings(caplog) == []  # warmup's first step
-    frozen = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "z", learning_rate=0.0),
-                         train_dataset=prompts(), generation_backend=finishing_backend(tokenizer))
+    frozen = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path / "z", learning_rate=0.0),
+        train_dataset=prompts(),
+        generation_backend=finishing_backend(tokenizer),
+    )
     frozen.train()
     (warning,) = health_warnings(caplog)
     assert "at step 1: The learning rate is 0 at step 1, so the optimizer step changes nothing" in warning
@@ -154,8 +234,12 @@ def clean_runs(tiny_model_dir, tmp_path_factory):
     """Weights after 2 and after 4 steps of a run without any fault."""
     out = {}
     for steps in (2, 4):
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=prompts(),
-                              args=make_config(tmp_path_factory.mktemp(f"clean{steps}"), max_steps=steps))
+        trainer = GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            train_dataset=prompts(),
+            args=make_config(tmp_path_factory.mktemp(f"clean{steps}"), max_steps=steps),
+        )
         trainer.train()
         out[steps] = parameters(trainer.model)
     return out
@@ -197,7 +281,9 @@ def test_nan_stops_before_the_update_and_saves_step_2(tiny_model_dir, tmp_path, 
         return value * float("nan") if trainer.state.global_step == 2 else value
 
     if where == "loss":  # NaN hidden states in the training forward (generation runs without grad)
-        model.model.norm.register_forward_hook(lambda module, args, output: poison(output) if torch.is_grad_enabled() else output)
+        model.model.norm.register_forward_hook(
+            lambda module, args, output: poison(output) if torch.is_grad_enabled() else output
+        )
     if where == "gradients":
         model.model.layers[0].mlp.down_proj.weight.register_hook(poison)
     if where == "advantages":  # the built-in advantages are finite by construction; a custom advantage hook may not be
@@ -223,8 +309,12 @@ def test_nan_stops_before_the_update_and_saves_step_2(tiny_model_dir, tmp_path, 
 
 
 def test_nan_in_the_first_step_has_nothing_to_save(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **k: [math.inf] * len(completions),
-                          args=make_config(tmp_path), train_dataset=prompts())
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=lambda completions, **k: [math.inf] * len(completions),
+        args=make_config(tmp_path),
+        train_dataset=prompts(),
+    )
     with pytest.raises(RewardFunctionError, match="returned inf for row 0(.|\n)*stopped before its first update"):
         trainer.train()
     assert not [name for name in os.listdir(tmp_path / "out") if name.startswith("checkpoint")]
@@ -234,7 +324,9 @@ def test_nan_in_the_first_step_has_nothing_to_save(tiny_model_dir, tmp_path):
 
 
 def test_progress_bar_and_per_step_phase_times(tiny_model_dir, tmp_path, capsys):
-    config = make_config(tmp_path, max_steps=4, steps_per_generation=2, per_device_train_batch_size=3, disable_tqdm=False)
+    config = make_config(
+        tmp_path, max_steps=4, steps_per_generation=2, per_device_train_batch_size=3, disable_tqdm=False
+    )
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
     trainer.train()
     bar = capsys.readouterr().err.split("\r")[-1]
@@ -243,10 +335,17 @@ def test_progress_bar_and_per_step_phase_times(tiny_model_dir, tmp_path, capsys)
     phases = ("generate", "reward", "forward", "backward", "optimizer")
     for entry in entries:
         assert all(entry[f"time/{p}"] >= 0 for p in phases)
-        assert sum(entry[f"time/{p}"] for p in phases) <= entry["step_time"]  # seconds of this optimizer step, not per call
+        assert (
+            sum(entry[f"time/{p}"] for p in phases) <= entry["step_time"]
+        )  # seconds of this optimizer step, not per call
     # one generation feeds 2 steps: the second step of each pair spends nothing on generating or scoring
     assert [entry["time/generate"] > 0 for entry in entries] == [True, False, True, False]
     assert [entry["time/reward"] > 0 for entry in entries] == [True, False, True, False]
-    quiet = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "q", max_steps=1), train_dataset=prompts())
+    quiet = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path / "q", max_steps=1),
+        train_dataset=prompts(),
+    )
     quiet.train()
     assert "grouprl:" not in capsys.readouterr().err  # disable_tqdm=True: no bar

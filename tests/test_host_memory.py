@@ -5,7 +5,7 @@ import resource
 import pytest
 import torch
 
-from grouprl.host_memory import reuse_freed_host_memory
+from grouprl.model.host_memory import reuse_freed_host_memory
 
 
 def _faults_of_repeated_allocations() -> int:
@@ -20,7 +20,7 @@ def test_malloc_is_tuned_only_when_the_config_asks_and_only_for_a_cpu_model(monk
     """A process-wide setting that cannot be undone: made inside grouprl_patches only with keep_freed_host_memory=True."""
     from types import SimpleNamespace
 
-    from grouprl import patches
+    from grouprl.model import patches
 
     calls = []
     monkeypatch.setattr(patches, "reuse_freed_host_memory", lambda: calls.append(1) or True)
@@ -37,7 +37,7 @@ def test_malloc_is_tuned_only_when_the_config_asks_and_only_for_a_cpu_model(monk
 def test_after_tuning_freed_blocks_are_reused_without_page_faults():
     import ctypes
 
-    from grouprl import host_memory
+    from grouprl.model import host_memory
 
     if not reuse_freed_host_memory():
         pytest.skip("not glibc: nothing to tune")

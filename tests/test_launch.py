@@ -11,22 +11,75 @@ from grouprl.launch import bundled_configs, launch_command, resolve_accelerate_c
 
 def test_bundled_configs_are_valid_accelerate_configs():
     assert set(bundled_configs()) >= {"single_gpu", "multi_gpu", "zero2", "zero3", "fsdp2"}
-    kinds = {name: str(load_config_from_file(resolve_accelerate_config(name)).distributed_type) for name in bundled_configs()}
-    assert kinds["single_gpu"].endswith("NO") and kinds["multi_gpu"].endswith("MULTI_GPU") and kinds["fsdp2"].endswith("FSDP")
+    kinds = {
+        name: str(load_config_from_file(resolve_accelerate_config(name)).distributed_type) for name in bundled_configs()
+    }
+    assert (
+        kinds["single_gpu"].endswith("NO")
+        and kinds["multi_gpu"].endswith("MULTI_GPU")
+        and kinds["fsdp2"].endswith("FSDP")
+    )
     assert all(kinds[f"zero{stage}"].endswith("DEEPSPEED") for stage in (1, 2, 3))
     assert load_config_from_file(resolve_accelerate_config("zero3")).deepspeed_config["zero_stage"] == 3
     assert load_config_from_file(resolve_accelerate_config("fsdp2")).fsdp_config["fsdp_version"] == 2
 
 
 def test_unknown_flags_go_to_accelerate_launch_in_order(tmp_path):
-    argv = ["--accelerate_config", "zero3", "--model_name_or_path", "m", "--num_processes", "16", "--max_steps", "16",
-            "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1", "--main_process_port", "29500",
-            "--learning-rate", "1e-5", "--config", "run.yaml", "--reward_funcs", "accuracy_reward", "think_format_reward"]
+    argv = [
+        "--accelerate_config",
+        "zero3",
+        "--model_name_or_path",
+        "m",
+        "--num_processes",
+        "16",
+        "--max_steps",
+        "16",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        "1",
+        "--main_process_ip",
+        "10.0.0.1",
+        "--main_process_port",
+        "29500",
+        "--learning-rate",
+        "1e-5",
+        "--config",
+        "run.yaml",
+        "--reward_funcs",
+        "accuracy_reward",
+        "think_format_reward",
+    ]
     assert launch_command(argv) == [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", resolve_accelerate_config("zero3"),
-        "--num_processes", "16", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1", "--main_process_port", "29500",
-        "-m", "grouprl.cli", "train", "--model_name_or_path", "m", "--max_steps", "16", "--learning-rate", "1e-5", "--config", "run.yaml",
-        "--reward_funcs", "accuracy_reward", "think_format_reward",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        resolve_accelerate_config("zero3"),
+        "--num_processes",
+        "16",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        "1",
+        "--main_process_ip",
+        "10.0.0.1",
+        "--main_process_port",
+        "29500",
+        "-m",
+        "grouprl.cli",
+        "train",
+        "--model_name_or_path",
+        "m",
+        "--max_steps",
+        "16",
+        "--learning-rate",
+        "1e-5",
+        "--config",
+        "run.yaml",
+        "--reward_funcs",
+        "accuracy_reward",
+        "think_format_reward",
     ]
     own = tmp_path / "mine.yaml"
     own.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")

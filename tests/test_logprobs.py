@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
-import grouprl.algorithms.head_logprobs as head_module
-import grouprl.algorithms.logprobs as lp
-import grouprl.algorithms.model_forward as model_forward
+import grouprl.model.forward as model_forward
+import grouprl.model.head_logprobs as head_module
+import grouprl.model.logprobs as lp
 
 
 def naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
@@ -96,7 +96,9 @@ def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypa
 def test_hand_written_head_backward_equals_autograd(monkeypatch, entropy, temperature, bias):
     """_LinearHeadLogprobs against log_softmax over full logits in float64: values, and the gradients of hidden
     states, weight and bias for an arbitrary upstream gradient of both outputs, over several chunks."""
-    monkeypatch.setattr(head_module, "CHUNK_ELEMENTS", 50 * 3)  # vocab 50: 3 positions per chunk, 11 positions -> 4 chunks
+    monkeypatch.setattr(
+        head_module, "CHUNK_ELEMENTS", 50 * 3
+    )  # vocab 50: 3 positions per chunk, 11 positions -> 4 chunks
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=bias)
     hidden = torch.randn(1, 11, 8, generator=g, requires_grad=True)
@@ -133,7 +135,9 @@ def test_hand_written_head_backward_skips_a_frozen_head():
     tokens = torch.randint(0, 50, (2, 5))
     logps, _ = lp.head_logprobs(hidden, head.forward, tokens, 1.0, entropy="none")
     logps.sum().backward()
-    want = torch.func.grad(lambda h: torch.nn.functional.linear(h, head.weight).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).sum())(hidden.detach())
+    want = torch.func.grad(
+        lambda h: torch.nn.functional.linear(h, head.weight).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).sum()
+    )(hidden.detach())
     assert head.weight.grad is None and torch.allclose(hidden.grad, want, atol=1e-5)
 
 
@@ -178,8 +182,17 @@ def test_head_path_holds_no_full_logits_in_memory(tiny_model_dir, monkeypatch):
 
 def test_models_that_post_process_logits_use_the_plain_path():
     """Gemma2 soft-caps its logits after the head: the one-time probe must notice and fall back."""
-    config = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5, pad_token_id=0)
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        final_logit_softcapping=0.5,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(config).eval()
     with torch.no_grad():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from loss_reference import reference_policy_loss
 
-from grouprl.algorithms.losses import LOSSES, clipped_surrogate, dapo_denominator, gamma_weights, policy_loss
+from grouprl.core.losses import LOSSES, clipped_surrogate, dapo_denominator, gamma_weights, policy_loss
 
 OLD = torch.zeros(2, 3)
 LOGPS = torch.log(torch.tensor([[1.0, 1.5, 0.5], [1.5, 0.5, 2.0]]))
@@ -34,7 +34,13 @@ EXPECTED = {
 
 
 def run(loss_type, logps=LOGPS, old=OLD, adv=ADV, grad_accum_steps=1, **options):
-    settings = dict(epsilon_low=0.2, epsilon_high=0.2, grad_accum_steps=grad_accum_steps, max_completion_length=4, token_denominator=10.0)
+    settings = dict(
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        grad_accum_steps=grad_accum_steps,
+        max_completion_length=4,
+        token_denominator=10.0,
+    )
     settings.update(options)
     return policy_loss(loss_type, logps, old, adv, MASK, **settings)
 
@@ -82,7 +88,9 @@ def test_clip_statistics_by_hand():
 
 
 def test_asymmetric_clip_epsilon_high():
-    per_token, _ = clipped_surrogate(LOGPS, LOGPS - OLD, LOGPS - OLD, ADV[:, None], MASK, epsilon_low=0.2, epsilon_high=0.28)
+    per_token, _ = clipped_surrogate(
+        LOGPS, LOGPS - OLD, LOGPS - OLD, ADV[:, None], MASK, epsilon_low=0.2, epsilon_high=0.28
+    )
     assert per_token[0, 1].item() == pytest.approx(-1.28)  # 1.5 clipped at 1 + 0.28
     assert per_token[1, 1].item() == pytest.approx(0.8)  # lower bound unchanged
 
@@ -182,7 +190,9 @@ def test_vespo_by_hand():
 def test_vespo_phi_is_one_on_policy_and_zero_when_not_finite():
     phi = gamma_weights(torch.zeros(2, 3), ADV_B[:, None], MASK, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
     assert torch.allclose(phi, torch.ones(2, 1))
-    phi = gamma_weights(torch.zeros(2, 3), ADV_B[:, None], MASK, k_pos=float("inf"), lambda_pos=0.0, k_neg=3.0, lambda_neg=2.0)
+    phi = gamma_weights(
+        torch.zeros(2, 3), ADV_B[:, None], MASK, k_pos=float("inf"), lambda_pos=0.0, k_neg=3.0, lambda_neg=2.0
+    )
     assert phi[0, 0].item() == 0.0  # inf * 0 -> NaN -> 0; lambda floored at 1e-4
 
 
@@ -261,8 +271,14 @@ def test_kl_log_ratio_is_clamped():
 
 
 def test_kl_is_neither_masked_by_the_off_policy_mask_nor_weighted_by_sampler_weights():
-    loss, _ = run("dapo", beta=0.1, ref_logprobs=REF, use_bias_correction_kl=False,
-                  sequence_keep=torch.zeros(2, 1), sampler_weights=torch.zeros(2, 3))
+    loss, _ = run(
+        "dapo",
+        beta=0.1,
+        ref_logprobs=REF,
+        use_bias_correction_kl=False,
+        sequence_keep=torch.zeros(2, 1),
+        sampler_weights=torch.zeros(2, 3),
+    )
     assert loss.item() == pytest.approx(0.1 * (K3[1.5] * 2 + K3[0.5] * 2) / 10, abs=1e-6)
 
 
@@ -325,8 +341,18 @@ def test_registry_names_and_unknown():
 def test_masked_rows_contribute_nothing():
     mask = torch.tensor([[True, True, True], [False, False, False]])
     for loss_type in LOSSES:
-        loss, _ = policy_loss(loss_type, LOGPS, OLD, ADV, mask, epsilon_low=0.2, epsilon_high=0.2,
-                              grad_accum_steps=1, max_completion_length=4, token_denominator=3.0)
+        loss, _ = policy_loss(
+            loss_type,
+            LOGPS,
+            OLD,
+            ADV,
+            mask,
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            grad_accum_steps=1,
+            max_completion_length=4,
+            token_denominator=3.0,
+        )
         assert math.isfinite(loss.item())
 
 
@@ -341,8 +367,15 @@ OPTIONS = {
     "masks": {"sequence_keep": True, "token_keep": True},
     "sampler_weights": {"sampler_weights": True},
     "entropy_bonus": {"entropy": True, "entropy_coef": 0.02, "token_keep": True},
-    "everything": {"delta": 1.3, "beta": 0.02, "sequence_keep": True, "token_keep": True, "sampler_weights": True,
-                   "entropy": True, "entropy_coef": 0.01},
+    "everything": {
+        "delta": 1.3,
+        "beta": 0.02,
+        "sequence_keep": True,
+        "token_keep": True,
+        "sampler_weights": True,
+        "entropy": True,
+        "entropy_coef": 0.01,
+    },
 }
 
 
@@ -379,10 +412,21 @@ def random_case(seed, options):
 def test_batched_equals_per_token_reference(loss_type, option, level):
     for seed in range(3):
         case = random_case(seed, OPTIONS[option])
-        settings = dict(epsilon_low=0.2, epsilon_high=0.28 if loss_type != "cispo" else 1.5, grad_accum_steps=2,
-                        max_completion_length=6, token_denominator=13.0, importance_sampling_level=level,
-                        sapo_temperature_pos=0.9, sapo_temperature_neg=1.1, vespo_k_pos=1.5, vespo_lambda_pos=2.5,
-                        vespo_k_neg=2.5, vespo_lambda_neg=1.5, **case["kwargs"])
+        settings = dict(
+            epsilon_low=0.2,
+            epsilon_high=0.28 if loss_type != "cispo" else 1.5,
+            grad_accum_steps=2,
+            max_completion_length=6,
+            token_denominator=13.0,
+            importance_sampling_level=level,
+            sapo_temperature_pos=0.9,
+            sapo_temperature_neg=1.1,
+            vespo_k_pos=1.5,
+            vespo_lambda_pos=2.5,
+            vespo_k_neg=2.5,
+            vespo_lambda_neg=1.5,
+            **case["kwargs"],
+        )
         results = []
         for implementation in (policy_loss, reference_policy_loss):
             logprobs = case["logprobs"].clone().requires_grad_(True)

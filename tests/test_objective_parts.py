@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from grouprl.algorithms.entropy import EntropyController, entropy_threshold, high_entropy_mask
-from grouprl.algorithms.masks import off_policy_mask, tied_groups
-from grouprl.algorithms.importance import log_importance_weights, sampler_importance_weights
-from grouprl.algorithms.kl import k3_kl
+from grouprl.core.entropy import EntropyController, entropy_threshold, high_entropy_mask
+from grouprl.core.importance import log_importance_weights, sampler_importance_weights
+from grouprl.core.kl import k3_kl
+from grouprl.core.masks import off_policy_mask, tied_groups
 
 NAN = float("nan")
 MASK = torch.tensor([[True, True, True], [True, True, False]])
@@ -29,7 +29,9 @@ def test_token_truncate_by_hand():
     rho, stats = weights("token_truncate", clip_max=1.5)
     expected = torch.tensor([[1.5, 1.0, E(-0.3)], [1.0, E(-0.8), 1.0]])  # e^0.5 = 1.65 truncated to 1.5
     assert torch.allclose(rho, expected, atol=1e-6)
-    assert stats["sampling/sampling_logp_difference/mean"] == pytest.approx((0.5 + 0 + 0.3 + 0.8) / 4)  # NaN token left out
+    assert stats["sampling/sampling_logp_difference/mean"] == pytest.approx(
+        (0.5 + 0 + 0.3 + 0.8) / 4
+    )  # NaN token left out
     assert stats["sampling/sampling_logp_difference/max"] == pytest.approx(0.8)
     valid = [1.5, 1.0, E(-0.3), 1.0, E(-0.8)]  # the loss tokens
     assert stats["sampling/importance_sampling_ratio/min"] == pytest.approx(E(-0.8))

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grouprl.algorithms import packed_attention
-from grouprl.algorithms.packed_attention import LAYOUT_KWARG, sdpa_or_packed
-from grouprl.algorithms.prompt_packing import build_pack
+from grouprl.model import packed_attention
+from grouprl.model.packed_attention import LAYOUT_KWARG, sdpa_or_packed
+from grouprl.model.prompt_packing import build_pack
 
 
 def _pack():
@@ -19,7 +19,9 @@ def _pack():
 
 
 def _real_positions(pack) -> torch.Tensor:
-    return torch.arange(pack.input_ids.shape[1]) < torch.tensor([[3 + 4 + 2], [5 + 3]])  # the second pack ends in one pad
+    return torch.arange(pack.input_ids.shape[1]) < torch.tensor(
+        [[3 + 4 + 2], [5 + 3]]
+    )  # the second pack ends in one pad
 
 
 @pytest.mark.parametrize("grouped_kernel", [True, False], ids=["enable_gqa", "repeated heads"])
@@ -34,7 +36,9 @@ def test_values_and_gradients_equal_dense_masked_sdpa(kv_heads, grouped_kernel, 
     module = types.SimpleNamespace(num_key_value_groups=4 // kv_heads, is_causal=True)
     got, _ = sdpa_or_packed(module, q, k, v, None, scaling=0.3, **{LAYOUT_KWARG: pack.layout})
     rep = 4 // kv_heads
-    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=pack.attention_mask, scale=0.3)
+    expected = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=pack.attention_mask, scale=0.3
+    )
     expected = expected.transpose(1, 2)  # (packs, L, H, D) like transformers' attention functions
     real = _real_positions(pack)
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-6)
@@ -69,7 +73,9 @@ def test_layout_visibility_is_the_dense_mask():
     dense = torch.block_diag(*[pack.attention_mask[b, 0] for b in range(packs)])
     real = _real_positions(pack).reshape(-1)
     assert torch.equal(seen[real][:, real], dense[real][:, real])
-    assert sorted(lay.targets.tolist()) == real.nonzero().squeeze(1).tolist()  # every real position gets an output, once
+    assert (
+        sorted(lay.targets.tolist()) == real.nonzero().squeeze(1).tolist()
+    )  # every real position gets an output, once
 
 
 def test_calls_without_a_layout_are_transformers_sdpa(monkeypatch):

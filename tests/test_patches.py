@@ -19,16 +19,16 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-import grouprl.algorithms.model_forward as model_forward
 import grouprl.generation.engine as engine
+import grouprl.model.forward as model_forward
 from grouprl import GRPOTrainer
-from grouprl.algorithms import packed_attention, prompt_packing
-from grouprl.algorithms.logprobs import completion_logprobs
-from grouprl.algorithms.packed_attention import sdpa_or_packed
+from grouprl.core.types import SamplingParams
 from grouprl.generation import decode_products, shared_prefix
 from grouprl.generation.engine import FastGenerator
-from grouprl.patches import grouprl_patches, patches_active
-from grouprl.types import SamplingParams
+from grouprl.model import packed_attention, prompt_packing
+from grouprl.model.logprobs import completion_logprobs
+from grouprl.model.packed_attention import sdpa_or_packed
+from grouprl.model.patches import grouprl_patches, patches_active
 
 ORIGINAL_LINEAR_FORWARD = torch.nn.Linear.forward
 
@@ -62,10 +62,18 @@ def fast_paths(monkeypatch):
     and each counts the calls it serves."""
     monkeypatch.setattr(prompt_packing, "pairs_per_token", lambda model: 1e9)
     monkeypatch.setattr(engine, "SHARED_PREFIX_MIN_TOKENS", 0)
-    calls = {"packed attention": 0, "packed attention with gradient": 0, "shared-prefix attention": 0, "weight-major products": 0,
-             "registered inside": []}
-    real_packed, real_attend, real_linear = packed_attention.packed_attention, shared_prefix.SharedPrefixCache.attend, \
-        decode_products.weight_major_linear
+    calls = {
+        "packed attention": 0,
+        "packed attention with gradient": 0,
+        "shared-prefix attention": 0,
+        "weight-major products": 0,
+        "registered inside": [],
+    }
+    real_packed, real_attend, real_linear = (
+        packed_attention.packed_attention,
+        shared_prefix.SharedPrefixCache.attend,
+        decode_products.weight_major_linear,
+    )
 
     def packed(*args, **kwargs):
         calls["packed attention"] += 1
@@ -98,10 +106,24 @@ def test_train_and_evaluate_patch_inside_and_leave_nothing_behind(tiny_model_dir
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert model.config._attn_implementation == "sdpa"
     before = snapshot(model)
-    args = quiet_config(tmp_path, per_device_train_batch_size=6, per_device_eval_batch_size=6, max_completion_length=6,
-                        max_steps=2, learning_rate=0.1, bf16=False, num_iterations=2)
-    trainer = GRPOTrainer(model, reward_funcs=recording_reward(fast_paths), args=args, train_dataset=numbered_prompts(12),
-                          eval_dataset=numbered_prompts(4), processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    args = quiet_config(
+        tmp_path,
+        per_device_train_batch_size=6,
+        per_device_eval_batch_size=6,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=0.1,
+        bf16=False,
+        num_iterations=2,
+    )
+    trainer = GRPOTrainer(
+        model,
+        reward_funcs=recording_reward(fast_paths),
+        args=args,
+        train_dataset=numbered_prompts(12),
+        eval_dataset=numbered_prompts(4),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
     assert_nothing_left(before, model)  # building the trainer patches nothing
 
     trainer.train()
@@ -137,7 +159,9 @@ def test_a_generation_patches_only_while_it_runs(tiny_model_dir, fast_paths, mon
 
     monkeypatch.setattr(engine, "decoding", decoding)
     sampler = FastGenerator(model, tokenizer, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id)
-    out = sampler.generate([tokenizer("12+7=")["input_ids"], tokenizer("3+4=")["input_ids"]], 3, SamplingParams(max_new_tokens=5))
+    out = sampler.generate(
+        [tokenizer("12+7=")["input_ids"], tokenizer("3+4=")["input_ids"]], 3, SamplingParams(max_new_tokens=5)
+    )
     assert len(out) == 6 and all(len(c.token_ids) == 5 for c in out)
     assert seen_inside == [(shared_prefix.NAME, True)]  # one switch for the whole decode loop, not one per step
     assert fast_paths["shared-prefix attention"] > 0 and fast_paths["weight-major products"] > 0
@@ -152,7 +176,9 @@ def test_the_context_nests_and_restores_an_entry_the_user_had_put_there(monkeypa
     with grouprl_patches():
         with grouprl_patches():
             assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_or_packed
-        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_or_packed and patches_active()  # only the outermost exit restores
+        assert (
+            ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_or_packed and patches_active()
+        )  # only the outermost exit restores
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is users_sdpa and not patches_active()
     with pytest.raises(ZeroDivisionError), grouprl_patches():
         1 / 0
@@ -185,7 +211,9 @@ def test_packing_outside_the_context_attends_densely_with_the_same_values_and_gr
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     (packed, packed_grads), (plain, plain_grads) = run(True), run(False)
-    assert fast_paths["packed attention"] == model.config.num_hidden_layers  # the probe only (inside the context, no gradient)
+    assert (
+        fast_paths["packed attention"] == model.config.num_hidden_layers
+    )  # the probe only (inside the context, no gradient)
     torch.testing.assert_close(packed[rows[3]], plain[rows[3]], rtol=1e-5, atol=1e-5)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
@@ -247,8 +275,18 @@ def test_an_out_of_memory_error_in_a_probe_propagates(tiny_model_dir, monkeypatc
 
 
 def _soft_capped_gemma2() -> Gemma2ForCausalLM:
-    config = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5, attn_logit_softcapping=50.0, pad_token_id=0)
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        final_logit_softcapping=0.5,
+        attn_logit_softcapping=50.0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(config).eval()
     with torch.no_grad():
@@ -265,7 +303,9 @@ def test_head_and_shared_prefix_probes_log_once_why_a_model_is_not_served(caplog
     head = _verdicts(caplog, "LM head")
     assert len(head) == 1 and "not separable" in head[0] and "post-processes" in head[0]
     decode = _verdicts(caplog, "shared-prefix decoding is")
-    assert len(decode) == 1 and "off" in decode[0] and "soft-capping" in decode[0]  # the attention function's own refusal
+    assert (
+        len(decode) == 1 and "off" in decode[0] and "soft-capping" in decode[0]
+    )  # the attention function's own refusal
     assert model.config._attn_implementation != shared_prefix.NAME and shared_prefix.NAME not in ALL_ATTENTION_FUNCTIONS
 
 

@@ -18,12 +18,12 @@ from helpers import parameters, quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grouprl import GRPOTrainer
-from grouprl.algorithms.logprobs import completion_logprobs
 from grouprl.cli import main, parse_train_args, quantization_config
+from grouprl.compat.trainer import cpu_has_fast_bf16
+from grouprl.core.types import SamplingParams
 from grouprl.generation.engine import FastGenerator
-from grouprl.quantization import keep_training_layout
-from grouprl.trainer import cpu_has_fast_bf16
-from grouprl.types import SamplingParams
+from grouprl.model.logprobs import completion_logprobs
+from grouprl.model.quantization import keep_training_layout
 
 peft = pytest.importorskip("peft")
 bnb = pytest.importorskip("bitsandbytes")
@@ -43,14 +43,24 @@ def prompts(n=12):
 
 
 def make_config(tmp_path, **overrides):
-    return quiet_config(tmp_path, overrides, per_device_train_batch_size=6, max_completion_length=8, learning_rate=0.05, max_steps=2,
-                        bf16=False, gradient_checkpointing=False)
+    return quiet_config(
+        tmp_path,
+        overrides,
+        per_device_train_batch_size=6,
+        max_completion_length=8,
+        learning_rate=0.05,
+        max_steps=2,
+        bf16=False,
+        gradient_checkpointing=False,
+    )
 
 
 def quantized_base(path, bits="4bit"):
     """The base loaded quantized, computing as the trainer's policy does: bitsandbytes' CPU inference kernel (bf16, used in
     eval mode on AVX512-BF16 CPUs) moves this model's logits by ~2% of their scale, so it is switched off here as there."""
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**(FOUR_BIT if bits == "4bit" else EIGHT_BIT)))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=BitsAndBytesConfig(**(FOUR_BIT if bits == "4bit" else EIGHT_BIT))
+    )
     keep_training_layout(model)
     return model
 
@@ -72,15 +82,26 @@ ROUTES = {
     "trainer argument": lambda q: ({"quantization_config": BitsAndBytesConfig(**q)}, None),
     "model_init_kwargs object": lambda q: ({}, {"quantization_config": BitsAndBytesConfig(**q)}),
     "model_init_kwargs dict": lambda q: ({}, {"quantization_config": dict(q)}),
-    "model_init_kwargs JSON": lambda q: ({}, json.dumps({"quantization_config": dict(q)})),  # as --model_init_kwargs on the CLI
+    "model_init_kwargs JSON": lambda q: (
+        {},
+        json.dumps({"quantization_config": dict(q)}),
+    ),  # as --model_init_kwargs on the CLI
 }
 
 
-@pytest.mark.parametrize("bits,route", [("4bit", r) for r in ROUTES] + [("8bit", "trainer argument"), ("8bit", "model_init_kwargs dict")])
+@pytest.mark.parametrize(
+    "bits,route", [("4bit", r) for r in ROUTES] + [("8bit", "trainer argument"), ("8bit", "model_init_kwargs dict")]
+)
 def test_every_route_loads_quantized_and_only_the_adapters_train(tiny_model_dir, tmp_path, bits, route):
     trainer_kwargs, init_kwargs = ROUTES[route](FOUR_BIT if bits == "4bit" else EIGHT_BIT)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, model_init_kwargs=init_kwargs),
-                          train_dataset=prompts(), peft_config=peft.LoraConfig(**LORA), **trainer_kwargs)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, model_init_kwargs=init_kwargs),
+        train_dataset=prompts(),
+        peft_config=peft.LoraConfig(**LORA),
+        **trainer_kwargs,
+    )
     model = trainer.model
     layers = [m for m in model.modules() if isinstance(m, QUANTIZED_LAYER[bits])]
     assert len(layers) == 2 * 7  # every attention and MLP projection of both layers; the LM head stays full precision
@@ -105,9 +126,18 @@ def test_every_route_loads_quantized_and_only_the_adapters_train(tiny_model_dir,
 
 def test_quantization_config_in_both_places_is_refused(tiny_model_dir, tmp_path):
     config = make_config(tmp_path, model_init_kwargs={"quantization_config": FOUR_BIT})
-    with pytest.raises(ValueError, match="quantization_config is set both as a GRPOTrainer argument and in GRPOConfig.model_init_kwargs"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
-                    quantization_config=BitsAndBytesConfig(**FOUR_BIT), peft_config=peft.LoraConfig(**LORA))
+    with pytest.raises(
+        ValueError,
+        match="quantization_config is set both as a GRPOTrainer argument and in GRPOConfig.model_init_kwargs",
+    ):
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=config,
+            train_dataset=prompts(),
+            quantization_config=BitsAndBytesConfig(**FOUR_BIT),
+            peft_config=peft.LoraConfig(**LORA),
+        )
 
 
 @pytest.mark.parametrize("how", ["trainer argument", "model_init_kwargs", "pre-quantized instance"])
@@ -120,16 +150,36 @@ def test_a_quantized_model_without_peft_config_is_refused(tiny_model_dir, tmp_pa
     else:
         model = quantized_base(tiny_model_dir)
     expected = "8-bit" if how == "model_init_kwargs" else "4-bit"
-    with pytest.raises(ValueError, match=rf"bitsandbytes {expected}\), but there is no peft_config: quantized weights cannot be trained"):
-        GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=make_config(tmp_path, model_init_kwargs=init_kwargs),
-                    train_dataset=prompts(), processing_class=AutoTokenizer.from_pretrained(tiny_model_dir), **kwargs)
+    with pytest.raises(
+        ValueError,
+        match=rf"bitsandbytes {expected}\), but there is no peft_config: quantized weights cannot be trained",
+    ):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path, model_init_kwargs=init_kwargs),
+            train_dataset=prompts(),
+            processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+            **kwargs,
+        )
 
 
-def test_a_pre_quantized_instance_trains_with_peft_and_a_config_for_it_is_ignored_with_a_warning(tiny_model_dir, tmp_path, caplog):
-    trainer = GRPOTrainer(model=quantized_base(tiny_model_dir), reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=1),
-                          train_dataset=prompts(), processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-                          quantization_config=BitsAndBytesConfig(**EIGHT_BIT), peft_config=peft.LoraConfig(**LORA))
-    assert "quantization_config (trainer argument or model_init_kwargs) is ignored: the model is already instantiated" in caplog.text
+def test_a_pre_quantized_instance_trains_with_peft_and_a_config_for_it_is_ignored_with_a_warning(
+    tiny_model_dir, tmp_path, caplog
+):
+    trainer = GRPOTrainer(
+        model=quantized_base(tiny_model_dir),
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, max_steps=1),
+        train_dataset=prompts(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        quantization_config=BitsAndBytesConfig(**EIGHT_BIT),
+        peft_config=peft.LoraConfig(**LORA),
+    )
+    assert (
+        "quantization_config (trainer argument or model_init_kwargs) is ignored: the model is already instantiated"
+        in caplog.text
+    )
     assert trainer.model.is_loaded_in_4bit and not getattr(trainer.model, "is_loaded_in_8bit", False)
     trainer.train()
 
@@ -137,17 +187,32 @@ def test_a_pre_quantized_instance_trains_with_peft_and_a_config_for_it_is_ignore
 @pytest.mark.parametrize("generation", [dict(use_vllm=True, vllm_mode="server"), dict(generation_engine="server")])
 def test_sampling_in_a_separate_engine_is_refused_for_a_quantized_model(tiny_model_dir, tmp_path, generation):
     # refused from the combination table (combinations.py), before the model is loaded
-    with pytest.raises(NotImplementedError, match=r"a generation server .* cannot be combined with a quantized policy .*: sending a "
-                                                  r"quantized model's weights"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, **generation), train_dataset=prompts(),
-                    quantization_config=BitsAndBytesConfig(**FOUR_BIT), peft_config=peft.LoraConfig(**LORA))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"a generation server .* cannot be combined with a quantized policy .*: sending a "
+        r"quantized model's weights",
+    ):
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path, **generation),
+            train_dataset=prompts(),
+            quantization_config=BitsAndBytesConfig(**FOUR_BIT),
+            peft_config=peft.LoraConfig(**LORA),
+        )
 
 
 def test_missing_bitsandbytes_gives_an_install_hint(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'grouprl\[quantization\]'"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(),
-                    quantization_config=BitsAndBytesConfig(**FOUR_BIT), peft_config=peft.LoraConfig(**LORA))
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path),
+            train_dataset=prompts(),
+            quantization_config=BitsAndBytesConfig(**FOUR_BIT),
+            peft_config=peft.LoraConfig(**LORA),
+        )
 
 
 # ---- the reference policy and saving ---------------------------------------------------------------
@@ -164,8 +229,14 @@ def _rows(vocab):
 
 def test_reference_is_the_quantized_base_with_the_adapters_off(tiny_model_dir, tmp_path):
     config = make_config(tmp_path, beta=0.1, max_steps=3)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
-                          quantization_config=BitsAndBytesConfig(**FOUR_BIT), peft_config=peft.LoraConfig(**LORA))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(),
+        quantization_config=BitsAndBytesConfig(**FOUR_BIT),
+        peft_config=peft.LoraConfig(**LORA),
+    )
     assert trainer.ref_model is None  # no second copy of the weights
     trainer.train()
     kl = [e["kl"] for e in trainer.state.log_history if "kl" in e]
@@ -184,8 +255,14 @@ def test_reference_is_the_quantized_base_with_the_adapters_off(tiny_model_dir, t
 
 
 def test_save_model_writes_an_adapter_that_peft_loads_onto_the_quantized_base(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(),
-                          quantization_config=BitsAndBytesConfig(**FOUR_BIT), peft_config=peft.LoraConfig(**LORA))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path),
+        train_dataset=prompts(),
+        quantization_config=BitsAndBytesConfig(**FOUR_BIT),
+        peft_config=peft.LoraConfig(**LORA),
+    )
     trainer.train()
     out = tmp_path / "adapter"
     trainer.save_model(str(out))
@@ -193,7 +270,9 @@ def test_save_model_writes_an_adapter_that_peft_loads_onto_the_quantized_base(ti
     from safetensors.torch import load_file
 
     saved = load_file(str(out / "adapter_model.safetensors"))
-    assert saved and all("lora_A" in k or "lora_B" in k for k in saved)  # the adapter only: no base weights, packed or not
+    assert saved and all(
+        "lora_A" in k or "lora_B" in k for k in saved
+    )  # the adapter only: no base weights, packed or not
 
     loaded = peft.PeftModel.from_pretrained(quantized_base(tiny_model_dir), str(out))
     ids = torch.tensor([[5, 17, 42, 9, 77, 3]])
@@ -210,9 +289,16 @@ def test_resume_from_a_checkpoint_continues_exactly(tiny_model_dir, tmp_path):
     common = dict(max_steps=2, save_strategy="steps", save_steps=1)
     runs = []
     for name in ("a", "b"):
-        runs.append(GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / name, **common),
-                                train_dataset=prompts(), quantization_config=BitsAndBytesConfig(**FOUR_BIT),
-                                peft_config=peft.LoraConfig(**LORA)))
+        runs.append(
+            GRPOTrainer(
+                model=tiny_model_dir,
+                reward_funcs=distinct_tokens,
+                args=make_config(tmp_path / name, **common),
+                train_dataset=prompts(),
+                quantization_config=BitsAndBytesConfig(**FOUR_BIT),
+                peft_config=peft.LoraConfig(**LORA),
+            )
+        )
     runs[0].train()
     assert sorted(os.listdir(tmp_path / "a" / "out" / "checkpoint-1")).count("adapter_model.safetensors") == 1
     runs[1].train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-1"))
@@ -248,9 +334,11 @@ def _adapter_grads(model, loss):
 
 @pytest.mark.parametrize("pack_prompts", [True, False])
 def test_chunked_logprobs_and_head_backward_match_autograd_on_a_quantized_model(qlora_model, pack_prompts, monkeypatch):
-    from grouprl.algorithms import prompt_packing
+    from grouprl.model import prompt_packing
 
-    monkeypatch.setattr(prompt_packing, "pairs_per_token", lambda model: 1e9)  # tiny model: let every shared prompt pack
+    monkeypatch.setattr(
+        prompt_packing, "pairs_per_token", lambda model: 1e9
+    )  # tiny model: let every shared prompt pack
     prompt_ids, prompt_mask, completion_ids, completion_mask = _rows(qlora_model.config.vocab_size)
     prompt_ids[2:] = prompt_ids[0]  # rows 0, 2, 3 share a prompt
     rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -269,7 +357,9 @@ def test_chunked_logprobs_and_head_backward_match_autograd_on_a_quantized_model(
 def test_fast_generator_samples_as_transformers_and_its_logprobs_are_the_training_ones(qlora_model, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt_ids = [tokenizer("12+7=")["input_ids"], tokenizer("3+4=")["input_ids"]]
-    engine = FastGenerator(qlora_model, tokenizer, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id, sampling_method="multinomial")
+    engine = FastGenerator(
+        qlora_model, tokenizer, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id, sampling_method="multinomial"
+    )
     torch.manual_seed(0)
     ours = engine.generate(prompt_ids, 3, SamplingParams(max_new_tokens=6, temperature=1.0))
     width = max(map(len, prompt_ids))
@@ -277,19 +367,35 @@ def test_fast_generator_samples_as_transformers_and_its_logprobs_are_the_trainin
     mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompt_ids])[:, None]).long()
     torch.manual_seed(0)
     with torch.no_grad():
-        theirs = qlora_model.generate(input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=3, max_new_tokens=6,
-                                      min_new_tokens=6, pad_token_id=tokenizer.pad_token_id, top_k=0)
+        theirs = qlora_model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            num_return_sequences=3,
+            max_new_tokens=6,
+            min_new_tokens=6,
+            pad_token_id=tokenizer.pad_token_id,
+            top_k=0,
+        )
     assert [c.token_ids for c in ours] == theirs[:, width:].tolist()
 
     # the sampler's logprobs are what the training pass computes (no hidden inference-only kernel in between)
     qlora_model.train()
     completion_ids = torch.tensor([c.token_ids for c in ours])
-    rows = (ids.repeat_interleave(3, 0), mask.bool().repeat_interleave(3, 0), completion_ids, torch.ones_like(completion_ids, dtype=torch.bool))
+    rows = (
+        ids.repeat_interleave(3, 0),
+        mask.bool().repeat_interleave(3, 0),
+        completion_ids,
+        torch.ones_like(completion_ids, dtype=torch.bool),
+    )
     trained = completion_logprobs(qlora_model, *rows, temperature=1.0).logprobs
     torch.testing.assert_close(torch.tensor([c.sampler_logprobs for c in ours]), trained.detach(), rtol=0, atol=1e-4)
     _adapter_grads(qlora_model, trained.sum())  # a backward after eval-mode passes still works
-    assert not any(getattr(getattr(m, "weight", None), "quant_state", None) is not None
-                   and getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in qlora_model.modules())
+    assert not any(
+        getattr(getattr(m, "weight", None), "quant_state", None) is not None
+        and getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+        for m in qlora_model.modules()
+    )
 
 
 # ---- the CLI: trl grpo's flags ------------------------------------------------------------------------
@@ -302,10 +408,27 @@ def _model_args(*flags):
 def test_cli_flags_build_trls_bitsandbytes_config():
     assert quantization_config(_model_args()) is None
     default = quantization_config(_model_args("--load_in_4bit"))
-    assert (default.load_in_4bit, default.bnb_4bit_quant_type, default.bnb_4bit_use_double_quant) == (True, "nf4", False)
-    assert (default.bnb_4bit_compute_dtype, default.bnb_4bit_quant_storage) == (torch.float32, torch.uint8)  # compute dtype = --dtype
-    custom = quantization_config(_model_args("--load_in_4bit", "--bnb_4bit_quant_type", "fp4", "--use_bnb_nested_quant",
-                                             "--bnb_4bit_quant_storage", "bfloat16", "--dtype", "bfloat16"))
+    assert (default.load_in_4bit, default.bnb_4bit_quant_type, default.bnb_4bit_use_double_quant) == (
+        True,
+        "nf4",
+        False,
+    )
+    assert (default.bnb_4bit_compute_dtype, default.bnb_4bit_quant_storage) == (
+        torch.float32,
+        torch.uint8,
+    )  # compute dtype = --dtype
+    custom = quantization_config(
+        _model_args(
+            "--load_in_4bit",
+            "--bnb_4bit_quant_type",
+            "fp4",
+            "--use_bnb_nested_quant",
+            "--bnb_4bit_quant_storage",
+            "bfloat16",
+            "--dtype",
+            "bfloat16",
+        )
+    )
     assert (custom.bnb_4bit_quant_type, custom.bnb_4bit_use_double_quant) == ("fp4", True)
     assert (custom.bnb_4bit_compute_dtype, custom.bnb_4bit_quant_storage) == (torch.bfloat16, torch.bfloat16)
     eight = quantization_config(_model_args("--load_in_8bit"))
@@ -320,12 +443,38 @@ def test_cli_flags_build_trls_bitsandbytes_config():
 
 def test_cli_trains_qlora_and_refuses_4bit_without_use_peft(tiny_model_dir, tmp_path):
     data = tmp_path / "train.jsonl"
-    datasets.Dataset.from_dict({"prompt": [f"{i}+1=" for i in range(8)], "answer": [str(i + 1) for i in range(8)]}).to_json(str(data))
+    datasets.Dataset.from_dict(
+        {"prompt": [f"{i}+1=" for i in range(8)], "answer": [str(i + 1) for i in range(8)]}
+    ).to_json(str(data))
     out = tmp_path / "out"
-    flags = ["train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--reward_funcs", "arithmetic_reward",
-             "--load_in_4bit", "--output_dir", str(out), "--num_generations", "4", "--per_device_train_batch_size", "4",
-             "--max_completion_length", "6", "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no",
-             "--disable_tqdm", "true", "--report_to", "none"]
+    flags = [
+        "train",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--dataset_name",
+        str(data),
+        "--reward_funcs",
+        "arithmetic_reward",
+        "--load_in_4bit",
+        "--output_dir",
+        str(out),
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_completion_length",
+        "6",
+        "--max_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+        "--report_to",
+        "none",
+    ]
     with pytest.raises(ValueError, match=r"grouprl train: --use_peft"):
         main(flags)
     assert main(flags + ["--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"]) == 0
@@ -334,7 +483,7 @@ def test_cli_trains_qlora_and_refuses_4bit_without_use_peft(tiny_model_dir, tmp_
 
 # ---- it learns ----------------------------------------------------------------------------------------
 
-QLORA_QUICKSTART = textwrap.dedent('''
+QLORA_QUICKSTART = textwrap.dedent("""
     import json, time
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
@@ -361,7 +510,7 @@ QLORA_QUICKSTART = textwrap.dedent('''
     after = sampled_accuracy(policy, trainer.processing_class, heldout, num_samples=4)
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
     json.dump({"before": before, "after": after, "rewards": rewards, "seconds": time.time() - started}, open("result.json", "w"))
-''')
+""")
 
 
 def test_qlora_run_learns(tmp_path):
@@ -375,8 +524,15 @@ def test_qlora_run_learns(tmp_path):
     """
     script = tmp_path / "qlora_quickstart.py"
     script.write_text(QLORA_QUICKSTART)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.load(open(tmp_path / "result.json"))
     rewards = outcome["rewards"]

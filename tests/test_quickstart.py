@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-QUICKSTART = textwrap.dedent('''
+QUICKSTART = textwrap.dedent("""
     from datasets import Dataset
     from grouprl import GRPOConfig, GRPOTrainer          # was: from trl import GRPOConfig, GRPOTrainer
 
@@ -26,7 +26,7 @@ QUICKSTART = textwrap.dedent('''
         train_dataset=dataset,
     )
     trainer.train()
-''')
+""")
 
 
 @pytest.mark.slow
@@ -34,14 +34,29 @@ def test_trl_quickstart_runs_with_trl_metric_names(long_context_model_dir, tmp_p
     script = tmp_path / "quickstart.py"
     script.write_text(QUICKSTART.replace("MODEL_PATH", repr(long_context_model_dir)))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     entries = [json.loads(line) for line in open(tmp_path / "quickstart-GRPO" / "metrics.jsonl")]
     logged = entries[0]  # defaults: 4 prompts x 3 epochs = 12 steps, logged every 10
     assert logged["step"] == 10
-    for name in ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "rewards/reward_num_unique_chars/mean",
-                 "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "entropy", "num_tokens",
-                 "clip_ratio/region_mean", "step_time", "epoch"):
+    for name in (
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "reward",
+        "reward_std",
+        "rewards/reward_num_unique_chars/mean",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "frac_reward_zero_std",
+        "entropy",
+        "num_tokens",
+        "clip_ratio/region_mean",
+        "step_time",
+        "epoch",
+    ):
         assert name in logged, name
     assert entries[-1]["step"] == 12 and "train_loss" in entries[-1]
     assert "grouprl batch plan" not in result.stderr  # logged at INFO: shown with log_level="info", not by default

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from helpers import distinct_tokens, numbered_prompts
 
 from grouprl import GRPOConfig, GRPOTrainer, register_advantage, register_loss
-from grouprl.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimate_advantages
-from grouprl.algorithms.losses import LOSSES, global_token_mean_aggregation, policy_loss
-from helpers import distinct_tokens, numbered_prompts
+from grouprl.core.advantages import ADVANTAGE_ESTIMATORS, estimate_advantages
+from grouprl.core.losses import LOSSES, global_token_mean_aggregation, policy_loss
 
 SEEN = {"scales": [], "advantage_calls": 0}
 
@@ -27,7 +27,13 @@ def centred_ranks(rewards_per_function, weights, *, group_size, **_):
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    register_loss("scaled_reinforce", scaled_reinforce, global_token_mean_aggregation, params={"scale": 1.0}, divides_by_grad_accum=False)
+    register_loss(
+        "scaled_reinforce",
+        scaled_reinforce,
+        global_token_mean_aggregation,
+        params={"scale": 1.0},
+        divides_by_grad_accum=False,
+    )
     register_advantage("centred_ranks", centred_ranks)
     yield
     LOSSES.pop("scaled_reinforce")
@@ -37,11 +43,23 @@ def registered():
 def test_a_registered_loss_and_estimator_train_end_to_end(tiny_model_dir, tmp_path):
     SEEN["scales"].clear()
     calls_before = SEEN["advantage_calls"]
-    config = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=6,
-                        learning_rate=0.05, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-                        seed=0, loss_type="scaled_reinforce", loss_kwargs={"scale": 2.5}, advantage_estimator="centred_ranks")
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config,
-                          train_dataset=numbered_prompts(12))
+    config = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=6,
+        learning_rate=0.05,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        loss_type="scaled_reinforce",
+        loss_kwargs={"scale": 2.5},
+        advantage_estimator="centred_ranks",
+    )
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts(12))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert SEEN["scales"] and set(SEEN["scales"]) == {2.5}
@@ -53,8 +71,19 @@ def test_registered_loss_value_follows_its_formula():
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -4.0]])
     mask = torch.tensor([[True, True], [True, False]])
     advantages = torch.tensor([1.0, -2.0])
-    loss, _ = policy_loss("scaled_reinforce", logprobs, None, advantages, mask, epsilon_low=0.2, epsilon_high=0.2, grad_accum_steps=1,
-                          max_completion_length=2, token_denominator=3.0, loss_params={"scale": 2.0})
+    loss, _ = policy_loss(
+        "scaled_reinforce",
+        logprobs,
+        None,
+        advantages,
+        mask,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        grad_accum_steps=1,
+        max_completion_length=2,
+        token_denominator=3.0,
+        loss_params={"scale": 2.0},
+    )
     # -2 * (1*-1 + 1*-2 + -2*-0.5) / 3 tokens = -2 * (-2) / 3
     assert loss.item() == pytest.approx(4.0 / 3.0)
 
@@ -69,7 +98,9 @@ def test_registered_estimator_values_and_unscorable_rows():
 def test_registry_errors_name_the_problem():
     with pytest.raises(ValueError, match="loss_type='nope' is not one of .*register_loss"):
         GRPOConfig(loss_type="nope")
-    with pytest.raises(ValueError, match="loss_kwargs: loss_type='scaled_reinforce' has no hyper-parameter 'temp'.*'scale'"):
+    with pytest.raises(
+        ValueError, match="loss_kwargs: loss_type='scaled_reinforce' has no hyper-parameter 'temp'.*'scale'"
+    ):
         GRPOConfig(loss_type="scaled_reinforce", loss_kwargs={"temp": 1.0})
     with pytest.raises(ValueError, match="advantage_estimator='nope' is not one of .*register_advantage"):
         GRPOConfig(advantage_estimator="nope")

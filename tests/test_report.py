@@ -47,12 +47,29 @@ def png_size(data):
 
 
 def test_report_of_a_tiny_run_has_every_chart(tiny_model_dir, tmp_path):
-    config = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
-                        learning_rate=0.1, max_steps=3, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-                        bf16=False, beta=0.04, log_completions=True, num_completions_to_print=0)  # beta: KL is logged
+    config = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=8,
+        learning_rate=0.1,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        bf16=False,
+        beta=0.04,
+        log_completions=True,
+        num_completions_to_print=0,
+    )  # beta: KL is logged
     data = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(12)]})
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completion_ids, **k: [float(len(set(c))) for c in completion_ids],
-                          args=config, train_dataset=data)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=lambda completion_ids, **k: [float(len(set(c))) for c in completion_ids],
+        args=config,
+        train_dataset=data,
+    )
     trainer.train()
     report = write_report(config.output_dir)
     page = ReportPage(Path(report.html).read_text(encoding="utf-8"))
@@ -62,8 +79,10 @@ def test_report_of_a_tiny_run_has_every_chart(tiny_model_dir, tmp_path):
         assert css_class == "chart" and len(sources) == 1, chart.key
         prefix = "data:image/png;base64,"
         assert sources[0].startswith(prefix)
-        embedded = base64.b64decode(sources[0][len(prefix):])
-        assert embedded == Path(report.charts[chart.key]).read_bytes()  # the same chart as the PNG file next to the page
+        embedded = base64.b64decode(sources[0][len(prefix) :])
+        assert (
+            embedded == Path(report.charts[chart.key]).read_bytes()
+        )  # the same chart as the PNG file next to the page
         assert png_size(embedded) == (640, 330)
     assert "most completions truncated" in page.text  # the health findings (8-token completions of a random model)
     assert page.rows >= 1 + 3 * 4  # summary rows + a header and 4 completions of the first, middle and last tables
@@ -71,8 +90,19 @@ def test_report_of_a_tiny_run_has_every_chart(tiny_model_dir, tmp_path):
 
 
 def test_report_says_what_was_not_logged_and_skips_a_cut_line(tmp_path, capsys):
-    entries = [{"step": s, "reward": 0.1 * s, "completions/clipped_ratio": 0.9, "grad_norm": 1.0, "entropy": 2.0,
-                "time/generate": 0.5, "time/backward": 0.2, "step_time": 0.8} for s in (1, 2, 3)]
+    entries = [
+        {
+            "step": s,
+            "reward": 0.1 * s,
+            "completions/clipped_ratio": 0.9,
+            "grad_norm": 1.0,
+            "entropy": 2.0,
+            "time/generate": 0.5,
+            "time/backward": 0.2,
+            "step_time": 0.8,
+        }
+        for s in (1, 2, 3)
+    ]
     with open(tmp_path / "metrics.jsonl", "w") as handle:
         handle.writelines(json.dumps(e) + "\n" for e in entries)
         handle.write('{"step": 4, "rew')  # the line a kill cut short

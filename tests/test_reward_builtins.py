@@ -1,5 +1,6 @@
 """Built-in rewards on the cases TRL's tests cover: valid, invalid, mixed, unparseable gold, boundaries, pickling."""
 
+import importlib.util
 import pickle
 import threading
 
@@ -15,9 +16,9 @@ from grouprl.rewards import (
     think_format_reward,
 )
 
-import importlib.util
-
-needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="math-verify not installed")
+needs_math_verify = pytest.mark.skipif(
+    importlib.util.find_spec("math_verify") is None, reason="math-verify not installed"
+)
 
 
 def messages(*texts):
@@ -25,6 +26,7 @@ def messages(*texts):
 
 
 # ---- think_format_reward ------------------------------------------------------------------------
+
 
 def test_think_format_valid():
     valid = [
@@ -60,6 +62,7 @@ def test_think_format_mixed():
 
 # ---- get_soft_overlong_punishment ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("length,expected", [(50, 0.0), (80, 0.0), (81, -0.05), (90, -0.5), (100, -1.0), (110, -1.0)])
 def test_soft_overlong_punishment(length, expected):
     reward = get_soft_overlong_punishment(max_completion_len=100, soft_punish_cache=20)
@@ -74,6 +77,7 @@ def test_soft_overlong_zero_cache_and_names():
 
 
 # ---- get_repetition_penalty_reward --------------------------------------------------------------
+
 
 def test_repetition_penalty_none_full_partial():
     reward = get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0)
@@ -102,6 +106,7 @@ def test_repetition_penalty_rejects_bad_settings_ignores_kwargs_pickles():
 
 # ---- accuracy_reward ----------------------------------------------------------------------------
 
+
 @needs_math_verify
 def test_accuracy_correct_wrong_and_no_latex():
     answer = r"\boxed{\frac{63}{400}}"
@@ -114,8 +119,11 @@ def test_accuracy_correct_wrong_and_no_latex():
 @needs_math_verify
 def test_accuracy_unparseable_gold_is_none_and_logs_parses():
     columns = {}
-    rewards = accuracy_reward(messages("Answer is forty two.", r"Some other content. \boxed{43}."),
-                              ["Answer is forty two.", "Answer is forty three."], log_extra=columns.__setitem__)
+    rewards = accuracy_reward(
+        messages("Answer is forty two.", r"Some other content. \boxed{43}."),
+        ["Answer is forty two.", "Answer is forty three."],
+        log_extra=columns.__setitem__,
+    )
     assert rewards == [None, None]
     assert columns["gold_parsed"] == ["[unparseable]"] * 2 and columns["answer_parsed"] == ["[skipped]"] * 2
     assert columns["solution"] == ["Answer is forty two.", "Answer is forty three."]
@@ -139,18 +147,25 @@ def test_accuracy_in_worker_thread():
 
 # ---- reasoning_accuracy_reward ------------------------------------------------------------------
 
+
 @needs_math_verify
 def test_reasoning_accuracy_cases():
     gold = r"\frac{63}{400}"
-    assert reasoning_accuracy_reward(messages(r"<think> R </think> \boxed{\frac{63}{400}}", r"R </think> \boxed{\frac{63}{400}}"),
-                                     [gold, gold]) == [1.0, 1.0]
-    assert reasoning_accuracy_reward(messages(r"<S> R </REASONING_END> \boxed{\frac{63}{400}}"), [gold],
-                                     reasoning_delimiters=["</REASONING_END>"]) == [1.0]
+    assert reasoning_accuracy_reward(
+        messages(r"<think> R </think> \boxed{\frac{63}{400}}", r"R </think> \boxed{\frac{63}{400}}"), [gold, gold]
+    ) == [1.0, 1.0]
+    assert reasoning_accuracy_reward(
+        messages(r"<S> R </REASONING_END> \boxed{\frac{63}{400}}"), [gold], reasoning_delimiters=["</REASONING_END>"]
+    ) == [1.0]
     assert reasoning_accuracy_reward(messages(r"<think> R </think> \boxed{\frac{64}{400}}"), [gold]) == [0.0]
-    only_inside = messages(r"<think> My answer is \boxed{42} </think> Some other text.",
-                           r"<think> The answer is \boxed{42} </think> Here's a wrong answer: \boxed{43}.")
+    only_inside = messages(
+        r"<think> My answer is \boxed{42} </think> Some other text.",
+        r"<think> The answer is \boxed{42} </think> Here's a wrong answer: \boxed{43}.",
+    )
     assert reasoning_accuracy_reward(only_inside, [r"\boxed{42}", r"\boxed{42}"]) == [0.0, 0.0]
-    incomplete = messages(r"<think> Incomplete reasoning without closing tag", r"Correct answer \frac{63}{400} but no reasoning")
+    incomplete = messages(
+        r"<think> Incomplete reasoning without closing tag", r"Correct answer \frac{63}{400} but no reasoning"
+    )
     assert reasoning_accuracy_reward(incomplete, [gold, gold]) == [0.0, 0.0]
     assert reasoning_accuracy_reward(messages(r"<think> R </think> \boxed{42}"), ["forty two"]) == [None]
 
@@ -162,14 +177,17 @@ GOLD = [r"\frac{1}{3}", r"\frac{1}{3}"]
 
 
 @needs_math_verify
-@pytest.mark.parametrize("completions,lengths,expected", [
-    ([THIRD, THIRD], [25, 75], [0.92678, 0.57322]),  # correct: shorter is better
-    ([HALF, HALF], [25, 75], [-0.92678, -0.57322]),  # wrong: longer is punished less
-    ([THIRD, HALF], [50, 50], [0.75, -0.75]),  # midpoint
-    ([THIRD, THIRD], [0, 100], [1.0, 0.5]),  # boundaries, correct
-    ([HALF, HALF], [0, 100], [-1.0, -0.5]),  # boundaries, wrong
-    ([THIRD, HALF], [200, 200], [0.5, -0.5]),  # clamped past max_len
-])
+@pytest.mark.parametrize(
+    "completions,lengths,expected",
+    [
+        ([THIRD, THIRD], [25, 75], [0.92678, 0.57322]),  # correct: shorter is better
+        ([HALF, HALF], [25, 75], [-0.92678, -0.57322]),  # wrong: longer is punished less
+        ([THIRD, HALF], [50, 50], [0.75, -0.75]),  # midpoint
+        ([THIRD, THIRD], [0, 100], [1.0, 0.5]),  # boundaries, correct
+        ([HALF, HALF], [0, 100], [-1.0, -0.5]),  # boundaries, wrong
+        ([THIRD, HALF], [200, 200], [0.5, -0.5]),  # clamped past max_len
+    ],
+)
 def test_cosine_scaled_reward(completions, lengths, expected):
     reward = get_cosine_scaled_reward(max_len=100)
     assert reward(completions, GOLD, [[1] * n for n in lengths]) == [pytest.approx(e, abs=1e-4) for e in expected]

@@ -17,16 +17,29 @@ def reward_model_dir(tiny_reward_model_dir):
 
 
 def make_config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=6,
-                  learning_rate=0.1, max_steps=1, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-                  bf16=False)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=6,
+        learning_rate=0.1,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
 
 def prompts(n=6, conversational=False):
     texts = [f"{i}+{i % 5}=" for i in range(n)]
-    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t in texts] if conversational else texts})
+    return datasets.Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": t}] for t in texts] if conversational else texts}
+    )
 
 
 def test_scores_at_last_non_pad_token_in_micro_batches(reward_model_dir):
@@ -50,7 +63,9 @@ def test_conversational_samples_use_the_reward_tokenizer_chat_template(reward_mo
 
 
 def test_train_with_reward_model_alone(tiny_model_dir, reward_model_dir, tmp_path):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward_model_dir, args=make_config(tmp_path), train_dataset=prompts())
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=reward_model_dir, args=make_config(tmp_path), train_dataset=prompts()
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     entry = trainer.state.log_history[0]
@@ -66,8 +81,13 @@ def test_train_with_reward_model_instance_mixed_with_function(tiny_model_dir, re
     def short(completions, **kwargs):
         return [-float(len(c[0]["content"])) for c in completions]
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[model, short], args=make_config(tmp_path, reward_weights=[1.0, 0.1]),
-                          train_dataset=prompts(conversational=True), reward_processing_classes=[tokenizer, None])
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[model, short],
+        args=make_config(tmp_path, reward_weights=[1.0, 0.1]),
+        train_dataset=prompts(conversational=True),
+        reward_processing_classes=[tokenizer, None],
+    )
     assert trainer.reward_func_names == ["tiny-rm", "short"]
     trainer.train()
     entry = trainer.state.log_history[0]
@@ -76,9 +96,16 @@ def test_train_with_reward_model_instance_mixed_with_function(tiny_model_dir, re
 
 def test_mismatched_processing_classes_are_rejected_before_loading(tmp_path):
     tokenizer = build_tokenizer()
-    with pytest.raises(ValueError, match=r"number of reward processing classes \(1\) must match the number of reward functions \(2\)"):
-        GRPOTrainer(model="/nonexistent/model", reward_funcs=["/nonexistent/rm-a", "/nonexistent/rm-b"], args=make_config(tmp_path),
-                    train_dataset=prompts(), reward_processing_classes=[tokenizer])
+    with pytest.raises(
+        ValueError, match=r"number of reward processing classes \(1\) must match the number of reward functions \(2\)"
+    ):
+        GRPOTrainer(
+            model="/nonexistent/model",
+            reward_funcs=["/nonexistent/rm-a", "/nonexistent/rm-b"],
+            args=make_config(tmp_path),
+            train_dataset=prompts(),
+            reward_processing_classes=[tokenizer],
+        )
     assert match_processing_classes(["a"], tokenizer) == [tokenizer]  # a single one is wrapped
     assert match_processing_classes(["a", "b"], [tokenizer, tokenizer]) == [tokenizer, tokenizer]
     assert match_processing_classes(["a", "b"], None) == [None, None]

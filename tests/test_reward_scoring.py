@@ -15,8 +15,14 @@ COMPLETIONS = ["x", "yy", "zzz"]
 
 
 def score(funcs, **extra):
-    return score_completions(prepare_reward_functions(funcs), prompts=PROMPTS, completions=COMPLETIONS,
-                             completion_ids=[[1], [2, 2], [3, 3, 3]], columns={"answer": ["1", "2", "3"]}, **extra)
+    return score_completions(
+        prepare_reward_functions(funcs),
+        prompts=PROMPTS,
+        completions=COMPLETIONS,
+        completion_ids=[[1], [2, 2], [3, 3, 3]],
+        columns={"answer": ["1", "2", "3"]},
+        **extra,
+    )
 
 
 def length_reward(completions, **kwargs):
@@ -69,10 +75,12 @@ def test_async_functions_run_concurrently():
 
 def test_sync_functions_run_concurrently_with_each_other_and_async_ones():
     """A slow sync checker does not serialise the step: 2 sync + 1 async, each 0.3 s, take ~0.3 s; order is kept."""
+
     def sleepy(value):
         def reward(completions, **kwargs):
             time.sleep(0.3)
             return [value] * len(completions)
+
         reward.__name__ = f"sleepy_{value}"
         return reward
 
@@ -99,8 +107,13 @@ def test_function_that_only_works_in_the_main_thread_is_retried_there_and_kept_t
         return [1.0] * len(completions)
 
     functions = prepare_reward_functions([length_reward, main_thread_only])
-    run = lambda: score_completions(functions, prompts=PROMPTS, completions=COMPLETIONS,  # noqa: E731
-                                    completion_ids=[[1], [2, 2], [3, 3, 3]], columns={})
+    run = lambda: score_completions(
+        functions,
+        prompts=PROMPTS,
+        completions=COMPLETIONS,  # noqa: E731
+        completion_ids=[[1], [2, 2], [3, 3, 3]],
+        columns={},
+    )
     assert run()[:, 1].tolist() == [1.0] * 3
     assert calls == [False, True] and functions[1].main_thread_only
     assert run()[:, 1].tolist() == [1.0] * 3 and calls[2:] == [True]  # no second failed attempt
@@ -115,6 +128,7 @@ def test_logging_from_several_threads_is_kept():
                 log_metric(name, float(k))
             log_extra(name, list(completions))
             return [0.0] * len(completions)
+
         reward.__name__ = name
         return reward
 
@@ -141,14 +155,17 @@ def test_first_failing_function_in_list_order_is_reported():
 
 def test_wrong_length_names_function():
     with pytest.raises(RewardFunctionError, match="'short' returned 2 values for 3 completions"):
+
         def short(completions, **kwargs):
             return [1.0, 2.0]
+
         score([short])
 
 
 def test_non_number_names_function_and_row():
     def texty(completions, **kwargs):
         return [1.0, "good", 0.0]
+
     with pytest.raises(RewardFunctionError, match=r"'texty' returned 'good' \(str\) for row 1"):
         score([texty])
 
@@ -156,6 +173,7 @@ def test_non_number_names_function_and_row():
 def test_nan_names_function_and_row():
     def nanny(completions, **kwargs):
         return [1.0, 2.0, float("nan")]
+
     with pytest.raises(RewardFunctionError, match="'nanny' returned nan for row 2"):
         score([nanny])
 
@@ -163,6 +181,7 @@ def test_nan_names_function_and_row():
 def test_raising_function_names_first_failing_row():
     def picky(completions, **kwargs):
         return [1.0 / (len(c) - 2) for c in completions]  # fails on "yy"
+
     with pytest.raises(RewardFunctionError, match=r"'picky' raised ZeroDivisionError.*row 1") as err:
         score([picky])
     assert "'yy'" in str(err.value)
@@ -171,6 +190,7 @@ def test_raising_function_names_first_failing_row():
 def test_async_raising_names_function():
     async def broken(completions, **kwargs):
         raise KeyError("gold")
+
     with pytest.raises(RewardFunctionError, match="'broken' raised KeyError"):
         score([broken])
 
@@ -206,6 +226,7 @@ def test_bad_reward_funcs_argument():
 def test_row_no_function_scores_is_warned_with_its_arguments_as_trl(caplog):
     """TRL's test_warning_raised_all_rewards_none captures this through a logger of its own package: the
     record must reach the root handlers (propagate) with TRL's wording."""
+
     def none_for_b(prompts, **kwargs):
         return [None if p == "b" else 1.0 for p in prompts]
 
@@ -214,10 +235,14 @@ def test_row_no_function_scores_is_warned_with_its_arguments_as_trl(caplog):
     assert out[1].isnan().all() and not out[0].isnan().all()
     (record,) = [r for r in caplog.records if "All reward functions returned None" in r.getMessage()]
     message = record.getMessage()
-    assert message.startswith("All reward functions returned None for the following kwargs: {'answer': '2', 'prompt': 'b', "
-                              "'completion': 'yy'}")
+    assert message.startswith(
+        "All reward functions returned None for the following kwargs: {'answer': '2', 'prompt': 'b', "
+        "'completion': 'yy'}"
+    )
     assert "1 of 3 completions got no reward" in message and "trainer_state" not in message
     caplog.clear()
     with caplog.at_level("WARNING"):
-        score([length_reward, lambda completions, **k: [None] * 3])  # one function scores every row: nothing to warn about
+        score(
+            [length_reward, lambda completions, **k: [None] * 3]
+        )  # one function scores every row: nothing to warn about
     assert "All reward functions returned None" not in caplog.text

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from chi_square import chi_square_rejects
+
 from grouprl.generation.sampling import cumulative_distribution, sample_tokens
 
 
@@ -24,7 +24,10 @@ def test_draws_follow_the_processed_distribution(method):
     assert not chi_square_rejects(counts, probs)
     top, second = probs.topk(2).indices
     shifted = probs.clone()
-    shifted[top], shifted[second] = probs[top] * 0.95, probs[second] + probs[top] * 0.05  # 5% of the top token's mass moved
+    shifted[top], shifted[second] = (
+        probs[top] * 0.95,
+        probs[second] + probs[top] * 0.05,
+    )  # 5% of the top token's mass moved
     assert chi_square_rejects(counts, shifted)  # the test has the power to see that
 
 
@@ -51,7 +54,9 @@ def test_same_seed_same_tokens_and_logprobs():
 def test_a_draw_at_the_top_of_the_range_never_picks_a_filtered_token(monkeypatch):
     """u = the largest double below 1 times the total can round up to the total; the trailing -inf tokens must stay out."""
     logits = torch.tensor([[0.3, 1.2, 0.1, -float("inf"), -float("inf")]])
-    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(a[0], a[1], dtype=torch.float64))  # the extreme draw, u = 1
+    monkeypatch.setattr(
+        torch, "rand", lambda *a, **k: torch.ones(a[0], a[1], dtype=torch.float64)
+    )  # the extreme draw, u = 1
     tokens, _ = sample_tokens(logits)
     assert tokens.tolist() == [2]
 

@@ -9,9 +9,9 @@ from conftest import free_port
 from transformers import AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
-from grouprl.algorithms.logprobs import completion_logprobs
+from grouprl.core.types import SamplingParams
 from grouprl.generation.remote import RemoteGenerator, ServerError
-from grouprl.types import SamplingParams
+from grouprl.model.logprobs import completion_logprobs
 
 
 @pytest.fixture
@@ -26,9 +26,23 @@ def distinct_tokens(completion_ids, **kwargs):
 
 
 def config(tmp_path, url, **overrides):
-    values = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
-              "learning_rate": 0.05, "max_steps": 3, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
-              "seed": 0, "bf16": False, "generation_engine": "server", "vllm_server_base_url": url, "vllm_server_timeout": 30}
+    values = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "learning_rate": 0.05,
+        "max_steps": 3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+        "bf16": False,
+        "generation_engine": "server",
+        "vllm_server_base_url": url,
+        "vllm_server_timeout": 30,
+    }
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -40,8 +54,15 @@ FIXED = ([5, 17, 42, 9], [33, 7, 61, 2, 90])  # (prompt, completion) scored by b
 def trainer_logprobs(model, fixed=FIXED):
     prompt, completion = torch.tensor([fixed[0]]), torch.tensor([fixed[1]])
     with torch.no_grad():
-        out = completion_logprobs(model, prompt, torch.ones_like(prompt, dtype=torch.bool), completion,
-                                  torch.ones_like(completion, dtype=torch.bool), temperature=1.0, with_entropy=False)
+        out = completion_logprobs(
+            model,
+            prompt,
+            torch.ones_like(prompt, dtype=torch.bool),
+            completion,
+            torch.ones_like(completion, dtype=torch.bool),
+            temperature=1.0,
+            with_entropy=False,
+        )
     return out.logprobs[0].tolist()
 
 
@@ -49,8 +70,13 @@ def trainer_logprobs(model, fixed=FIXED):
 def test_training_through_the_server_keeps_its_weights_in_sync(server, tiny_model_dir, tmp_path, weight_transfer):
     url, _ = server
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config(tmp_path, url, generation_server_weight_transfer=weight_transfer),
-                          train_dataset=PROMPTS, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config(tmp_path, url, generation_server_weight_transfer=weight_transfer),
+        train_dataset=PROMPTS,
+        processing_class=tokenizer,
+    )
     backend = trainer.generation_backend
     assert isinstance(backend, RemoteGenerator) and backend.is_grouprl
     pairs = []
@@ -58,7 +84,7 @@ def test_training_through_the_server_keeps_its_weights_in_sync(server, tiny_mode
 
     def sync_and_compare(model):
         send(model)
-        pairs.append((backend.score(FIXED[0] + FIXED[1])[-len(FIXED[1]):], trainer_logprobs(model)))
+        pairs.append((backend.score(FIXED[0] + FIXED[1])[-len(FIXED[1]) :], trainer_logprobs(model)))
 
     backend.sync_weights = sync_and_compare
     trainer.train()
@@ -76,8 +102,16 @@ def test_training_through_the_server_keeps_its_weights_in_sync(server, tiny_mode
 def test_trl_server_mode_fields_reach_a_grouprl_server(server, tiny_model_dir, tmp_path):
     url, _ = server
     port = int(url.rsplit(":", 1)[1])
-    args = config(tmp_path, None, generation_engine="auto", use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
-                  vllm_server_port=port, max_steps=1)
+    args = config(
+        tmp_path,
+        None,
+        generation_engine="auto",
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_host="127.0.0.1",
+        vllm_server_port=port,
+        max_steps=1,
+    )
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=args, train_dataset=PROMPTS)
     assert isinstance(trainer.generation_backend, RemoteGenerator) and trainer.generation_backend.base_url == url
     trainer.train()
@@ -100,10 +134,17 @@ def test_unreachable_server_fails_fast_with_the_settings(tiny_model_dir, tmp_pat
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
     with pytest.raises(ServerError, match="no generation server answered.*vllm_server_timeout=1s"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config(tmp_path, url, vllm_server_timeout=1), train_dataset=PROMPTS)
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=config(tmp_path, url, vllm_server_timeout=1),
+            train_dataset=PROMPTS,
+        )
     assert time.monotonic() - started < 15
     client = RemoteGenerator(url, timeout=1, retries=2, connect=False)
-    with pytest.raises(ServerError, match="failed after 3 attempt.*vllm_server_timeout=1s.*generation_server_retries=2"):
+    with pytest.raises(
+        ServerError, match="failed after 3 attempt.*vllm_server_timeout=1s.*generation_server_retries=2"
+    ):
         client.generate([[5]], 2, SamplingParams(max_new_tokens=2))
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grouprl.algorithms import packed_attention, prompt_packing
-from grouprl.algorithms.logprobs import completion_logprobs, length_buckets
-from grouprl.patches import grouprl_patches
-from grouprl.algorithms.prompt_packing import (
+from grouprl.model import packed_attention, prompt_packing
+from grouprl.model.logprobs import completion_logprobs, length_buckets
+from grouprl.model.patches import grouprl_patches
+from grouprl.model.prompt_packing import (
     PromptGroups,
     build_pack,
     group_by_prompt,
@@ -69,11 +69,15 @@ def test_values_and_gradients_match_the_plain_pass(model, checkpointing, rows_pe
     """Also: packed_attention (visible pairs only) serves every packed layer call, and checkpointing recomputes through it."""
     rows = _rows(model.config.vocab_size)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+        )
     model.train()
     attention_calls = []
     real_attention = packed_attention.packed_attention
-    monkeypatch.setattr(packed_attention, "packed_attention", lambda *a, **k: attention_calls.append(1) or real_attention(*a, **k))
+    monkeypatch.setattr(
+        packed_attention, "packed_attention", lambda *a, **k: attention_calls.append(1) or real_attention(*a, **k)
+    )
     try:
         calls = []
         real = prompt_packing.packed_logprobs
@@ -110,8 +114,14 @@ def test_bf16_weights_pass_the_probe_and_pack(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     rows = _rows(model.config.vocab_size)
     with torch.no_grad():
-        packed = prompt_packing.shared_prompt_logprobs(model, *rows, 1.0, rows_per_chunk=None, entropy="none",
-                                                       plain=lambda m, *r: completion_logprobs(m, *r, temperature=1.0, pack_prompts=False).logprobs)
+        packed = prompt_packing.shared_prompt_logprobs(
+            model,
+            *rows,
+            1.0,
+            rows_per_chunk=None,
+            entropy="none",
+            plain=lambda m, *r: completion_logprobs(m, *r, temperature=1.0, pack_prompts=False).logprobs,
+        )
         plain = completion_logprobs(model, *rows, temperature=1.0, pack_prompts=False).logprobs
     assert packed is not None
     torch.testing.assert_close(packed[0][rows[3]], plain[rows[3]], rtol=0, atol=5e-2)
@@ -124,7 +134,10 @@ def test_no_shared_prompt_and_eager_attention_fall_back_or_match(tiny_model_dir)
         packed = completion_logprobs(eager, *rows, temperature=1.0, pack_prompts=True).logprobs
         plain = completion_logprobs(eager, *rows, temperature=1.0, pack_prompts=False).logprobs
         unique = [r[[0, 1, 3]] for r in rows]  # three distinct prompts: nothing to share
-        assert prompt_packing.shared_prompt_logprobs(eager, *unique, 1.0, rows_per_chunk=None, entropy="none", plain=None) is None
+        assert (
+            prompt_packing.shared_prompt_logprobs(eager, *unique, 1.0, rows_per_chunk=None, entropy="none", plain=None)
+            is None
+        )
     torch.testing.assert_close(packed[rows[3]], plain[rows[3]], rtol=1e-5, atol=1e-5)
 
 
@@ -132,7 +145,10 @@ def test_a_model_failing_the_probe_keeps_the_plain_pass(model, monkeypatch):
     monkeypatch.setattr(prompt_packing, "_PROBED", type(prompt_packing._PROBED)())
     monkeypatch.setattr(prompt_packing, "_probe", lambda *a: "the probe disagrees (test)")
     rows = _rows(model.config.vocab_size)
-    assert prompt_packing.shared_prompt_logprobs(model, *rows, 1.0, rows_per_chunk=None, entropy="none", plain=None) is None
+    assert (
+        prompt_packing.shared_prompt_logprobs(model, *rows, 1.0, rows_per_chunk=None, entropy="none", plain=None)
+        is None
+    )
 
 
 def test_grouping_and_buckets():
@@ -207,11 +223,29 @@ def test_training_step_is_the_same_with_and_without_packing(tiny_model_dir, tmp_
     data = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(4)]})
 
     def run(pack: bool, name: str) -> list[dict]:
-        args = GRPOConfig(pack_shared_prompts=pack, output_dir=str(tmp_path / name), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
-                          learning_rate=1e-3, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-                          seed=0, beta=0.04, num_iterations=2, bf16=False)
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completion_ids, **kw: [float(len(set(c))) for c in completion_ids],
-                              args=args, train_dataset=data)
+        args = GRPOConfig(
+            pack_shared_prompts=pack,
+            output_dir=str(tmp_path / name),
+            per_device_train_batch_size=6,
+            num_generations=3,
+            max_completion_length=8,
+            learning_rate=1e-3,
+            max_steps=2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            seed=0,
+            beta=0.04,
+            num_iterations=2,
+            bf16=False,
+        )
+        trainer = GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=lambda completion_ids, **kw: [float(len(set(c))) for c in completion_ids],
+            args=args,
+            train_dataset=data,
+        )
         trainer.train()
         return trainer.state.log_history
 

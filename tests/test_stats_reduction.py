@@ -13,10 +13,10 @@ import pytest
 import torch
 from test_distributed import launch
 
-from grouprl.health import NonFiniteError, describe_non_finite, non_finite_error
-from grouprl.objective import LossStats, objective_stats
-from grouprl.stats import MAX, MEAN, MIN, Stat, finite, largest, mean, metrics, smallest, total
-from grouprl.step_reduction import Collectives, first_failure_of, reduce_step
+from grouprl.core.stats import MAX, MEAN, MIN, Stat, finite, largest, mean, metrics, smallest, total
+from grouprl.train.health import NonFiniteError, describe_non_finite, non_finite_error
+from grouprl.train.micro_step import LossStats, objective_stats
+from grouprl.train.step_reduction import Collectives, first_failure_of, reduce_step
 
 WORKER = os.path.join(os.path.dirname(__file__), "stats_worker.py")
 
@@ -72,17 +72,23 @@ def reduce_two(entries0, entries1):
 
 
 def test_declared_reductions_hand_computed_over_two_processes():
-    p0 = [Example(tokens=3.0, token_mean=0.5, process_mean=1.0, count=2.0, low=0.25, high=4.0, advantages=torch.zeros(3))]
-    p1 = [Example(tokens=1.0, token_mean=0.1, process_mean=3.0, count=5.0, low=0.75, high=9.0, advantages=torch.zeros(2))]
+    p0 = [
+        Example(tokens=3.0, token_mean=0.5, process_mean=1.0, count=2.0, low=0.25, high=4.0, advantages=torch.zeros(3))
+    ]
+    p1 = [
+        Example(tokens=1.0, token_mean=0.1, process_mean=3.0, count=5.0, low=0.75, high=9.0, advantages=torch.zeros(2))
+    ]
     (reduced, failures), collectives = reduce_two(p0, p1)
     assert failures == []
-    assert metrics(reduced[0]) == pytest.approx({
-        "token_mean": (0.5 * 3 + 0.1 * 1) / 4,  # 0.4, weighted by tokens (an unweighted mean would be 0.3)
-        "process_mean": 2.0,
-        "count": 7.0,
-        "low": 0.25,  # min over both processes, not their mean 0.5
-        "high": 9.0,
-    })
+    assert metrics(reduced[0]) == pytest.approx(
+        {
+            "token_mean": (0.5 * 3 + 0.1 * 1) / 4,  # 0.4, weighted by tokens (an unweighted mean would be 0.3)
+            "process_mean": 2.0,
+            "count": 7.0,
+            "low": 0.25,  # min over both processes, not their mean 0.5
+            "high": 9.0,
+        }
+    )
     assert collectives.collectives == 2 and collectives.host_syncs == 2  # one SUM and one MAX, each read once
 
 
@@ -120,30 +126,56 @@ def test_one_process_reduces_without_collectives():
 
 def test_loss_statistics_declare_min_max_and_token_weighted_means():
     tokens = torch.tensor(8.0)
-    declared = objective_stats({"clip_ratio/low_min": 0.1, "clip_ratio/high_max": 0.2, "policy_ratio/min": 0.9, "policy_ratio/max": 1.1,
-                                "clip_ratio/low_mean": 0.3, "kl": 0.4, "policy_loss": 0.5}, tokens, 2.0, sequence_level=False)
+    declared = objective_stats(
+        {
+            "clip_ratio/low_min": 0.1,
+            "clip_ratio/high_max": 0.2,
+            "policy_ratio/min": 0.9,
+            "policy_ratio/max": 1.1,
+            "clip_ratio/low_mean": 0.3,
+            "kl": 0.4,
+            "policy_loss": 0.5,
+        },
+        tokens,
+        2.0,
+        sequence_level=False,
+    )
     assert {name: stat.reduce for name, stat in declared.items()} == {
-        "clip_ratio/low_min": MIN, "clip_ratio/high_max": MAX, "policy_ratio/min": MIN, "policy_ratio/max": MAX,
-        "clip_ratio/low_mean": MEAN, "kl": MEAN, "policy_loss": MEAN}
+        "clip_ratio/low_min": MIN,
+        "clip_ratio/high_max": MAX,
+        "policy_ratio/min": MIN,
+        "policy_ratio/max": MAX,
+        "clip_ratio/low_mean": MEAN,
+        "kl": MEAN,
+        "policy_loss": MEAN,
+    }
     assert declared["clip_ratio/low_mean"].weight is tokens and declared["policy_loss"].weight == 1.0
     per_sequence = objective_stats({"clip_ratio/low_mean": 0.3, "kl": 0.4}, tokens, 2.0, sequence_level=True)
     assert per_sequence["clip_ratio/low_mean"].weight == 2.0 and per_sequence["kl"].weight is tokens
     with pytest.raises(ValueError, match="Stat.reduce must be one of"):
         Stat(1.0, "median")
     # two processes: token-weighted entropy, min of mins
-    stats = [LossStats(tokens=torch.tensor(t), entropy=torch.tensor(e), objective={"policy_ratio/min": Stat(m, MIN)})
-             for t, e, m in ((6.0, 1.0, 0.8), (2.0, 3.0, 0.6))]
+    stats = [
+        LossStats(tokens=torch.tensor(t), entropy=torch.tensor(e), objective={"policy_ratio/min": Stat(m, MIN)})
+        for t, e, m in ((6.0, 1.0, 0.8), (2.0, 3.0, 0.6))
+    ]
     (reduced, _), _ = reduce_two([stats[0]], [stats[1]])
     assert metrics(reduced[0]) == pytest.approx({"entropy": 1.5, "policy_ratio/min": 0.6})
 
 
 def test_non_finite_error_is_the_same_on_every_process_and_names_the_failing_one():
     p0 = [LossStats(loss=torch.tensor(1.0), loss_inputs={"advantages": torch.tensor(True)})]
-    p1 = [LossStats(loss=torch.tensor(math.nan), loss_inputs={"advantages": torch.tensor(True),
-                                                               "policy log-probabilities": torch.tensor(False)})]
+    p1 = [
+        LossStats(
+            loss=torch.tensor(math.nan),
+            loss_inputs={"advantages": torch.tensor(True), "policy log-probabilities": torch.tensor(False)},
+        )
+    ]
     (_, failures0), _ = reduce_as(0, p0, p1)
     (_, failures1), _ = reduce_as(1, p1, p0)
-    assert [(f.check, f.processes) for f in failures0] == [("loss", (1,))] == [(f.check, f.processes) for f in failures1]
+    assert (
+        [(f.check, f.processes) for f in failures0] == [("loss", (1,))] == [(f.check, f.processes) for f in failures1]
+    )
     sentence = describe_non_finite(first_failure_of(failures1, 1), 4)  # only process 1 can describe its tensors
     assert first_failure_of(failures0, 0) is None
     # `gather` stands for gather_objects: [process 0's sentence, process 1's]
@@ -175,7 +207,9 @@ def test_two_processes_log_min_max_and_sampler_statistics_over_every_process(tin
     # (b) the sampler IS statistics of the one generation (step 1) cover both processes, whose values differ
     is0, is1 = rank0["is_stats"][0], rank1["is_stats"][0]
     name = "sampling/importance_sampling_ratio/"
-    assert is1[name + "min"] < is0[name + "min"] and is0[name + "max"] != is1[name + "max"]  # the main process's own min is not the answer
+    assert (
+        is1[name + "min"] < is0[name + "min"] and is0[name + "max"] != is1[name + "max"]
+    )  # the main process's own min is not the answer
     logged = entries[0]
     assert logged[name + "min"] == pytest.approx(min(is0[name + "min"], is1[name + "min"]), rel=1e-5)
     assert logged[name + "max"] == pytest.approx(max(is0[name + "max"], is1[name + "max"]), rel=1e-5)
@@ -184,12 +218,23 @@ def test_two_processes_log_min_max_and_sampler_statistics_over_every_process(tin
     assert logged[gap] == pytest.approx(max(is0[gap], is1[gap]), rel=1e-5)
     # (a) step 2 trains the same samples after an update: each process's ratios differ, and min / max are over all rows
     local0, local1 = rank0["loss_stats"][1], rank1["loss_stats"][1]
-    assert local0["policy_ratio/min"] != local1["policy_ratio/min"] and local0["policy_ratio/max"] != local1["policy_ratio/max"]
+    assert (
+        local0["policy_ratio/min"] != local1["policy_ratio/min"]
+        and local0["policy_ratio/max"] != local1["policy_ratio/max"]
+    )
     step2 = entries[1]
-    assert step2["policy_ratio/min"] == pytest.approx(min(local0["policy_ratio/min"], local1["policy_ratio/min"]), rel=1e-5)
-    assert step2["policy_ratio/max"] == pytest.approx(max(local0["policy_ratio/max"], local1["policy_ratio/max"]), rel=1e-5)
-    assert step2["policy_ratio/min"] != pytest.approx((local0["policy_ratio/min"] + local1["policy_ratio/min"]) / 2, rel=1e-6)
-    weighted = (local0["policy_ratio/mean"] * local0["tokens"] + local1["policy_ratio/mean"] * local1["tokens"]) / (local0["tokens"] + local1["tokens"])
+    assert step2["policy_ratio/min"] == pytest.approx(
+        min(local0["policy_ratio/min"], local1["policy_ratio/min"]), rel=1e-5
+    )
+    assert step2["policy_ratio/max"] == pytest.approx(
+        max(local0["policy_ratio/max"], local1["policy_ratio/max"]), rel=1e-5
+    )
+    assert step2["policy_ratio/min"] != pytest.approx(
+        (local0["policy_ratio/min"] + local1["policy_ratio/min"]) / 2, rel=1e-6
+    )
+    weighted = (local0["policy_ratio/mean"] * local0["tokens"] + local1["policy_ratio/mean"] * local1["tokens"]) / (
+        local0["tokens"] + local1["tokens"]
+    )
     assert step2["policy_ratio/mean"] == pytest.approx(weighted, rel=1e-5)  # TRL's global mean over loss tokens
     # no collective while a micro-batch's loss and statistics are computed (there were 9 per micro-step); the loop
     # reduces everything in one SUM and one MAX all-reduce per optimizer step
@@ -205,7 +250,12 @@ def test_a_nan_on_the_second_process_stops_both_with_the_same_error(tiny_model_d
     rank0, rank1 = _two_processes(tiny_model_dir, tmp_path, "nan", timeout=240)  # a hang would time out
     assert rank0["error"] is not None and rank0["error"] == rank1["error"]
     message = rank0["error"]
-    assert "Non-finite values on process" in message and "of 2 at step 2; every process stopped before the update" in message
+    assert (
+        "Non-finite values on process" in message
+        and "of 2 at step 2; every process stopped before the update" in message
+    )
     assert "process 1: The loss is nan at step 2; non-finite inputs: policy log-probabilities." in message
-    assert "process 0: The loss" not in message  # process 0's loss was finite (its gradients were not: DDP averaged the NaN in)
+    assert (
+        "process 0: The loss" not in message
+    )  # process 0's loss was finite (its gradients were not: DDP averaged the NaN in)
     assert rank0["global_step"] == rank1["global_step"] == 1  # neither applied the NaN update

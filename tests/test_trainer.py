@@ -13,10 +13,27 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grouprl import GRPOConfig, GRPOTrainer, RewardFunctionError
 
 TRL_STEP_METRICS = [
-    "loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std", "num_tokens", "entropy",
-    "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
-    "completions/mean_terminated_length", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-    "clip_ratio/low_min", "clip_ratio/high_max", "step_time", "epoch", "step",
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "num_tokens",
+    "entropy",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+    "step_time",
+    "epoch",
+    "step",
 ]
 
 
@@ -25,8 +42,19 @@ def distinct_tokens(completion_ids, **kwargs):
 
 
 def make_config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, num_generations=3, max_completion_length=8,
-                  learning_rate=0.1, max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=8,
+        learning_rate=0.1,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -45,8 +73,12 @@ def test_train_both_formats_changes_every_parameter(tiny_model_dir, tmp_path, co
         seen_columns.append((type(completions[0]), len(answer)))
         return distinct_tokens(**kwargs)
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward_with_column, args=make_config(tmp_path, max_steps=3),
-                          train_dataset=prompts(conversational=conversational))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=reward_with_column,
+        args=make_config(tmp_path, max_steps=3),
+        train_dataset=prompts(conversational=conversational),
+    )
     before = parameters(trainer.model)
     trainer.train()
     after = parameters(trainer.model)
@@ -63,7 +95,12 @@ def test_train_both_formats_changes_every_parameter(tiny_model_dir, tmp_path, co
 
 
 def test_save_model_loads_with_from_pretrained(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=1), train_dataset=prompts())
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, max_steps=1),
+        train_dataset=prompts(),
+    )
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
@@ -75,9 +112,21 @@ def test_save_model_loads_with_from_pretrained(tiny_model_dir, tmp_path):
 
 def test_resume_continues_exactly(tiny_model_dir, tmp_path):
     """4 steps in one run == 3 steps, crash, resume, 1 step (with a generation straddling the checkpoint)."""
-    common = dict(max_steps=4, save_strategy="steps", save_steps=2, steps_per_generation=3, per_device_train_batch_size=3, bf16=False)
+    common = dict(
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        steps_per_generation=3,
+        per_device_train_batch_size=3,
+        bf16=False,
+    )
 
-    full = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "a", **common), train_dataset=prompts())
+    full = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path / "a", **common),
+        train_dataset=prompts(),
+    )
     full.train()
     expected = parameters(full.model)
 
@@ -86,20 +135,42 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
             raise RuntimeError("simulated crash")
         return distinct_tokens(completion_ids)
 
-    crashed = GRPOTrainer(model=tiny_model_dir, reward_funcs=crash_after_step_2, args=make_config(tmp_path / "b", **common), train_dataset=prompts())
-    with pytest.raises(RewardFunctionError, match="simulated crash(.|\n)*after step 3"):  # the 2nd generation, in step 4
+    crashed = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=crash_after_step_2,
+        args=make_config(tmp_path / "b", **common),
+        train_dataset=prompts(),
+    )
+    with pytest.raises(
+        RewardFunctionError, match="simulated crash(.|\n)*after step 3"
+    ):  # the 2nd generation, in step 4
         crashed.train()
     # checkpoint-2 from save_steps, checkpoint-3 = the last good state, saved when the reward function failed
     assert sorted(os.listdir(tmp_path / "b" / "out")) == ["checkpoint-2", "checkpoint-3", "metrics.jsonl"]
 
-    resumed = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "b", **common), train_dataset=prompts())
-    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-2"))  # 1 micro-batch of a generation pending
+    resumed = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path / "b", **common),
+        train_dataset=prompts(),
+    )
+    resumed.train(
+        resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-2")
+    )  # 1 micro-batch of a generation pending
     assert resumed.state.global_step == 4
     assert max_difference(expected, parameters(resumed.model)) == 0.0
+
     # log history restored and continued: every entry equal except wall-clock timings (and the crashing function's name)
     def untimed(history):
-        return [{k.replace("crash_after_step_2", "distinct_tokens"): v for k, v in e.items() if not k.startswith(("time/", "step_time", "train_"))}
-                for e in history]
+        return [
+            {
+                k.replace("crash_after_step_2", "distinct_tokens"): v
+                for k, v in e.items()
+                if not k.startswith(("time/", "step_time", "train_"))
+            }
+            for e in history
+        ]
+
     assert untimed(full.state.log_history) == untimed(resumed.state.log_history)
     # metrics.jsonl: the crashed run's step-3 entry was dropped on resume, so each step appears once
     assert [json.loads(line)["step"] for line in open(tmp_path / "b" / "out" / "metrics.jsonl")] == [1, 2, 3, 4, 4]
@@ -117,12 +188,30 @@ def _scripted(tokenizer):
 
 def _one_step(model_dir, tmp_path, loss_type, **batching):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = make_config(tmp_path, max_steps=1, num_generations=4, loss_type=loss_type, bf16=False, gradient_checkpointing=False,
-                         max_grad_norm=0, lr_scheduler_type="constant", **batching)
+    config = make_config(
+        tmp_path,
+        max_steps=1,
+        num_generations=4,
+        loss_type=loss_type,
+        bf16=False,
+        gradient_checkpointing=False,
+        max_grad_norm=0,
+        lr_scheduler_type="constant",
+        **batching,
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # update = gradient: compares gradients, not Adam's sign-like steps
-    trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
-                          processing_class=tokenizer, optimizers=(sgd, None), generation_backend=_scripted(tokenizer))
+    sgd = torch.optim.SGD(
+        model.parameters(), lr=1.0
+    )  # update = gradient: compares gradients, not Adam's sign-like steps
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(),
+        processing_class=tokenizer,
+        optimizers=(sgd, None),
+        generation_backend=_scripted(tokenizer),
+    )
     trainer.train()
     return parameters(trainer.model), trainer
 
@@ -131,7 +220,9 @@ def _one_step(model_dir, tmp_path, loss_type, **batching):
 def test_gradient_accumulation_invariance(tiny_model_dir, tmp_path, loss_type):
     """One step on 8 completions == 2 accumulated micro-batches of 4 on the same completions."""
     whole, _ = _one_step(tiny_model_dir, tmp_path / "a", loss_type, per_device_train_batch_size=8)
-    split, trainer = _one_step(tiny_model_dir, tmp_path / "b", loss_type, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    split, trainer = _one_step(
+        tiny_model_dir, tmp_path / "b", loss_type, per_device_train_batch_size=4, gradient_accumulation_steps=2
+    )
     assert trainer.plan.steps_per_generation == 2
     base = parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     assert max_difference(whole, base) > 1e-4  # the step did something
@@ -142,7 +233,13 @@ def test_mask_truncated_completions_train_only_finished(tiny_model_dir, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     config = make_config(tmp_path, max_steps=1, mask_truncated_completions=True, bf16=False)
     never_ends = ScriptedBackend(lambda ids, s: [5 + s] * 8, tokenizer.eos_token_id, tokenizer)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), generation_backend=never_ends)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(),
+        generation_backend=never_ends,
+    )
     before = parameters(trainer.model)
     trainer.train()
     assert max_difference(before, parameters(trainer.model)) == 0.0  # every completion truncated: nothing to learn from
@@ -152,8 +249,13 @@ def test_mask_truncated_completions_train_only_finished(tiny_model_dir, tmp_path
 def test_tokenizer_without_pad_token_falls_back_to_eos(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.pad_token = None
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=1),
-                          train_dataset=prompts(), processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, max_steps=1),
+        train_dataset=prompts(),
+        processing_class=tokenizer,
+    )
     assert tokenizer.pad_token == tokenizer.eos_token
     trainer.train()
 
@@ -163,20 +265,30 @@ def test_tokenizer_without_pad_token_falls_back_to_eos(tiny_model_dir, tmp_path)
 MISSING_MODEL = "/nonexistent/model"  # reaching the model loader would raise OSError instead
 
 
-@pytest.mark.parametrize("dataset,match", [
-    (datasets.Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
-    (datasets.Dataset.from_dict({"question": ["1+1="]}), "no 'prompt' column"),
-    (datasets.Dataset.from_dict({"prompt": [[{"text": "hi"}]]}), "Row 0: message 0"),
-    (None, "`train_dataset` is required unless an `environment_factory` is provided"),  # TRL's words
-])
+@pytest.mark.parametrize(
+    "dataset,match",
+    [
+        (datasets.Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
+        (datasets.Dataset.from_dict({"question": ["1+1="]}), "no 'prompt' column"),
+        (datasets.Dataset.from_dict({"prompt": [[{"text": "hi"}]]}), "Row 0: message 0"),
+        (None, "`train_dataset` is required unless an `environment_factory` is provided"),  # TRL's words
+    ],
+)
 def test_bad_dataset_fails_before_model_load(tmp_path, dataset, match):
     with pytest.raises(ValueError, match=match):
-        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=dataset)
+        GRPOTrainer(
+            model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=dataset
+        )
 
 
 def test_indivisible_batch_fails_before_model_load(tmp_path):
     with pytest.raises(ValueError, match="must be divisible by num_generations=4"):
-        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path, num_generations=4), train_dataset=prompts())
+        GRPOTrainer(
+            model=MISSING_MODEL,
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path, num_generations=4),
+            train_dataset=prompts(),
+        )
 
 
 def test_num_generations_below_two(tmp_path):
@@ -186,38 +298,61 @@ def test_num_generations_below_two(tmp_path):
 
 def test_reward_weights_length_mismatch(tmp_path):
     with pytest.raises(ValueError, match="reward_weights has 2 weights but there are 1"):
-        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path, reward_weights=[1.0, 2.0]), train_dataset=prompts())
+        GRPOTrainer(
+            model=MISSING_MODEL,
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path, reward_weights=[1.0, 2.0]),
+            train_dataset=prompts(),
+        )
 
 
 def test_iterable_dataset_needs_max_steps(tmp_path):
     with pytest.raises(ValueError, match="max_steps must be set"):
-        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=-1),
-                    train_dataset=prompts().to_iterable_dataset())
+        GRPOTrainer(
+            model=MISSING_MODEL,
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path, max_steps=-1),
+            train_dataset=prompts().to_iterable_dataset(),
+        )
 
 
 def test_iterable_dataset_trains(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=2),
-                          train_dataset=prompts().to_iterable_dataset())
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, max_steps=2),
+        train_dataset=prompts().to_iterable_dataset(),
+    )
     trainer.train()
     assert trainer.state.global_step == 2
 
 
-@pytest.mark.parametrize("reward,match", [
-    (lambda completions, **k: [1.0], r"returned 1 values for 6 completions"),
-    (lambda completions, **k: ["high"] * len(completions), r"returned 'high' \(str\) for row 0"),
-    (lambda completions, **k: [float("nan")] * len(completions), "returned nan for row 0"),
-    (lambda completions, **k: [1e39] * len(completions), "returned 1e\\+39 for row 0.*finite float32"),  # inf once stored as float32
-    (lambda completions, **k: [1 / 0 for _ in completions], "raised ZeroDivisionError.*row 0"),
-])
+@pytest.mark.parametrize(
+    "reward,match",
+    [
+        (lambda completions, **k: [1.0], r"returned 1 values for 6 completions"),
+        (lambda completions, **k: ["high"] * len(completions), r"returned 'high' \(str\) for row 0"),
+        (lambda completions, **k: [float("nan")] * len(completions), "returned nan for row 0"),
+        (
+            lambda completions, **k: [1e39] * len(completions),
+            "returned 1e\\+39 for row 0.*finite float32",
+        ),  # inf once stored as float32
+        (lambda completions, **k: [1 / 0 for _ in completions], "raised ZeroDivisionError.*row 0"),
+    ],
+)
 def test_bad_rewards_name_function_and_row(tiny_model_dir, tmp_path, reward, match):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward, args=make_config(tmp_path), train_dataset=prompts())
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=reward, args=make_config(tmp_path), train_dataset=prompts()
+    )
     with pytest.raises(RewardFunctionError, match="'<lambda>' " + match):
         trainer.train()
 
 
 def test_prompt_longer_than_context(tiny_model_dir, tmp_path):
     long = datasets.Dataset.from_dict({"prompt": ["1+1=" * 40] * 6})
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=long)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=long
+    )
     with pytest.raises(ValueError, match=r"Row \d: the prompt has \d+ tokens.*context is 128"):
         trainer.train()
 
@@ -226,10 +361,21 @@ def test_generation_buffer_serves_spg_times_iterations_micro_steps(tiny_model_di
     """TRL's schedule: GA=3, spg=4, mu=2 -> each generation (6 prompts x 4) feeds 8 micro-steps, in order."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     backend = _scripted(tokenizer)
-    config = make_config(tmp_path, per_device_train_batch_size=6, num_generations=4, gradient_accumulation_steps=3,
-                         steps_per_generation=4, num_iterations=2, max_steps=8, shuffle_dataset=False, learning_rate=1e-3)
+    config = make_config(
+        tmp_path,
+        per_device_train_batch_size=6,
+        num_generations=4,
+        gradient_accumulation_steps=3,
+        steps_per_generation=4,
+        num_iterations=2,
+        max_steps=8,
+        shuffle_dataset=False,
+        learning_rate=1e-3,
+    )
     data = datasets.Dataset.from_dict({"prompt": [f"q{i}=" for i in range(18)]})
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=data, generation_backend=backend)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=data, generation_backend=backend
+    )
     assert trainer.plan.old_logprobs_needed
     trainer.train()
     # 8 optimizer steps x 3 micro-steps = 24 micro-steps = 3 generations of 8 micro-steps each
@@ -249,8 +395,8 @@ def test_num_iterations_trains_off_policy(tiny_model_dir, tmp_path):
 
 
 def test_default_bf16_declined_on_cpu_without_bf16_units(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    import grouprl.accelerator_setup as accelerator_setup
-    import grouprl.trainer as trainer_module
+    import grouprl.compat.accelerator_setup as accelerator_setup
+    import grouprl.compat.trainer as trainer_module
 
     monkeypatch.setattr(accelerator_setup, "cpu_has_fast_bf16", lambda: False)  # the precision decision
     monkeypatch.setattr(trainer_module, "cpu_has_fast_bf16", lambda: False)  # quantized layers' dtype
@@ -259,21 +405,27 @@ def test_default_bf16_declined_on_cpu_without_bf16_units(tiny_model_dir, tmp_pat
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
     assert trainer.accelerator.mixed_precision == "no"
     assert "training in fp32" in caplog.text
-    explicit = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=1, bf16=True),
-                           train_dataset=prompts())
+    explicit = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, max_steps=1, bf16=True),
+        train_dataset=prompts(),
+    )
     assert explicit.accelerator.mixed_precision == "bf16"
     assert "expect steps ~100x slower" in caplog.text
 
 
 def test_batch_plan_is_logged_at_info_not_warning(tiny_model_dir, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="grouprl"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts())
+        GRPOTrainer(
+            model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts()
+        )
     (record,) = [r for r in caplog.records if "grouprl batch plan" in r.getMessage()]
     assert record.levelno == logging.INFO and "epoch: 12 prompts -> 6 optimizer steps" in record.getMessage()
 
 
 def test_log_level_replica_applies_off_the_main_process(monkeypatch):
-    from grouprl.log_level import apply_log_level
+    from grouprl.train.log_level import apply_log_level
 
     grouprl_logger = logging.getLogger("grouprl")
     before = grouprl_logger.level
@@ -293,7 +445,9 @@ def test_all_rewards_none_warns_in_trl_words_during_training(tiny_model_dir, tmp
     def always_none(completions, **kwargs):
         return [None] * len(completions)
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=always_none, args=make_config(tmp_path, max_steps=1), train_dataset=prompts())
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=always_none, args=make_config(tmp_path, max_steps=1), train_dataset=prompts()
+    )
     with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"):  # as TRL's test_warning_raised_all_rewards_none
         trainer.train()
     assert "All reward functions returned None for the following kwargs:" in caplog.text
@@ -304,8 +458,12 @@ def test_dataloader_workers_read_the_prompts_and_change_nothing_else(tiny_model_
     """TRL's test_train_multiple_dataloader_workers; workers must not change which prompts come when, nor the RNG."""
     runs = {}
     for workers in (0, 2):
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=prompts(),
-                              args=make_config(tmp_path / str(workers), max_steps=7, dataloader_num_workers=workers))  # 6 steps per epoch
+        trainer = GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            train_dataset=prompts(),
+            args=make_config(tmp_path / str(workers), max_steps=7, dataloader_num_workers=workers),
+        )  # 6 steps per epoch
         assert trainer.get_train_dataloader().num_workers == workers
         trainer.train()
         runs[workers] = (parameters(trainer.model), trainer.state.log_history)
@@ -317,18 +475,26 @@ def test_iterable_train_dataset_forces_zero_workers(tmp_path, caplog):
     """TRL's test_iterable_dataset_forces_num_workers_zero (the value is written back, as TRL does)."""
     args = make_config(tmp_path, dataloader_num_workers=4)
     with caplog.at_level(logging.WARNING, logger="grouprl"), pytest.raises(OSError):
-        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=args, train_dataset=prompts().to_iterable_dataset())
+        GRPOTrainer(
+            model=MISSING_MODEL, reward_funcs=distinct_tokens, args=args, train_dataset=prompts().to_iterable_dataset()
+        )
     assert args.dataloader_num_workers == 0 and "dataloader_num_workers=4 is set to 0" in caplog.text
     with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an integer >= 0"):
-        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=make_config(tmp_path, dataloader_num_workers=-1),
-                    train_dataset=prompts())
+        GRPOTrainer(
+            model=MISSING_MODEL,
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path, dataloader_num_workers=-1),
+            train_dataset=prompts(),
+        )
 
 
 def test_iterable_eval_keeps_map_style_train_workers(tiny_model_dir, tmp_path):
     """TRL's test of the same name: only the stream's loader reads in-process; the setting is not changed."""
     args = make_config(tmp_path, dataloader_num_workers=2, per_device_eval_batch_size=6)
     eval_stream = prompts(4).to_iterable_dataset()
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=args, train_dataset=prompts(), eval_dataset=eval_stream)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=distinct_tokens, args=args, train_dataset=prompts(), eval_dataset=eval_stream
+    )
     assert trainer.get_train_dataloader().num_workers == 2
     assert trainer.get_eval_dataloader().num_workers == 0
     assert trainer.get_eval_dataloader(prompts(4)).num_workers == 2

@@ -17,15 +17,25 @@ from transformers import AutoTokenizer, TrainerCallback, TrainerControl, Trainer
 from transformers.trainer_utils import TrainOutput
 
 from grouprl import GRPOTrainer
-from grouprl.generation_inputs import GenerationInputs
+from grouprl.data.generation_inputs import GenerationInputs
 
 
 def make_config(tmp_path, **overrides):
-    return quiet_config(tmp_path, overrides, per_device_train_batch_size=6, max_completion_length=8, learning_rate=0.1, max_steps=2, bf16=False)
+    return quiet_config(
+        tmp_path,
+        overrides,
+        per_device_train_batch_size=6,
+        max_completion_length=8,
+        learning_rate=0.1,
+        max_steps=2,
+        bf16=False,
+    )
 
 
 def prompts(n=12):
-    return datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(n)], "answer": [str(i + i % 5) for i in range(n)]})
+    return datasets.Dataset.from_dict(
+        {"prompt": [f"{i}+{i % 5}=" for i in range(n)], "answer": [str(i + i % 5) for i in range(n)]}
+    )
 
 
 def distinct_tokens(completion_ids, **kwargs):
@@ -59,7 +69,9 @@ def entropy_mask(entropies, mask, threshold, other_process=None):
         return torch.cat([values, torch.full((width - len(values),), pad_index)])
 
     trainer.accelerator.pad_across_processes = pad
-    trainer.accelerator.gather = lambda local: torch.cat([local, pad(others, 0, -1.0)]) if other_process is not None else local
+    trainer.accelerator.gather = lambda local: (
+        torch.cat([local, pad(others, 0, -1.0)]) if other_process is not None else local
+    )
     return GRPOTrainer.get_high_entropy_mask(trainer, entropies, mask, threshold)
 
 
@@ -67,13 +79,19 @@ ENTROPIES = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
 
 
-@pytest.mark.parametrize("threshold, expected", [
-    # 10 valid entropies 0.1..1.0; quantile q interpolates linearly at position 9q of the sorted values
-    (0.8, [[0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0]]),  # position 7.2: 0.8 + 0.2 * 0.1 = 0.82 -> 0.9, 1.0 (1.1, 1.2 are padding)
-    (0.5, [[0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 0, 0]]),  # position 4.5: 0.55 -> 0.6 .. 1.0
-    (0.0, [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]),  # the minimum: every valid token
-    (1.0, [[0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0]]),  # the maximum valid entropy (1.0) only
-])
+@pytest.mark.parametrize(
+    "threshold, expected",
+    [
+        # 10 valid entropies 0.1..1.0; quantile q interpolates linearly at position 9q of the sorted values
+        (
+            0.8,
+            [[0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0]],
+        ),  # position 7.2: 0.8 + 0.2 * 0.1 = 0.82 -> 0.9, 1.0 (1.1, 1.2 are padding)
+        (0.5, [[0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 0, 0]]),  # position 4.5: 0.55 -> 0.6 .. 1.0
+        (0.0, [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]),  # the minimum: every valid token
+        (1.0, [[0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0]]),  # the maximum valid entropy (1.0) only
+    ],
+)
 def test_get_high_entropy_mask_hand_computed(threshold, expected):
     torch.testing.assert_close(entropy_mask(ENTROPIES, MASK, threshold), torch.tensor(expected, dtype=torch.bool))
 
@@ -94,7 +112,9 @@ def test_get_off_policy_mask_hand_computed():
     sampling = torch.zeros(3, 4)
     current = torch.tensor([[-2.0] * 4, [-0.5] * 4, [-2.0] * 4])  # mean drift log pi_old - log pi = 2, 0.5, 2
     keep = GRPOTrainer.get_off_policy_mask(advantages, current, sampling, mask, 1.0)
-    torch.testing.assert_close(keep, torch.tensor([[1.0], [1.0], [0.0]]))  # positive advantage kept; drift 0.5 <= 1 kept
+    torch.testing.assert_close(
+        keep, torch.tensor([[1.0], [1.0], [0.0]])
+    )  # positive advantage kept; drift 0.5 <= 1 kept
     # padding is left out of the mean: (2 + 2) / 2 = 2 > 1 drops, (0.5 + 0.5) / 2 keeps, whatever the padded values are
     padded = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     far = torch.tensor([[-2.0, -2.0, -1e4, 1e4]])
@@ -103,7 +123,9 @@ def test_get_off_policy_mask_hand_computed():
     assert GRPOTrainer.get_off_policy_mask(torch.tensor([[-1.0]]), near, torch.zeros(1, 4), padded, 1.0).item() == 1.0
     # a token the sampler did not score (NaN) adds 0: (2 + 0) / 2 = 1 <= 1 keeps; advantages may be (B,); bool mask -> bool
     unscored = torch.tensor([[0.0, float("nan")]])
-    keep = GRPOTrainer.get_off_policy_mask(torch.tensor([-1.0]), torch.tensor([[-2.0, -2.0]]), unscored, torch.ones(1, 2, dtype=torch.bool), 1.0)
+    keep = GRPOTrainer.get_off_policy_mask(
+        torch.tensor([-1.0]), torch.tensor([[-2.0, -2.0]]), unscored, torch.ones(1, 2, dtype=torch.bool), 1.0
+    )
     assert keep.dtype == torch.bool and keep.tolist() == [[True]]
 
 
@@ -133,18 +155,37 @@ def test_train_returns_train_output_and_the_summary_merges_unlogged_steps(tiny_m
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     config = make_config(tmp_path, max_steps=3, logging_steps=2, reward_weights=[0.7, 0.3])
-    trainer = CountsTokens(model=tiny_model_dir, reward_funcs=rewards_by_step(), args=config, train_dataset=prompts(),
-                           generation_backend=scripted(tiny_model_dir))
+    trainer = CountsTokens(
+        model=tiny_model_dir,
+        reward_funcs=rewards_by_step(),
+        args=config,
+        train_dataset=prompts(),
+        generation_backend=scripted(tiny_model_dir),
+    )
     output = trainer.train()
     assert isinstance(output, TrainOutput) and output.global_step == 3
-    assert set(output.metrics) >= {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss", "epoch"}
+    assert set(output.metrics) >= {
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "total_flos",
+        "train_loss",
+        "epoch",
+    }
     assert output.training_loss == output.metrics["train_loss"]
     assert output.metrics["train_steps_per_second"] == pytest.approx(3 / output.metrics["train_runtime"], rel=0.01)
-    assert output.metrics["train_samples_per_second"] == pytest.approx(3 * 6 / output.metrics["train_runtime"], rel=0.01)
+    assert output.metrics["train_samples_per_second"] == pytest.approx(
+        3 * 6 / output.metrics["train_runtime"], rel=0.01
+    )
     non_embedding = trainer.model.num_parameters(exclude_embeddings=True)
-    assert len(seen_tokens) == 3 and output.metrics["total_flos"] == 6 * non_embedding * sum(seen_tokens) == trainer.state.total_flos
+    assert (
+        len(seen_tokens) == 3
+        and output.metrics["total_flos"] == 6 * non_embedding * sum(seen_tokens) == trainer.state.total_flos
+    )
     periodic, summary = trainer.state.log_history
-    assert periodic["step"] == 2 and periodic["reward"] == pytest.approx(0.7 * 0.5)  # steps 1-2: rewards 0 and 1, weight 0.7
+    assert periodic["step"] == 2 and periodic["reward"] == pytest.approx(
+        0.7 * 0.5
+    )  # steps 1-2: rewards 0 and 1, weight 0.7
     assert periodic["rewards/step_number/mean"] == pytest.approx(0.5) and "loss" in periodic and "grad_norm" in periodic
     assert summary == {**output.metrics, "step": 3}
     assert summary["reward"] == pytest.approx(0.7 * 2.0) and summary["rewards/step_number/mean"] == 2.0  # step 3 only
@@ -155,19 +196,40 @@ def test_train_returns_train_output_and_the_summary_merges_unlogged_steps(tiny_m
 
 
 def test_summary_has_no_step_metrics_when_the_last_step_was_logged(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(),
-                          generation_backend=scripted(tiny_model_dir))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path),
+        train_dataset=prompts(),
+        generation_backend=scripted(tiny_model_dir),
+    )
     trainer.train()
-    assert "reward" in trainer.state.log_history[-2] and "reward" not in trainer.state.log_history[-1]  # as TRL: nothing left
+    assert (
+        "reward" in trainer.state.log_history[-2] and "reward" not in trainer.state.log_history[-1]
+    )  # as TRL: nothing left
 
 
 def test_adaptive_entropy_coef_follows_the_controller(tiny_model_dir, tmp_path):
     """Target 15 nats (above any entropy here): the coefficient rises by entropy_coef_delta once per optimizer step,
     gradient accumulation or not (TRL's test_train_with_adaptive_entropy_gradient_accumulation)."""
-    config = make_config(tmp_path, max_steps=3, logging_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=3,
-                         use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=15.0, entropy_coef_delta=0.005)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
-                          generation_backend=scripted(tiny_model_dir))
+    config = make_config(
+        tmp_path,
+        max_steps=3,
+        logging_steps=2,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=3,
+        use_adaptive_entropy=True,
+        entropy_coef=0.01,
+        entropy_target=15.0,
+        entropy_coef_delta=0.005,
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(),
+        generation_backend=scripted(tiny_model_dir),
+    )
     assert trainer.entropy_coef == 0.01 and trainer._last_world_entropy == math.inf
     trainer.train()
     assert trainer.entropy_coef == pytest.approx(0.01 + 0.005 * 3)
@@ -179,8 +241,13 @@ def test_adaptive_entropy_coef_follows_the_controller(tiny_model_dir, tmp_path):
 
 
 def test_log_metrics_save_metrics_save_state(tiny_model_dir, tmp_path, capsys):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=1),
-                          train_dataset=prompts(), generation_backend=scripted(tiny_model_dir))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, max_steps=1),
+        train_dataset=prompts(),
+        generation_backend=scripted(tiny_model_dir),
+    )
     metrics = trainer.train().metrics
     trainer.log_metrics("train", metrics)
     printed = capsys.readouterr().out
@@ -194,7 +261,11 @@ def test_log_metrics_save_metrics_save_state(tiny_model_dir, tmp_path, capsys):
     assert json.load(open(os.path.join(out, "test_results.json"))) == {"test_reward": 2.5}
     trainer.save_state()
     state = TrainerState.load_from_json(os.path.join(out, "trainer_state.json"))
-    assert state.global_step == 1 and state.log_history == trainer.state.log_history and state.total_flos == trainer.state.total_flos
+    assert (
+        state.global_step == 1
+        and state.log_history == trainer.state.log_history
+        and state.total_flos == trainer.state.total_flos
+    )
 
 
 def test_create_model_card_offline(tiny_model_dir, tmp_path, monkeypatch):
@@ -203,8 +274,14 @@ def test_create_model_card_offline(tiny_model_dir, tmp_path, monkeypatch):
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
     trainer.create_model_card(model_name="tiny-grpo", dataset_name="someone/prompts", tags="math")
     card = ModelCard.load(os.path.join(config.output_dir, "README.md"))
-    assert card.data.model_name == "tiny-grpo" and card.data.datasets == ["someone/prompts"] and card.data.library_name == "transformers"
-    assert set(card.data.tags) == {"grouprl", "grpo", "math"} and card.data.base_model is None  # a local folder is no base model id
+    assert (
+        card.data.model_name == "tiny-grpo"
+        and card.data.datasets == ["someone/prompts"]
+        and card.data.library_name == "transformers"
+    )
+    assert (
+        set(card.data.tags) == {"grouprl", "grpo", "math"} and card.data.base_model is None
+    )  # a local folder is no base model id
     assert "someone/tiny-grpo" in card.text and "GRPO" in card.text and "2402.03300" in card.text
     trainer.model.config._name_or_path = "someone/base-model"  # a Hub id
     trainer.create_model_card()
@@ -212,17 +289,57 @@ def test_create_model_card_offline(tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_attributes_mirror_trl(tiny_model_dir, tiny_reward_model_dir, tmp_path):
-    config = make_config(tmp_path, beta=0.0, top_k=7, min_p=0.05, repetition_penalty=1.1, epsilon=0.3, reward_weights=[0.7, 0.3],
-                         importance_sampling_level="sequence", mask_truncated_completions=True, top_entropy_quantile=0.5)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[distinct_tokens, tiny_reward_model_dir], args=config, train_dataset=prompts())
-    assert trainer.reward_weights.dtype == torch.float32 and trainer.reward_weights.tolist() == pytest.approx([0.7, 0.3])
-    assert trainer.reward_processing_classes[0] is None and trainer.reward_processing_classes[1] is trainer.reward_funcs[1].tokenizer
+    config = make_config(
+        tmp_path,
+        beta=0.0,
+        top_k=7,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        epsilon=0.3,
+        reward_weights=[0.7, 0.3],
+        importance_sampling_level="sequence",
+        mask_truncated_completions=True,
+        top_entropy_quantile=0.5,
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[distinct_tokens, tiny_reward_model_dir],
+        args=config,
+        train_dataset=prompts(),
+    )
+    assert trainer.reward_weights.dtype == torch.float32 and trainer.reward_weights.tolist() == pytest.approx(
+        [0.7, 0.3]
+    )
+    assert (
+        trainer.reward_processing_classes[0] is None
+        and trainer.reward_processing_classes[1] is trainer.reward_funcs[1].tokenizer
+    )
     assert trainer.reward_func_names == ["distinct_tokens", "tiny-rm"]
-    expected = dict(num_generations=3, num_generations_eval=3, beta=0.0, loss_type="dapo", temperature=1.0, top_p=1.0, top_k=7, min_p=0.05,
-                    repetition_penalty=1.1, use_vllm=False, vllm_mode="colocate", max_completion_length=8, epsilon_low=0.3,
-                    epsilon_high=0.3, num_iterations=1, scale_rewards="group", importance_sampling_level="sequence",
-                    mask_truncated_completions=True, top_entropy_quantile=0.5, entropy_coef=0.0, aux_loss_enabled=False,
-                    shuffle_dataset=True, log_completions=False)
+    expected = dict(
+        num_generations=3,
+        num_generations_eval=3,
+        beta=0.0,
+        loss_type="dapo",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=7,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        use_vllm=False,
+        vllm_mode="colocate",
+        max_completion_length=8,
+        epsilon_low=0.3,
+        epsilon_high=0.3,
+        num_iterations=1,
+        scale_rewards="group",
+        importance_sampling_level="sequence",
+        mask_truncated_completions=True,
+        top_entropy_quantile=0.5,
+        entropy_coef=0.0,
+        aux_loss_enabled=False,
+        shuffle_dataset=True,
+        log_completions=False,
+    )
     assert {name: getattr(trainer, name) for name in expected} == expected
     assert trainer.hub_model_id == "out"  # output_dir's name, as Trainer derives the repository name
     trainer.args.hub_model_id = "someone/x"
@@ -256,8 +373,13 @@ def test_logs_buffer_and_trackers_and_end(tiny_model_dir, tmp_path):
         log_extra("test_column", [c[:2] for c in completions])
         return [float(len(c)) for c in completions]
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=tagged, args=make_config(tmp_path), train_dataset=prompts(),
-                          generation_backend=scripted(tiny_model_dir))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=tagged,
+        args=make_config(tmp_path),
+        train_dataset=prompts(),
+        generation_backend=scripted(tiny_model_dir),
+    )
     trainer._logs["images"] = deque(maxlen=0)  # what scripts do to keep images out; the trainer keeps using the dict
     tracker = Tracker()
     trainer.accelerator.trackers.append(tracker)
@@ -280,11 +402,26 @@ def test_logs_buffer_and_trackers_and_end(tiny_model_dir, tmp_path):
 def test_training_step_gets_the_generation_batch_rows_like_trl(tiny_model_dir, tmp_path):
     """TRL's test_prepare_input_called_with_correct_data: spg=4, G=4, 6 per device, num_iterations=2, no shuffle:
     training_step sees the same 24-row generation batch (6 prompts x 4) for 8 micro-steps, then the next one."""
-    config = make_config(tmp_path, gradient_accumulation_steps=3, steps_per_generation=4, num_generations=4, per_device_train_batch_size=6,
-                         num_iterations=2, shuffle_dataset=False, max_steps=4, max_completion_length=4, logging_steps=10)
+    config = make_config(
+        tmp_path,
+        gradient_accumulation_steps=3,
+        steps_per_generation=4,
+        num_generations=4,
+        per_device_train_batch_size=6,
+        num_iterations=2,
+        shuffle_dataset=False,
+        max_steps=4,
+        max_completion_length=4,
+        logging_steps=10,
+    )
     data = prompts()
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=data,
-                          generation_backend=scripted(tiny_model_dir))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=data,
+        generation_backend=scripted(tiny_model_dir),
+    )
     rows = [dict(row) for row in data]
     first = [row for row in rows[:6] for _ in range(4)]
     second = [row for row in rows[6:12] for _ in range(4)]
@@ -317,8 +454,14 @@ def test_overridden_calculate_rewards_is_used_for_training_and_evaluation(tiny_m
             return -2.0 * super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
     config = make_config(tmp_path, max_steps=1, per_device_eval_batch_size=6)
-    trainer = Negated(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), eval_dataset=prompts(2),
-                      generation_backend=scripted(tiny_model_dir))
+    trainer = Negated(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(),
+        eval_dataset=prompts(2),
+        generation_backend=scripted(tiny_model_dir),
+    )
     trainer.train()
     inputs, given_prompts, completions, completion_ids = calls[0]
     assert len(inputs) == len(given_prompts) == len(completions) == len(completion_ids) == 6
@@ -340,11 +483,25 @@ def test_overridden_get_high_entropy_mask_is_used(tiny_model_dir, tmp_path):
             return torch.zeros_like(mask, dtype=torch.bool)
 
     config = make_config(tmp_path / "a", top_entropy_quantile=0.5, max_steps=1)
-    moved = train_and_diff(GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
-                                       generation_backend=scripted(tiny_model_dir)))
+    moved = train_and_diff(
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=config,
+            train_dataset=prompts(),
+            generation_backend=scripted(tiny_model_dir),
+        )
+    )
     config = make_config(tmp_path / "b", top_entropy_quantile=0.5, max_steps=1)
-    still = train_and_diff(KeepsNothing(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
-                                        generation_backend=scripted(tiny_model_dir)))
+    still = train_and_diff(
+        KeepsNothing(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=config,
+            train_dataset=prompts(),
+            generation_backend=scripted(tiny_model_dir),
+        )
+    )
     assert moved > 1e-4 and still == 0.0 and thresholds == [0.5]
 
 
@@ -357,9 +514,16 @@ def test_overridden_get_off_policy_mask_is_used(tiny_model_dir, tmp_path):
             shapes.append((tuple(advantages.shape), off_policy_threshold))
             return torch.zeros(advantages.shape[0], 1, dtype=mask.dtype)
 
-    config = make_config(tmp_path, off_policy_mask_threshold=0.5, num_iterations=2, max_steps=2)  # reused samples: pi_old exists
-    trainer = DropsAll(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
-                       generation_backend=scripted(tiny_model_dir))
+    config = make_config(
+        tmp_path, off_policy_mask_threshold=0.5, num_iterations=2, max_steps=2
+    )  # reused samples: pi_old exists
+    trainer = DropsAll(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(),
+        generation_backend=scripted(tiny_model_dir),
+    )
     trainer.train()
     assert shapes and shapes[0] == ((6, 1), 0.5)
     assert [entry["off_policy_mask/dropped_fraction"] for entry in trainer.state.log_history[:2]] == [1.0, 1.0]
@@ -379,8 +543,13 @@ def test_overridden_generate_and_score_completions_and_compute_loss(tiny_model_d
 
     for trainer_class in (NoAdvantage, ZeroLoss):
         config = make_config(tmp_path / trainer_class.__name__, max_steps=1)
-        trainer = trainer_class(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(),
-                                generation_backend=scripted(tiny_model_dir))
+        trainer = trainer_class(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=config,
+            train_dataset=prompts(),
+            generation_backend=scripted(tiny_model_dir),
+        )
         assert train_and_diff(trainer) == 0.0, trainer_class.__name__
 
 
@@ -393,14 +562,28 @@ def test_overridden_generate_replaces_generation(tiny_model_dir, tmp_path):
         def _generate(self, prompts):
             prompt_ids = super()._generate(prompts)[0]
             texts = [tokenizer.decode(fixed, skip_special_tokens=True)] * len(prompts)
-            return prompt_ids, [list(fixed)] * len(prompts), None, texts, None, {"origin": ["override"] * len(prompts)}, None, []
+            return (
+                prompt_ids,
+                [list(fixed)] * len(prompts),
+                None,
+                texts,
+                None,
+                {"origin": ["override"] * len(prompts)},
+                None,
+                [],
+            )
 
     def reward(completion_ids, origin, **kwargs):
         seen.append((completion_ids, origin))
         return [1.0] * len(completion_ids)
 
-    trainer = Fixed(model=tiny_model_dir, reward_funcs=reward, args=make_config(tmp_path, max_steps=1), train_dataset=prompts(),
-                    generation_backend=scripted(tiny_model_dir))
+    trainer = Fixed(
+        model=tiny_model_dir,
+        reward_funcs=reward,
+        args=make_config(tmp_path, max_steps=1),
+        train_dataset=prompts(),
+        generation_backend=scripted(tiny_model_dir),
+    )
     trainer.train()
     assert seen == [([fixed] * 6, ["override"] * 6)]
     entry = trainer.state.log_history[0]
@@ -408,18 +591,33 @@ def test_overridden_generate_replaces_generation(tiny_model_dir, tmp_path):
 
 
 def test_generate_default_returns_trls_tuple_and_checks_rollout_func(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=prompts(),
-                          generation_backend=scripted(tiny_model_dir))
-    prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = trainer._generate(["1+1="] * 3 + ["2+2="] * 3)
-    assert len(prompt_ids) == len(completion_ids) == len(completions) == 6 and prompt_ids[0] == prompt_ids[2] != prompt_ids[3]
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path),
+        train_dataset=prompts(),
+        generation_backend=scripted(tiny_model_dir),
+    )
+    prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = trainer._generate(
+        ["1+1="] * 3 + ["2+2="] * 3
+    )
+    assert (
+        len(prompt_ids) == len(completion_ids) == len(completions) == 6
+        and prompt_ids[0] == prompt_ids[2] != prompt_ids[3]
+    )
     assert tool_mask is None and logprobs is None and extra == {} and images is None and tool_images == []
     assert completions[0] == trainer._tokenizer.decode(completion_ids[0], skip_special_tokens=True)
 
     def incomplete(prompts, trainer):
         return {"prompt_ids": [[1]] * len(prompts), "completion_ids": [[2]] * len(prompts)}
 
-    other = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path / "b"), train_dataset=prompts(),
-                        rollout_func=incomplete)
+    other = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path / "b"),
+        train_dataset=prompts(),
+        rollout_func=incomplete,
+    )
     with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
         other._generate(["1+1="] * 3)
 
@@ -428,11 +626,21 @@ def test_overridden_per_token_logps_and_log_and_training_step(tiny_model_dir, tm
     calls = {"logps": [], "steps": 0}
 
     class Custom(GRPOTrainer):
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                               compute_entropy=False, compute_aux_loss=False, **kwargs):
+        def _get_per_token_logps_and_entropies(
+            self,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=None,
+            compute_entropy=False,
+            compute_aux_loss=False,
+            **kwargs,
+        ):
             calls["logps"].append((input_ids.shape[1] - logits_to_keep, compute_entropy))
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
+            )
             return logps, None if entropies is None else torch.zeros_like(entropies), aux
 
         def log(self, logs, start_time=None):
@@ -443,14 +651,27 @@ def test_overridden_per_token_logps_and_log_and_training_step(tiny_model_dir, tm
             calls["steps"] += 1
             return super().training_step(model, inputs, num_items_in_batch)
 
-    config = make_config(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=3, per_device_eval_batch_size=6)
-    trainer = Custom(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), eval_dataset=prompts(2),
-                     generation_backend=scripted(tiny_model_dir))
+    config = make_config(
+        tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=3, per_device_eval_batch_size=6
+    )
+    trainer = Custom(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(),
+        eval_dataset=prompts(2),
+        generation_backend=scripted(tiny_model_dir),
+    )
     trainer.train()
     assert calls["steps"] == 4 and all(entropy for _, entropy in calls["logps"]) and len(calls["logps"]) == 4
     assert [entry["entropy"] for entry in trainer.state.log_history[:2]] == [0.0, 0.0]  # the override's entropies
     trainer.evaluate()
-    assert [entry["custom"] for entry in trainer.state.log_history] == [10, 20, 20, 20]  # 2 steps, the summary, the evaluation
+    assert [entry["custom"] for entry in trainer.state.log_history] == [
+        10,
+        20,
+        20,
+        20,
+    ]  # 2 steps, the summary, the evaluation
     assert trainer.state.log_history[-1]["eval_entropy"] == 0.0
 
 
@@ -460,7 +681,11 @@ def test_overrides_tells_grouprl_methods_from_replaced_ones():
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
     plain, sub = object.__new__(GRPOTrainer), object.__new__(Sub)  # no construction needed to ask
-    assert not plain.overrides("_calculate_rewards") and sub.overrides("_calculate_rewards") and not sub.overrides("_generate")
+    assert (
+        not plain.overrides("_calculate_rewards")
+        and sub.overrides("_calculate_rewards")
+        and not sub.overrides("_generate")
+    )
     plain._generate = lambda prompts: None  # patched onto an instance
     assert plain.overrides("_generate")
     with patch.object(GRPOTrainer, "_get_per_token_logps_and_entropies"):  # or onto the class
@@ -470,25 +695,42 @@ def test_overrides_tells_grouprl_methods_from_replaced_ones():
 # ---- refusals at class definition ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method, advice", [
-    ("_generate_single_turn", "generation_backend"),
-    ("_tool_call_loop", "rollout_func"),
-    ("get_train_dataloader", "PromptSampler"),
-    ("_get_train_sampler", "shuffle_dataset"),
-    ("prediction_step", "on_evaluate"),
-    ("_save_checkpoint", "on_save"),
-    ("create_optimizer", r"optimizers=\(optimizer, lr_scheduler\)"),
-    ("get_gamma_weights", "_compute_loss"),
-    ("_log_metric", "override log"),
-])
+@pytest.mark.parametrize(
+    "method, advice",
+    [
+        ("_generate_single_turn", "generation_backend"),
+        ("_tool_call_loop", "rollout_func"),
+        ("get_train_dataloader", "PromptSampler"),
+        ("_get_train_sampler", "shuffle_dataset"),
+        ("prediction_step", "on_evaluate"),
+        ("_save_checkpoint", "on_save"),
+        ("create_optimizer", r"optimizers=\(optimizer, lr_scheduler\)"),
+        ("get_gamma_weights", "_compute_loss"),
+        ("_log_metric", "override log"),
+    ],
+)
 def test_unsupported_override_is_refused_when_the_class_is_defined(method, advice):
-    with pytest.raises(TypeError, match=rf"(?s)Sub overrides {method}, which grouprl's GRPOTrainer never calls.*{method}: .*{advice}"):
+    with pytest.raises(
+        TypeError, match=rf"(?s)Sub overrides {method}, which grouprl's GRPOTrainer never calls.*{method}: .*{advice}"
+    ):
         type("Sub", (GRPOTrainer,), {method: lambda self, *args, **kwargs: None})
 
 
 def test_honoured_overrides_define_fine():
-    honoured = ("training_step", "_prepare_inputs", "_generate_and_score_completions", "compute_loss", "_compute_loss", "_generate",
-                "_calculate_rewards", "_get_per_token_logps_and_entropies", "get_high_entropy_mask", "log", "evaluate", "_send_telemetry")
+    honoured = (
+        "training_step",
+        "_prepare_inputs",
+        "_generate_and_score_completions",
+        "compute_loss",
+        "_compute_loss",
+        "_generate",
+        "_calculate_rewards",
+        "_get_per_token_logps_and_entropies",
+        "get_high_entropy_mask",
+        "log",
+        "evaluate",
+        "_send_telemetry",
+    )
     sub = type("Sub", (GRPOTrainer,), {name: lambda self, *args, **kwargs: None for name in honoured})
     assert issubclass(sub, GRPOTrainer)
 
@@ -498,8 +740,14 @@ def test_callbacks_see_control_through_the_trainer(tiny_model_dir, tmp_path):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = True
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=3), train_dataset=prompts(),
-                          callbacks=[Stop()], generation_backend=scripted(tiny_model_dir))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, max_steps=3),
+        train_dataset=prompts(),
+        callbacks=[Stop()],
+        generation_backend=scripted(tiny_model_dir),
+    )
     trainer.train()
     assert trainer.state.global_step == 1 and trainer.control.should_training_stop
 
@@ -509,11 +757,24 @@ def test_vlm_logs_images_only_with_log_multimodal(tmp_path, log_multimodal):
     from vlm_models import image, tiny_qwen2_vl
 
     model, processor = tiny_qwen2_vl()
-    data = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i}?"}], "image": image(i)} for i in range(4)])
-    config = make_config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=4, max_steps=1,
-                         log_multimodal=log_multimodal)
-    trainer = GRPOTrainer(model, lambda completions, **k: [1.0] * len(completions), args=config, train_dataset=data,
-                          processing_class=processor)
+    data = datasets.Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"what is {i}?"}], "image": image(i)} for i in range(4)]
+    )
+    config = make_config(
+        tmp_path,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=1,
+        log_multimodal=log_multimodal,
+    )
+    trainer = GRPOTrainer(
+        model,
+        lambda completions, **k: [1.0] * len(completions),
+        args=config,
+        train_dataset=data,
+        processing_class=processor,
+    )
     trainer.train()
     assert len(trainer._logs["prompt"]) == 4
     if log_multimodal:  # each row's prompt images, as TRL keeps them: the images of that row's prompt
@@ -527,7 +788,17 @@ def test_vlm_logs_images_only_with_log_multimodal(tmp_path, log_multimodal):
 
     class CustomLogps(GRPOTrainer):
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, **kwargs)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, **kwargs
+            )
 
-    with pytest.raises(NotImplementedError, match="overrides _get_per_token_logps_and_entropies, which grouprl can call only for text"):
-        CustomLogps(model, lambda completions, **k: [1.0] * len(completions), args=config, train_dataset=data, processing_class=processor)
+    with pytest.raises(
+        NotImplementedError, match="overrides _get_per_token_logps_and_entropies, which grouprl can call only for text"
+    ):
+        CustomLogps(
+            model,
+            lambda completions, **k: [1.0] * len(completions),
+            args=config,
+            train_dataset=data,
+            processing_class=processor,
+        )

@@ -7,19 +7,21 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, EarlyStoppingCallback, HfArgumentParser, TrainingArguments
-
-import grouprl.loop
-import grouprl.trainer
-import grouprl.trainer_builders
-from grouprl import GRPOConfig, GRPOTrainer
-from grouprl.training_arguments import HONOURED, INERT, REFUSED, compat_table
 from helpers import distinct_tokens, quiet_config
 from helpers import numbered_prompts as prompts
+from transformers import AutoModelForCausalLM, EarlyStoppingCallback, HfArgumentParser, TrainingArguments
+
+import grouprl.compat.trainer
+import grouprl.compat.trainer_builders
+import grouprl.train.loop
+from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.config.training_arguments import HONOURED, INERT, REFUSED, compat_table
 
 
 def make_config(tmp_path, **overrides):
-    return quiet_config(tmp_path, overrides, per_device_train_batch_size=6, max_completion_length=6, learning_rate=0.05, max_steps=2)
+    return quiet_config(
+        tmp_path, overrides, per_device_train_batch_size=6, max_completion_length=6, learning_rate=0.05, max_steps=2
+    )
 
 
 def test_every_training_argument_has_one_status():
@@ -29,13 +31,28 @@ def test_every_training_argument_has_one_status():
     assert names <= groups[0] | groups[1] | groups[2], sorted(names - (groups[0] | groups[1] | groups[2]))
     assert issubclass(GRPOConfig, TrainingArguments)
     rows = {name: status for name, status, _ in compat_table(GRPOConfig)}
-    assert rows["torch_compile"] == "refused unless default" and rows["eval_on_start"] == "honoured" and rows["beta"] == "GRPO field"
+    assert (
+        rows["torch_compile"] == "refused unless default"
+        and rows["eval_on_start"] == "honoured"
+        and rows["beta"] == "GRPO field"
+    )
 
 
-@pytest.mark.parametrize("name,value", [("torch_compile", True), ("neftune_noise_alpha", 5.0), ("auto_find_batch_size", True),
-                                        ("label_smoothing_factor", 0.1), ("hub_strategy", "checkpoint"), ("include_for_metrics", ["loss"])])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("torch_compile", True),
+        ("neftune_noise_alpha", 5.0),
+        ("auto_find_batch_size", True),
+        ("label_smoothing_factor", 0.1),
+        ("hub_strategy", "checkpoint"),
+        ("include_for_metrics", ["loss"]),
+    ],
+)
 def test_refused_fields_are_named_with_a_reason(name, value):
-    with pytest.raises(ValueError, match=rf"GRPOConfig\.{name}=.* is not supported by grouprl: .+Leave {name} at its default"):
+    with pytest.raises(
+        ValueError, match=rf"GRPOConfig\.{name}=.* is not supported by grouprl: .+Leave {name} at its default"
+    ):
         GRPOConfig(**{name: value})
 
 
@@ -53,9 +70,28 @@ def test_misspelt_field_names_the_closest():
 
 def test_training_arguments_machinery():
     parser = HfArgumentParser(GRPOConfig)
-    (config,) = parser.parse_args_into_dataclasses(args=["--output_dir", "x", "--logging_strategy", "epoch", "--eval_on_start", "true",
-                                                         "--ddp_timeout", "60", "--optim", "adafactor", "--warmup_ratio", "0.1"])
-    assert (config.logging_strategy, config.eval_on_start, config.ddp_timeout, config.optim) == ("epoch", True, 60, "adafactor")
+    (config,) = parser.parse_args_into_dataclasses(
+        args=[
+            "--output_dir",
+            "x",
+            "--logging_strategy",
+            "epoch",
+            "--eval_on_start",
+            "true",
+            "--ddp_timeout",
+            "60",
+            "--optim",
+            "adafactor",
+            "--warmup_ratio",
+            "0.1",
+        ]
+    )
+    assert (config.logging_strategy, config.eval_on_start, config.ddp_timeout, config.optim) == (
+        "epoch",
+        True,
+        60,
+        "adafactor",
+    )
     assert config.warmup_steps == 0.1
     as_json = json.loads(config.to_json_string())
     assert as_json["logging_strategy"] == "epoch" and as_json["num_generations"] == 8 and as_json["loss_type"] == "dapo"
@@ -63,14 +99,26 @@ def test_training_arguments_machinery():
     with config.main_process_first():
         pass
     # TRL resolves the generation batch in the config
-    assert (GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4).generation_batch_size,
-            GRPOConfig(per_device_train_batch_size=4, generation_batch_size=16, num_generations=4).steps_per_generation) == (8, 4)
+    assert (
+        GRPOConfig(
+            per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4
+        ).generation_batch_size,
+        GRPOConfig(per_device_train_batch_size=4, generation_batch_size=16, num_generations=4).steps_per_generation,
+    ) == (8, 4)
 
 
 @pytest.mark.parametrize("optim,expected", [("adamw_torch", "AdamW"), ("adafactor", "Adafactor"), ("sgd", "SGD")])
 def test_any_transformers_optimizer_name(tiny_model_dir, tmp_path, optim, expected):
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, optim=optim, max_steps=1), train_dataset=prompts())
-    assert type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__ == expected
+    trainer = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, optim=optim, max_steps=1),
+        train_dataset=prompts(),
+    )
+    assert (
+        type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__
+        == expected
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
@@ -78,18 +126,35 @@ def test_any_transformers_optimizer_name(tiny_model_dir, tmp_path, optim, expect
 
 def test_logging_strategy_eval_on_start_and_eval_delay(tiny_model_dir, tmp_path):
     # 4 prompts, 2 per generation, 1 optimizer step per generation: 2 steps per epoch
-    config = make_config(tmp_path, max_steps=4, logging_strategy="epoch", eval_strategy="steps", eval_steps=1, eval_delay=3,
-                         eval_on_start=True, per_device_eval_batch_size=3)
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(4), eval_dataset=prompts(2))
+    config = make_config(
+        tmp_path,
+        max_steps=4,
+        logging_strategy="epoch",
+        eval_strategy="steps",
+        eval_steps=1,
+        eval_delay=3,
+        eval_on_start=True,
+        per_device_eval_batch_size=3,
+    )
+    trainer = GRPOTrainer(
+        tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(4), eval_dataset=prompts(2)
+    )
     trainer.train()
-    train_steps = [e["step"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e and "eval_reward" not in e]
+    train_steps = [
+        e["step"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e and "eval_reward" not in e
+    ]
     eval_steps = [e["step"] for e in trainer.state.log_history if "eval_reward" in e]
     assert train_steps == [2, 4]
     assert eval_steps == [0, 3, 4]
 
 
 def test_logging_strategy_no_logs_no_steps(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, logging_strategy="no"), train_dataset=prompts())
+    trainer = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, logging_strategy="no"),
+        train_dataset=prompts(),
+    )
     trainer.train()
     assert [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e] == []
 
@@ -101,7 +166,9 @@ def test_save_only_model_checkpoints_cannot_resume(tiny_model_dir, tmp_path):
     assert os.path.exists(os.path.join(checkpoint, "trainer_state.json"))
     assert not os.path.exists(os.path.join(checkpoint, "training_state.pt"))
     AutoModelForCausalLM.from_pretrained(checkpoint)  # the model is there
-    resumed = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=3), train_dataset=prompts())
+    resumed = GRPOTrainer(
+        tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, max_steps=3), train_dataset=prompts()
+    )
     with pytest.raises(ValueError, match="save_only_model=True.*cannot resume"):
         resumed.train(resume_from_checkpoint=checkpoint)
 
@@ -112,53 +179,122 @@ def step_shaped_reward(completion_ids, trainer_state, **kwargs):
 
 
 def test_load_best_model_at_end_keeps_and_loads_the_best_checkpoint(tiny_model_dir, tmp_path):
-    config = make_config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, save_total_limit=1,
-                         per_device_eval_batch_size=3, load_best_model_at_end=True, metric_for_best_model="reward")
+    config = make_config(
+        tmp_path,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+        per_device_eval_batch_size=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="reward",
+    )
     assert config.greater_is_better is True  # transformers: True unless the name ends in "loss"
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=[distinct_tokens, step_shaped_reward], args=config, train_dataset=prompts(),
-                          eval_dataset=prompts(2))
+    trainer = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=[distinct_tokens, step_shaped_reward],
+        args=config,
+        train_dataset=prompts(),
+        eval_dataset=prompts(2),
+    )
     trainer.train()
     best = os.path.join(config.output_dir, "checkpoint-2")
     assert (trainer.state.best_global_step, trainer.state.best_model_checkpoint) == (2, best)
-    assert sorted(os.listdir(config.output_dir)).count("checkpoint-2") == 1 and os.path.exists(os.path.join(config.output_dir, "checkpoint-4"))
+    assert sorted(os.listdir(config.output_dir)).count("checkpoint-2") == 1 and os.path.exists(
+        os.path.join(config.output_dir, "checkpoint-4")
+    )
     assert not os.path.exists(os.path.join(config.output_dir, "checkpoint-3"))  # rotated away; the best one is spared
     final = dict(trainer.model.named_parameters())
     at_best = dict(AutoModelForCausalLM.from_pretrained(best).named_parameters())
-    at_last = dict(AutoModelForCausalLM.from_pretrained(os.path.join(config.output_dir, "checkpoint-4")).named_parameters())
+    at_last = dict(
+        AutoModelForCausalLM.from_pretrained(os.path.join(config.output_dir, "checkpoint-4")).named_parameters()
+    )
     assert all(torch.equal(final[n].detach(), at_best[n].detach()) for n in at_best)
     assert any(not torch.equal(at_best[n], at_last[n]) for n in at_best)
 
 
 def test_save_strategy_best_writes_only_new_bests(tiny_model_dir, tmp_path):
-    config = make_config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="best", per_device_eval_batch_size=3,
-                         metric_for_best_model="reward")
-    GRPOTrainer(tiny_model_dir, reward_funcs=[distinct_tokens, step_shaped_reward], args=config, train_dataset=prompts(),
-                eval_dataset=prompts(2)).train()
-    assert sorted(n for n in os.listdir(config.output_dir) if n.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-2"]
+    config = make_config(
+        tmp_path,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="best",
+        per_device_eval_batch_size=3,
+        metric_for_best_model="reward",
+    )
+    GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=[distinct_tokens, step_shaped_reward],
+        args=config,
+        train_dataset=prompts(),
+        eval_dataset=prompts(2),
+    ).train()
+    assert sorted(n for n in os.listdir(config.output_dir) if n.startswith("checkpoint-")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
 
 
 def test_early_stopping_callback_stops_the_run(tiny_model_dir, tmp_path):
-    config = make_config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-                         per_device_eval_batch_size=3, load_best_model_at_end=True, metric_for_best_model="reward")
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=[distinct_tokens, step_shaped_reward], args=config, train_dataset=prompts(),
-                          eval_dataset=prompts(2), callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    config = make_config(
+        tmp_path,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        per_device_eval_batch_size=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="reward",
+    )
+    trainer = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=[distinct_tokens, step_shaped_reward],
+        args=config,
+        train_dataset=prompts(),
+        eval_dataset=prompts(2),
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=2)],
+    )
     trainer.train()
     # eval reward -100, 0, -100, -200: the best is at step 2, then two evaluations without improvement
     assert trainer.state.global_step == 4
-    assert trainer.state.best_metric == pytest.approx(max(e["eval_reward"] for e in trainer.state.log_history if "eval_reward" in e))
+    assert trainer.state.best_metric == pytest.approx(
+        max(e["eval_reward"] for e in trainer.state.log_history if "eval_reward" in e)
+    )
 
 
 def test_metric_for_best_model_must_be_logged(tiny_model_dir, tmp_path):
-    config = make_config(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=3, metric_for_best_model="accuracy")
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), eval_dataset=prompts(2))
-    with pytest.raises(KeyError, match="metric_for_best_model='accuracy': the evaluation logged no 'eval_accuracy'.*eval_reward"):
+    config = make_config(
+        tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=3, metric_for_best_model="accuracy"
+    )
+    trainer = GRPOTrainer(
+        tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), eval_dataset=prompts(2)
+    )
+    with pytest.raises(
+        KeyError, match="metric_for_best_model='accuracy': the evaluation logged no 'eval_accuracy'.*eval_reward"
+    ):
         trainer.train()
 
 
 def test_log_level_sets_the_loggers(tiny_model_dir, tmp_path):
-    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, log_level="error"), train_dataset=prompts())
-    assert logging.getLogger("grouprl").level == logging.ERROR and logging.getLogger("transformers").level == logging.ERROR
-    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path, log_level="info"), train_dataset=prompts())
+    GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, log_level="error"),
+        train_dataset=prompts(),
+    )
+    assert (
+        logging.getLogger("grouprl").level == logging.ERROR and logging.getLogger("transformers").level == logging.ERROR
+    )
+    GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, log_level="info"),
+        train_dataset=prompts(),
+    )
     assert logging.getLogger("grouprl").level == logging.INFO
     logging.getLogger("grouprl").setLevel(logging.WARNING)
     logging.getLogger("transformers").setLevel(logging.WARNING)
@@ -166,8 +302,10 @@ def test_log_level_sets_the_loggers(tiny_model_dir, tmp_path):
 
 def test_empty_cache_steps_and_full_determinism(tiny_model_dir, tmp_path, monkeypatch):
     cleared, determinism = [], []
-    monkeypatch.setattr(grouprl.loop, "clear_device_cache", lambda: cleared.append(1))
-    monkeypatch.setattr(grouprl.trainer_builders, "enable_full_determinism", lambda seed: determinism.append(seed))
+    monkeypatch.setattr(grouprl.train.loop, "clear_device_cache", lambda: cleared.append(1))
+    monkeypatch.setattr(
+        grouprl.compat.trainer_builders, "enable_full_determinism", lambda seed: determinism.append(seed)
+    )
     config = make_config(tmp_path, max_steps=4, torch_empty_cache_steps=2, full_determinism=True, seed=7)
     GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).train()
     assert len(cleared) == 2 and determinism == [7]
@@ -176,26 +314,37 @@ def test_empty_cache_steps_and_full_determinism(tiny_model_dir, tmp_path, monkey
 def test_ddp_settings_reach_accelerate(tiny_model_dir, tmp_path):
     config = make_config(tmp_path, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=5, ddp_timeout=123)
     trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
-    assert trainer.accelerator.ddp_handler.find_unused_parameters is True and trainer.accelerator.ddp_handler.bucket_cap_mb == 5
+    assert (
+        trainer.accelerator.ddp_handler.find_unused_parameters is True
+        and trainer.accelerator.ddp_handler.bucket_cap_mb == 5
+    )
     assert trainer.accelerator.init_handler.timeout.total_seconds() == 123
 
 
 def test_iterable_dataset_refuses_dispatch_batches(tiny_model_dir, tmp_path):
     stream = prompts().to_iterable_dataset()
     with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
-        GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=stream,
-                    args=make_config(tmp_path, accelerator_config={"dispatch_batches": True}))
-    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=stream, args=make_config(tmp_path))
+        GRPOTrainer(
+            tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            train_dataset=stream,
+            args=make_config(tmp_path, accelerator_config={"dispatch_batches": True}),
+        )
+    trainer = GRPOTrainer(
+        tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=stream, args=make_config(tmp_path)
+    )
     assert trainer.args.accelerator_config.dispatch_batches is False
 
 
 def test_compat_doc_lists_every_field_as_the_code_says(tmp_path):
-    from grouprl.training_arguments import rewrite_doc
+    from grouprl.config.training_arguments import rewrite_doc
 
     doc = os.path.join(os.path.dirname(__file__), "..", "docs", "trl-compat.md")
     copy = tmp_path / "trl-compat.md"
     copy.write_text(open(doc, encoding="utf-8").read(), encoding="utf-8")
-    assert not rewrite_doc(str(copy)), "docs/trl-compat.md is out of date: regenerate it (see the marker comment in the file)"
+    assert not rewrite_doc(str(copy)), (
+        "docs/trl-compat.md is out of date: regenerate it (see the marker comment in the file)"
+    )
     listed = {line.split("`")[1] for line in copy.read_text(encoding="utf-8").splitlines() if line.startswith("| `")}
     assert listed >= {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
 
@@ -205,16 +354,26 @@ def test_hub_settings_reach_push_to_hub(tiny_model_dir, tmp_path, monkeypatch):
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     pushed = []
-    monkeypatch.setattr(PreTrainedModel, "push_to_hub", lambda self, repo_id, **kw: pushed.append(("model", repo_id, kw)))
-    monkeypatch.setattr(PreTrainedTokenizerBase, "push_to_hub", lambda self, repo_id, **kw: pushed.append(("tokenizer", repo_id, kw)))
+    monkeypatch.setattr(
+        PreTrainedModel, "push_to_hub", lambda self, repo_id, **kw: pushed.append(("model", repo_id, kw))
+    )
+    monkeypatch.setattr(
+        PreTrainedTokenizerBase, "push_to_hub", lambda self, repo_id, **kw: pushed.append(("tokenizer", repo_id, kw))
+    )
     uploads = []
     monkeypatch.setattr(HfApi, "upload_file", lambda self, **kw: uploads.append((self.token, kw)))
     config = make_config(tmp_path, hub_model_id="me/run", hub_token="hf_x", hub_private_repo=True, hub_revision="exp")
-    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).push_to_hub(dataset_name="me/data")
+    GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).push_to_hub(
+        dataset_name="me/data"
+    )
     assert {kind for kind, _, _ in pushed} == {"model", "tokenizer"}
     for _, repo_id, kwargs in pushed:
         assert repo_id == "me/run" and (kwargs["token"], kwargs["private"], kwargs["revision"]) == ("hf_x", True, "exp")
     # the model card (TRL's script passes dataset_name) goes with the same token and revision
     [(token, upload)] = uploads
-    assert token == "hf_x" and (upload["repo_id"], upload["revision"], upload["path_in_repo"]) == ("me/run", "exp", "README.md")
+    assert token == "hf_x" and (upload["repo_id"], upload["revision"], upload["path_in_repo"]) == (
+        "me/run",
+        "exp",
+        "README.md",
+    )
     assert ModelCard.load(upload["path_or_fileobj"]).data.datasets == ["me/data"]

@@ -30,12 +30,15 @@ CACHE = Path(os.environ.get("GROUPRL_TEST_CACHE", Path(__file__).parent / ".cach
 
 # The only lines a user edits to switch libraries (each must appear exactly once in TRL's script).
 IMPORT_SWAPS = [
-    ("    from trl import GRPOTrainer, get_dataset, get_peft_config, get_quantization_config\n",
-     "    from trl import get_dataset, get_peft_config, get_quantization_config\n"
-     "    from grouprl import GRPOTrainer\n"),
-    ("    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser\n",
-     "    from trl import DatasetMixtureConfig, ModelConfig, TrlParser\n"
-     "    from grouprl import GRPOConfig\n"),
+    (
+        "    from trl import GRPOTrainer, get_dataset, get_peft_config, get_quantization_config\n",
+        "    from trl import get_dataset, get_peft_config, get_quantization_config\n"
+        "    from grouprl import GRPOTrainer\n",
+    ),
+    (
+        "    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser\n",
+        "    from trl import DatasetMixtureConfig, ModelConfig, TrlParser\n    from grouprl import GRPOConfig\n",
+    ),
 ]
 
 LENGTH_REWARD = '''
@@ -52,8 +55,18 @@ def trl_install() -> Path:
     if script.is_file() and (target / f"trl-{TRL_VERSION}.dist-info").is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input", "--quiet", "--target", str(target),
-               f"trl=={TRL_VERSION}"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-input",
+        "--quiet",
+        "--target",
+        str(target),
+        f"trl=={TRL_VERSION}",
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
@@ -83,10 +96,17 @@ def local_dataset(folder: Path) -> Path:
 
 def run_script(script: Path, trl_dir: Path, workdir: Path, arguments: list[str]) -> subprocess.CompletedProcess:
     source = Path(importlib.util.find_spec("grouprl").origin).parent.parent  # where this run's grouprl lives
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), str(trl_dir)]), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "WANDB_DISABLED": "true"}
-    return subprocess.run([sys.executable, str(script), *arguments], cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(source), str(trl_dir)]),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_DISABLED": "true",
+    }
+    return subprocess.run(
+        [sys.executable, str(script), *arguments], cwd=workdir, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.slow
@@ -101,14 +121,38 @@ def test_trl_grpo_script_runs_with_grouprl(quantized, tiny_model_dir, tmp_path):
     script = grouprl_script(trl_dir, workdir / "grpo.py")
     output_dir = tmp_path / "out"
     arguments = [
-        "--model_name_or_path", str(tiny_model_dir),
-        "--dataset_name", str(local_dataset(tmp_path / "data")),
-        "--reward_funcs", "test_rewards_module.length_reward",
-        "--output_dir", str(output_dir),
-        "--use_peft", "--lora_r", "4", "--lora_alpha", "8",
-        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
-        "--max_steps", "2", "--learning_rate", "0.05", "--logging_steps", "1", "--save_strategy", "no",
-        "--report_to", "none", "--use_cpu", "--seed", "0",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--dataset_name",
+        str(local_dataset(tmp_path / "data")),
+        "--reward_funcs",
+        "test_rewards_module.length_reward",
+        "--output_dir",
+        str(output_dir),
+        "--use_peft",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "2",
+        "--learning_rate",
+        "0.05",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "--seed",
+        "0",
     ]
     if quantized:
         arguments += ["--load_in_4bit", "--dtype", "float32"]
@@ -117,7 +161,9 @@ def test_trl_grpo_script_runs_with_grouprl(quantized, tiny_model_dir, tmp_path):
     log = (done.stdout + done.stderr)[-6000:]
     assert done.returncode == 0, f"TRL's grpo.py with grouprl exited {done.returncode}:\n{log}"
     assert "Training completed" in done.stdout + done.stderr, log
-    assert (output_dir / "adapter_config.json").is_file(), f"no adapter saved in {sorted(p.name for p in output_dir.iterdir())}"
+    assert (output_dir / "adapter_config.json").is_file(), (
+        f"no adapter saved in {sorted(p.name for p in output_dir.iterdir())}"
+    )
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -126,6 +172,8 @@ def test_trl_grpo_script_runs_with_grouprl(quantized, tiny_model_dir, tmp_path):
     model = PeftModel.from_pretrained(base, str(output_dir))
     lora_b = {name: p for name, p in model.named_parameters() if "lora_B" in name}
     assert lora_b, "the saved adapter holds no LoRA weights"
-    assert any(p.abs().max().item() > 0 for p in lora_b.values()), "LoRA B matrices are still zero: training changed nothing"
+    assert any(p.abs().max().item() > 0 for p in lora_b.values()), (
+        "LoRA B matrices are still zero: training changed nothing"
+    )
     config = json.loads((output_dir / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8

@@ -11,11 +11,15 @@ import datasets
 import pytest
 
 from grouprl import GRPOConfig, GRPOTrainer
-from grouprl.config import NOT_YET_BUILT
+from grouprl.config.grpo_config import NOT_YET_BUILT
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'grouprl[vllm]', CUDA machines only)")
-needs_gpu_vllm = pytest.mark.skipif(not HAS_VLLM or not __import__("torch").cuda.is_available(), reason="needs vLLM and a CUDA GPU")
+needs_vllm = pytest.mark.skipif(
+    not HAS_VLLM, reason="vLLM is not installed (pip install 'grouprl[vllm]', CUDA machines only)"
+)
+needs_gpu_vllm = pytest.mark.skipif(
+    not HAS_VLLM or not __import__("torch").cuda.is_available(), reason="needs vLLM and a CUDA GPU"
+)
 
 
 def test_use_vllm_is_accepted_by_the_config():
@@ -25,31 +29,58 @@ def test_use_vllm_is_accepted_by_the_config():
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed")
 def test_colocate_without_vllm_says_what_to_install(tiny_model_dir, tmp_path):
-    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, per_device_train_batch_size=4, num_generations=4, max_steps=1)
-    with pytest.raises(ImportError, match=r"needs vLLM, which is not installed: pip install 'grouprl\[vllm\]'.*grouprl serve"):
-        GRPOTrainer(model="not/loaded-before-the-check", reward_funcs=len, args=args,
-                    train_dataset=datasets.Dataset.from_dict({"prompt": ["a", "b"]}))
+    args = GRPOConfig(
+        output_dir=str(tmp_path), use_vllm=True, per_device_train_batch_size=4, num_generations=4, max_steps=1
+    )
+    with pytest.raises(
+        ImportError, match=r"needs vLLM, which is not installed: pip install 'grouprl\[vllm\]'.*grouprl serve"
+    ):
+        GRPOTrainer(
+            model="not/loaded-before-the-check",
+            reward_funcs=len,
+            args=args,
+            train_dataset=datasets.Dataset.from_dict({"prompt": ["a", "b"]}),
+        )
 
 
 @needs_vllm
 def test_vllm_sampling_params_mirror_the_config():
     import vllm
 
+    from grouprl.core.types import SamplingParams
     from grouprl.generation.vllm import vllm_sampling_params
-    from grouprl.types import SamplingParams
 
-    params = vllm_sampling_params(vllm, 4, SamplingParams(max_new_tokens=16, temperature=0.7, top_k=0, min_p=None,
-                                                          extra={"min_new_tokens": 2}), regex=None)
+    params = vllm_sampling_params(
+        vllm,
+        4,
+        SamplingParams(max_new_tokens=16, temperature=0.7, top_k=0, min_p=None, extra={"min_new_tokens": 2}),
+        regex=None,
+    )
     assert (params.n, params.max_tokens, params.temperature, params.logprobs, params.min_tokens) == (4, 16, 0.7, 0, 2)
 
 
 @needs_gpu_vllm
 def test_colocate_trains_and_syncs(tiny_model_dir, tmp_path):
-    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", save_strategy="no", bf16=False,
-                      vllm_gpu_memory_utilization=0.2)
-    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=lambda completion_ids, **kw: [float(len(c)) for c in completion_ids],
-                          args=args, train_dataset=datasets.Dataset.from_dict({"prompt": [f"{i}+1=" for i in range(8)]}))
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_vllm=True,
+        vllm_mode="colocate",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        vllm_gpu_memory_utilization=0.2,
+    )
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=lambda completion_ids, **kw: [float(len(c)) for c in completion_ids],
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": [f"{i}+1=" for i in range(8)]}),
+    )
     trainer.train()
     logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/max" in e]
     assert logged and all(e["sampling/sampling_logp_difference/max"] < 1e-2 for e in logged)

@@ -18,14 +18,14 @@ from PIL import Image
 from vlm_models import image, save_tiny_llava, sharpen, tiny_llava, tiny_qwen2_vl
 
 from grouprl import GRPOConfig, GRPOTrainer
-from grouprl.algorithms.logprobs import completion_logprobs
-from grouprl.data import PromptTokenizer
+from grouprl.core.types import Completion, PromptBatch, Rollout, SamplingParams
+from grouprl.data.multimodal_prompts import MultimodalPromptTokenizer, attach_images
+from grouprl.data.prompts import PromptTokenizer
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.protocol import left_pad
-from grouprl.multimodal import PromptImages, collate
-from grouprl.multimodal_prompts import MultimodalPromptTokenizer, attach_images
-from grouprl.rollout import pack_rollout
-from grouprl.types import Completion, PromptBatch, Rollout, SamplingParams
+from grouprl.model.logprobs import completion_logprobs
+from grouprl.model.multimodal import PromptImages, collate
+from grouprl.rollout.sampler import pack_rollout
 
 BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava}
 
@@ -43,13 +43,24 @@ def encoder(processor):
 
 def test_attach_images_puts_them_before_the_first_user_text_and_fills_empty_blocks():
     a, b = image(1), image(2)
-    messages = [{"role": "system", "content": "be brief"}, *user("what is this?"), {"role": "assistant", "content": "ok"}, *user("and?")]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        *user("what is this?"),
+        {"role": "assistant", "content": "ok"},
+        *user("and?"),
+    ]
     prepared = attach_images(messages, [a, b], row=0)
     assert prepared[0]["content"] == [{"type": "text", "text": "be brief"}]
-    assert prepared[1]["content"] == [{"type": "image", "image": a}, {"type": "image", "image": b}, {"type": "text", "text": "what is this?"}]
+    assert prepared[1]["content"] == [
+        {"type": "image", "image": a},
+        {"type": "image", "image": b},
+        {"type": "text", "text": "what is this?"},
+    ]
     assert prepared[3]["content"] == [{"type": "text", "text": "and?"}]  # only the first user message gets the images
     assert messages[1]["content"] == "what is this?"  # the dataset's messages are left alone
-    placed = attach_images([{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image"}]}], [a], row=0)
+    placed = attach_images(
+        [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image"}]}], [a], row=0
+    )
     assert placed[0]["content"][1] == {"type": "image", "image": a}
     with pytest.raises(ValueError, match=r"Row 7: 2 image\(s\) .* but 1 empty image block"):
         attach_images([{"role": "user", "content": [{"type": "image"}]}], [a, b], row=7)
@@ -60,9 +71,15 @@ def test_attach_images_puts_them_before_the_first_user_text_and_fills_empty_bloc
 def test_processor_encodes_each_prompt_once_with_its_image_inputs():
     model, processor = tiny_qwen2_vl()
     # 4x4-pixel patches merged 2x2: a 16x16 image is 16 patches and 4 image tokens, a 16x24 one 24 and 6.
-    prompt, ids, inputs = encoder(processor).encode_row({"prompt": user("hi"), "images": [image(0), image(1, 16, 24)]}, 0)
+    prompt, ids, inputs = encoder(processor).encode_row(
+        {"prompt": user("hi"), "images": [image(0), image(1, 16, 24)]}, 0
+    )
     image_id = model.config.image_token_id
-    assert [block["type"] for block in prompt[0]["content"]] == ["image", "image", "text"]  # what reward functions see (TRL)
+    assert [block["type"] for block in prompt[0]["content"]] == [
+        "image",
+        "image",
+        "text",
+    ]  # what reward functions see (TRL)
     assert sum(t == image_id for t in ids) == 10
     assert inputs.per_image["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]
     assert inputs.per_image["pixel_values"].shape[0] == 16 + 24
@@ -72,13 +89,17 @@ def test_processor_encodes_each_prompt_once_with_its_image_inputs():
     with pytest.raises(ValueError, match="Row 5 has images but a plain-string prompt"):
         encoder(processor).encode_row({"prompt": "hi", "image": image(0)}, 5)
     with pytest.raises(ValueError, match="Row 2 has images but the prompts are tokenized by a tokenizer"):
-        PromptTokenizer(processor.tokenizer, max_context=None, max_completion_length=8).encode_row({"prompt": user("x"), "image": image(0)}, 2)
+        PromptTokenizer(processor.tokenizer, max_context=None, max_completion_length=8).encode_row(
+            {"prompt": user("x"), "image": image(0)}, 2
+        )
 
 
 def test_collate_left_aligns_per_token_fields_with_the_prompt_and_concatenates_image_fields():
     a = PromptImages(per_token={"types": torch.tensor([0, 1, 1])}, per_image={"pixels": torch.ones(2, 3)})
     b = PromptImages(per_token={"types": torch.tensor([1, 0])}, per_image={"pixels": torch.zeros(1, 3)})
-    batched = collate([a, None, b], prompt_width=4, total_width=6)  # prompts padded to 4 columns, then 2 completion columns
+    batched = collate(
+        [a, None, b], prompt_width=4, total_width=6
+    )  # prompts padded to 4 columns, then 2 completion columns
     assert batched["types"].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]]
     assert batched["pixels"].tolist() == [[1.0] * 3, [1.0] * 3, [0.0] * 3]
     assert collate([None, None], 4, 6) == {}
@@ -117,18 +138,30 @@ def test_a_samples_logprobs_are_the_same_batched_with_shorter_or_longer_prompts(
 
     def logprobs(indices, forward=model, bucket_by_length=False):  # False: every row in one forward, padded together
         prompt_ids, prompt_mask = left_pad([encoded[i][1] for i in indices], 0)
-        completion_ids, completion_mask = left_pad([completions[i] for i in indices], 0)  # left-pad, then flip = right-pad
+        completion_ids, completion_mask = left_pad(
+            [completions[i] for i in indices], 0
+        )  # left-pad, then flip = right-pad
         completion_ids, completion_mask = completion_ids.flip(1), completion_mask.flip(1)
         completion_ids[completion_mask.bool()] = torch.cat([torch.tensor(completions[i]) for i in indices])
         with torch.no_grad():
-            out = completion_logprobs(forward, prompt_ids, prompt_mask.bool(), completion_ids, completion_mask.bool(), temperature=1.0,
-                                      multimodal=[encoded[i][2] for i in indices], bucket_by_length=bucket_by_length)
+            out = completion_logprobs(
+                forward,
+                prompt_ids,
+                prompt_mask.bool(),
+                completion_ids,
+                completion_mask.bool(),
+                temperature=1.0,
+                multimodal=[encoded[i][2] for i in indices],
+                bucket_by_length=bucket_by_length,
+            )
         return out.logprobs[indices.index(0), : len(completions[0])]
 
     alone = logprobs([0])
     for batch in ([1, 0], [0, 2], [2, 1, 0]):
         torch.testing.assert_close(logprobs(batch), alone, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logprobs([2, 1, 0], bucket_by_length=True), alone, atol=1e-5, rtol=1e-5)  # the default: length buckets
+    torch.testing.assert_close(
+        logprobs([2, 1, 0], bucket_by_length=True), alone, atol=1e-5, rtol=1e-5
+    )  # the default: length buckets
     # The check can fail: the same batch with the images' positions or rows wrong gives other logprobs.
     control = Misaligned(model, "images in reverse row order" if arch == "llava" else "text positions")
     assert (logprobs([2, 1, 0], control) - alone).abs().max() > 1e-3
@@ -145,11 +178,16 @@ def test_generation_gives_each_sample_its_own_prompts_images(arch):
     two = encode.encode_row({"prompt": user("a"), "images": [image(1), image(2)]}, 0)
     swapped = encode.encode_row({"prompt": user("a"), "images": [image(2), image(1)]}, 0)
     other = encode.encode_row({"prompt": user("something longer"), "images": [image(3)]}, 0)
-    generator = TransformersGenerator(model, processor.tokenizer, [0], 0, suppress_token_ids=[model.config.image_token_id])
+    generator = TransformersGenerator(
+        model, processor.tokenizer, [0], 0, suppress_token_ids=[model.config.image_token_id]
+    )
     greedy = SamplingParams(max_new_tokens=8, top_k=1)
 
     def tokens(prompts, n):
-        return [c.token_ids for c in generator.generate([p[1] for p in prompts], n, greedy, multimodal=[p[2] for p in prompts])]
+        return [
+            c.token_ids
+            for c in generator.generate([p[1] for p in prompts], n, greedy, multimodal=[p[2] for p in prompts])
+        ]
 
     alone = tokens([two], 1)[0]
     assert tokens([other, two], 2)[2:] == [alone, alone]  # batched, repeated G times, behind a longer prompt: unchanged
@@ -160,9 +198,23 @@ def test_generation_gives_each_sample_its_own_prompts_images(arch):
 
 
 def vlm_config(tmp_path, **overrides):
-    values = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 6,
-                  "learning_rate": 0.05, "max_steps": 2, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "seed": 0,
-                  "bf16": False, "beta": 0.1, "log_completions": True, "num_completions_to_print": 0}
+    values = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_completion_length": 6,
+        "learning_rate": 0.05,
+        "max_steps": 2,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+        "bf16": False,
+        "beta": 0.1,
+        "log_completions": True,
+        "num_completions_to_print": 0,
+    }
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -179,7 +231,10 @@ def test_qwen2_vl_trains_with_multi_image_prompts_reference_and_importance_sampl
     model, processor = tiny_qwen2_vl()
     model.model.visual.requires_grad_(False)
     # 1 or 2 images of different sizes per prompt, and one prompt without any.
-    rows = [{"prompt": user(f"describe {i}"), "images": [[image(i)], [image(i), image(i + 10, 16, 24)], []][i % 3]} for i in range(8)]
+    rows = [
+        {"prompt": user(f"describe {i}"), "images": [[image(i)], [image(i), image(i + 10, 16, 24)], []][i % 3]}
+        for i in range(8)
+    ]
     data = datasets.Dataset.from_list(rows)
     # steps_per_generation=2 > gradient_accumulation_steps=1: the second step reuses samples (old logprobs, IS ratio).
     config = vlm_config(tmp_path, steps_per_generation=2, save_strategy="steps", save_steps=1)
@@ -189,7 +244,9 @@ def test_qwen2_vl_trains_with_multi_image_prompts_reference_and_importance_sampl
     trainer.train()
     for name, param in model.named_parameters():
         changed = not torch.equal(param, before[name])
-        assert changed == (".visual." not in name), name  # every trainable parameter moved; the frozen vision tower did not
+        assert changed == (".visual." not in name), (
+            name
+        )  # every trainable parameter moved; the frozen vision tower did not
     first, second = trainer.state.log_history[:2]
     assert "time/old_logprobs" in first and "time/ref_logprobs" in first and second["kl"] > 0
 
@@ -204,8 +261,13 @@ def test_qwen2_vl_trains_with_multi_image_prompts_reference_and_importance_sampl
     final = {name: p.detach().clone() for name, p in model.named_parameters()}
     fresh, _ = tiny_qwen2_vl(seed=1)
     fresh.model.visual.requires_grad_(False)
-    resumed = GRPOTrainer(fresh, image_count_reward, args=vlm_config(tmp_path, steps_per_generation=2), train_dataset=data,
-                          processing_class=processor)
+    resumed = GRPOTrainer(
+        fresh,
+        image_count_reward,
+        args=vlm_config(tmp_path, steps_per_generation=2),
+        train_dataset=data,
+        processing_class=processor,
+    )
     resumed.train(resume_from_checkpoint=os.path.join(config.output_dir, "checkpoint-1"))
     for name, param in fresh.named_parameters():
         assert torch.equal(param, final[name]), name
@@ -217,15 +279,22 @@ def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path)
     data = datasets.Dataset.from_list([{"prompt": user(f"what is {i}?"), "image": image(i)} for i in range(8)])
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)")
     config = vlm_config(tmp_path, log_multimodal=False)
-    trainer = GRPOTrainer(path, lambda completions, image, **k: [len(c[0]["content"]) / 10 for c in completions], args=config,
-                          train_dataset=data, peft_config=lora)
+    trainer = GRPOTrainer(
+        path,
+        lambda completions, image, **k: [len(c[0]["content"]) / 10 for c in completions],
+        args=config,
+        train_dataset=data,
+        peft_config=lora,
+    )
     assert type(trainer.processing_class).__name__ == "LlavaProcessor"  # loaded with AutoProcessor
     policy = trainer.accelerator.unwrap_model(trainer.run.model)
     before = {name: p.detach().clone() for name, p in policy.named_parameters()}
     trainer.train()
     for name, param in policy.named_parameters():
         assert param.requires_grad == ("lora_" in name), name
-        assert (not torch.equal(param, before[name])) == ("lora_B" in name or "lora_A" in name), name  # base and vision frozen
+        assert (not torch.equal(param, before[name])) == ("lora_B" in name or "lora_A" in name), (
+            name
+        )  # base and vision frozen
     assert trainer.state.log_history[1]["kl"] > 0.0  # reference = the base model (adapter off), which the adapter left
     metrics = trainer.evaluate(data.select(range(4)))  # evaluation runs the same image path
     assert metrics["eval_reward"] >= 0.0 and math.isfinite(metrics["eval_loss"])
@@ -237,13 +306,19 @@ def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path)
 
 def test_images_without_a_processor_fail_before_training(tiny_model_dir, tmp_path):
     data = datasets.Dataset.from_list([{"prompt": user("x"), "image": image(0)} for _ in range(4)])
-    with pytest.raises(ValueError, match="train_dataset has an 'image' column but processing_class is a .*not a processor"):
-        GRPOTrainer(tiny_model_dir, lambda completions, **k: [0.0] * len(completions), args=vlm_config(tmp_path, beta=0.0),
-                    train_dataset=data)
+    with pytest.raises(
+        ValueError, match="train_dataset has an 'image' column but processing_class is a .*not a processor"
+    ):
+        GRPOTrainer(
+            tiny_model_dir,
+            lambda completions, **k: [0.0] * len(completions),
+            args=vlm_config(tmp_path, beta=0.0),
+            train_dataset=data,
+        )
 
 
 def test_images_are_png_encoded_arrays_too():
-    from grouprl.completion_log import png_bytes
+    from grouprl.rollout.completion_log import png_bytes
 
     pixels = np.arange(48, dtype=np.uint8).reshape(4, 4, 3)
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(png_bytes(pixels)))), pixels)
@@ -271,7 +346,10 @@ def test_the_readme_example_trains(tmp_path, monkeypatch):
     section = readme.split("## Vision-language models", 1)[1]
     script = section.split("```python\n", 1)[1].split("```", 1)[0]
     path = save_tiny_llava(tmp_path / "tiny-llava")
-    for hub, local in (('"Qwen/Qwen2.5-VL-3B-Instruct"', repr(path)), ('output_dir="vlm-GRPO"', 'output_dir="vlm-GRPO", max_steps=2, logging_steps=1')):
+    for hub, local in (
+        ('"Qwen/Qwen2.5-VL-3B-Instruct"', repr(path)),
+        ('output_dir="vlm-GRPO"', 'output_dir="vlm-GRPO", max_steps=2, logging_steps=1'),
+    ):
         assert script.count(hub) == 1, hub
         script = script.replace(hub, local)
     monkeypatch.chdir(tmp_path)
@@ -287,11 +365,38 @@ def test_the_command_line_trains_a_vlm_from_a_dataset_with_images(tmp_path):
     from grouprl.cli import main
 
     path = save_tiny_llava(tmp_path / "tiny-llava")
-    datasets.Dataset.from_list([{"prompt": user(f"what is {i}?"), "image": image(i)} for i in range(4)]).save_to_disk(str(tmp_path / "data"))
+    datasets.Dataset.from_list([{"prompt": user(f"what is {i}?"), "image": image(i)} for i in range(4)]).save_to_disk(
+        str(tmp_path / "data")
+    )
     out = tmp_path / "out"
-    code = main(["train", "--model_name_or_path", path, "--dataset_name", str(tmp_path / "data"), "--reward_funcs",
-                 "get_repetition_penalty_reward", "--output_dir", str(out), "--num_generations", "2", "--per_device_train_batch_size", "4",
-                 "--max_completion_length", "6", "--max_steps", "1", "--logging_steps", "1", "--save_strategy", "no",
-                 "--disable_tqdm", "true", "--report_to", "none"])
+    code = main(
+        [
+            "train",
+            "--model_name_or_path",
+            path,
+            "--dataset_name",
+            str(tmp_path / "data"),
+            "--reward_funcs",
+            "get_repetition_penalty_reward",
+            "--output_dir",
+            str(out),
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "6",
+            "--max_steps",
+            "1",
+            "--logging_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "true",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     assert {"model.safetensors", "processor_config.json"} <= set(os.listdir(out))  # the trained VLM and its processor

@@ -19,7 +19,9 @@ def test_plain_model_sends_its_parameters(tiny_model_dir):
 def test_lora_model_sends_merged_base_weights_and_stays_unmerged(tiny_model_dir):
     peft = pytest.importorskip("peft")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model = peft.get_peft_model(
+        copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     ids = torch.tensor([[5, 6, 7, 8]])
     before = model(input_ids=ids).logits
     sent = dict(inference_weights(model))

@@ -12,7 +12,7 @@ import time
 
 from checkpoint_run import make_trainer
 
-from grouprl import checkpoint
+from grouprl.train import checkpoint
 
 model_dir, output_dir, pause_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 write_weights = checkpoint.save_pretrained

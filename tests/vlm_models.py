@@ -42,8 +42,11 @@ def build_vlm_tokenizer(image_tokens: tuple[str, ...], image_markup: str) -> Pre
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-        additional_special_tokens=[IM_START, IM_END, *image_tokens], clean_up_tokenization_spaces=False,
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START, IM_END, *image_tokens],
+        clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE_MARKUP", repr(image_markup))
     return tokenizer
@@ -80,28 +83,55 @@ def tiny_qwen2_vl(seed: int = 0):
         Qwen2VLImageProcessorPil,
     )
 
-    tokenizer = build_vlm_tokenizer(("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
-                                    "<|vision_start|><|image_pad|><|vision_end|>")
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    tokenizer = build_vlm_tokenizer(
+        ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+        "<|vision_start|><|image_pad|><|vision_end|>",
+    )
+    ids = {
+        t: tokenizer.convert_tokens_to_ids(t)
+        for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    }
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config = Qwen2VLConfig(
         text_config={
-            "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                                                "mrope_section": [2, 1, 1]},
-            "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+            "bos_token_id": eos,
+            "eos_token_id": eos,
+            "pad_token_id": eos,
         },
-        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4, "temporal_patch_size": 2,
-                           "spatial_merge_size": 2, "in_channels": 3},
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        vision_config={
+            "depth": 1,
+            "embed_dim": 16,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 4,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "in_channels": 3,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
     )
     with _seeded(seed):
         model = Qwen2VLForConditionalGeneration(config)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
-    image_processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32)
-    processor = _image_only(Qwen2VLProcessor)(image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+    )
+    processor = _image_only(Qwen2VLProcessor)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
     return model, processor
 
 
@@ -121,21 +151,45 @@ def tiny_llava(seed: int = 0):
     tokenizer = build_vlm_tokenizer(("<image>",), "<image>")
     eos, image_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids("<image>")
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                       image_size=16, patch_size=4, projection_dim=16),
-        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                bos_token_id=eos, eos_token_id=eos, pad_token_id=eos),
-        image_token_id=image_id, image_seq_length=16, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        vision_config=CLIPVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=4,
+            projection_dim=16,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        ),
+        image_token_id=image_id,
+        image_seq_length=16,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
     )
     with _seeded(seed):
         model = LlavaForConditionalGeneration(config)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     image_processor = LlavaImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=4,
-                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                               chat_template=tokenizer.chat_template)
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tokenizer.chat_template,
+    )
     return model, processor
 
 

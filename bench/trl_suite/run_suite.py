@@ -30,7 +30,9 @@ SUPPORT_FILES = ("testing_utils.py",)
 
 # The only edits made for the grouprl run: what a user changes to switch libraries.
 IMPORT_SWAPS = {
-    "test_grpo_trainer.py": [("from trl import GRPOConfig, GRPOTrainer\n", "from grouprl import GRPOConfig, GRPOTrainer\n")],
+    "test_grpo_trainer.py": [
+        ("from trl import GRPOConfig, GRPOTrainer\n", "from grouprl import GRPOConfig, GRPOTrainer\n")
+    ],
     "test_rewards.py": [("from trl.rewards import (\n", "from grouprl.rewards import (\n")],
 }
 
@@ -39,7 +41,9 @@ def find_tests_dir(path: Path) -> Path:
     for candidate in (path / "tests", path):
         if all((candidate / name).is_file() for name in TEST_FILES + SUPPORT_FILES):
             return candidate
-    raise SystemExit(f"--trl-tests {path}: no folder there (or its tests/) holds {', '.join(TEST_FILES + SUPPORT_FILES)}")
+    raise SystemExit(
+        f"--trl-tests {path}: no folder there (or its tests/) holds {', '.join(TEST_FILES + SUPPORT_FILES)}"
+    )
 
 
 def prepare_suite(source: Path, target: Path, swap: bool) -> None:
@@ -56,7 +60,9 @@ def prepare_suite(source: Path, target: Path, swap: bool) -> None:
         if swap:
             for old, new in IMPORT_SWAPS[name]:
                 if text.count(old) != 1:
-                    raise SystemExit(f"{name}: expected exactly one line {old.strip()!r} to swap, found {text.count(old)}")
+                    raise SystemExit(
+                        f"{name}: expected exactly one line {old.strip()!r} to swap, found {text.count(old)}"
+                    )
                 text = text.replace(old, new)
         (tests / name).write_text(text)
 
@@ -71,9 +77,16 @@ def build_standins(python: str, hf_home: Path, rebuild: bool) -> None:
 
 def suite_env(hf_home: Path, report: Path, grouprl_src: Path | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_TOKEN")}
-    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", TRL_SUITE_REPORT=str(report), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-               HF_DATASETS_CACHE=str(hf_home / "datasets"))
+    env.update(
+        HF_HOME=str(hf_home),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        TRL_SUITE_REPORT=str(report),
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        HF_DATASETS_CACHE=str(hf_home / "datasets"),
+    )
     if grouprl_src is not None:
         env["PYTHONPATH"] = str(grouprl_src)
     return env
@@ -81,27 +94,60 @@ def suite_env(hf_home: Path, report: Path, grouprl_src: Path | None) -> dict[str
 
 def collect(python: str, suite: Path, hf_home: Path, grouprl_src: Path | None, extra: list[str]) -> list[str]:
     """The suite's test ids, in run order (relative to the suite folder)."""
-    command = [python, "-m", "pytest", *[f"tests/{name}" for name in TEST_FILES], "-p", "no:cacheprovider",
-               "--collect-only", "-q", *extra]
-    done = subprocess.run(command, cwd=suite, env=suite_env(hf_home, suite / "collect.json", grouprl_src),
-                          capture_output=True, text=True)
-    ids = [line[line.index("tests/"):] for line in done.stdout.splitlines() if "::" in line and "tests/" in line]
+    command = [
+        python,
+        "-m",
+        "pytest",
+        *[f"tests/{name}" for name in TEST_FILES],
+        "-p",
+        "no:cacheprovider",
+        "--collect-only",
+        "-q",
+        *extra,
+    ]
+    done = subprocess.run(
+        command, cwd=suite, env=suite_env(hf_home, suite / "collect.json", grouprl_src), capture_output=True, text=True
+    )
+    ids = [line[line.index("tests/") :] for line in done.stdout.splitlines() if "::" in line and "tests/" in line]
     if not ids:
         raise SystemExit(f"collection in {suite} found no tests:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return ids
 
 
-def run_pytest(python: str, suite: Path, hf_home: Path, report: Path, grouprl_src: Path | None, timeout: int,
-               extra: list[str], tests: list[str] | None = None, log_name: str = "pytest.log") -> subprocess.Popen:
+def run_pytest(
+    python: str,
+    suite: Path,
+    hf_home: Path,
+    report: Path,
+    grouprl_src: Path | None,
+    timeout: int,
+    extra: list[str],
+    tests: list[str] | None = None,
+    log_name: str = "pytest.log",
+) -> subprocess.Popen:
     targets = tests if tests is not None else [f"tests/{name}" for name in TEST_FILES]
-    command = [python, "-m", "pytest", *targets, "-p", "no:cacheprovider", f"--timeout={timeout}", "-q", "-rN",
-               "--tb=line", *extra]
+    command = [
+        python,
+        "-m",
+        "pytest",
+        *targets,
+        "-p",
+        "no:cacheprovider",
+        f"--timeout={timeout}",
+        "-q",
+        "-rN",
+        "--tb=line",
+        *extra,
+    ]
     log = open(suite / log_name, "w")
-    return subprocess.Popen(command, cwd=suite, env=suite_env(hf_home, report, grouprl_src), stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        command, cwd=suite, env=suite_env(hf_home, report, grouprl_src), stdout=log, stderr=subprocess.STDOUT
+    )
 
 
-def start_suite(python: str, suite: Path, hf_home: Path, grouprl_src: Path | None, timeout: int, extra: list[str],
-                shards: int) -> list[tuple[subprocess.Popen, Path]]:
+def start_suite(
+    python: str, suite: Path, hf_home: Path, grouprl_src: Path | None, timeout: int, extra: list[str], shards: int
+) -> list[tuple[subprocess.Popen, Path]]:
     """One pytest process, or `shards` processes over contiguous slices of the collected tests (the training
     tests are CPU-bound and single-threaded, so slices finish in a fraction of the time on a busy machine)."""
     if shards <= 1:
@@ -112,22 +158,44 @@ def start_suite(python: str, suite: Path, hf_home: Path, grouprl_src: Path | Non
     started = []
     for index in range(0, len(ids), size):
         report = suite / f"report-{index // size}.json"
-        started.append((run_pytest(python, suite, hf_home, report, grouprl_src, timeout, extra, ids[index:index + size],
-                                   f"pytest-{index // size}.log"), report))
+        started.append(
+            (
+                run_pytest(
+                    python,
+                    suite,
+                    hf_home,
+                    report,
+                    grouprl_src,
+                    timeout,
+                    extra,
+                    ids[index : index + size],
+                    f"pytest-{index // size}.log",
+                ),
+                report,
+            )
+        )
     return started
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-tests", required=True, type=Path, help="TRL checkout, or its tests/ folder")
-    parser.add_argument("--python", default="/work/trl-venv/bin/python", help="interpreter of the environment with trl==1.16.0")
+    parser.add_argument(
+        "--python", default="/work/trl-venv/bin/python", help="interpreter of the environment with trl==1.16.0"
+    )
     parser.add_argument("--grouprl-src", type=Path, default=REPO / "src", help="folder holding the grouprl package")
-    parser.add_argument("--work", type=Path, default=HERE / ".cache", help="stand-ins, suite copies and logs (git-ignored)")
+    parser.add_argument(
+        "--work", type=Path, default=HERE / ".cache", help="stand-ins, suite copies and logs (git-ignored)"
+    )
     parser.add_argument("--out", type=Path, default=HERE, help="where results.json and results.md are written")
     parser.add_argument("--only", choices=("both", "trl", "grouprl"), default="both")
-    parser.add_argument("--sequential", action="store_true", help="run the two suites one after the other (default: side by side)")
+    parser.add_argument(
+        "--sequential", action="store_true", help="run the two suites one after the other (default: side by side)"
+    )
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds")
-    parser.add_argument("--shards", type=int, default=1, help="pytest processes per suite, over contiguous slices of its tests")
+    parser.add_argument(
+        "--shards", type=int, default=1, help="pytest processes per suite, over contiguous slices of its tests"
+    )
     parser.add_argument("--rebuild-standins", action="store_true")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k training")
     args = parser.parse_args(argv)
@@ -142,8 +210,15 @@ def main(argv=None) -> int:
     for name in runs:
         suite = work / f"suite-{name}"
         prepare_suite(source, suite, swap=(name == "grouprl"))
-        launched = start_suite(args.python, suite, hf_home, args.grouprl_src.resolve() if name == "grouprl" else None,
-                               args.timeout, args.pytest_args, args.shards)
+        launched = start_suite(
+            args.python,
+            suite,
+            hf_home,
+            args.grouprl_src.resolve() if name == "grouprl" else None,
+            args.timeout,
+            args.pytest_args,
+            args.shards,
+        )
         processes[name] = [process for process, _ in launched]
         reports[name] = [report for _, report in launched]
         if args.sequential:

@@ -40,7 +40,11 @@ def _to_symbols(text: str) -> str:
 
 def _byte_rank(b: int) -> int:
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    return printable.index(b) if b in printable else len(printable) + [x for x in range(256) if x not in printable].index(b)
+    return (
+        printable.index(b)
+        if b in printable
+        else len(printable) + [x for x in range(256) if x not in printable].index(b)
+    )
 
 
 def _filler(n: int) -> str:
@@ -56,16 +60,16 @@ def _filler(n: int) -> str:
 
 @dataclass
 class TokenizerSpec:
-    vocab_size: int                      # ids 0 .. vocab_size-1 (specials included)
-    specials: dict[int, str]             # id -> special token
-    pieces: dict[int, str] = field(default_factory=dict)   # id -> plain text piece at a fixed id
-    bytes_at: int = 0                    # first id of the 256 byte symbols
+    vocab_size: int  # ids 0 .. vocab_size-1 (specials included)
+    specials: dict[int, str]  # id -> special token
+    pieces: dict[int, str] = field(default_factory=dict)  # id -> plain text piece at a fixed id
+    bytes_at: int = 0  # first id of the 256 byte symbols
     bos: str | None = None
     eos: str = ""
     pad: str | None = None
     unk: str | None = None
-    add_bos: bool = False                # prepend bos when encoding (Llama 3, Gemma)
-    chat_template: str | None = None     # file name under trl/chat_templates
+    add_bos: bool = False  # prepend bos when encoding (Llama 3, Gemma)
+    chat_template: str | None = None  # file name under trl/chat_templates
     tokenizer_class: str = "PreTrainedTokenizerFast"
     extra_config: dict = field(default_factory=dict)
 
@@ -133,19 +137,55 @@ def save(spec: TokenizerSpec, directory) -> None:
 # --- families -------------------------------------------------------------------------------------
 
 _QWEN_SPECIALS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
 ]
 QWEN_FIRST_SPECIAL = 151643
 
 # Word pieces TRL's tool-calling test writes as raw Qwen ids (see its fake `generate`).
 QWEN_PIECES = {
-    4913: '{"', 606: "name", 788: '":', 330: ' "', 64648: "multiply", 22785: "_tool", 497: '",', 16370: "arguments",
-    5212: ' {"', 11248: "}}\n", 7692: "async", 93054: "_multiply", 1513: " don", 944: "'t", 1414: " know",
-    894: " any", 5392: " tool", 17453: "Done",
+    4913: '{"',
+    606: "name",
+    788: '":',
+    330: ' "',
+    64648: "multiply",
+    22785: "_tool",
+    497: '",',
+    16370: "arguments",
+    5212: ' {"',
+    11248: "}}\n",
+    7692: "async",
+    93054: "_multiply",
+    1513: " don",
+    944: "'t",
+    1414: " know",
+    894: " any",
+    5392: " tool",
+    17453: "Done",
 }
 
 
@@ -155,25 +195,59 @@ def qwen(template: str, vocab_size: int | None = None) -> TokenizerSpec:
     first_special = QWEN_FIRST_SPECIAL if vocab_size is None else vocab_size - len(_QWEN_SPECIALS)
     specials = {first_special + i: t for i, t in enumerate(_QWEN_SPECIALS)}
     return TokenizerSpec(
-        vocab_size=first_special + len(_QWEN_SPECIALS), specials=specials,
+        vocab_size=first_special + len(_QWEN_SPECIALS),
+        specials=specials,
         pieces=QWEN_PIECES if vocab_size is None else {},
-        eos="<|im_end|>", pad="<|endoftext|>", chat_template=template, tokenizer_class="Qwen2Tokenizer",
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        chat_template=template,
+        tokenizer_class="Qwen2Tokenizer",
         extra_config={"errors": "replace", "split_special_tokens": False},
     )
 
 
 def llama3(template: str) -> TokenizerSpec:
     specials = {128000 + i: f"<|reserved_special_token_{i}|>" for i in range(256)}
-    named = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128004: "<|finetune_right_pad_id|>",
-             128006: "<|start_header_id|>", 128007: "<|end_header_id|>", 128008: "<|eom_id|>", 128009: "<|eot_id|>",
-             128010: "<|python_tag|>"}
+    named = {
+        128000: "<|begin_of_text|>",
+        128001: "<|end_of_text|>",
+        128004: "<|finetune_right_pad_id|>",
+        128006: "<|start_header_id|>",
+        128007: "<|end_header_id|>",
+        128008: "<|eom_id|>",
+        128009: "<|eot_id|>",
+        128010: "<|python_tag|>",
+    }
     specials.update(named)
-    return TokenizerSpec(vocab_size=128256, specials=specials, bos="<|begin_of_text|>", eos="<|eot_id|>",
-                         add_bos=True, chat_template=template)
+    return TokenizerSpec(
+        vocab_size=128256,
+        specials=specials,
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        add_bos=True,
+        chat_template=template,
+    )
 
 
 def gemma(template: str, vocab_size: int = 256000, extra: dict[int, str] | None = None) -> TokenizerSpec:
-    specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 106: "<start_of_turn>", 107: "<end_of_turn>"}
+    specials = {
+        0: "<pad>",
+        1: "<eos>",
+        2: "<bos>",
+        3: "<unk>",
+        4: "<mask>",
+        106: "<start_of_turn>",
+        107: "<end_of_turn>",
+    }
     specials.update(extra or {})
-    return TokenizerSpec(vocab_size=vocab_size, specials=specials, bytes_at=300, bos="<bos>", eos="<eos>", pad="<pad>",
-                         unk="<unk>", add_bos=True, chat_template=template)
+    return TokenizerSpec(
+        vocab_size=vocab_size,
+        specials=specials,
+        bytes_at=300,
+        bos="<bos>",
+        eos="<eos>",
+        pad="<pad>",
+        unk="<unk>",
+        add_bos=True,
+        chat_template=template,
+    )

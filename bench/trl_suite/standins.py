@@ -81,21 +81,28 @@ def _token_ids(spec: tok.TokenizerSpec) -> dict[str, int]:
     }
 
 
-def _save_model(root: Path, repo_id: str, model, spec: tok.TokenizerSpec, generation_eos: list[int] | None = None) -> None:
+def _save_model(
+    root: Path, repo_id: str, model, spec: tok.TokenizerSpec, generation_eos: list[int] | None = None
+) -> None:
     from transformers import GenerationConfig
 
     path = snapshot_dir(root, repo_id)
     model.save_pretrained(path, safe_serialization=True)
     ids = _token_ids(spec)
-    GenerationConfig(bos_token_id=ids["bos_token_id"], eos_token_id=generation_eos or ids["eos_token_id"],
-                     pad_token_id=ids["pad_token_id"]).save_pretrained(path)
+    GenerationConfig(
+        bos_token_id=ids["bos_token_id"],
+        eos_token_id=generation_eos or ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+    ).save_pretrained(path)
     tok.save(spec, path)
 
 
 def _causal_lm(config_class, model_class, spec, seed, **overrides):
     import torch
 
-    config = config_class(vocab_size=spec.vocab_size, max_position_embeddings=32768, **{**SMALL, **_token_ids(spec), **overrides})
+    config = config_class(
+        vocab_size=spec.vocab_size, max_position_embeddings=32768, **{**SMALL, **_token_ids(spec), **overrides}
+    )
     torch.manual_seed(seed)
     return model_class(config)
 
@@ -103,8 +110,12 @@ def _causal_lm(config_class, model_class, spec, seed, **overrides):
 def _sequence_classifier(config_class, model_class, spec, seed, **overrides):
     import torch
 
-    config = config_class(vocab_size=spec.vocab_size, max_position_embeddings=32768, num_labels=1,
-                          **{**SMALL, **_token_ids(spec), **overrides})
+    config = config_class(
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=32768,
+        num_labels=1,
+        **{**SMALL, **_token_ids(spec), **overrides},
+    )
     torch.manual_seed(seed)
     return model_class(config)
 
@@ -136,27 +147,63 @@ def build_text_models(root: Path) -> list[str]:
         _save_model(root, f"{ORG}/{name}", model, spec, generation_eos)
         built.append(f"{ORG}/{name}")
 
-    add("tiny-Qwen2ForCausalLM-2.5", _causal_lm(tf.Qwen2Config, tf.Qwen2ForCausalLM, qwen25, 0, tie_word_embeddings=True),
-        qwen25, _eos_ids(qwen25, "<|im_end|>", "<|endoftext|>"))
-    add("tiny-Qwen2ForSequenceClassification-2.5",
-        _sequence_classifier(tf.Qwen2Config, tf.Qwen2ForSequenceClassification, qwen25_full, 1, tie_word_embeddings=True),
-        qwen25_full)
-    add("tiny-Qwen3ForCausalLM", _causal_lm(tf.Qwen3Config, tf.Qwen3ForCausalLM, qwen3, 2, head_dim=4, tie_word_embeddings=False),
-        qwen3, _eos_ids(qwen3, "<|im_end|>", "<|endoftext|>"))
-    add("tiny-Qwen3ForSequenceClassification",
-        _sequence_classifier(tf.Qwen3Config, tf.Qwen3ForSequenceClassification, qwen3_full, 3, head_dim=4), qwen3_full)
-    add("tiny-Qwen3MoeForCausalLM",
-        _causal_lm(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, qwen3_full, 4, head_dim=4, num_experts=4, num_experts_per_tok=2,
-                   moe_intermediate_size=16, decoder_sparse_step=1, tie_word_embeddings=False),
-        qwen3_full, _eos_ids(qwen3_full, "<|im_end|>", "<|endoftext|>"))
-    add("tiny-Gemma2ForCausalLM", _causal_lm(tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma2, 5, head_dim=4, tie_word_embeddings=True),
-        gemma2, [1, 107])
-    add("tiny-LlamaForSequenceClassification-3.2",
-        _sequence_classifier(tf.LlamaConfig, tf.LlamaForSequenceClassification, llama, 6, tie_word_embeddings=True), llama)
+    add(
+        "tiny-Qwen2ForCausalLM-2.5",
+        _causal_lm(tf.Qwen2Config, tf.Qwen2ForCausalLM, qwen25, 0, tie_word_embeddings=True),
+        qwen25,
+        _eos_ids(qwen25, "<|im_end|>", "<|endoftext|>"),
+    )
+    add(
+        "tiny-Qwen2ForSequenceClassification-2.5",
+        _sequence_classifier(
+            tf.Qwen2Config, tf.Qwen2ForSequenceClassification, qwen25_full, 1, tie_word_embeddings=True
+        ),
+        qwen25_full,
+    )
+    add(
+        "tiny-Qwen3ForCausalLM",
+        _causal_lm(tf.Qwen3Config, tf.Qwen3ForCausalLM, qwen3, 2, head_dim=4, tie_word_embeddings=False),
+        qwen3,
+        _eos_ids(qwen3, "<|im_end|>", "<|endoftext|>"),
+    )
+    add(
+        "tiny-Qwen3ForSequenceClassification",
+        _sequence_classifier(tf.Qwen3Config, tf.Qwen3ForSequenceClassification, qwen3_full, 3, head_dim=4),
+        qwen3_full,
+    )
+    add(
+        "tiny-Qwen3MoeForCausalLM",
+        _causal_lm(
+            tf.Qwen3MoeConfig,
+            tf.Qwen3MoeForCausalLM,
+            qwen3_full,
+            4,
+            head_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            decoder_sparse_step=1,
+            tie_word_embeddings=False,
+        ),
+        qwen3_full,
+        _eos_ids(qwen3_full, "<|im_end|>", "<|endoftext|>"),
+    )
+    add(
+        "tiny-Gemma2ForCausalLM",
+        _causal_lm(tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma2, 5, head_dim=4, tie_word_embeddings=True),
+        gemma2,
+        [1, 107],
+    )
+    add(
+        "tiny-LlamaForSequenceClassification-3.2",
+        _sequence_classifier(tf.LlamaConfig, tf.LlamaForSequenceClassification, llama, 6, tie_word_embeddings=True),
+        llama,
+    )
     return built
 
 
 # --- datasets -------------------------------------------------------------------------------------
+
 
 def _image(seed: int, size: int = 32):
     import numpy as np
@@ -219,8 +266,14 @@ def build_dataset(root: Path, name: str, config: str, rows: dict[str, list[dict]
         files[split] = [str(path)]
     # Prepared under the bare name (the builder refuses local files for a repo id), then moved to the
     # folder offline loading of the repo id reads: <org>___<name>/<config>/0.0.0/<hash>.
-    builder = Parquet(cache_dir=str(root / "prepare"), dataset_name=name, config_name=config, data_files=files,
-                      hash=_revision(f"{repo_id}/{config}")[:16], version="0.0.0")
+    builder = Parquet(
+        cache_dir=str(root / "prepare"),
+        dataset_name=name,
+        config_name=config,
+        data_files=files,
+        hash=_revision(f"{repo_id}/{config}")[:16],
+        version="0.0.0",
+    )
     builder.download_and_prepare()
     prepared = Path(builder.cache_dir)
     wanted = root / "datasets" / f"{ORG}___{name}" / config / "0.0.0" / prepared.name

@@ -40,6 +40,7 @@ def _add_missing_trl_helpers() -> list[str]:
             setattr(import_utils, name, probe(module_name))
             added.append(f"trl.import_utils.{name}")
     if not hasattr(trainer_utils, "get_kbit_device_map"):
+
         def kbit_device_map():  # where a k-bit model would be placed: the current accelerator, else CPU
             import torch
 
@@ -88,7 +89,9 @@ def pytest_runtest_logreport(report):
     entry["duration"] += report.duration
     xfail = hasattr(report, "wasxfail")
     if report.when == "setup" and report.skipped:
-        entry.update(outcome="xfailed" if xfail else "skipped", message=_first_line(report) if not xfail else report.wasxfail)
+        entry.update(
+            outcome="xfailed" if xfail else "skipped", message=_first_line(report) if not xfail else report.wasxfail
+        )
     elif report.when == "setup" and report.failed:
         entry.update(outcome="error", message=_first_line(report))
     elif report.when == "call":
@@ -106,7 +109,11 @@ def pytest_runtest_logreport(report):
 
 def pytest_collectreport(report):
     if report.failed:  # a module that does not import: every test in it is lost, say so
-        _RESULTS[report.nodeid or "<collection>"] = {"outcome": "collection-error", "message": _first_line(report), "duration": 0.0}
+        _RESULTS[report.nodeid or "<collection>"] = {
+            "outcome": "collection-error",
+            "message": _first_line(report),
+            "duration": 0.0,
+        }
 
 
 def pytest_collection_finish(session):

@@ -17,7 +17,7 @@ SKIP = {"skipped"}
 
 
 def _key(nodeid: str) -> str:
-    return nodeid[nodeid.index("tests/") + len("tests/"):] if "tests/" in nodeid else nodeid
+    return nodeid[nodeid.index("tests/") + len("tests/") :] if "tests/" in nodeid else nodeid
 
 
 def _load(paths) -> tuple[dict[str, dict], list[str]]:
@@ -33,7 +33,9 @@ def _load(paths) -> tuple[dict[str, dict], list[str]]:
             if entry["outcome"] != "missing" or _key(nodeid) not in tests:
                 tests[_key(nodeid)] = entry
         for nodeid in data.get("collected", []):  # collected but never reported: the run was stopped first
-            tests.setdefault(_key(nodeid), {"outcome": "missing", "message": "not reached (run stopped)", "duration": 0.0})
+            tests.setdefault(
+                _key(nodeid), {"outcome": "missing", "message": "not reached (run stopped)", "duration": 0.0}
+            )
     return tests, shims
 
 
@@ -50,17 +52,34 @@ def verdict(outcome: str | None) -> str:
 def compare(trl: dict[str, dict], grouprl: dict[str, dict]) -> list[dict]:
     rows = []
     for test in sorted(set(trl) | set(grouprl)):
-        a, b = trl.get(test, {"outcome": "missing", "message": ""}), grouprl.get(test, {"outcome": "missing", "message": ""})
-        rows.append({"test": test, "trl": a["outcome"], "trl_message": a["message"], "grouprl": b["outcome"],
-                     "grouprl_message": b["message"], "trl_seconds": round(a.get("duration", 0.0), 1),
-                     "grouprl_seconds": round(b.get("duration", 0.0), 1)})
+        a, b = (
+            trl.get(test, {"outcome": "missing", "message": ""}),
+            grouprl.get(test, {"outcome": "missing", "message": ""}),
+        )
+        rows.append(
+            {
+                "test": test,
+                "trl": a["outcome"],
+                "trl_message": a["message"],
+                "grouprl": b["outcome"],
+                "grouprl_message": b["message"],
+                "trl_seconds": round(a.get("duration", 0.0), 1),
+                "grouprl_seconds": round(b.get("duration", 0.0), 1),
+            }
+        )
     return rows
 
 
 def counts(rows: list[dict], side: str) -> dict[str, int]:
     tally = Counter(verdict(row[side]) for row in rows)
-    return {"total": len(rows), "pass": tally["pass"], "skip": tally["skip"], "fail": tally["fail"], "not_run": tally["notrun"],
-            "outcomes": dict(Counter(row[side] for row in rows))}
+    return {
+        "total": len(rows),
+        "pass": tally["pass"],
+        "skip": tally["skip"],
+        "fail": tally["fail"],
+        "not_run": tally["notrun"],
+        "outcomes": dict(Counter(row[side] for row in rows)),
+    }
 
 
 def _cell(text: str) -> str:
@@ -76,10 +95,16 @@ def write_summary(trl_report, grouprl_report, out: Path, source: str = "", notes
     gains = [r for r in rows if verdict(r["trl"]) == "fail" and verdict(r["grouprl"]) == "pass"]
     both_fail = [r for r in rows if verdict(r["trl"]) == "fail" and verdict(r["grouprl"]) == "fail"]
     result = {
-        "date": date.today().isoformat(), "trl_tests_source": source, "notes": notes, "shims": sorted(set(trl_shims) | set(grouprl_shims)),
-        "trl": counts(rows, "trl"), "grouprl": counts(rows, "grouprl"),
-        "trl_pass_grouprl_fail": [r["test"] for r in regressions], "grouprl_pass_trl_fail": [r["test"] for r in gains],
-        "both_fail": [r["test"] for r in both_fail], "tests": rows,
+        "date": date.today().isoformat(),
+        "trl_tests_source": source,
+        "notes": notes,
+        "shims": sorted(set(trl_shims) | set(grouprl_shims)),
+        "trl": counts(rows, "trl"),
+        "grouprl": counts(rows, "grouprl"),
+        "trl_pass_grouprl_fail": [r["test"] for r in regressions],
+        "grouprl_pass_trl_fail": [r["test"] for r in gains],
+        "both_fail": [r["test"] for r in both_fail],
+        "tests": rows,
     }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,11 +133,15 @@ def render(result: dict) -> str:
         f"Pass under grouprl, fail under TRL: {len(result['grouprl_pass_trl_fail'])}. "
         f"Fail under both: {len(result['both_fail'])}.",
         "",
-        "Outcomes as pytest reports them — TRL: " + ", ".join(f"{k} {v}" for k, v in sorted(t["outcomes"].items()))
-        + "; grouprl: " + ", ".join(f"{k} {v}" for k, v in sorted(g["outcomes"].items())) + ".",
+        "Outcomes as pytest reports them — TRL: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(t["outcomes"].items()))
+        + "; grouprl: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(g["outcomes"].items()))
+        + ".",
         "",
         "Environment adaptations applied to both runs (bench/trl_suite/suite_conftest.py): "
-        + "; ".join(f"`{s}`" for s in result["shims"]) + ".",
+        + "; ".join(f"`{s}`" for s in result["shims"])
+        + ".",
         "",
         "## Pass under TRL, fail under grouprl",
         "",
@@ -124,14 +153,28 @@ def render(result: dict) -> str:
         r = by_name[name]
         lines.append(f"| `{name}` | {r['grouprl']} | {_cell(r['grouprl_message'])} |")
     if result["grouprl_pass_trl_fail"]:
-        lines += ["", "## Pass under grouprl, fail under TRL", "", "| test | TRL outcome | TRL's first error line |", "|---|---|---|"]
+        lines += [
+            "",
+            "## Pass under grouprl, fail under TRL",
+            "",
+            "| test | TRL outcome | TRL's first error line |",
+            "|---|---|---|",
+        ]
         for name in result["grouprl_pass_trl_fail"]:
             r = by_name[name]
             lines.append(f"| `{name}` | {r['trl']} | {_cell(r['trl_message'])} |")
-    lines += ["", "## Fail under both", "", "| test | TRL: first error line | grouprl: first error line |", "|---|---|---|"]
+    lines += [
+        "",
+        "## Fail under both",
+        "",
+        "| test | TRL: first error line | grouprl: first error line |",
+        "|---|---|---|",
+    ]
     for name in result["both_fail"]:
         r = by_name[name]
-        lines.append(f"| `{name}` | {r['trl']}: {_cell(r['trl_message'])} | {r['grouprl']}: {_cell(r['grouprl_message'])} |")
+        lines.append(
+            f"| `{name}` | {r['trl']}: {_cell(r['trl_message'])} | {r['grouprl']}: {_cell(r['grouprl_message'])} |"
+        )
     lines += ["", "## Every test", "", "| test | TRL | grouprl | grouprl's first error line |", "|---|---|---|---|"]
     for r in result["tests"]:
         message = r["grouprl_message"] if verdict(r["grouprl"]) != "pass" else ""

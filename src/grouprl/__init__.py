@@ -1,21 +1,32 @@
 """grouprl: GRPO-family reinforcement learning for language models, drop-in compatible with TRL.
 
-    from grouprl import GRPOConfig, GRPOTrainer   # instead of: from trl import ...
+from grouprl import GRPOConfig, GRPOTrainer   # instead of: from trl import ...
 """
 
-from .algorithms.advantages import register_advantage
-from .algorithms.losses import register_loss
-from .config import BatchPlan, GRPOConfig, plan_batches
-from .generation import RemoteGenerator, ServerError
-from .gfpo import GFPOConfig, GFPOTrainer
-from .health import NonFiniteError
-from .report import write_report
-from .rewards.scoring import RewardFunctionError
-from .trainer import GRPOTrainer
-
-__version__ = "0.1.0"
+from grouprl._version import __version__
+from grouprl.compat.gfpo import GFPOConfig, GFPOTrainer
+from grouprl.compat.trainer import GRPOTrainer
+from grouprl.config.grpo_config import BatchPlan, GRPOConfig, plan_batches
+from grouprl.core.advantages import register_advantage
+from grouprl.core.losses import register_loss
+from grouprl.generation import RemoteGenerator, ServerError
+from grouprl.report import write_report
+from grouprl.rewards.scoring import RewardFunctionError
+from grouprl.train.health import NonFiniteError
 
 __all__ = [
-    "BatchPlan", "GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer", "NonFiniteError", "RemoteGenerator", "RewardFunctionError",
-    "ServerError", "plan_batches", "register_advantage", "register_loss", "write_report", "__version__",
+    "BatchPlan",
+    "GFPOConfig",
+    "GFPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "NonFiniteError",
+    "RemoteGenerator",
+    "RewardFunctionError",
+    "ServerError",
+    "plan_batches",
+    "register_advantage",
+    "register_loss",
+    "write_report",
+    "__version__",
 ]

@@ -31,7 +31,9 @@ def resolve_accelerate_config(name: str) -> str:
     path = os.path.join(CONFIG_DIR, f"{name}.yaml")
     if os.path.isfile(path):
         return path
-    raise ValueError(f"--accelerate_config {name}: neither a bundled config ({', '.join(bundled_configs())}) nor a YAML file.")
+    raise ValueError(
+        f"--accelerate_config {name}: neither a bundled config ({', '.join(bundled_configs())}) nor a YAML file."
+    )
 
 
 def launch_command(argv: list[str]) -> Optional[list[str]]:
@@ -41,14 +43,24 @@ def launch_command(argv: list[str]) -> Optional[list[str]]:
     known, rest = pre.parse_known_args(argv)
     if not known.accelerate_config or "-h" in rest or "--help" in rest:
         return None
-    from .cli import build_parser
+    from grouprl.cli import build_parser
 
     parser = build_parser()
     parser.add_argument("--config")  # the YAML defaults file, read by each process
     _, unknown = parser.parse_known_args(rest)
     train_flags, launcher_flags = split_in_order(rest, unknown)
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", resolve_accelerate_config(known.accelerate_config),
-            *launcher_flags, "-m", "grouprl.cli", "train", *train_flags]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        resolve_accelerate_config(known.accelerate_config),
+        *launcher_flags,
+        "-m",
+        "grouprl.cli",
+        "train",
+        *train_flags,
+    ]
 
 
 def split_in_order(args: list[str], unknown: list[str]) -> tuple[list[str], list[str]]:

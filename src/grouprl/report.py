@@ -4,7 +4,7 @@ Reads what a run leaves in its output directory: ``metrics.jsonl`` (one JSON obj
 entry under TRL's metric names; evaluation entries carry ``eval_*`` keys and the last entry
 ``train_runtime``) and, when ``log_completions`` was on, ``completions/completions_*.parquet``.
 Writes ``OUTPUT_DIR/report/index.html``: a summary, the health findings (the detectors of
-`grouprl.health` run over each log entry), the charts and a sample of completions. Each chart is
+`grouprl.train.health` run over each log entry), the charts and a sample of completions. Each chart is
 embedded as a base64 PNG, so the page needs no other file and no network, and is also written as
 ``OUTPUT_DIR/report/<chart>.png``. A chart whose metrics the run did not log says so instead.
 """
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .health import detect
+from grouprl.train.health import detect
 
 PHASES = ("generate", "reward", "old_logprobs", "ref_logprobs", "forward", "backward", "optimizer")  # in step order
 
@@ -38,19 +38,57 @@ class Chart:
 
 
 CHARTS = (
-    Chart("reward", "Reward per function", ("reward", "rewards/*/mean", "eval_reward"), "mean reward", "every step that draws samples"),
-    Chart("completion_length", "Completion length", ("completions/mean_length", "completions/min_length", "completions/max_length",
-          "completions/mean_terminated_length"), "tokens", "every step that draws samples"),
-    Chart("clipped_ratio", "Truncated completions", ("completions/clipped_ratio",), "fraction hitting max_completion_length",
-          "every step that draws samples"),
-    Chart("zero_std", "Groups without reward signal", ("frac_reward_zero_std",), "fraction of groups", "every step that draws samples"),
+    Chart(
+        "reward",
+        "Reward per function",
+        ("reward", "rewards/*/mean", "eval_reward"),
+        "mean reward",
+        "every step that draws samples",
+    ),
+    Chart(
+        "completion_length",
+        "Completion length",
+        (
+            "completions/mean_length",
+            "completions/min_length",
+            "completions/max_length",
+            "completions/mean_terminated_length",
+        ),
+        "tokens",
+        "every step that draws samples",
+    ),
+    Chart(
+        "clipped_ratio",
+        "Truncated completions",
+        ("completions/clipped_ratio",),
+        "fraction hitting max_completion_length",
+        "every step that draws samples",
+    ),
+    Chart(
+        "zero_std",
+        "Groups without reward signal",
+        ("frac_reward_zero_std",),
+        "fraction of groups",
+        "every step that draws samples",
+    ),
     Chart("kl", "KL to the reference policy", ("kl",), "nats per token", "with beta > 0"),
     Chart("entropy", "Entropy", ("entropy",), "nats per token", "every step"),
-    Chart("clip_ratio", "Clip ratios", ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"),
-          "fraction of tokens", "every step"),
+    Chart(
+        "clip_ratio",
+        "Clip ratios",
+        ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"),
+        "fraction of tokens",
+        "every step",
+    ),
     Chart("grad_norm", "Gradient norm", ("grad_norm",), "L2 norm before clipping", "every step"),
-    Chart("phase_time", "Seconds per step by phase", tuple(f"time/{phase}" for phase in PHASES) + ("time/*",), "seconds per optimizer step",
-          "every step", stacked=True),
+    Chart(
+        "phase_time",
+        "Seconds per step by phase",
+        tuple(f"time/{phase}" for phase in PHASES) + ("time/*",),
+        "seconds per optimizer step",
+        "every step",
+        stacked=True,
+    ),
 )
 COMPLETION_ROWS = 4  # rows shown per logged completion table
 TEXT_LIMIT = 600  # characters of a prompt / completion shown
@@ -73,8 +111,10 @@ class RunLog:
 def read_metrics(output_dir: str) -> RunLog:
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: point grouprl report at the output_dir of a grouprl training run "
-                                "(it writes metrics.jsonl at every logging step).")
+        raise FileNotFoundError(
+            f"{path} does not exist: point grouprl report at the output_dir of a grouprl training run "
+            "(it writes metrics.jsonl at every logging step)."
+        )
     by_step: dict[int, dict[str, Any]] = {}
     log = RunLog([], [], None, 0)
     with open(path, encoding="utf-8") as handle:
@@ -97,7 +137,11 @@ def read_metrics(output_dir: str) -> RunLog:
 def _series(chart: Chart, log: RunLog) -> dict[str, list[tuple[float, float]]]:
     """name -> (step, value) points of every metric of the chart that the run logged."""
     entries = log.train + log.evals
-    names = [n for pattern in chart.metrics for n in sorted({k for e in entries for k in e if fnmatch.fnmatchcase(k, pattern)})]
+    names = [
+        n
+        for pattern in chart.metrics
+        for n in sorted({k for e in entries for k in e if fnmatch.fnmatchcase(k, pattern)})
+    ]
     series = {}
     for name in dict.fromkeys(names):
         points = [(e["step"], float(e[name])) for e in entries if isinstance(e.get(name), (int, float)) and "step" in e]
@@ -126,8 +170,13 @@ def render_chart(chart: Chart, log: RunLog) -> Optional[bytes]:
             axis.plot(*zip(*total), color="black", linewidth=1, linestyle="--", label="step_time")
     else:
         for name, points in series.items():
-            axis.plot(*zip(*points), marker="o" if len(points) <= 40 else None, markersize=3, label=name,
-                      linestyle="--" if name.startswith("eval_") else "-")
+            axis.plot(
+                *zip(*points),
+                marker="o" if len(points) <= 40 else None,
+                markersize=3,
+                label=name,
+                linestyle="--" if name.startswith("eval_") else "-",
+            )
     axis.set_title(chart.title)
     axis.set_xlabel("optimizer step")
     axis.set_ylabel(chart.ylabel)
@@ -172,14 +221,18 @@ def write_report(output_dir: str, out_dir: Optional[str] = None) -> ReportFiles:
         png = render_chart(chart, log)
         charts[chart.key] = None if png is None else os.path.join(out_dir, f"{chart.key}.png")
         if png is None:
-            figures.append(f'<figure class="chart missing" id="chart-{chart.key}"><figcaption>{html.escape(chart.title)}</figcaption>'
-                           f"<p>Not logged in this run: {html.escape(_names(chart.metrics))} (logged {html.escape(chart.logged)}).</p></figure>")
+            figures.append(
+                f'<figure class="chart missing" id="chart-{chart.key}"><figcaption>{html.escape(chart.title)}</figcaption>'
+                f"<p>Not logged in this run: {html.escape(_names(chart.metrics))} (logged {html.escape(chart.logged)}).</p></figure>"
+            )
             continue
         with open(charts[chart.key], "wb") as handle:
             handle.write(png)
         data = base64.b64encode(png).decode("ascii")
-        figures.append(f'<figure class="chart" id="chart-{chart.key}"><img alt="{html.escape(chart.title)}" '
-                       f'src="data:image/png;base64,{data}"><figcaption>{html.escape(_names(chart.metrics))}</figcaption></figure>')
+        figures.append(
+            f'<figure class="chart" id="chart-{chart.key}"><img alt="{html.escape(chart.title)}" '
+            f'src="data:image/png;base64,{data}"><figcaption>{html.escape(_names(chart.metrics))}</figcaption></figure>'
+        )
     page = PAGE.format(
         title=html.escape(f"grouprl run report: {os.path.abspath(output_dir)}"),
         created=time.strftime("%Y-%m-%d %H:%M"),
@@ -197,7 +250,9 @@ def write_report(output_dir: str, out_dir: Optional[str] = None) -> ReportFiles:
 
 
 def _names(metrics: tuple[str, ...]) -> str:
-    return ", ".join(dict.fromkeys(m for m in metrics if not m.startswith("time/")) or ["time/<phase> per step, step_time"])
+    return ", ".join(
+        dict.fromkeys(m for m in metrics if not m.startswith("time/")) or ["time/<phase> per step, step_time"]
+    )
 
 
 def _fmt(value: Any) -> str:
@@ -231,8 +286,11 @@ def _health_html(log: RunLog) -> str:
     findings = health_findings(log)
     if not findings:
         return "<p class=ok>No silent-failure pattern found in the logged metrics.</p>"
-    items = [f"<li><b>{html.escape(f.title)}</b> ({html.escape(f.metric)}) in {len(steps)} of {len(log.train)} log entries "
-             f"(steps {steps[0]}&ndash;{steps[-1]}): {html.escape(f.message)}</li>" for f, steps in findings]
+    items = [
+        f"<li><b>{html.escape(f.title)}</b> ({html.escape(f.metric)}) in {len(steps)} of {len(log.train)} log entries "
+        f"(steps {steps[0]}&ndash;{steps[-1]}): {html.escape(f.message)}</li>"
+        for f, steps in findings
+    ]
     return "<ul class=warn>" + "\n".join(items) + "</ul>"
 
 
@@ -246,7 +304,11 @@ def _completions_html(rows: list[dict[str, Any]]) -> str:
         cells = []
         for name in columns:
             value = row.get(name)
-            text = _fmt(value) if not isinstance(value, str) else html.escape(value[:TEXT_LIMIT] + ("..." if len(value) > TEXT_LIMIT else ""))
+            text = (
+                _fmt(value)
+                if not isinstance(value, str)
+                else html.escape(value[:TEXT_LIMIT] + ("..." if len(value) > TEXT_LIMIT else ""))
+            )
             cells.append(f"<td><pre>{text}</pre></td>" if name in ("prompt", "completion") else f"<td>{text}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table class=completions><tr>{head}</tr>\n" + "\n".join(body) + "</table>"

@@ -8,12 +8,21 @@ Multi-turn sequences are built token-exactly (multiturn.py, chat.py): sampled to
 chat-template suffix tokens, with a tool mask that keeps tool output out of the loss.
 """
 
-from .agent import Agent, AgentSpec, tool_call_stats
-from .chat import check_tool_template, tool_suffix_ids
-from .parsing import parse_hermes, parse_turn
-from .tools import Tool, ToolResult, execute_tool_calls, make_tools
+from grouprl.agents.agent import Agent, AgentSpec, tool_call_stats
+from grouprl.agents.chat import check_tool_template, tool_suffix_ids
+from grouprl.agents.parsing import parse_hermes, parse_turn
+from grouprl.agents.tools import Tool, ToolResult, execute_tool_calls, make_tools
 
 __all__ = [
-    "Agent", "AgentSpec", "Tool", "ToolResult", "check_tool_template", "execute_tool_calls", "make_tools", "parse_hermes", "parse_turn",
-    "tool_call_stats", "tool_suffix_ids",
+    "Agent",
+    "AgentSpec",
+    "Tool",
+    "ToolResult",
+    "check_tool_template",
+    "execute_tool_calls",
+    "make_tools",
+    "parse_hermes",
+    "parse_turn",
+    "tool_call_stats",
+    "tool_suffix_ids",
 ]

@@ -14,14 +14,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..data import PromptTokenizer, is_conversational
-from ..generation.protocol import GenerationBackend
-from ..types import Completion, PromptBatch, SamplingParams
-from .chat import check_tool_template
-from .custom import custom_rollouts
-from .environments import ENVIRONMENT_COLUMN, Environments
-from .multiturn import Transcript, TurnSettings, continue_with_tools, generate_rows
-from .tools import Tool, make_tools
+from grouprl.agents.chat import check_tool_template
+from grouprl.agents.custom import custom_rollouts
+from grouprl.agents.environments import ENVIRONMENT_COLUMN, Environments
+from grouprl.agents.multiturn import Transcript, TurnSettings, continue_with_tools, generate_rows
+from grouprl.agents.tools import Tool, make_tools
+from grouprl.core.types import Completion, PromptBatch, SamplingParams
+from grouprl.data.prompts import PromptTokenizer, is_conversational
+from grouprl.generation.protocol import GenerationBackend
 
 
 @dataclass
@@ -36,9 +36,13 @@ class AgentSpec:
     def from_arguments(cls, tools: Any, environment_factory: Any, rollout_func: Any) -> Optional["AgentSpec"]:
         if not tools and environment_factory is None and rollout_func is None:
             return None
-        if rollout_func is not None:  # with tools or environment_factory it is refused by the combination table (combinations.py)
+        if (
+            rollout_func is not None
+        ):  # with tools or environment_factory it is refused by the combination table (combinations.py)
             if not callable(rollout_func):
-                raise TypeError(f"rollout_func must be a function (prompts, trainer) -> dict, got {type(rollout_func).__name__}.")
+                raise TypeError(
+                    f"rollout_func must be a function (prompts, trainer) -> dict, got {type(rollout_func).__name__}."
+                )
         if tools is not None and not isinstance(tools, (list, tuple)):
             raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}.")
         standalone = make_tools(list(tools or []))
@@ -56,7 +60,9 @@ class AgentSpec:
 
     def build(self, tokenize: PromptTokenizer, settings: TurnSettings, trainer: Any) -> "Agent":
         if self.has_tools:
-            template = check_tool_template(settings.tokenizer, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs)
+            template = check_tool_template(
+                settings.tokenizer, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs
+            )
             settings = replace(settings, tool_chat_template=template)
         return Agent(self, tokenize, settings, trainer)
 
@@ -71,10 +77,14 @@ class Agent:
     def generate(self, backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:
         tokenizer = self.settings.tokenizer
         if self.spec.rollout_func is not None:
-            return custom_rollouts(self.spec.rollout_func, prompts, self.trainer, tokenizer=tokenizer, stop_ids=self.settings.stop_ids)
+            return custom_rollouts(
+                self.spec.rollout_func, prompts, self.trainer, tokenizer=tokenizer, stop_ids=self.settings.stop_ids
+            )
         if not is_conversational(prompts.prompts[0]):
-            raise ValueError(f"Row {prompts.dataset_indices[0]}: tools and environment_factory need conversational prompts (a list of "
-                             "messages), since the chat template renders the tools and their results; got a plain string.")
+            raise ValueError(
+                f"Row {prompts.dataset_indices[0]}: tools and environment_factory need conversational prompts (a list of "
+                "messages), since the chat template renders the tools and their results; got a plain string."
+            )
         rows = prompts.row_index()
         instances: list[Any] = []
         if self.spec.environments is None:
@@ -97,8 +107,10 @@ class Agent:
         environments = self.spec.environments
         if environments.multi:
             if ENVIRONMENT_COLUMN not in prompts.columns:
-                raise ValueError("environment_factory is a dict, so every dataset row needs an 'environment' column naming its "
-                                 "environment (with remove_unused_columns=True that column is dropped; keep it).")
+                raise ValueError(
+                    "environment_factory is a dict, so every dataset row needs an 'environment' column naming its "
+                    "environment (with remove_unused_columns=True that column is dropped; keep it)."
+                )
             names = [prompts.columns[ENVIRONMENT_COLUMN][b] for b in rows]
             environments.route(names, [prompts.dataset_indices[b] for b in rows])
         else:
@@ -108,7 +120,9 @@ class Agent:
         transcripts = []
         for b, name, instance in zip(rows, names, instances):
             row = {k: copy.deepcopy(v[b]) for k, v in prompts.columns.items()}
-            if prompts.prompts_given:  # a row without a prompt gets none in reset(), as in TRL: the placeholder is not its data
+            if (
+                prompts.prompts_given
+            ):  # a row without a prompt gets none in reset(), as in TRL: the placeholder is not its data
                 row = {"prompt": copy.deepcopy(prompts.prompts[b]), **row}
             if environments.multi:
                 row.pop(ENVIRONMENT_COLUMN)  # a routing field, not an input of reset()
@@ -116,13 +130,17 @@ class Agent:
             prompt = prompts.prompts[b]
             if observation is not None:
                 if not isinstance(observation, str):
-                    raise TypeError(f"{type(instance).__name__}.reset() returned a {type(observation).__name__}; it must return a string "
-                                    "(appended to the prompt's last message) or None.")
+                    raise TypeError(
+                        f"{type(instance).__name__}.reset() returned a {type(observation).__name__}; it must return a string "
+                        "(appended to the prompt's last message) or None."
+                    )
                 prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
             tools = environments.tools[name]
             schemas = [t.schema for t in tools] or None
             toolbox = {t.name: t if t.name in standalone else replace(t, fn=getattr(instance, t.name)) for t in tools}
-            transcripts.append(Transcript(self.tokenize(prompt, prompts.dataset_indices[b], tools=schemas), toolbox, schemas))
+            transcripts.append(
+                Transcript(self.tokenize(prompt, prompts.dataset_indices[b], tools=schemas), toolbox, schemas)
+            )
         return transcripts, instances
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from .parsing import TOOL_CALL_OPEN
-from .training_templates import known_families, training_template_for
+from grouprl.agents.parsing import TOOL_CALL_OPEN
+from grouprl.agents.training_templates import known_families, training_template_for
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +31,19 @@ class NotPrefixPreserving(ValueError):
     pass
 
 
-def render_ids(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool, chat_template_kwargs: dict,
-               chat_template: Optional[str] = None) -> list[int]:
+def render_ids(
+    tokenizer: Any,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool,
+    chat_template_kwargs: dict,
+    chat_template: Optional[str] = None,
+) -> list[int]:
     """Token ids of a conversation, rendered with `chat_template` (None: the tokenizer's own)."""
     template = {"chat_template": chat_template} if chat_template is not None else {}
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, **template,
-                                        **chat_template_kwargs)
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, **template, **chat_template_kwargs
+    )
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -47,8 +54,14 @@ def _dummy_turn(tool_name: str, arguments: Optional[dict] = None) -> list[dict]:
     return [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
 
 
-def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], *, stop_ids: set[int], chat_template_kwargs: dict,
-                    chat_template: Optional[str] = None) -> list[int]:
+def tool_suffix_ids(
+    tokenizer: Any,
+    tool_messages: list[dict],
+    *,
+    stop_ids: set[int],
+    chat_template_kwargs: dict,
+    chat_template: Optional[str] = None,
+) -> list[int]:
     """Token ids to append after a model turn that ended with tool calls, given the tools' messages."""
     # The real tool name, not a placeholder: some templates derive the tool header from the call.
     before = _dummy_turn(tool_messages[0]["name"])
@@ -73,20 +86,29 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
     template for its family when the tokenizer's own is a known original that is not prefix-preserving.
     """
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("tools / environment_factory need a chat template that renders tool calls; the tokenizer has none.")
+        raise ValueError(
+            "tools / environment_factory need a chat template that renders tool calls; the tokenizer has none."
+        )
     name, key, value, content = "tool_name_7f3a", "tool_key_2b9c", "tool_value_5d1e", "tool_content_8c4f"
     messages = _dummy_turn(name, {key: value}) + [{"role": "tool", "name": name, "content": content}]
     try:
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, **chat_template_kwargs)
     except Exception as err:  # jinja raises its own error types
-        raise ValueError(f"The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> tool): {err}") from err
-    missing = [part for part, sentinel in (("the tool name", name), ("the call's arguments", value), ("the tool result", content))
-               if sentinel not in rendered]
+        raise ValueError(
+            f"The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> tool): {err}"
+        ) from err
+    missing = [
+        part
+        for part, sentinel in (("the tool name", name), ("the call's arguments", value), ("the tool result", content))
+        if sentinel not in rendered
+    ]
     if missing:
-        raise ValueError(f"The chat template drops {', '.join(missing)} of a tool-calling conversation; use a template that supports tools.")
+        raise ValueError(
+            f"The chat template drops {', '.join(missing)} of a tool-calling conversation; use a template that supports tools."
+        )
     if getattr(tokenizer, "response_template", None) is None and TOOL_CALL_OPEN not in rendered:
         raise ValueError(
-            "grouprl parses tool calls written as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Hermes / Qwen "
+            'grouprl parses tool calls written as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes / Qwen '
             "format) unless the tokenizer has a response_template; this chat template writes calls differently. Set "
             "tokenizer.response_template (transformers response parsing) for its format."
         )
@@ -100,14 +122,25 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
         raise NotPrefixPreserving(_not_prefix_preserving_message(tokenizer, messages, chat_template_kwargs))
     # Our own template must pass the check it stands in for; failing it is a grouprl bug, said as such.
     try:
-        tool_suffix_ids(tokenizer, messages[2:], stop_ids=stop_ids, chat_template_kwargs=chat_template_kwargs, chat_template=training.text)
+        tool_suffix_ids(
+            tokenizer,
+            messages[2:],
+            stop_ids=stop_ids,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_template=training.text,
+        )
     except NotPrefixPreserving as err:
-        raise RuntimeError(f"grouprl's {training.family} training template ({training.path}) is not prefix-preserving: a grouprl bug.") from err
+        raise RuntimeError(
+            f"grouprl's {training.family} training template ({training.path}) is not prefix-preserving: a grouprl bug."
+        ) from err
     logger.info(
         "tools: the tokenizer's chat template is %s's, which is not prefix-preserving (%s); tool results are rendered with "
         "grouprl's %s training template (%s), which renders prompts identically. Prompts and saved checkpoints keep the "
         "tokenizer's template.",
-        training.family, training.flaw, training.family, training.path,
+        training.family,
+        training.flaw,
+        training.family,
+        training.path,
     )
     return training.text
 
@@ -115,12 +148,14 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
 def _not_prefix_preserving_message(tokenizer: Any, messages: list[dict], chat_template_kwargs: dict) -> str:
     """The error for a template grouprl cannot fix, showing where the two renderings part."""
     alone = tokenizer.apply_chat_template(messages[:2], tokenize=False, **chat_template_kwargs)
-    followed = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
+    followed = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
+    )
     at = next((i for i, (a, b) in enumerate(zip(alone, followed)) if a != b), min(len(alone), len(followed)))
     start = max(0, at - 40)
     return (
         "The chat template is not prefix-preserving: it renders a tool-calling assistant turn differently once a tool message "
-        f"follows it (from character {at}: {alone[start:at + 40]!r} when the turn is last, {followed[start:at + 40]!r} once a "
+        f"follows it (from character {at}: {alone[start : at + 40]!r} when the turn is last, {followed[start : at + 40]!r} once a "
         "tool answers), so tool results cannot be appended to the sampled tokens. grouprl has prefix-preserving training "
         f"templates for {known_families()}, recognised by the exact text of their original template; this template is not one "
         "of them. Pass a processing_class whose chat_template renders every message the same whatever follows it "

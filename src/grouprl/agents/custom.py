@@ -20,43 +20,59 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from ..types import Completion, PromptBatch
+from grouprl.core.types import Completion, PromptBatch
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
-def custom_rollouts(rollout_func: Callable[..., Any], prompts: PromptBatch, trainer: Any, *, tokenizer: Any, stop_ids: set[int]) -> list[Completion]:
+def custom_rollouts(
+    rollout_func: Callable[..., Any], prompts: PromptBatch, trainer: Any, *, tokenizer: Any, stop_ids: set[int]
+) -> list[Completion]:
     rows = prompts.row_index()
     output = rollout_func([copy.deepcopy(prompts.prompts[b]) for b in rows], trainer)
     name = getattr(rollout_func, "__name__", "rollout_func")
     if not isinstance(output, dict):
-        raise TypeError(f"rollout_func {name} returned a {type(output).__name__}; it must return a dict with keys {list(REQUIRED_KEYS)}.")
+        raise TypeError(
+            f"rollout_func {name} returned a {type(output).__name__}; it must return a dict with keys {list(REQUIRED_KEYS)}."
+        )
     missing = [key for key in REQUIRED_KEYS if key not in output]
     if missing:
-        raise ValueError(f"rollout_func must return keys {missing} in its output dict (rollout_func {name} returned {sorted(output)}).")
+        raise ValueError(
+            f"rollout_func must return keys {missing} in its output dict (rollout_func {name} returned {sorted(output)})."
+        )
     for key, values in output.items():
         if key == "logprobs" and values is None:
             continue
         if not isinstance(values, (list, tuple)) or len(values) != len(rows):
             got = f"{len(values)} entries" if isinstance(values, (list, tuple)) else type(values).__name__
-            raise ValueError(f"rollout_func {name}: '{key}' must be a list with one entry per prompt it was given ({len(rows)}), got {got}.")
+            raise ValueError(
+                f"rollout_func {name}: '{key}' must be a list with one entry per prompt it was given ({len(rows)}), got {got}."
+            )
     extras = [key for key in output if key not in (*REQUIRED_KEYS, "env_mask")]
     completions = []
     for r, b in enumerate(rows):
         ids = [int(t) for t in output["completion_ids"][r]]
-        logprobs = None if output["logprobs"] is None or output["logprobs"][r] is None else [float(x) for x in output["logprobs"][r]]
+        logprobs = (
+            None
+            if output["logprobs"] is None or output["logprobs"][r] is None
+            else [float(x) for x in output["logprobs"][r]]
+        )
         mask = [bool(m) for m in output["env_mask"][r]] if "env_mask" in output else None
         for field_name, values in (("logprobs", logprobs), ("env_mask", mask)):
             if values is not None and len(values) != len(ids):
-                raise ValueError(f"rollout_func {name}: '{field_name}' of completion {r} has {len(values)} entries for {len(ids)} completion tokens.")
-        completions.append(Completion(
-            prompt_index=b,
-            token_ids=ids,
-            text=tokenizer.decode(ids, skip_special_tokens=True),
-            finish_reason="stop" if ids and ids[-1] in stop_ids else "length",
-            sampler_logprobs=logprobs,
-            tool_mask=mask,
-            prompt_ids=[int(t) for t in output["prompt_ids"][r]],
-            reward_kwargs={key: output[key][r] for key in extras},
-        ))
+                raise ValueError(
+                    f"rollout_func {name}: '{field_name}' of completion {r} has {len(values)} entries for {len(ids)} completion tokens."
+                )
+        completions.append(
+            Completion(
+                prompt_index=b,
+                token_ids=ids,
+                text=tokenizer.decode(ids, skip_special_tokens=True),
+                finish_reason="stop" if ids and ids[-1] in stop_ids else "length",
+                sampler_logprobs=logprobs,
+                tool_mask=mask,
+                prompt_ids=[int(t) for t in output["prompt_ids"][r]],
+                reward_kwargs={key: output[key][r] for key in extras},
+            )
+        )
     return completions

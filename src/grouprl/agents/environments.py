@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import datasets
 
-from .tools import Tool, make_tools
+from grouprl.agents.tools import Tool, make_tools
 
 ENVIRONMENT_COLUMN = "environment"
 EMPTY_PROMPT = [{"role": "user", "content": ""}]  # the prompt of a row without one; reset() appends the task to it
@@ -37,24 +37,36 @@ class Environments:
 
     def __init__(self, environment_factory: Any, standalone_tools: list[Tool]):
         self.multi = isinstance(environment_factory, dict)
-        self.factories: dict[Optional[str], Callable[[], Any]] = environment_factory if self.multi else {None: environment_factory}
+        self.factories: dict[Optional[str], Callable[[], Any]] = (
+            environment_factory if self.multi else {None: environment_factory}
+        )
         if not self.factories:
             raise ValueError("environment_factory is an empty dict; map at least one environment name to a factory.")
         self.pools: dict[Optional[str], list[Any]] = {}
-        self.tools: dict[Optional[str], list[Tool]] = {}  # per environment: standalone tools + its methods (schemas for prompts)
+        self.tools: dict[
+            Optional[str], list[Tool]
+        ] = {}  # per environment: standalone tools + its methods (schemas for prompts)
         self.reward_functions: list[Callable[..., Any]] = []
         rewarded: list[type] = []
         for name, factory in self.factories.items():
             label = "environment_factory" if name is None else f"environment_factory[{name!r}]"
             if not callable(factory):
-                raise TypeError(f"{label} must be callable (a class or a function returning an environment), got {type(factory).__name__}.")
+                raise TypeError(
+                    f"{label} must be callable (a class or a function returning an environment), got {type(factory).__name__}."
+                )
             instance = factory()
             if not callable(getattr(instance, "reset", None)):
-                raise TypeError(f"{label} returned a {type(instance).__name__}, which has no reset() method; every environment needs one.")
+                raise TypeError(
+                    f"{label} returned a {type(instance).__name__}, which has no reset() method; every environment needs one."
+                )
             self.tools[name] = standalone_tools + make_tools(public_methods(instance), where=f"{label} methods")
-            clashes = sorted({t.name for t in standalone_tools} & {t.name for t in self.tools[name][len(standalone_tools):]})
+            clashes = sorted(
+                {t.name for t in standalone_tools} & {t.name for t in self.tools[name][len(standalone_tools) :]}
+            )
             if clashes:
-                raise ValueError(f"{label}: methods {clashes} have the names of tools passed in tools=; rename one of them.")
+                raise ValueError(
+                    f"{label}: methods {clashes} have the names of tools passed in tools=; rename one of them."
+                )
             self.pools[name] = [instance]
             if callable(getattr(instance, "get_reward", None)) and type(instance) not in rewarded:
                 rewarded.append(type(instance))
@@ -92,24 +104,33 @@ def public_methods(instance: Any) -> list[Callable[..., Any]]:
 def environment_reward(env_type: type) -> Callable[..., Any]:
     """A reward function calling get_reward() on the rollouts of exactly `env_type`; None for the others."""
     if inspect.iscoroutinefunction(env_type.get_reward):
+
         async def reward(environments: list[Any], **kwargs: Any) -> list[Optional[float]]:
             return [await e.get_reward() if type(e) is env_type else None for e in environments]
     else:
+
         def reward(environments: list[Any], **kwargs: Any) -> list[Optional[float]]:
             return [e.get_reward() if type(e) is env_type else None for e in environments]
+
     reward.__name__ = reward.__qualname__ = env_type.__name__
     return reward
 
 
-def environment_dataset(train_dataset: Any, environments: Optional[Environments], *, max_steps: int, prompts_per_generation: int) -> Any:
+def environment_dataset(
+    train_dataset: Any, environments: Optional[Environments], *, max_steps: int, prompts_per_generation: int
+) -> Any:
     """The dataset to train on: the user's, or, when the environment owns the data, placeholder rows of empty prompts."""
     if train_dataset is not None or environments is None:
         return train_dataset
     if environments.multi:
-        raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
-                         "`environment` column naming each row's environment (rows need no 'prompt': reset() supplies it). "
-                         "Pass such a dataset, or a single environment factory.")
+        raise ValueError(
+            "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+            "`environment` column naming each row's environment (rows need no 'prompt': reset() supplies it). "
+            "Pass such a dataset, or a single environment factory."
+        )
     if max_steps <= 0:
-        raise ValueError("Without a train_dataset the environment owns the data (reset() supplies each prompt), so "
-                         "GRPOConfig.max_steps must be set (> 0) to say how long to train.")
+        raise ValueError(
+            "Without a train_dataset the environment owns the data (reset() supplies each prompt), so "
+            "GRPOConfig.max_steps must be set (> 0) to say how long to train."
+        )
     return datasets.Dataset.from_dict({"prompt": [EMPTY_PROMPT] * prompts_per_generation})

@@ -21,12 +21,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from ..generation.dispatch import sample_groups
-from ..generation.protocol import GenerationBackend
-from ..types import Completion, SamplingParams
-from .chat import tool_suffix_ids
-from .parsing import parse_turn
-from .tools import Tool, execute_tool_calls
+from grouprl.agents.chat import tool_suffix_ids
+from grouprl.agents.parsing import parse_turn
+from grouprl.agents.tools import Tool, execute_tool_calls
+from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.dispatch import sample_groups
+from grouprl.generation.protocol import GenerationBackend
 
 
 @dataclass
@@ -107,7 +107,9 @@ def generate_rows(backend: GenerationBackend, row_prompts: list[list[int]], para
     return out  # type: ignore[return-value]
 
 
-def continue_with_tools(backend: GenerationBackend, transcripts: list[Transcript], params: SamplingParams, settings: TurnSettings) -> None:
+def continue_with_tools(
+    backend: GenerationBackend, transcripts: list[Transcript], params: SamplingParams, settings: TurnSettings
+) -> None:
     """Run tool rounds on rollouts whose first turn is in, until none calls a tool or a limit is reached."""
     active = [t for t in transcripts if t.pending_calls]
     rounds = 0
@@ -119,8 +121,13 @@ def continue_with_tools(backend: GenerationBackend, transcripts: list[Transcript
             transcript.tool_calls += len(turn_results)
             transcript.tool_failures += sum(r.failed for r in turn_results)
             tool_messages = [r.message() for r in turn_results]
-            suffix = tool_suffix_ids(settings.tokenizer, tool_messages, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs,
-                                     chat_template=settings.tool_chat_template)
+            suffix = tool_suffix_ids(
+                settings.tokenizer,
+                tool_messages,
+                stop_ids=settings.stop_ids,
+                chat_template_kwargs=settings.chat_template_kwargs,
+                chat_template=settings.tool_chat_template,
+            )
             if len(transcript.token_ids) + len(suffix) >= settings.max_completion_length:
                 continue  # rolled back: the rollout ends with its calls (they ran and count), without their results
             transcript.add_tool_turn(tool_messages, suffix)
@@ -128,7 +135,9 @@ def continue_with_tools(backend: GenerationBackend, transcripts: list[Transcript
         if not continuing:
             break
         room = [settings.max_completion_length - len(t.token_ids) for t in continuing]
-        completions = generate_rows(backend, [t.prompt_ids + t.token_ids for t in continuing], replace(params, max_new_tokens=max(room)))
+        completions = generate_rows(
+            backend, [t.prompt_ids + t.token_ids for t in continuing], replace(params, max_new_tokens=max(room))
+        )
         for transcript, completion, budget in zip(continuing, completions, room):
             transcript.add_model_turn(cut_to(completion, budget), settings)
         active = [t for t in continuing if t.pending_calls]
@@ -139,4 +148,6 @@ def cut_to(completion: Completion, budget: int) -> Completion:
     if len(completion.token_ids) <= budget:
         return completion
     logprobs = completion.sampler_logprobs[:budget] if completion.sampler_logprobs is not None else None
-    return replace(completion, token_ids=completion.token_ids[:budget], sampler_logprobs=logprobs, finish_reason="length")
+    return replace(
+        completion, token_ids=completion.token_ids[:budget], sampler_logprobs=logprobs, finish_reason="length"
+    )

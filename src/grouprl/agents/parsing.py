@@ -37,8 +37,12 @@ def decode_keeping_tool_markers(tokenizer: Any, ids: list[int]) -> str:
     skip_special_tokens=True would then drop the markers and every call would go unseen.
     """
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    special = {i for i, token in added.items() if getattr(token, "special", False) and token.content not in TOOL_CALL_MARKERS}
-    special |= set(getattr(tokenizer, "all_special_ids", ())) - {i for i, t in added.items() if t.content in TOOL_CALL_MARKERS}
+    special = {
+        i for i, token in added.items() if getattr(token, "special", False) and token.content not in TOOL_CALL_MARKERS
+    }
+    special |= set(getattr(tokenizer, "all_special_ids", ())) - {
+        i for i, t in added.items() if t.content in TOOL_CALL_MARKERS
+    }
     return tokenizer.decode([i for i in ids if i not in special], skip_special_tokens=False)
 
 
@@ -65,7 +69,12 @@ def parse_hermes(text: str) -> dict:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 pass  # passed on as is: the call fails with a message the model can read
-        calls.append({"type": "function", "function": {"name": call["name"], "arguments": {} if arguments is None else arguments}})
+        calls.append(
+            {
+                "type": "function",
+                "function": {"name": call["name"], "arguments": {} if arguments is None else arguments},
+            }
+        )
     return {"role": "assistant", "content": text[:start].strip(), "tool_calls": calls}
 
 
@@ -97,4 +106,7 @@ def _normalise_call(call: Any) -> dict:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise TypeError(f"tool call {call!r} has no function name")
     arguments = function.get("arguments")
-    return {"type": call.get("type", "function"), "function": {"name": function["name"], "arguments": {} if arguments is None else arguments}}
+    return {
+        "type": call.get("type", "function"),
+        "function": {"name": function["name"], "arguments": {} if arguments is None else arguments},
+    }

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from transformers.utils import get_json_schema
 
-from ..rewards.scoring import _BackgroundLoop
+from grouprl.rewards.scoring import _BackgroundLoop
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,15 @@ def make_tools(functions: Sequence[Callable[..., Any]], where: str = "tools") ->
     tools: list[Tool] = []
     for i, fn in enumerate(functions):
         if not callable(fn):
-            raise TypeError(f"{where}[{i}] is a {type(fn).__name__}, not a function; tools are Python functions with type hints and docstrings.")
+            raise TypeError(
+                f"{where}[{i}] is a {type(fn).__name__}, not a function; tools are Python functions with type hints and docstrings."
+            )
         name = getattr(fn, "__name__", type(fn).__name__)
         try:
             schema = get_json_schema(fn)
-        except Exception as err:  # transformers raises several types (DocstringParsingException, TypeHintParsingException, ...)
+        except (
+            Exception
+        ) as err:  # transformers raises several types (DocstringParsingException, TypeHintParsingException, ...)
             raise ValueError(
                 f"{where}[{i}] ({name}): cannot build its JSON schema: {err} A tool needs a type hint on every argument and a "
                 "Google-style docstring: a description, then an 'Args:' section with one line per argument."
@@ -60,7 +64,9 @@ def make_tools(functions: Sequence[Callable[..., Any]], where: str = "tools") ->
     names = [t.name for t in tools]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ValueError(f"{where}: several tools are named {duplicates}; the model calls tools by name, so names must be unique.")
+        raise ValueError(
+            f"{where}: several tools are named {duplicates}; the model calls tools by name, so names must be unique."
+        )
     return tools
 
 
@@ -73,14 +79,20 @@ def execute_tool_calls(calls: Sequence[Sequence[dict]], toolboxes: Sequence[dict
             function = call.get("function") if isinstance(call, dict) else None
             name = function.get("name", "unknown") if isinstance(function, dict) else "unknown"
             try:
-                if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
+                if (
+                    not isinstance(call, dict)
+                    or call.get("type", "function") != "function"
+                    or not isinstance(function, dict)
+                ):
                     raise ValueError(f"unsupported tool call {call!r}; expected a function call")
                 if name not in tools:
                     raise ValueError(f"unknown tool {name!r}; available tools: {sorted(tools)}")
                 arguments = function.get("arguments") or {}
                 if not isinstance(arguments, dict):
                     raise TypeError(f"the arguments of {name!r} must be a JSON object, got {arguments!r}")
-                outcome = tools[name].fn(**arguments)  # a bad argument raises TypeError here, before any coroutine exists
+                outcome = tools[name].fn(
+                    **arguments
+                )  # a bad argument raises TypeError here, before any coroutine exists
             except Exception as err:  # noqa: BLE001 - the model reads the error and the call counts as failed
                 results[i][j] = _failure(name, err)
                 continue
@@ -89,6 +101,7 @@ def execute_tool_calls(calls: Sequence[Sequence[dict]], toolboxes: Sequence[dict
             else:
                 results[i][j] = _success(name, outcome)
     if waiting:
+
         async def gather() -> list[Any]:
             return await asyncio.gather(*(coroutine for *_, coroutine in waiting), return_exceptions=True)
 

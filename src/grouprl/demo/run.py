@@ -28,13 +28,21 @@ DEFAULTS = dict(
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output_dir", default=DEFAULTS["output_dir"], help="Where metrics, the plot and the trained model go.")
+    parser.add_argument(
+        "--output_dir", default=DEFAULTS["output_dir"], help="Where metrics, the plot and the trained model go."
+    )
     parser.add_argument("--max_steps", type=int, default=DEFAULTS["max_steps"], help="Optimizer steps of GRPO.")
-    parser.add_argument("--prompts_per_step", type=int, default=DEFAULTS["prompts_per_step"], help="Unique prompts per step.")
-    parser.add_argument("--num_generations", type=int, default=DEFAULTS["num_generations"], help="Completions per prompt (G).")
+    parser.add_argument(
+        "--prompts_per_step", type=int, default=DEFAULTS["prompts_per_step"], help="Unique prompts per step."
+    )
+    parser.add_argument(
+        "--num_generations", type=int, default=DEFAULTS["num_generations"], help="Completions per prompt (G)."
+    )
     parser.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"])
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    parser.add_argument("--eval_rows", type=int, default=DEFAULTS["eval_rows"], help="Held-out problems for the before/after accuracy.")
+    parser.add_argument(
+        "--eval_rows", type=int, default=DEFAULTS["eval_rows"], help="Held-out problems for the before/after accuracy."
+    )
     parser.add_argument("--model", default=None, help="Start from this checkpoint instead of the bundled one.")
 
 
@@ -42,11 +50,11 @@ def run_demo(args: Any) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..config import GRPOConfig
-    from ..report import write_report
-    from ..trainer import GRPOTrainer
-    from .model import DEMO_MODEL_DIR, HELDOUT_SEED, sampled_accuracy
-    from .task import arithmetic_reward, make_arithmetic_dataset
+    from grouprl.compat.trainer import GRPOTrainer
+    from grouprl.config.grpo_config import GRPOConfig
+    from grouprl.demo.model import DEMO_MODEL_DIR, HELDOUT_SEED, sampled_accuracy
+    from grouprl.demo.task import arithmetic_reward, make_arithmetic_dataset
+    from grouprl.report import write_report
 
     started = time.time()
     model_path = args.model or str(DEMO_MODEL_DIR)
@@ -75,7 +83,9 @@ def run_demo(args: Any) -> dict[str, Any]:
         seed=args.seed,
         keep_freed_host_memory=True,  # a CPU run: freed tensors reused, not page-faulted in again (a process-wide setting)
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=train, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=train, processing_class=tokenizer
+    )
     trainer.train()
     trainer.save_model(os.path.join(args.output_dir, "model"))
     trained = trainer.accelerator.unwrap_model(trainer.run.model)
@@ -90,7 +100,9 @@ def run_demo(args: Any) -> dict[str, Any]:
     }
     with open(os.path.join(args.output_dir, "summary.json"), "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2)
-    plot = plot_reward_curve(os.path.join(args.output_dir, "metrics.jsonl"), os.path.join(args.output_dir, "reward_curve.png"))
+    plot = plot_reward_curve(
+        os.path.join(args.output_dir, "metrics.jsonl"), os.path.join(args.output_dir, "reward_curve.png")
+    )
     report = write_report(args.output_dir)
     print(
         f"grouprl demo: held-out sampled accuracy {before:.3f} -> {after:.3f} after {summary['steps']} GRPO steps "

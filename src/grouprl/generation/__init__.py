@@ -1,10 +1,17 @@
 """Generation backends behind one protocol (`protocol.GenerationBackend`)."""
 
-from .engine import FastGenerator
-from .hf import TransformersGenerator
-from .protocol import GenerationBackend
-from .remote import RemoteGenerator, ServerError
-from .vllm import VLLMColocateGenerator, VLLMServerGenerator
+from grouprl.generation.engine import FastGenerator
+from grouprl.generation.hf import TransformersGenerator
+from grouprl.generation.protocol import GenerationBackend
+from grouprl.generation.remote import RemoteGenerator, ServerError
+from grouprl.generation.vllm import VLLMColocateGenerator, VLLMServerGenerator
 
-__all__ = ["FastGenerator", "GenerationBackend", "RemoteGenerator", "ServerError", "TransformersGenerator", "VLLMColocateGenerator",
-           "VLLMServerGenerator"]
+__all__ = [
+    "FastGenerator",
+    "GenerationBackend",
+    "RemoteGenerator",
+    "ServerError",
+    "TransformersGenerator",
+    "VLLMColocateGenerator",
+    "VLLMServerGenerator",
+]

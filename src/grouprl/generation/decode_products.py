@@ -55,7 +55,11 @@ def weight_major_decode(model: torch.nn.Module) -> Iterator[None]:
     Subclasses (quantized layers, ...) and layers whose forward is already replaced keep their own.
     A model whose layers are not on the CPU is left alone (no per-call check on a path that never applies).
     """
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m) and m.weight.device.type == "cpu"]
+    layers = [
+        m
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and "forward" not in vars(m) and m.weight.device.type == "cpu"
+    ]
     for layer in layers:
         layer.forward = functools.partial(weight_major_linear, layer)
     try:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..group_layout import GroupLayout
-from ..types import Completion, SamplingParams
+from grouprl.core.group_layout import GroupLayout
+from grouprl.core.types import Completion, SamplingParams
 
 
 def sample_groups(

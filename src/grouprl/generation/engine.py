@@ -32,14 +32,14 @@ from typing import Any, Optional
 import torch
 from transformers import DynamicCache
 
-from ..algorithms.logprobs import position_ids_from_mask
-from ..patches import grouprl_patches
-from ..types import Completion, SamplingParams
-from .decode_products import weight_major_decode
-from .kv_buffers import preallocate
-from .protocol import left_pad
-from .sampling import SAMPLING_METHODS, process_logits, sample_tokens
-from .shared_prefix import SharedPrefixCache, decoding, matches_standard_attention
+from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.decode_products import weight_major_decode
+from grouprl.generation.kv_buffers import preallocate
+from grouprl.generation.protocol import left_pad
+from grouprl.generation.sampling import SAMPLING_METHODS, process_logits, sample_tokens
+from grouprl.generation.shared_prefix import SharedPrefixCache, decoding, matches_standard_attention
+from grouprl.model.logprobs import position_ids_from_mask
+from grouprl.model.patches import grouprl_patches
 
 SUPPORTED_EXTRA = {"min_new_tokens"}
 # Below this mean prompt length the regular cache is as fast (measured: equal at 13 tokens, shared
@@ -47,7 +47,9 @@ SUPPORTED_EXTRA = {"min_new_tokens"}
 SHARED_PREFIX_MIN_TOKENS = 16
 
 
-def engine_supports(model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]) -> Optional[str]:
+def engine_supports(
+    model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]
+) -> Optional[str]:
     """None if FastGenerator can serve this model and options, else the reason it cannot."""
     unsupported = set(generation_kwargs) - SUPPORTED_EXTRA
     if unsupported:
@@ -67,10 +69,20 @@ class FastGenerator:
 
     needs_importance_correction = False  # samples come from the trained weights themselves
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], pad_token_id: int, *,
-                 share_prefix: bool = True, sampling_method: str = "inverse_cdf"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        *,
+        share_prefix: bool = True,
+        sampling_method: str = "inverse_cdf",
+    ):
         if sampling_method not in SAMPLING_METHODS:
-            raise ValueError(f"FastGenerator: sampling_method must be one of {SAMPLING_METHODS}, got {sampling_method!r}.")
+            raise ValueError(
+                f"FastGenerator: sampling_method must be one of {SAMPLING_METHODS}, got {sampling_method!r}."
+            )
         self.model = model
         self.sampling_method = sampling_method
         self.tokenizer = tokenizer
@@ -86,7 +98,9 @@ class FastGenerator:
     def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
         unsupported = set(params.extra) - SUPPORTED_EXTRA
         if unsupported:
-            raise ValueError(f"FastGenerator does not support generation_kwargs {sorted(unsupported)}; use generation_backend='transformers'.")
+            raise ValueError(
+                f"FastGenerator does not support generation_kwargs {sorted(unsupported)}; use generation_backend='transformers'."
+            )
         if not prompt_ids:
             return []
         device = next(self.model.parameters()).device
@@ -105,15 +119,27 @@ class FastGenerator:
             completions.append(Completion(row // num_samples, ids, text, finish, lps))
         return completions
 
-    def _sample(self, prompt_ids: list[list[int]], g: int, params: SamplingParams, device: torch.device) -> tuple[list[list[int]], list[list[float]]]:
+    def _sample(
+        self, prompt_ids: list[list[int]], g: int, params: SamplingParams, device: torch.device
+    ) -> tuple[list[list[int]], list[list[float]]]:
         ids, mask = left_pad(prompt_ids, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
-        shared = self.share_prefix and mask.sum(dim=1).float().mean() >= SHARED_PREFIX_MIN_TOKENS and matches_standard_attention(self.model)
+        shared = (
+            self.share_prefix
+            and mask.sum(dim=1).float().mean() >= SHARED_PREFIX_MIN_TOKENS
+            and matches_standard_attention(self.model)
+        )
         if not self.share_prefix:
             ids, mask = ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
         prefill = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                         past_key_values=prefill, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            past_key_values=prefill,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         logits = out.logits[:, -1]  # (B or B*G, V)
         if shared:  # the prompt's keys/values stay once per prompt (shared_prefix.py)
             cache = SharedPrefixCache(prefill, mask, g, params.max_new_tokens)
@@ -122,7 +148,11 @@ class FastGenerator:
         if self.share_prefix:
             if not shared:
                 cache.batch_repeat_interleave(g)
-            logits, ids, mask = logits.repeat_interleave(g, 0), ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
+            logits, ids, mask = (
+                logits.repeat_interleave(g, 0),
+                ids.repeat_interleave(g, 0),
+                mask.repeat_interleave(g, 0),
+            )
         if not shared:  # decode steps write into buffers instead of concatenating (kv_buffers.py)
             cache = preallocate(cache, params.max_new_tokens)
 
@@ -143,8 +173,14 @@ class FastGenerator:
                 if step < min_new:
                     logits[:, eos] = -float("inf")
                 processed = process_logits(
-                    logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                    repetition_penalty=params.repetition_penalty, history=history, history_mask=history_mask,
+                    logits,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    min_p=params.min_p,
+                    repetition_penalty=params.repetition_penalty,
+                    history=history,
+                    history_mask=history_mask,
                 )
                 next_tokens, next_logprobs = sample_tokens(processed, method=self.sampling_method)
                 for r, t, lp in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
@@ -164,11 +200,21 @@ class FastGenerator:
                     history = torch.cat([history, next_tokens[:, None]], dim=1)
                     history_mask = torch.cat([history_mask, history_mask.new_ones((len(active), 1))], dim=1)
                 if shared:
-                    out = self.model(input_ids=next_tokens[:, None], position_ids=positions[:, None], past_key_values=cache, use_cache=True)
+                    out = self.model(
+                        input_ids=next_tokens[:, None],
+                        position_ids=positions[:, None],
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
                 else:
                     mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-                    out = self.model(input_ids=next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
-                                     past_key_values=cache, use_cache=True)
+                    out = self.model(
+                        input_ids=next_tokens[:, None],
+                        attention_mask=mask,
+                        position_ids=positions[:, None],
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
                 logits = out.logits[:, -1]
                 positions = positions + 1
         return out_tokens, out_logprobs

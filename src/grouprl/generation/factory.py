@@ -1,15 +1,15 @@
 """Which generation backend a config asks for.
 
-    use_vllm=True, vllm_mode="server"    the server at vllm_server_base_url (or host:port): a grouprl
-                                         server (`grouprl serve`, needs no vLLM) or `vllm serve`
-    use_vllm=True, vllm_mode="colocate"  vLLM inside each training process
-    generation_engine="server"           a grouprl server, named the grouprl way
-    generation_engine="engine"           the fast in-process engine (FastGenerator)
-    generation_engine="auto"             on a CPU: the engine where it applies, while model.generate is
-                                         transformers' own (overrides.py); on any other device:
-                                         transformers `generate` (the engine is tuned and measured on
-                                         CPUs only; see `auto_engine_measured_on`)
-    generation_engine="transformers"     transformers `generate`
+use_vllm=True, vllm_mode="server"    the server at vllm_server_base_url (or host:port): a grouprl
+                                     server (`grouprl serve`, needs no vLLM) or `vllm serve`
+use_vllm=True, vllm_mode="colocate"  vLLM inside each training process
+generation_engine="server"           a grouprl server, named the grouprl way
+generation_engine="engine"           the fast in-process engine (FastGenerator)
+generation_engine="auto"             on a CPU: the engine where it applies, while model.generate is
+                                     transformers' own (overrides.py); on any other device:
+                                     transformers `generate` (the engine is tuned and measured on
+                                     CPUs only; see `auto_engine_measured_on`)
+generation_engine="transformers"     transformers `generate`
 """
 
 from __future__ import annotations
@@ -19,33 +19,45 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..multimodal import image_token_ids
-from .engine import FastGenerator, engine_supports
-from .hf import TransformersGenerator
-from .overrides import EngineUnlessGenerateOverridden
-from .protocol import GenerationBackend
-from .remote import RemoteGenerator, server_base_url
+from grouprl.generation.engine import FastGenerator, engine_supports
+from grouprl.generation.hf import TransformersGenerator
+from grouprl.generation.overrides import EngineUnlessGenerateOverridden
+from grouprl.generation.protocol import GenerationBackend
+from grouprl.generation.remote import RemoteGenerator, server_base_url
+from grouprl.model.multimodal import image_token_ids
 
 
-def build_backend(model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: Any, *, max_num_seqs: int) -> GenerationBackend:
+def build_backend(
+    model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: Any, *, max_num_seqs: int
+) -> GenerationBackend:
     if args.use_vllm and args.vllm_mode == "colocate":
-        from .vllm import VLLMColocateGenerator
+        from grouprl.generation.vllm import VLLMColocateGenerator
 
         return VLLMColocateGenerator(model.config._name_or_path, tokenizer, args, max_num_seqs=max_num_seqs)
     if args.use_vllm or args.generation_engine == "server":
         return connect_server(tokenizer, args)
     reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
     if args.generation_engine == "engine" and reason:
-        raise ValueError(f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'.")
-    transformers = TransformersGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, cache_implementation=args.cache_implementation,
-                                         suppress_token_ids=image_token_ids(model.config))
+        raise ValueError(
+            f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'."
+        )
+    transformers = TransformersGenerator(
+        model,
+        tokenizer,
+        eos_token_ids,
+        tokenizer.pad_token_id,
+        cache_implementation=args.cache_implementation,
+        suppress_token_ids=image_token_ids(model.config),
+    )
     if args.generation_engine == "transformers" or reason:
         return transformers
     if args.generation_engine == "auto" and not auto_engine_measured_on(model_device(model)):
         return transformers
     # The engine never calls model.generate: while the user has replaced it, 'auto' calls it and 'engine' refuses (overrides.py).
-    backend = EngineUnlessGenerateOverridden(FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
-                                             fallback=transformers if args.generation_engine == "auto" else None)
+    backend = EngineUnlessGenerateOverridden(
+        FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
+        fallback=transformers if args.generation_engine == "auto" else None,
+    )
     backend.check()  # 'engine' with generate already replaced fails here, before training starts
     return backend
 
@@ -69,20 +81,36 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def connect_server(tokenizer: Any, args: Any) -> GenerationBackend:
     """Wait for the server (vllm_server_timeout); grouprl's own server or, with use_vllm, `vllm serve`."""
     url = server_base_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port)
-    client = RemoteGenerator(url, tokenizer=tokenizer, timeout=args.vllm_server_timeout, retries=args.generation_server_retries,
-                             weight_transfer=args.generation_server_weight_transfer, group_port=args.vllm_group_port)
+    client = RemoteGenerator(
+        url,
+        tokenizer=tokenizer,
+        timeout=args.vllm_server_timeout,
+        retries=args.generation_server_retries,
+        weight_transfer=args.generation_server_weight_transfer,
+        group_port=args.vllm_group_port,
+    )
     if client.is_grouprl:
         if args.vllm_structured_outputs_regex is not None:
-            raise ValueError("GRPOConfig.vllm_structured_outputs_regex needs a vLLM server; the server at "
-                             f"{url} is a grouprl server, which has no constrained decoding.")
+            raise ValueError(
+                "GRPOConfig.vllm_structured_outputs_regex needs a vLLM server; the server at "
+                f"{url} is a grouprl server, which has no constrained decoding."
+            )
         return client
     if not args.use_vllm:
-        raise ValueError(f"generation_engine='server': the server at {url} is not a grouprl server (`grouprl serve`). "
-                         "For `vllm serve`, set use_vllm=True, vllm_mode='server'.")
-    from .vllm import VLLMServerGenerator
+        raise ValueError(
+            f"generation_engine='server': the server at {url} is not a grouprl server (`grouprl serve`). "
+            "For `vllm serve`, set use_vllm=True, vllm_mode='server'."
+        )
+    from grouprl.generation.vllm import VLLMServerGenerator
 
-    return VLLMServerGenerator(url, tokenizer=tokenizer, timeout=args.vllm_server_timeout, retries=args.generation_server_retries,
-                               group_port=args.vllm_group_port, regex=args.vllm_structured_outputs_regex)
+    return VLLMServerGenerator(
+        url,
+        tokenizer=tokenizer,
+        timeout=args.vllm_server_timeout,
+        retries=args.generation_server_retries,
+        group_port=args.vllm_group_port,
+        regex=args.vllm_structured_outputs_regex,
+    )
 
 
 def sharded_weights() -> bool:

@@ -12,16 +12,23 @@ from typing import Any
 
 import torch
 
-from ..multimodal import collate
-from ..types import Completion, SamplingParams
-from .protocol import cut_at_eos, left_pad
+from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.protocol import cut_at_eos, left_pad
+from grouprl.model.multimodal import collate
 
 
 class TransformersGenerator:
     """Samples with `model.generate` on the training model itself (no weight copy, no sync)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], pad_token_id: int, cache_implementation: str | None = None,
-                 suppress_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        cache_implementation: str | None = None,
+        suppress_token_ids: Sequence[int] = (),
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
@@ -33,13 +40,17 @@ class TransformersGenerator:
         self.model = model
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, multimodal: list[Any] | None = None) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, multimodal: list[Any] | None = None
+    ) -> list[Completion]:
         """`multimodal`: (prompts,) each prompt's `multimodal.PromptImages` or None."""
         if not prompt_ids:
             return []
         if params.extra.get("num_return_sequences", 1) != 1:
-            raise ValueError(f"generation_kwargs num_return_sequences={params.extra['num_return_sequences']}: GRPO samples "
-                             "num_generations completions per prompt itself; set GRPOConfig.num_generations instead.")
+            raise ValueError(
+                f"generation_kwargs num_return_sequences={params.extra['num_return_sequences']}: GRPO samples "
+                "num_generations completions per prompt itself; set GRPOConfig.num_generations instead."
+            )
         device = next(self.model.parameters()).device
         # One row per sample, as TRL: generate's num_return_sequences would have to stay <= num_beams under
         # beam search (generation_kwargs), and it repeats image tensors per image, which pairs some models'
@@ -49,7 +60,9 @@ class TransformersGenerator:
             multimodal = [m for m in multimodal for _ in range(num_samples)]
         input_ids, attention_mask = left_pad(prompt_ids, self.pad_token_id)
         width = input_ids.shape[1]
-        images = {k: v.to(device) for k, v in collate(multimodal, width, width).items()} if multimodal is not None else {}
+        images = (
+            {k: v.to(device) for k, v in collate(multimodal, width, width).items()} if multimodal is not None else {}
+        )
         kwargs: dict[str, Any] = dict(
             do_sample=True,
             max_new_tokens=params.max_new_tokens,
@@ -70,7 +83,9 @@ class TransformersGenerator:
         was_training = self.model.training
         self.model.eval()  # generation needs the KV cache, which gradient checkpointing turns off in train mode
         try:
-            output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **images, **kwargs)
+            output = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **images, **kwargs
+            )
         finally:
             self.model.train(was_training)
         sequences = output.sequences if hasattr(output, "sequences") else output
@@ -87,5 +102,7 @@ class TransformersGenerator:
             if reason == "length":  # generate pads finished rows; a row without EOS has no padding to strip
                 kept = kept[: params.max_new_tokens]
             text = self.tokenizer.decode(kept, skip_special_tokens=True)
-            completions.append(Completion(prompt_index=row // num_samples, token_ids=kept, text=text, finish_reason=reason))
+            completions.append(
+                Completion(prompt_index=row // num_samples, token_ids=kept, text=text, finish_reason=reason)
+            )
         return completions

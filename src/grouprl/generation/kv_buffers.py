@@ -48,13 +48,15 @@ class PreallocatedLayer(DynamicLayer):
         self.keys = self.key_buffer[:, :, : self.length]
         self.values = self.value_buffer[:, :, : self.length]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         new = key_states.shape[-2]
         end = self.length + new
         if end > self.key_buffer.shape[2]:
             raise RuntimeError(f"PreallocatedLayer: {end} positions exceed the capacity of {self.key_buffer.shape[2]}.")
-        self.key_buffer[:, :, self.length:end] = key_states
-        self.value_buffer[:, :, self.length:end] = value_states
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
         self._expose()
         return self.keys, self.values
@@ -65,7 +67,9 @@ class PreallocatedLayer(DynamicLayer):
         self._expose()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("PreallocatedLayer: repeat the cache before preallocating it (buffers are sized once).")
+        raise NotImplementedError(
+            "PreallocatedLayer: repeat the cache before preallocating it (buffers are sized once)."
+        )
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("PreallocatedLayer: cropping is not used by the engine.")
@@ -75,7 +79,8 @@ def preallocate(cache: DynamicCache, new_tokens: int) -> DynamicCache:
     """Give every plain DynamicLayer of `cache` buffers for `new_tokens` more positions (other layer types stay)."""
     cache.layers = [
         PreallocatedLayer(layer.keys, layer.values, layer.keys.shape[-2] + new_tokens)
-        if type(layer) is DynamicLayer and layer.is_initialized else layer
+        if type(layer) is DynamicLayer and layer.is_initialized
+        else layer
         for layer in cache.layers
     ]
     return cache

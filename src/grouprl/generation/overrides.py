@@ -21,9 +21,9 @@ import torch
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
-from ..types import Completion, SamplingParams
-from .engine import FastGenerator
-from .hf import TransformersGenerator
+from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.engine import FastGenerator
+from grouprl.generation.hf import TransformersGenerator
 
 logger = logging.get_logger("grouprl")
 
@@ -85,7 +85,9 @@ class EngineUnlessGenerateOverridden:
         if reason is None:
             return self.engine.generate(prompt_ids, num_samples, params)
         if reason != self._announced:
-            logger.warning(f"grouprl: {reason}; sampling calls model.generate (transformers) instead of grouprl's engine, "
-                           "which would bypass it.")
+            logger.warning(
+                f"grouprl: {reason}; sampling calls model.generate (transformers) instead of grouprl's engine, "
+                "which would bypass it."
+            )
             self._announced = reason
         return self.fallback.generate(prompt_ids, num_samples, params)

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..types import Completion, SamplingParams
+from grouprl.core.types import Completion, SamplingParams
 
 
 @runtime_checkable

@@ -27,9 +27,9 @@ from typing import Any, Optional
 import torch
 from accelerate import PartialState
 
-from ..distributed import run_on_main
-from ..types import Completion, SamplingParams
-from .weights import chunks, inference_weights
+from grouprl.core.distributed import run_on_main
+from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.weights import chunks, inference_weights
 
 RETRY_STATUS = {502, 503, 504}
 
@@ -71,7 +71,9 @@ class RemoteGenerator:
 
     # ---- HTTP ---------------------------------------------------------------------------------
 
-    def request(self, method: str, path: str, body: Any = None, *, raw: Optional[bytes] = None, retries: Optional[int] = None) -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, *, raw: Optional[bytes] = None, retries: Optional[int] = None
+    ) -> Any:
         """JSON response of one request, retried on connection errors, timeouts and 502/503/504."""
         url = self.base_url + path
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
@@ -82,7 +84,9 @@ class RemoteGenerator:
             if attempt:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
             try:
-                with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers, method=method), timeout=self.timeout) as response:
+                with urllib.request.urlopen(
+                    urllib.request.Request(url, data=data, headers=headers, method=method), timeout=self.timeout
+                ) as response:
                     return json.loads(response.read() or b"null")
             except urllib.error.HTTPError as err:
                 detail = err.read().decode(errors="replace")[:2000]
@@ -102,7 +106,9 @@ class RemoteGenerator:
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=max(1.0, min(self.timeout, 10.0))) as response:
+                with urllib.request.urlopen(
+                    self.base_url + "/health", timeout=max(1.0, min(self.timeout, 10.0))
+                ) as response:
                     body = response.read()
                 try:
                     return json.loads(body) if body else {}
@@ -125,10 +131,17 @@ class RemoteGenerator:
 
     def completion_request(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> dict:
         body = {
-            "prompt": [list(p) for p in prompt_ids], "n": num_samples, "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1,
-            "min_p": params.min_p or 0.0, "repetition_penalty": params.repetition_penalty, "logprobs": 0,
-            "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "prompt": [list(p) for p in prompt_ids],
+            "n": num_samples,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "min_p": params.min_p or 0.0,
+            "repetition_penalty": params.repetition_penalty,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
         }
         if self.model_name:
             body["model"] = self.model_name
@@ -144,18 +157,30 @@ class RemoteGenerator:
         response = self.request("POST", "/v1/completions", self.completion_request(prompt_ids, num_samples, params))
         choices = sorted(response["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompt_ids) * num_samples:
-            raise ServerError(f"the generation server returned {len(choices)} completions for {len(prompt_ids)} prompts x {num_samples}.")
+            raise ServerError(
+                f"the generation server returned {len(choices)} completions for {len(prompt_ids)} prompts x {num_samples}."
+            )
         completions = []
         for row, choice in enumerate(choices):
             token_ids = choice.get("token_ids")
             if token_ids is None:
-                raise ServerError("the generation server's completions carry no token_ids; grouprl needs them (vLLM: return_token_ids).")
+                raise ServerError(
+                    "the generation server's completions carry no token_ids; grouprl needs them (vLLM: return_token_ids)."
+                )
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
             text = choice.get("text")
             if text is None and self.tokenizer is not None:
                 text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             finish = "stop" if choice.get("finish_reason") == "stop" else "length"
-            completions.append(Completion(row // num_samples, list(token_ids), text or "", finish, None if logprobs is None else list(logprobs)))
+            completions.append(
+                Completion(
+                    row // num_samples,
+                    list(token_ids),
+                    text or "",
+                    finish,
+                    None if logprobs is None else list(logprobs),
+                )
+            )
         return completions
 
     def score(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
@@ -195,19 +220,30 @@ class RemoteGenerator:
         tensors = [(name, tensor.contiguous()) for name, tensor in weights]
         if self._group is None:
             self._group = self._join_group(device=tensors[0][1].device)
-        meta = {"names": [n for n, _ in tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-                "shapes": [list(t.shape) for _, t in tensors]}
-        self._while_posting("/broadcast_weights", meta, lambda: [self._group.broadcast(t, 0).wait() for _, t in tensors])
+        meta = {
+            "names": [n for n, _ in tensors],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors],
+        }
+        self._while_posting(
+            "/broadcast_weights", meta, lambda: [self._group.broadcast(t, 0).wait() for _, t in tensors]
+        )
 
     def _join_group(self, device: torch.device) -> Any:
-        from .server import new_pair_group
+        from grouprl.generation.server import new_pair_group
 
         backend = "nccl" if device.type == "cuda" else "gloo"
         host = _own_address(self.base_url)
-        store = torch.distributed.TCPStore(host, self.group_port, 2, is_master=True, timeout=timedelta(seconds=self.timeout), wait_for_workers=False)
+        store = torch.distributed.TCPStore(
+            host, self.group_port, 2, is_master=True, timeout=timedelta(seconds=self.timeout), wait_for_workers=False
+        )
         group: list[Any] = []
         body = {"host": host, "port": self.group_port, "backend": backend, "timeout": self.timeout}
-        self._while_posting("/init_weight_broadcast", body, lambda: group.append(new_pair_group(store, rank=0, backend=backend, timeout=self.timeout)))
+        self._while_posting(
+            "/init_weight_broadcast",
+            body,
+            lambda: group.append(new_pair_group(store, rank=0, backend=backend, timeout=self.timeout)),
+        )
         return group[0]
 
     def _while_posting(self, path: str, body: dict, work: Any) -> None:

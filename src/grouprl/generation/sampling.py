@@ -24,7 +24,9 @@ from typing import Optional
 import torch
 
 
-def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, history_mask: torch.Tensor, penalty: float) -> torch.Tensor:
+def apply_repetition_penalty(
+    logits: torch.Tensor, history: torch.Tensor, history_mask: torch.Tensor, penalty: float
+) -> torch.Tensor:
     """CTRL penalty (Keskar et al. 2019): logits of seen tokens are divided (if > 0) or multiplied (if < 0) by `penalty`.
 
     logits (R, V); history (R, L) token ids; history_mask (R, L) bool, True = a real token.
@@ -43,7 +45,9 @@ def _seen_tokens(logits: torch.Tensor, history: torch.Tensor, history_mask: torc
     return counts > 0
 
 
-def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, min_p: Optional[float] = None) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, min_p: Optional[float] = None
+) -> torch.Tensor:
     """Set to -inf the tokens removed by top-k, then top-p (nucleus), then min-p; at least one token stays."""
     neg_inf = -float("inf")
     if top_k and top_k < logits.shape[-1]:
@@ -92,14 +96,18 @@ def cumulative_distribution(probs: torch.Tensor) -> torch.Tensor:
     return probs.double().cumsum(dim=-1)
 
 
-def sample_tokens(processed: torch.Tensor, generator: Optional[torch.Generator] = None, method: str = "inverse_cdf") -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    processed: torch.Tensor, generator: Optional[torch.Generator] = None, method: str = "inverse_cdf"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from softmax(processed); return (tokens (R,), their logprobs (R,))."""
     probs = processed.softmax(dim=-1)
     if method == "inverse_cdf":
         cdf = cumulative_distribution(probs)
         total = cdf[:, -1:]
         u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator) * total
-        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total, even after rounding
+        u = torch.minimum(
+            u, torch.nextafter(total, torch.zeros_like(total))
+        )  # strictly below the total, even after rounding
         # right=True: the first entry whose CDF exceeds u, so a token of probability 0 is never drawn.
         tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)
     elif method == "multinomial":

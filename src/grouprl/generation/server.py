@@ -19,7 +19,6 @@ Requests run one at a time (a lock): the engine holds one model, and a weight up
 land in the middle of a generation.
 """
 
-
 import argparse
 import threading
 from datetime import timedelta
@@ -27,9 +26,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..algorithms.logprobs import position_ids_from_mask
-from ..types import SamplingParams
-from .engine import FastGenerator
+from grouprl.core.types import SamplingParams
+from grouprl.generation.engine import FastGenerator
+from grouprl.model.logprobs import position_ids_from_mask
 
 # Request fields accepted without effect here: formatting switches of vLLM's API.
 INERT_FIELDS = {"return_token_ids", "return_tokens_as_token_ids", "stream", "user", "model"}
@@ -58,12 +57,16 @@ class WeightReceiver:
     def load(self, tensors: dict[str, torch.Tensor]) -> int:
         unknown = sorted(set(tensors) - set(self.params))
         if unknown:
-            raise ValueError(f"unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}: the trainer's model does not "
-                             "match the served model (serve the same architecture, e.g. the checkpoint the trainer started from).")
+            raise ValueError(
+                f"unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}: the trainer's model does not "
+                "match the served model (serve the same architecture, e.g. the checkpoint the trainer started from)."
+            )
         for name, tensor in tensors.items():
             param = self.params[name]
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} from the trainer, {tuple(param.shape)} on the server.")
+                raise ValueError(
+                    f"weight {name}: shape {tuple(tensor.shape)} from the trainer, {tuple(param.shape)} on the server."
+                )
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
         return len(tensors)
 
@@ -127,7 +130,12 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
         dtypes: list[str]
         shapes: list[list[int]]
 
-    generator = FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0])
+    generator = FastGenerator(
+        model,
+        tokenizer,
+        eos_token_ids,
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0],
+    )
     weights = WeightReceiver(model)
     lock = threading.Lock()
     app = fastapi.FastAPI(title="grouprl generation server")
@@ -147,30 +155,52 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
     def completions(request: CompletionRequest) -> dict:
         unsupported = sorted(set(request.model_extra or {}) - INERT_FIELDS)
         if unsupported:
-            raise bad_request(f"unsupported request fields {unsupported}; grouprl serve samples with n, max_tokens, temperature, top_p, "
-                              "top_k, min_p, repetition_penalty, min_tokens, logprobs (0), echo (with max_tokens 0), seed.")
+            raise bad_request(
+                f"unsupported request fields {unsupported}; grouprl serve samples with n, max_tokens, temperature, top_p, "
+                "top_k, min_p, repetition_penalty, min_tokens, logprobs (0), echo (with max_tokens 0), seed."
+            )
         prompts = _token_prompts(request.prompt, tokenizer)
         if request.n < 1 or request.logprobs not in (None, 0):
-            raise bad_request("n must be >= 1 and logprobs None or 0 (the sampled token's logprob; no top alternatives).")
+            raise bad_request(
+                "n must be >= 1 and logprobs None or 0 (the sampled token's logprob; no top alternatives)."
+            )
         with lock:
             if request.seed is not None:
                 torch.manual_seed(request.seed)
             if request.echo:
                 if request.max_tokens not in (0, None):
                     raise bad_request("echo is only supported with max_tokens=0 (scoring the prompt).")
-                choices = [_score_choice(i, ids, model, tokenizer, request.temperature) for i, ids in enumerate(prompts)]
+                choices = [
+                    _score_choice(i, ids, model, tokenizer, request.temperature) for i, ids in enumerate(prompts)
+                ]
             else:
                 params = SamplingParams(
-                    max_new_tokens=request.max_tokens or 16, temperature=request.temperature, top_p=request.top_p,
-                    top_k=max(request.top_k, 0), min_p=request.min_p or None, repetition_penalty=request.repetition_penalty,
+                    max_new_tokens=request.max_tokens or 16,
+                    temperature=request.temperature,
+                    top_p=request.top_p,
+                    top_k=max(request.top_k, 0),
+                    min_p=request.min_p or None,
+                    repetition_penalty=request.repetition_penalty,
                     extra={"min_new_tokens": request.min_tokens} if request.min_tokens else {},
                 )
                 sampled = generator.generate(prompts, request.n, params)
-                choices = [_sample_choice(i, c, prompts[c.prompt_index], request.logprobs is not None) for i, c in enumerate(sampled)]
+                choices = [
+                    _sample_choice(i, c, prompts[c.prompt_index], request.logprobs is not None)
+                    for i, c in enumerate(sampled)
+                ]
         usage_prompt = sum(len(p) for p in prompts)
         usage_completion = sum(len(c.get("token_ids") or []) for c in choices)
-        return {"id": f"cmpl-{weights.version}", "object": "text_completion", "model": model_name, "choices": choices,
-                "usage": {"prompt_tokens": usage_prompt, "completion_tokens": usage_completion, "total_tokens": usage_prompt + usage_completion}}
+        return {
+            "id": f"cmpl-{weights.version}",
+            "object": "text_completion",
+            "model": model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": usage_prompt,
+                "completion_tokens": usage_completion,
+                "total_tokens": usage_prompt + usage_completion,
+            },
+        }
 
     @app.post("/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -195,7 +225,9 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
         try:
             weights.join_group(request.host, request.port, request.backend, request.timeout)
         except (RuntimeError, ValueError) as err:
-            raise bad_request(f"could not join the weight broadcast group at {request.host}:{request.port}: {err}") from None
+            raise bad_request(
+                f"could not join the weight broadcast group at {request.host}:{request.port}: {err}"
+            ) from None
         return {"joined": True}
 
     @app.post("/broadcast_weights")
@@ -227,36 +259,64 @@ def _token_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
 def _sample_choice(index: int, completion: Any, prompt_ids: list[int], with_logprobs: bool) -> dict:
     logprobs = None
     if with_logprobs:
-        logprobs = {"tokens": [f"token_id:{t}" for t in completion.token_ids], "token_logprobs": completion.sampler_logprobs,
-                    "top_logprobs": None, "text_offset": []}
-    return {"index": index, "text": completion.text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
-            "token_ids": completion.token_ids, "prompt_token_ids": prompt_ids}
+        logprobs = {
+            "tokens": [f"token_id:{t}" for t in completion.token_ids],
+            "token_logprobs": completion.sampler_logprobs,
+            "top_logprobs": None,
+            "text_offset": [],
+        }
+    return {
+        "index": index,
+        "text": completion.text,
+        "logprobs": logprobs,
+        "finish_reason": completion.finish_reason,
+        "token_ids": completion.token_ids,
+        "prompt_token_ids": prompt_ids,
+    }
 
 
 @torch.no_grad()
-def _score_choice(index: int, prompt_ids: list[int], model: torch.nn.Module, tokenizer: Any, temperature: float) -> dict:
+def _score_choice(
+    index: int, prompt_ids: list[int], model: torch.nn.Module, tokenizer: Any, temperature: float
+) -> dict:
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
     mask = torch.ones_like(ids)
     was_training = model.training
     model.eval()
     try:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[0, :-1].float()
+        logits = (
+            model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[0, :-1].float()
+        )
     finally:
         model.train(was_training)
     logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
-    return {"index": index, "text": tokenizer.decode(prompt_ids), "finish_reason": "length", "token_ids": [], "prompt_token_ids": prompt_ids,
-            "logprobs": {"tokens": [f"token_id:{t}" for t in prompt_ids], "token_logprobs": [None, *logprobs.tolist()],
-                         "top_logprobs": None, "text_offset": []}}
+    return {
+        "index": index,
+        "text": tokenizer.decode(prompt_ids),
+        "finish_reason": "length",
+        "token_ids": [],
+        "prompt_token_ids": prompt_ids,
+        "logprobs": {
+            "tokens": [f"token_id:{t}" for t in prompt_ids],
+            "token_logprobs": [None, *logprobs.tolist()],
+            "top_logprobs": None,
+            "text_offset": [],
+        },
+    }
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Model id or local path (AutoModelForCausalLM).")
     parser.add_argument("--host", default="0.0.0.0", help="Address to listen on (default 0.0.0.0).")
     parser.add_argument("--port", type=int, default=8000, help="Port (default 8000, as vllm_server_port).")
-    parser.add_argument("--dtype", default="auto", help="Weights dtype: auto, float32, bfloat16, float16 (default auto).")
+    parser.add_argument(
+        "--dtype", default="auto", help="Weights dtype: auto, float32, bfloat16, float16 (default auto)."
+    )
     parser.add_argument("--device", default=None, help="Device (default: cuda if available, else cpu).")
-    parser.add_argument("--seed", type=int, default=0, help="Sampling seed at start-up (a request's seed overrides it).")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="Sampling seed at start-up (a request's seed overrides it)."
+    )
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow custom model code.")
     parser.add_argument("--log_level", default="warning", help="uvicorn log level (default warning).")
 
@@ -265,11 +325,15 @@ def serve(args: argparse.Namespace) -> None:
     _, uvicorn = require_server_libraries()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models import eos_token_ids
+    from grouprl.model.loading import eos_token_ids
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
+        .to(device)
+        .eval()
+    )
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     torch.manual_seed(args.seed)
     app = create_app(model, tokenizer, eos_token_ids(tokenizer, model), args.model)

@@ -33,15 +33,17 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from ..algorithms.logprobs import position_ids_from_mask
-from ..algorithms.model_forward import describe, is_unsupported
-from ..patches import grouprl_patches, scoped_attention
-from .kv_buffers import compact_rows
+from grouprl.generation.kv_buffers import compact_rows
+from grouprl.model.forward import describe, is_unsupported
+from grouprl.model.logprobs import position_ids_from_mask
+from grouprl.model.patches import grouprl_patches, scoped_attention
 
 logger = logging.get_logger("grouprl")
 
 NAME = "grouprl_shared_prefix"
-_ACTIVE: contextvars.ContextVar[SharedPrefixCache | None] = contextvars.ContextVar("grouprl_shared_prefix_cache", default=None)
+_ACTIVE: contextvars.ContextVar[SharedPrefixCache | None] = contextvars.ContextVar(
+    "grouprl_shared_prefix_cache", default=None
+)
 
 
 class SharedPrefixCache:
@@ -55,15 +57,22 @@ class SharedPrefixCache:
         self.prefix_mask = prompt_mask.bool()  # (B, P)
         dtype = self.prefix_keys[0].dtype
         # Left padding of the prompts as an additive score bias (None when no prompt is padded).
-        self.prefix_bias = None if bool(self.prefix_mask.all()) else torch.zeros(
-            self.prefix_mask.shape, dtype=dtype, device=prompt_mask.device).masked_fill(~self.prefix_mask, float("-inf"))[:, None, None, :]
+        self.prefix_bias = (
+            None
+            if bool(self.prefix_mask.all())
+            else torch.zeros(self.prefix_mask.shape, dtype=dtype, device=prompt_mask.device).masked_fill(
+                ~self.prefix_mask, float("-inf")
+            )[:, None, None, :]
+        )
         prompts, g = prompt_mask.shape[0], samples_per_prompt
         device = prompt_mask.device
         self.row_prompt = torch.arange(prompts, device=device).repeat_interleave(g)  # (R,) prompt of each row
         self.row_slot = torch.arange(prompts * g, device=device) % g  # (R,) its place among the prompt's rows
         self.slots = g
         kvh, d = self.prefix_keys[0].shape[1], self.prefix_keys[0].shape[3]
-        self.keys = [torch.empty(prompts * g, kvh, max_new_tokens, d, dtype=dtype, device=device) for _ in self.prefix_keys]
+        self.keys = [
+            torch.empty(prompts * g, kvh, max_new_tokens, d, dtype=dtype, device=device) for _ in self.prefix_keys
+        ]
         self.values = [torch.empty_like(k) for k in self.keys]
         self.lengths = [0] * len(self.keys)
 
@@ -101,9 +110,13 @@ class SharedPrefixCache:
             prefix_scores = prefix_scores + self.prefix_bias
         # Against the row's own sampled tokens, then one softmax over both parts.
         own_k, own_v = self.keys[layer_idx][:, :, :t], self.values[layer_idx][:, :, :t]
-        scores = torch.cat([self._from_grid(prefix_scores), torch.matmul(q, own_k.transpose(-1, -2))], dim=-1)  # (R, KVH, rep, P + t)
+        scores = torch.cat(
+            [self._from_grid(prefix_scores), torch.matmul(q, own_k.transpose(-1, -2))], dim=-1
+        )  # (R, KVH, rep, P + t)
         weights = scores.softmax(dim=-1)
-        out = self._from_grid(torch.matmul(self._to_grid(weights[..., :p]), prefix_v)) + torch.matmul(weights[..., p:], own_v)
+        out = self._from_grid(torch.matmul(self._to_grid(weights[..., :p]), prefix_v)) + torch.matmul(
+            weights[..., p:], own_v
+        )
         return out.reshape(rows, 1, heads, d)
 
     def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,13 +141,22 @@ class SharedPrefixCache:
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
     cache = _ACTIVE.get()
-    unserved = [what for what, present in (
-        ("a call outside `decoding`", cache is None), ("a multi-token step", query.shape[2] != 1),
-        ("sliding-window layers", sliding_window is not None), ("soft-capping", kwargs.get("softcap") is not None),
-        ("attention sinks", kwargs.get("s_aux") is not None)) if present]
+    unserved = [
+        what
+        for what, present in (
+            ("a call outside `decoding`", cache is None),
+            ("a multi-token step", query.shape[2] != 1),
+            ("sliding-window layers", sliding_window is not None),
+            ("soft-capping", kwargs.get("softcap") is not None),
+            ("attention sinks", kwargs.get("s_aux") is not None),
+        )
+        if present
+    ]
     if unserved:
-        raise NotImplementedError(f"shared-prefix attention serves single-token decode steps of full-attention layers only, "
-                                  f"not {', '.join(unserved)}")
+        raise NotImplementedError(
+            f"shared-prefix attention serves single-token decode steps of full-attention layers only, "
+            f"not {', '.join(unserved)}"
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return cache.attend(module.layer_idx, query, scale), None
 
@@ -152,8 +174,10 @@ def decoding(model: torch.nn.Module, cache: SharedPrefixCache) -> Iterator[None]
             model.set_attn_implementation(NAME)
             try:
                 if model.config._attn_implementation != NAME:  # transformers declined (it logs why): not this model
-                    raise NotImplementedError(f"{type(model).__name__} cannot switch its attention implementation "
-                                              f"(set_attn_implementation left it at {model.config._attn_implementation!r})")
+                    raise NotImplementedError(
+                        f"{type(model).__name__} cannot switch its attention implementation "
+                        f"(set_attn_implementation left it at {model.config._attn_implementation!r})"
+                    )
                 yield
             finally:
                 model.set_attn_implementation(previous)
@@ -171,10 +195,14 @@ def matches_standard_attention(model: torch.nn.Module) -> bool:
         _VERIFIED[model] = reason is None
         name = type(model).__name__
         if reason is None:
-            logger.info(f"grouprl: shared-prefix decoding is on for {name}: each prompt's KV cache is read once for its samples.")
+            logger.info(
+                f"grouprl: shared-prefix decoding is on for {name}: each prompt's KV cache is read once for its samples."
+            )
         else:
-            logger.log(logging.WARNING if reason.startswith("the probe") else logging.INFO,
-                       f"grouprl: shared-prefix decoding is off for {name}: {reason}. Each sample keeps its own copy of the prompt's cache.")
+            logger.log(
+                logging.WARNING if reason.startswith("the probe") else logging.INFO,
+                f"grouprl: shared-prefix decoding is off for {name}: {reason}. Each sample keeps its own copy of the prompt's cache.",
+            )
     return _VERIFIED[model]
 
 
@@ -190,10 +218,21 @@ def _probe(model: torch.nn.Module) -> str | None:
     steps = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], device=device) % vocab  # tokens fed per step
     try:
         reference = DynamicCache(config=model.config)
-        model(input_ids=ids.repeat_interleave(2, 0), attention_mask=mask.repeat_interleave(2, 0),
-              position_ids=position_ids_from_mask(mask).repeat_interleave(2, 0), past_key_values=reference, use_cache=True)
+        model(
+            input_ids=ids.repeat_interleave(2, 0),
+            attention_mask=mask.repeat_interleave(2, 0),
+            position_ids=position_ids_from_mask(mask).repeat_interleave(2, 0),
+            past_key_values=reference,
+            use_cache=True,
+        )
         prefill = DynamicCache(config=model.config)
-        model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), past_key_values=prefill, use_cache=True)
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            past_key_values=prefill,
+            use_cache=True,
+        )
         shared = SharedPrefixCache(prefill, mask, 2, steps.shape[0])
         full_mask = mask.repeat_interleave(2, 0)
         positions = full_mask.sum(dim=1)

@@ -24,10 +24,10 @@ from typing import Any, Optional
 import torch
 from accelerate import PartialState
 
-from ..distributed import run_on_main
-from ..types import Completion, SamplingParams
-from .remote import RemoteGenerator, _own_address
-from .weights import inference_weights
+from grouprl.core.distributed import run_on_main
+from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.remote import RemoteGenerator, _own_address
+from grouprl.generation.weights import inference_weights
 
 INSTALL_HINT = (
     "pip install 'grouprl[vllm]' (CUDA machines). Without vLLM, sample with grouprl's own server: run `grouprl serve --model PATH` "
@@ -53,9 +53,15 @@ def vllm_sampling_params(vllm: Any, num_samples: int, params: SamplingParams, re
 
         extra["structured_outputs"] = StructuredOutputsParams(regex=regex)
     return vllm.SamplingParams(
-        n=num_samples, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-        top_k=params.top_k if params.top_k > 0 else -1, min_p=params.min_p or 0.0, repetition_penalty=params.repetition_penalty,
-        logprobs=0, **extra,
+        n=num_samples,
+        max_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        min_p=params.min_p or 0.0,
+        repetition_penalty=params.repetition_penalty,
+        logprobs=0,
+        **extra,
     )
 
 
@@ -72,11 +78,17 @@ class VLLMColocateGenerator:
         self.regex = config.vllm_structured_outputs_regex
         self.sleep = config.vllm_enable_sleep_mode
         self.llm = self.vllm.LLM(
-            model=model_path, tensor_parallel_size=config.vllm_tensor_parallel_size,
-            gpu_memory_utilization=config.vllm_gpu_memory_utilization, max_model_len=config.vllm_max_model_length,
-            max_num_seqs=max_num_seqs, enable_sleep_mode=self.sleep, model_impl=config.vllm_model_impl,
-            distributed_executor_backend="external_launcher", seed=state.process_index // config.vllm_tensor_parallel_size,
-            max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
+            model=model_path,
+            tensor_parallel_size=config.vllm_tensor_parallel_size,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            max_model_len=config.vllm_max_model_length,
+            max_num_seqs=max_num_seqs,
+            enable_sleep_mode=self.sleep,
+            model_impl=config.vllm_model_impl,
+            distributed_executor_backend="external_launcher",
+            seed=state.process_index // config.vllm_tensor_parallel_size,
+            max_num_batched_tokens=4096,
+            logprobs_mode="processed_logprobs",
         )
         self.weights_asleep = False
         self.model: Optional[torch.nn.Module] = None
@@ -100,8 +112,11 @@ class VLLMColocateGenerator:
         if self.sleep:
             self.llm.wake_up(tags=["kv_cache"])
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids],
-                                        vllm_sampling_params(self.vllm, num_samples, params, self.regex), use_tqdm=False)
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(ids)} for ids in prompt_ids],
+                vllm_sampling_params(self.vllm, num_samples, params, self.regex),
+                use_tqdm=False,
+            )
         finally:
             if self.sleep:
                 self.llm.sleep(level=2)
@@ -111,15 +126,31 @@ class VLLMColocateGenerator:
             for sample in output.outputs:
                 tokens = list(sample.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs or [], tokens)] or None
-                completions.append(Completion(p, tokens, self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                              "stop" if sample.finish_reason == "stop" else "length", logprobs))
+                completions.append(
+                    Completion(
+                        p,
+                        tokens,
+                        self.tokenizer.decode(tokens, skip_special_tokens=True),
+                        "stop" if sample.finish_reason == "stop" else "length",
+                        logprobs,
+                    )
+                )
         return completions
 
 
 class VLLMServerGenerator(RemoteGenerator):
     """Upstream `vllm serve`: sampling over its OpenAI API, weights over vLLM's NCCL weight-transfer engine."""
 
-    def __init__(self, base_url: str, *, tokenizer: Any, timeout: float, retries: int, group_port: int, regex: Optional[str] = None):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        tokenizer: Any,
+        timeout: float,
+        retries: int,
+        group_port: int,
+        regex: Optional[str] = None,
+    ):
         require_vllm("use_vllm=True, vllm_mode='server' against `vllm serve` (its NCCL weight transfer)")
         super().__init__(base_url, tokenizer=tokenizer, timeout=timeout, retries=retries, group_port=group_port)
         self.regex = regex
@@ -147,16 +178,32 @@ class VLLMServerGenerator(RemoteGenerator):
 
         if self._group is None:
             workers = int(self.request("GET", "/get_world_size")["world_size"])
-            init_info = {"master_address": _own_address(self.base_url), "master_port": self.group_port, "rank_offset": 1,
-                         "world_size": workers + 1}
+            init_info = {
+                "master_address": _own_address(self.base_url),
+                "master_port": self.group_port,
+                "rank_offset": 1,
+                "world_size": workers + 1,
+            }
             group: list[Any] = []
-            self._while_posting("/init_weight_transfer_engine", {"init_info": init_info},
-                                lambda: group.append(NCCLWeightTransferEngine.trainer_init(init_info)))
+            self._while_posting(
+                "/init_weight_transfer_engine",
+                {"init_info": init_info},
+                lambda: group.append(NCCLWeightTransferEngine.trainer_init(init_info)),
+            )
             self._group = group[0]
-        update_info = {"names": [n for n, _ in tensors], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-                       "shapes": [list(t.shape) for _, t in tensors], "packed": True}
+        update_info = {
+            "names": [n for n, _ in tensors],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors],
+            "packed": True,
+        }
         self.request("POST", "/start_weight_update", {"is_checkpoint_format": True})
-        self._while_posting("/update_weights", {"update_info": update_info},
-                            lambda: NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), {"group": self._group, "packed": True}))
+        self._while_posting(
+            "/update_weights",
+            {"update_info": update_info},
+            lambda: NCCLWeightTransferEngine.trainer_send_weights(
+                iter(tensors), {"group": self._group, "packed": True}
+            ),
+        )
         self.request("POST", "/finish_weight_update")
         self.request("POST", "/reset_prefix_cache")

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from ..adapters import active_adapter, is_peft_model
+from grouprl.model.adapters import active_adapter, is_peft_model
 
 PEFT_PREFIX = "base_model.model."
 
@@ -27,7 +27,11 @@ def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     with merged_adapters(model):
         for name, param in model.named_parameters():
             if peft:
-                if "lora_" in name or ".original_module." in name or (".modules_to_save." in name and trained_copy not in name):
+                if (
+                    "lora_" in name
+                    or ".original_module." in name
+                    or (".modules_to_save." in name and trained_copy not in name)
+                ):
                     continue  # adapter factors (merged already), frozen originals, other adapters' copies
                 name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(trained_copy, ".")
             with _gathered(param):

@@ -10,8 +10,8 @@ from the run's config: ``get_cosine_scaled_reward`` (max_len = max_completion_le
 
 from typing import Any, Callable
 
-from ..demo.task import arithmetic_reward
-from .builtins import (
+from grouprl.rewards.arithmetic import arithmetic_reward
+from grouprl.rewards.builtins import (
     accuracy_reward,
     get_cosine_scaled_reward,
     get_repetition_penalty_reward,
@@ -19,7 +19,13 @@ from .builtins import (
     reasoning_accuracy_reward,
     think_format_reward,
 )
-from .scoring import RewardFunction, RewardFunctionError, prepare_reward_functions, reward_name, score_completions
+from grouprl.rewards.scoring import (
+    RewardFunction,
+    RewardFunctionError,
+    prepare_reward_functions,
+    reward_name,
+    score_completions,
+)
 
 BUILTIN_REWARDS: dict[str, Callable] = {
     "accuracy_reward": accuracy_reward,

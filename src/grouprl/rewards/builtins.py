@@ -55,7 +55,9 @@ class _MathChecker:
         normalization, extraction, self.parse, self.verify = _math_verify()
         self.answer_config = [
             extraction(
-                normalization_config=normalization(basic_latex=True, units=True, malformed_operators=False, nits=False, boxed="all", equations=False),
+                normalization_config=normalization(
+                    basic_latex=True, units=True, malformed_operators=False, nits=False, boxed="all", equations=False
+                ),
                 boxed_match_priority=0,  # \boxed{...} first
                 try_extract_without_anchor=False,  # an answer must be marked, not any number in the text
             )
@@ -72,13 +74,19 @@ class _MathChecker:
         gold = self.parse(solution, parsing_timeout=self.parse_timeout)
         if len(gold) == 0:
             return None, "[unparseable]", "[skipped]"
-        answer = self.parse(answer_text, extraction_config=self.answer_config, extraction_mode="first_match",
-                            parsing_timeout=self.parse_timeout)
+        answer = self.parse(
+            answer_text,
+            extraction_config=self.answer_config,
+            extraction_mode="first_match",
+            parsing_timeout=self.parse_timeout,
+        )
         correct = self.verify(gold, answer, timeout_seconds=self.verify_timeout)
         return float(correct), str(gold), str(answer) if answer else "[unparseable]"
 
 
-def _check_all(texts: Sequence[Optional[str]], solution: Sequence[str], log_extra: Optional[Callable]) -> list[Optional[float]]:
+def _check_all(
+    texts: Sequence[Optional[str]], solution: Sequence[str], log_extra: Optional[Callable]
+) -> list[Optional[float]]:
     """Score answer texts (None = reasoning never closed: 0.0) and log the parses as extra columns."""
     if len(texts) != len(solution):
         raise ValueError(f"got {len(texts)} completions but {len(solution)} solutions")
@@ -99,7 +107,9 @@ def _check_all(texts: Sequence[Optional[str]], solution: Sequence[str], log_extr
     return rewards
 
 
-def accuracy_reward(completions: list, solution: list[str], log_extra: Optional[Callable] = None, **kwargs: Any) -> list[Optional[float]]:
+def accuracy_reward(
+    completions: list, solution: list[str], log_extra: Optional[Callable] = None, **kwargs: Any
+) -> list[Optional[float]]:
     r"""1.0 if the completion's answer matches ``solution`` (math-verify), 0.0 if not, None if the gold is unparseable.
 
     >>> accuracy_reward([r"My answer is \boxed{\frac{1}{3}}", r"\boxed{\frac{1}{2}}"], [r"\frac{1}{3}", r"\frac{1}{3}"])
@@ -142,14 +152,23 @@ class CosineScaledReward:
 
     __name__ = "cosine_scaled_reward"
 
-    def __init__(self, max_len: int, min_value_wrong: float, max_value_wrong: float, min_value_correct: float, max_value_correct: float):
+    def __init__(
+        self,
+        max_len: int,
+        min_value_wrong: float,
+        max_value_wrong: float,
+        min_value_correct: float,
+        max_value_correct: float,
+    ):
         if max_len <= 0:
             raise ValueError(f"get_cosine_scaled_reward: max_len must be > 0, got {max_len}")
         self.max_len = max_len
         self.min_value_wrong, self.max_value_wrong = min_value_wrong, max_value_wrong
         self.min_value_correct, self.max_value_correct = min_value_correct, max_value_correct
 
-    def __call__(self, completions: list, solution: list[str], completion_ids: list[list[int]], **kwargs: Any) -> list[Optional[float]]:
+    def __call__(
+        self, completions: list, solution: list[str], completion_ids: list[list[int]], **kwargs: Any
+    ) -> list[Optional[float]]:
         correctness = accuracy_reward(completions, solution)
         rewards: list[Optional[float]] = []
         for correct, ids in zip(correctness, completion_ids):
@@ -189,7 +208,9 @@ class RepetitionPenalty:
         if ngram_size <= 0:
             raise ValueError(f"get_repetition_penalty_reward: ngram_size must be > 0, got {ngram_size}")
         if max_penalty > 0:
-            raise ValueError(f"get_repetition_penalty_reward: max_penalty {max_penalty} must not be positive (it is a penalty)")
+            raise ValueError(
+                f"get_repetition_penalty_reward: max_penalty {max_penalty} must not be positive (it is a penalty)"
+            )
         self.ngram_size, self.max_penalty = ngram_size, max_penalty
 
     def __call__(self, completion_ids: list[list[int]], **kwargs: Any) -> list[float]:

@@ -26,18 +26,29 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 class RewardModel:
     """A sequence-classification model with its tokenizer, called like a reward function."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, *, batch_size: int = 8, chat_template_kwargs: Optional[dict] = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        *,
+        batch_size: int = 8,
+        chat_template_kwargs: Optional[dict] = None,
+    ):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.batch_size = max(1, int(batch_size))
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if tokenizer.pad_token is None:
             if tokenizer.eos_token is None:
-                raise ValueError(f"Reward model {self.__name__!r}: its tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token.")
+                raise ValueError(
+                    f"Reward model {self.__name__!r}: its tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token."
+                )
             tokenizer.pad_token = tokenizer.eos_token
         model.config.pad_token_id = tokenizer.pad_token_id  # the classification head pools at the last non-pad token
         if getattr(model.config, "num_labels", 1) != 1:
-            raise ValueError(f"Reward model {self.__name__!r} has num_labels={model.config.num_labels}; a reward model outputs one score (num_labels=1).")
+            raise ValueError(
+                f"Reward model {self.__name__!r} has num_labels={model.config.num_labels}; a reward model outputs one score (num_labels=1)."
+            )
 
     @property
     def __name__(self) -> str:  # noqa: A003 - the reward's metric name, as for functions
@@ -52,8 +63,12 @@ class RewardModel:
         if isinstance(prompt, str):
             return prompt + (completion if isinstance(completion, str) else completion[0]["content"])
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"Reward model {self.__name__!r}: the samples are conversational but its tokenizer has no chat template.")
-        text = self.tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False, **self.chat_template_kwargs)
+            raise ValueError(
+                f"Reward model {self.__name__!r}: the samples are conversational but its tokenizer has no chat template."
+            )
+        text = self.tokenizer.apply_chat_template(
+            list(prompt) + list(completion), tokenize=False, **self.chat_template_kwargs
+        )
         return text
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
@@ -62,9 +77,16 @@ class RewardModel:
         scores: list[float] = []
         with torch.inference_mode():
             for start in range(0, len(texts), self.batch_size):
-                encoded = self.tokenizer(texts[start : start + self.batch_size], padding=True, padding_side="right",
-                                         add_special_tokens=False, return_tensors="pt")
-                logits = self.model(input_ids=encoded["input_ids"].to(device), attention_mask=encoded["attention_mask"].to(device)).logits
+                encoded = self.tokenizer(
+                    texts[start : start + self.batch_size],
+                    padding=True,
+                    padding_side="right",
+                    add_special_tokens=False,
+                    return_tensors="pt",
+                )
+                logits = self.model(
+                    input_ids=encoded["input_ids"].to(device), attention_mask=encoded["attention_mask"].to(device)
+                ).logits
                 scores.extend(logits[:, 0].float().cpu().tolist())  # (b,)
         return scores
 
@@ -75,7 +97,7 @@ def is_reward_model(entry: Any) -> bool:
 
 def check_reward_funcs(reward_funcs: Any, reward_processing_classes: Any) -> tuple[list[Any], list[Any]]:
     """Validate reward_funcs and reward_processing_classes without loading anything; return both as lists."""
-    from .scoring import prepare_reward_functions
+    from grouprl.rewards.scoring import prepare_reward_functions
 
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
@@ -90,7 +112,11 @@ def match_processing_classes(reward_funcs: Sequence[Any], reward_processing_clas
     """One processing class (or None) per reward function; a single one is wrapped in a list (TRL)."""
     if reward_processing_classes is None:
         return [None] * len(reward_funcs)
-    classes = list(reward_processing_classes) if isinstance(reward_processing_classes, (list, tuple)) else [reward_processing_classes]
+    classes = (
+        list(reward_processing_classes)
+        if isinstance(reward_processing_classes, (list, tuple))
+        else [reward_processing_classes]
+    )
     if len(classes) != len(reward_funcs):
         raise ValueError(
             f"The number of reward processing classes ({len(classes)}) must match the number of reward functions "
@@ -121,14 +147,19 @@ def load_reward_functions(
         elif isinstance(entry, PreTrainedModel):
             model = entry
         else:
-            raise TypeError(f"reward_funcs[{index}] is a {type(entry).__name__}; a reward model must be a model id / path or a "
-                            "transformers PreTrainedModel (AutoModelForSequenceClassification with num_labels=1).")
+            raise TypeError(
+                f"reward_funcs[{index}] is a {type(entry).__name__}; a reward model must be a model id / path or a "
+                "transformers PreTrainedModel (AutoModelForSequenceClassification with num_labels=1)."
+            )
         if tokenizer is None:
             source = entry if isinstance(entry, str) else getattr(model.config, "_name_or_path", None)
             if not source:
-                raise ValueError(f"reward_funcs[{index}]: cannot find a tokenizer for this reward model; pass it in reward_processing_classes.")
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
-                                                      revision=(model_init_kwargs or {}).get("revision"))
+                raise ValueError(
+                    f"reward_funcs[{index}]: cannot find a tokenizer for this reward model; pass it in reward_processing_classes."
+                )
+            tokenizer = AutoTokenizer.from_pretrained(
+                source, trust_remote_code=trust_remote_code, revision=(model_init_kwargs or {}).get("revision")
+            )
         reward_model = RewardModel(model, tokenizer, batch_size=batch_size, chat_template_kwargs=chat_template_kwargs)
         loaded.append(reward_model.to(device) if device is not None else reward_model)
     return loaded

@@ -74,7 +74,9 @@ def prepare_reward_functions(reward_funcs: Any) -> list[RewardFunction]:
                 "grouprl.rewards.models.load_reward_functions (GRPOTrainer does this for you)."
             )
         if not callable(fn):
-            raise TypeError(f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; pass a function f(prompts, completions, **kwargs) -> list[float].")
+            raise TypeError(
+                f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; pass a function f(prompts, completions, **kwargs) -> list[float]."
+            )
         prepared.append(RewardFunction(fn=fn, name=reward_name(fn), is_async=_is_async(fn)))
     return prepared
 
@@ -114,6 +116,7 @@ def score_completions(
             if callback is not None:
                 with lock:
                     callback(*args)
+
         return call
 
     kwargs = dict(columns)
@@ -152,8 +155,11 @@ def score_completions(
             outputs[i] = call_sync(i)
             if not isinstance(outputs[i], _Failure):
                 functions[i].main_thread_only = True
-                logger.warning("Reward function '%s' failed in a worker thread but works in the main thread; it runs there from now "
-                               "on (in sequence with the other sync reward functions).", functions[i].name)
+                logger.warning(
+                    "Reward function '%s' failed in a worker thread but works in the main thread; it runs there from now "
+                    "on (in sequence with the other sync reward functions).",
+                    functions[i].name,
+                )
     if pending is not None:
         for index, result in zip(async_indices, pending.result()):
             outputs[index] = _Failure(result) if isinstance(result, Exception) else result
@@ -187,7 +193,10 @@ def _warn_unscorable(scores: torch.Tensor, kwargs: dict[str, Any]) -> None:
     logger.warning(
         "All reward functions returned None for the following kwargs: %s\n%d of %d completions got no reward from any function; "
         "they get advantage 0 and are left out of their group's mean and std. Make sure at least one reward function returns "
-        "a number for every completion.", "{" + ", ".join(f"{k!r}: {_short(v, 200)}" for k, v in shown.items()) + "}", count, n,
+        "a number for every completion.",
+        "{" + ", ".join(f"{k!r}: {_short(v, 200)}" for k, v in shown.items()) + "}",
+        count,
+        n,
     )
 
 
@@ -245,7 +254,9 @@ def _locate_failure(f: RewardFunction, kwargs: dict[str, Any], n: int, err: Exce
                 f"Reward function '{f.name}' raised {type(row_err).__name__}: {row_err} on row {row} "
                 f"(prompt: {_short(kwargs['prompts'][row])}, completion: {_short(kwargs['completions'][row])})."
             )
-    return RewardFunctionError(f"Reward function '{f.name}' raised {type(err).__name__}: {err} (on the batch of {n} completions).")
+    return RewardFunctionError(
+        f"Reward function '{f.name}' raised {type(err).__name__}: {err} (on the batch of {n} completions)."
+    )
 
 
 def _short(value: Any, limit: int = 80) -> str:

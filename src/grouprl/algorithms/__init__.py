@@ -1,1 +1,0 @@
-"""Pure tensor maths of GRPO: advantages, policy losses, logprobs. No config objects in here."""

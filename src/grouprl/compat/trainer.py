@@ -1,0 +1,381 @@
+"""GRPOTrainer: TRL's constructor and methods, assembling grouprl's components around `loop.train`.
+
+The constructor composes the builders of trainer_builders.py. Order of construction matters for error
+messages: the config, batch plan and feature combinations (combinations.py) are checked, then the
+dataset and reward functions, and only then is any model loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+from accelerate.utils import set_seed
+from transformers import PreTrainedModel, TrainerControl
+from transformers.trainer_utils import TrainOutput
+from transformers.utils import logging
+
+from grouprl.agents import AgentSpec
+from grouprl.compat.accelerator_setup import cpu_has_fast_bf16, make_accelerator
+from grouprl.compat.trainer_builders import (
+    build_entropy_controller,
+    build_optimizer,
+    build_reference,
+    build_rollouts,
+    load_policy,
+    make_trainer_state,
+    mirror_trl_settings,
+    plan_steps,
+    prepare_for_training,
+    tracker_config,
+    tracker_init_kwargs,
+)
+from grouprl.compat.trainer_hooks import OverridePoints
+from grouprl.compat.trainer_inputs import active_features, collect_reward_sources, default_args, prepare_train_dataset
+from grouprl.compat.trainer_reporting import TrainerReporting
+from grouprl.compat.trainer_saving import TrainerSaving
+from grouprl.config.combinations import check_combinations
+from grouprl.config.grpo_config import GRPOConfig, plan_batches
+from grouprl.data.generation_inputs import TrainPromptBatches
+from grouprl.data.multimodal_prompts import check_multimodal_setup
+from grouprl.generation.factory import build_backend
+from grouprl.generation.protocol import GenerationBackend
+from grouprl.model.loading import eos_token_ids, load_tokenizer
+from grouprl.model.multimodal import text_tokenizer
+from grouprl.model.patches import grouprl_patches
+from grouprl.rewards.models import load_reward_functions
+from grouprl.rewards.scoring import prepare_reward_functions
+from grouprl.train import evaluation, loop
+from grouprl.train.callbacks import CallbackHandler
+from grouprl.train.checkpoint import resolve_resume_path
+from grouprl.train.log_level import apply_log_level
+from grouprl.train.micro_step import Objective
+
+logger = logging.get_logger("grouprl")
+
+
+class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
+    """Train a causal LM with GRPO. Drop-in for ``trl.GRPOTrainer`` (same arguments, same config).
+
+    Args:
+        model: a model id / local path (loaded with AutoModelForCausalLM, or AutoModelForImageTextToText for a
+            vision-language checkpoint, and ``args.model_init_kwargs``) or a ``PreTrainedModel``.
+        reward_funcs: one reward function or a list; each is called as
+            ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)``
+            and returns one float (or None) per completion. An entry may also be a reward model: a model
+            id / path (AutoModelForSequenceClassification, num_labels=1) or a ``PreTrainedModel``.
+            May be None when an environment owns the reward (``get_reward``).
+        args: a ``GRPOConfig`` (default: ``GRPOConfig(output_dir="<model name>-GRPO")``).
+        train_dataset: ``datasets.Dataset`` or ``IterableDataset`` with a ``prompt`` column (and, for
+            vision-language models, an ``image`` or ``images`` column).
+        eval_dataset: a ``Dataset`` or a dict of name -> ``Dataset`` for ``evaluate()`` / ``eval_strategy``.
+        processing_class: the tokenizer, or for a vision-language model its processor (default: loaded from the
+            model with AutoTokenizer / AutoProcessor; pad token falls back to EOS).
+        reward_processing_classes: tokenizer(s) of the reward models: one, or a list with one entry per
+            reward function (None = load the reward model's own tokenizer).
+        callbacks: ``transformers.TrainerCallback`` instances or classes, called at the Trainer's events
+            (see ``grouprl.train.callbacks``); ``add_callback`` / ``pop_callback`` / ``remove_callback`` change them later.
+        optimizers: ``(optimizer, lr_scheduler)``; either may be None to use AdamW / ``lr_scheduler_type``.
+        quantization_config: a ``transformers.BitsAndBytesConfig`` applied when ``model`` is loaded from an id / path
+            (QLoRA; needs ``peft_config``). The same may be given as ``args.model_init_kwargs["quantization_config"]``.
+        peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig``): train adapters only, the base model frozen.
+        tools: sync or async functions (type hints + Google-style docstrings) the model may call in
+            multi-turn rollouts; needs conversational prompts and a chat template that renders tools.
+        environment_factory: a callable making an environment (``reset(**row)``, public methods as tools,
+            optional ``get_reward()``), or a dict name -> callable routed by an ``environment`` column.
+        rollout_func: ``f(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", ...}``, a custom
+            rollout replacing generation. See ``grouprl.agents`` and the README's "Tools and agents".
+        generation_backend: grouprl extension: any object with the ``GenerationBackend`` protocol
+            (default: transformers ``generate`` on the policy).
+
+    Subclass it as TRL's: the loop runs through TRL's override points (training_step, _prepare_inputs,
+    _generate_and_score_completions, _generate, _calculate_rewards, compute_loss, _compute_loss,
+    _get_per_token_logps_and_entropies, get_high_entropy_mask, get_off_policy_mask, log; see trainer_hooks.py), and a
+    subclass overriding a TRL method grouprl never calls is refused when it is defined.
+    """
+
+    _grouprl_surface = True  # TRL's methods defined here are grouprl's own (subclasses are checked: trainer_hooks.py)
+
+    def __init__(
+        self,
+        model: Union[str, PreTrainedModel],
+        reward_funcs: Union[Callable, list[Callable], None] = None,
+        args: Optional[GRPOConfig] = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: Optional[list] = None,
+        optimizers: tuple[Optional[torch.optim.Optimizer], Any] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: Optional[list] = None,
+        rollout_func: Optional[Callable] = None,
+        environment_factory: Any = None,
+        generation_backend: Optional[GenerationBackend] = None,
+    ):
+        # Checked before any model loads: the config, the feature combinations, the dataset and the reward sources.
+        self.args = args = default_args(model, args)
+        self.accelerator = make_accelerator(args)
+        apply_log_level(args)
+        self.plan = plan_batches(args, self.accelerator.num_processes)
+        features = active_features(
+            args,
+            model=model,
+            train_dataset=train_dataset,
+            tools=tools,
+            environment_factory=environment_factory,
+            rollout_func=rollout_func,
+            peft_config=peft_config,
+            quantization_config=quantization_config,
+            generation_backend=generation_backend,
+        )
+        check_combinations(features)
+        agents = AgentSpec.from_arguments(
+            tools, environment_factory, rollout_func
+        )  # tool schemas checked, environments probed
+        train_dataset, environments_own_prompts = prepare_train_dataset(
+            args, train_dataset, eval_dataset, agents, self.plan, self.accelerator.num_processes
+        )
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        reward_funcs, reward_processing_classes, weights = collect_reward_sources(
+            args, reward_funcs, reward_processing_classes, agents
+        )
+        for message in args.dubious_combinations():
+            logger.warning(message)
+
+        # The models: policy (and reference), tokenizer, reward functions.
+        use_peft = "lora" in features
+        self.model, reference_model = load_policy(
+            args,
+            model,
+            use_peft=use_peft,
+            peft_config=peft_config,
+            quantization_config=quantization_config,
+            generation_backend=generation_backend,
+            features=features,
+        )
+        gguf_file = (args.model_init_kwargs or {}).get("gguf_file") if isinstance(model, str) else None
+        self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code, gguf_file)
+        check_multimodal_setup(train_dataset, self.processing_class)
+        self._tokenizer = tokenizer = text_tokenizer(self.processing_class)
+        if tokenizer is not self.processing_class and self.overrides("_get_per_token_logps_and_entropies"):
+            raise NotImplementedError(
+                f"{type(self).__name__} overrides _get_per_token_logps_and_entropies, which grouprl can call only "
+                "for text models: it passes images to a vision-language model its own way, not as TRL's "
+                "pixel_values keyword arguments. Remove the override, or override _compute_loss instead."
+            )
+        self.eos_token_ids = eos_token_ids(tokenizer, self.model)
+        self.reward_functions = prepare_reward_functions(
+            load_reward_functions(
+                reward_funcs,
+                reward_processing_classes,
+                model_init_kwargs=args.model_init_kwargs,
+                trust_remote_code=args.trust_remote_code,
+                chat_template_kwargs=args.chat_template_kwargs,
+                batch_size=args.per_device_train_batch_size,
+                device=self.accelerator.device,
+            )
+        )
+        self.reward_funcs = [f.fn for f in self.reward_functions]
+        self.reward_func_names = [f.name for f in self.reward_functions]
+        # TRL's attributes: the weights as a tensor, and each reward model's tokenizer (None for a function)
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.reward_processing_classes = [
+            getattr(f, "tokenizer", None) if hasattr(f, "model") else None for f in self.reward_funcs
+        ]
+        self.model, reference_adapter, aux_loss_coef = prepare_for_training(
+            args,
+            self.model,
+            reference_model,
+            peft_config=peft_config,
+            use_peft=use_peft,
+            bf16_capable=self.accelerator.device.type != "cpu" or cpu_has_fast_bf16(),
+        )
+
+        # Training: steps, optimizer, sampling, state.
+        total_steps, steps_per_epoch = plan_steps(args, self.plan, train_dataset)
+        optimizer, scheduler = build_optimizer(self.model, args, optimizers, total_steps)
+        prepared_model, optimizer = self.accelerator.prepare(self.model, optimizer)
+        self.generation_backend = generation_backend or build_backend(
+            self.accelerator.unwrap_model(prepared_model),
+            tokenizer,
+            self.eos_token_ids,
+            args,
+            max_num_seqs=self.plan.completions_per_process,
+        )
+        rollouts = build_rollouts(
+            self,
+            args,
+            backend=self.generation_backend,
+            train_dataset=train_dataset,
+            tokenizer=tokenizer,
+            agents=agents,
+            environments_own_prompts=environments_own_prompts,
+        )
+        self.state = make_trainer_state(args, total_steps, self.accelerator)
+        reference, self.ref_model = build_reference(args, reference_model, reference_adapter, self.accelerator.device)
+        entropy_controller = build_entropy_controller(args)
+        self.run = loop.TrainingRun(
+            config=args,
+            plan=self.plan,
+            accelerator=self.accelerator,
+            model=prepared_model,
+            tokenizer=self.processing_class,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            rollouts=rollouts,
+            state=self.state,
+            total_steps=total_steps,
+            steps_per_epoch=steps_per_epoch,
+            objective=Objective.from_config(args, self.plan, aux_loss_coef),
+            reference=reference,
+            entropy_controller=entropy_controller,
+            callbacks=CallbackHandler(
+                callbacks,
+                model=self.model,
+                processing_class=self.processing_class,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+            ),
+            trainer=self,
+        )
+        mirror_trl_settings(self, args, aux_loss_coef)  # TRL's attribute copies of the settings
+        # scheduled, or asked for by a callback (control.should_evaluate)
+        self.run.evaluates = args.eval_strategy != "no" or eval_dataset is not None
+        if self.accelerator.num_processes > 1:
+            set_seed(args.seed, device_specific=True)  # seed + process index: each process samples its own completions
+        if self.accelerator.is_main_process:
+            # INFO, as transformers' Trainer logs its run summary: shown with log_level="info" (log_level.py).
+            logger.info(
+                self.plan.describe(None if steps_per_epoch is None else len(train_dataset))
+                + f"\n  total: {total_steps} optimizer steps"
+            )
+        self.run.fire("on_init_end")
+        self._send_telemetry()
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy-bonus coefficient now: the adaptive controller's current value with use_adaptive_entropy."""
+        controller = self.run.entropy_controller
+        return controller.coef if controller is not None else self.args.entropy_coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        if self.run.entropy_controller is None:
+            raise ValueError(
+                "entropy_coef can change only on a run with the entropy bonus on (GRPOConfig.entropy_coef != 0 or "
+                "use_adaptive_entropy=True): with it off, the bonus term is not computed at all."
+            )
+        self.run.entropy_controller.coef = float(value)
+
+    @property
+    def _last_world_entropy(self) -> float:
+        """The global mean entropy of the last optimizer step, as the adaptive controller saw it (inf before the first)."""
+        controller = self.run.entropy_controller
+        return controller.last_entropy if controller is not None else float("inf")
+
+    @property
+    def model_wrapped(self) -> torch.nn.Module:
+        """The model as accelerate prepared it (DDP / FSDP wrapper, or the model itself), as Trainer.model_wrapped."""
+        return self.run.model
+
+    @property
+    def control(self) -> TrainerControl:
+        """The TrainerControl the callbacks share."""
+        return self.run.callbacks.control
+
+    @control.setter
+    def control(self, value: TrainerControl) -> None:
+        self.run.callbacks.control = value
+
+    def get_train_dataloader(self) -> TrainPromptBatches:
+        """One epoch of this process's generation batches, as TRL's dataloader yields them: lists of dataset rows
+        (one per completion, each prompt repeated for its completions), each repeated steps_per_generation x
+        num_iterations times; the same lists training_step receives. Iterating walks the prompt order from the start
+        of an epoch without moving training's position; ``num_workers`` / ``loader`` are those of the DataLoader that
+        fetches training's rows (dataloader_num_workers)."""
+        rollouts = self.run.rollouts
+        return TrainPromptBatches(
+            rollouts.sampler,
+            tokenize=rollouts.tokenize,
+            num_generations=self.args.num_generations,
+            repeats=self.plan.steps_per_generation * self.plan.num_iterations,
+            process_index=self.accelerator.process_index,
+            num_processes=self.accelerator.num_processes,
+            remove_unused_columns=self.args.remove_unused_columns,
+            default_prompt=rollouts.settings.default_prompt,
+        )
+
+    # ---- TRL-compatible surface ----------------------------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.run.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.run.scheduler
+
+    @property
+    def callback_handler(self) -> CallbackHandler:
+        return self.run.callbacks
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a ``transformers.TrainerCallback`` (an instance or a class), as ``Trainer.add_callback``."""
+        self.run.callbacks.add(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove and return a callback (an instance, or the first instance of a class); None if it is not there."""
+        return self.run.callbacks.pop(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback (an instance, or the first instance of a class)."""
+        self.run.callbacks.pop(callback)
+
+    def train(self, resume_from_checkpoint: Union[bool, str, None] = None) -> TrainOutput:
+        """Run training; `resume_from_checkpoint` = True (latest in output_dir) or a checkpoint path.
+
+        Returns transformers' ``TrainOutput(global_step, training_loss, metrics)``; metrics as Trainer's: train_runtime,
+        train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch (plus, as TRL's GRPO, the
+        metrics of steps after the last log entry). The report_to trackers stay open for later logs; ``end()`` closes them.
+        """
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = self.args.resume_from_checkpoint
+        path = resolve_resume_path(resume_from_checkpoint, self.args.output_dir)
+        if path is not None:
+            self._load_checkpoint(path)
+        if self.args.report_to and not self.accelerator.trackers:
+            self.accelerator.init_trackers(
+                self.args.project, config=tracker_config(self.args), init_kwargs=tracker_init_kwargs(self.args)
+            )
+        try:
+            with grouprl_patches(
+                self.model, self.args
+            ):  # grouprl's attention functions, for this call only (patches.py)
+                metrics = loop.train(self.run)
+        finally:
+            self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
+        """The DataLoader evaluation reads (a name of a dict eval_dataset, a dataset, or None: the trainer's); a stream gets 0 workers."""
+        return evaluation.eval_loader(
+            evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset), self.args, self.accelerator.num_processes
+        )
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Sample and score every eval prompt (num_generations_eval each); return and log eval_* metrics.
+
+        Works before, during (eval_strategy) and without train(); `eval_dataset` overrides the
+        trainer's (a Dataset or a dict name -> Dataset, reported as eval_<name>_*). `ignore_keys`
+        is accepted for compatibility: it names model outputs, which evaluation does not collect.
+        """
+        with grouprl_patches(self.model, self.args):  # grouprl's attention functions, for this call only (patches.py)
+            return evaluation.evaluate(
+                self.run.evaluation_parts(),
+                eval_dataset if eval_dataset is not None else self.eval_dataset,
+                metric_key_prefix,
+            )

@@ -1,0 +1,156 @@
+"""GRPOTrainer's arguments, checked before any model is loaded: the config (or TRL's default one), the features the run
+combines (combinations.py), the training prompts and the reward sources."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import datasets
+import torch
+from transformers.utils import logging
+
+from grouprl.agents import AgentSpec
+from grouprl.agents.environments import environment_dataset
+from grouprl.config.grpo_config import BatchPlan, GRPOConfig
+from grouprl.data.prompts import check_dataset
+from grouprl.data.row_loading import workers_for
+from grouprl.generation.factory import sharded_weights
+from grouprl.model import quantization
+from grouprl.model.adapters import is_peft_model
+from grouprl.rewards.models import check_reward_funcs
+from grouprl.rewards.scoring import reward_name
+from grouprl.train.evaluation import check_eval_setup
+
+logger = logging.get_logger("grouprl")
+
+
+def default_args(model: Any, args: Optional[GRPOConfig]) -> GRPOConfig:
+    """`args`, or TRL's default GRPOConfig(output_dir="<model name>-GRPO")."""
+    if args is None:
+        model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+        args = GRPOConfig(output_dir=f"{os.path.basename(str(model_name).rstrip('/')) or 'model'}-GRPO")
+    if not isinstance(args, GRPOConfig):
+        raise TypeError(f"args must be a grouprl.GRPOConfig, got {type(args).__name__}.")
+    return args
+
+
+def active_features(
+    args: GRPOConfig,
+    *,
+    model: Any,
+    train_dataset: Any,
+    tools: Any,
+    environment_factory: Any,
+    rollout_func: Any,
+    peft_config: Any,
+    quantization_config: Any,
+    generation_backend: Any,
+) -> set[str]:
+    """The features of combinations.FEATURES this run uses, from the arguments as given (nothing is loaded)."""
+    columns = getattr(train_dataset, "column_names", None) or []
+    own_backend = generation_backend is not None
+    vllm_server = args.use_vllm and args.vllm_mode == "server"
+    server = not own_backend and (vllm_server or (not args.use_vllm and args.generation_engine == "server"))
+    on = {
+        "tools": bool(tools),
+        "environment_factory": environment_factory is not None,
+        "rollout_func": rollout_func is not None,
+        "images": any(c in columns for c in ("image", "images")),
+        "in_process_sampling": not own_backend and not args.use_vllm and args.generation_engine != "server",
+        "generation_server": server,
+        "vllm_colocate": not own_backend and args.use_vllm and args.vllm_mode == "colocate",
+        "gfpo": getattr(args, "num_remains_in_group", None) is not None,
+        "dynamic_sampling": args.dynamic_sampling,
+        "lora": peft_config is not None or is_peft_model(model),
+        "sync_ref_model": args.sync_ref_model,
+        # loaded quantized from an id / path, or given quantized (a checkpoint quantized by its own config is found after loading)
+        "quantized": quantization.is_quantized(model)
+        if not isinstance(model, str)
+        else quantization_config is not None or quantization.requested(args.model_init_kwargs) is not None,
+        "sharded": sharded_weights(),
+    }
+    return {name for name, used in on.items() if used}
+
+
+def prepare_train_dataset(
+    args: GRPOConfig,
+    train_dataset: Any,
+    eval_dataset: Any,
+    agents: Optional[AgentSpec],
+    plan: BatchPlan,
+    num_processes: int,
+) -> tuple[Any, bool]:
+    """The training prompts (an environment may supply them), checked; and whether environments own the prompts."""
+    train_dataset = environment_dataset(
+        train_dataset,
+        agents and agents.environments,
+        max_steps=args.max_steps,
+        prompts_per_generation=plan.prompts_per_generation,
+    )
+    environments_own_prompts = bool(agents and agents.environments)  # rows may lack a prompt: reset() supplies it (TRL)
+    check_dataset(train_dataset, "train_dataset", prompt_required=not environments_own_prompts)
+    if isinstance(train_dataset, datasets.IterableDataset):
+        if args.max_steps <= 0:
+            raise ValueError(
+                "train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0)."
+            )
+        check_stream_dispatch(args)
+    if workers_for(train_dataset, args.dataloader_num_workers) != args.dataloader_num_workers:
+        # Written back as TRL does (its tests read it): workers would interleave shards of the stream (row_loading.py).
+        logger.warning(
+            f"train_dataset is an IterableDataset, whose prompts one reader must stream in order: "
+            f"dataloader_num_workers={args.dataloader_num_workers} is set to 0."
+        )
+        args.dataloader_num_workers = 0
+    if args.eval_strategy != "no":
+        check_eval_setup(args, eval_dataset, num_processes, prompt_required=not environments_own_prompts)
+    return train_dataset, environments_own_prompts
+
+
+def check_stream_dispatch(args: GRPOConfig) -> None:
+    # As TRL: a stream cannot be read by the main process and dispatched; each process reads its own part.
+    config = args.accelerator_config
+    if config is not None and config.dispatch_batches:
+        raise ValueError(
+            "Iterable datasets require `dispatch_batches=False`: GRPOConfig.accelerator_config.dispatch_batches=True "
+            "asks the main process to read every batch and send it out, which a stream of prompts does not allow. "
+            "Leave dispatch_batches unset (or False)."
+        )
+    if config is not None:
+        config.dispatch_batches = False
+
+
+def collect_reward_sources(
+    args: GRPOConfig, reward_funcs: Any, reward_processing_classes: Any, agents: Optional[AgentSpec]
+) -> tuple[list, list, list[float]]:
+    """The reward functions / models, their tokenizers and weights, an environment's get_reward() included (weight 1, as TRL)."""
+    environment_rewards = agents.reward_functions if agents else []
+    if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+        if not environment_rewards:
+            raise ValueError(
+                "No reward source provided. Pass reward_funcs, or an environment_factory whose environment defines "
+                "a get_reward() method."
+            )
+        reward_funcs, reward_processing_classes = [], []
+    else:
+        reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
+    weights = args.reward_weights or [1.0] * len(reward_funcs)
+    if len(weights) != len(reward_funcs):
+        raise ValueError(
+            f"GRPOConfig.reward_weights has {len(weights)} weights but there are {len(reward_funcs)} reward functions "
+            f"({', '.join(map(describe_reward, reward_funcs))}); give one weight per function."
+        )
+    return (
+        reward_funcs + environment_rewards,
+        reward_processing_classes + [None] * len(environment_rewards),
+        list(weights) + [1.0] * len(environment_rewards),
+    )
+
+
+def describe_reward(entry: Any) -> str:
+    return (
+        entry
+        if isinstance(entry, str)
+        else (type(entry).__name__ if isinstance(entry, torch.nn.Module) else reward_name(entry))
+    )

@@ -1,0 +1,145 @@
+"""The batch plan: every size derived from the config and the process count, as TRL derives them.
+
+Also the TrainingArguments step conventions the loop and evaluation share (``interval_due``,
+``resolve_steps``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from grouprl.config.grpo_config import GRPOConfig
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Sizes derived from the config and the process count; printed at start-up.
+
+    Vocabulary: a *generation* samples `completions_per_generation` completions (G for each of
+    `prompts_per_generation` prompts) across all processes; it is cut into `steps_per_generation`
+    micro-batches per process and replayed `num_iterations` times; an optimizer step consumes
+    `gradient_accumulation_steps` micro-batches.
+    """
+
+    num_processes: int
+    num_generations: int
+    per_device_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int
+    num_iterations: int
+    completions_per_generation: int  # global, = generation_batch_size
+    prompts_per_generation: int  # unique prompts per generation, global
+
+    @property
+    def completions_per_process(self) -> int:
+        return self.completions_per_generation // self.num_processes
+
+    @property
+    def micro_steps_per_generation(self) -> int:
+        return self.steps_per_generation * self.num_iterations
+
+    @property
+    def completions_per_optimizer_step(self) -> int:
+        return self.per_device_batch_size * self.gradient_accumulation_steps * self.num_processes
+
+    @property
+    def old_logprobs_needed(self) -> bool:
+        """TRL §2.6: old logprobs are computed unless the batch is provably on-policy at its only use."""
+        return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) != 0
+
+    def optimizer_steps_per_epoch(self, num_prompts: int) -> int:
+        generations = num_prompts // self.prompts_per_generation
+        return max(1, generations * self.micro_steps_per_generation // self.gradient_accumulation_steps)
+
+    def describe(self, num_prompts: Optional[int] = None) -> str:
+        ratio = self.micro_steps_per_generation / self.gradient_accumulation_steps
+        per_gen = (
+            f"{ratio:g} optimizer step(s) per generation"
+            if ratio >= 1
+            else f"{1 / ratio:g} generations per optimizer step"
+        )
+        lines = [
+            "grouprl batch plan",
+            f"  generation: {self.prompts_per_generation} prompts x {self.num_generations} completions = "
+            f"{self.completions_per_generation} completions ({self.completions_per_process} per process, {self.num_processes} process(es))",
+            f"  micro-batches: {self.steps_per_generation} of {self.per_device_batch_size} completions per process, "
+            f"replayed {self.num_iterations}x (num_iterations)",
+            f"  optimizer step: {self.gradient_accumulation_steps} micro-batch(es) = {self.completions_per_optimizer_step} completions; {per_gen}",
+            f"  old logprobs: {'computed (samples are reused off-policy)' if self.old_logprobs_needed else 'not needed (on-policy)'}",
+        ]
+        if num_prompts is not None:
+            lines.append(
+                f"  epoch: {num_prompts} prompts -> {self.optimizer_steps_per_epoch(num_prompts)} optimizer steps"
+            )
+        return "\n".join(lines)
+
+
+def plan_batches(config: "GRPOConfig", num_processes: int = 1) -> BatchPlan:
+    """Derive the batch plan exactly as TRL does (§1.3, §2.13); reject impossible combinations."""
+    per_step = config.per_device_train_batch_size * num_processes
+    g = config.num_generations
+    # What the user set (GRPOConfig resolves both fields for its own process count and keeps the given pair).
+    generation_batch_size, steps_per_generation = getattr(
+        config, "batch_spec", (config.generation_batch_size, config.steps_per_generation)
+    )
+    if (
+        generation_batch_size is not None
+        and steps_per_generation is not None
+        and generation_batch_size != per_step * steps_per_generation
+    ):
+        raise ValueError(
+            "GRPOConfig: set either generation_batch_size or steps_per_generation, not both "
+            f"(got generation_batch_size={generation_batch_size}, steps_per_generation={steps_per_generation}, which disagree for "
+            f"{per_step} completions per micro-step across processes); one is derived from the other."
+        )
+    if generation_batch_size is not None:
+        if generation_batch_size % per_step != 0:
+            raise ValueError(
+                f"GRPOConfig.generation_batch_size={generation_batch_size} must be divisible by "
+                f"per_device_train_batch_size ({config.per_device_train_batch_size}) x processes ({num_processes}) = {per_step}. "
+                f"Valid values include {', '.join(str(per_step * k) for k in range(1, 5))}."
+            )
+        steps_per_generation = generation_batch_size // per_step
+    else:
+        steps_per_generation = steps_per_generation or config.gradient_accumulation_steps
+    generation_batch = per_step * steps_per_generation
+    if generation_batch % g != 0:
+        valid_g = [d for d in range(2, generation_batch + 1) if generation_batch % d == 0]
+        fits = [b for b in range(1, 4 * g + 1) if (b * num_processes * steps_per_generation) % g == 0][:4]
+        raise ValueError(
+            f"The generation batch ({config.per_device_train_batch_size} per_device_train_batch_size x {num_processes} processes x "
+            f"{steps_per_generation} steps_per_generation = {generation_batch} completions) must be divisible by "
+            f"num_generations={g}, so that every prompt gets all its completions in the same generation. "
+            f"Valid num_generations for this batch: {valid_g or 'none (increase the batch)'}; "
+            f"or keep num_generations={g} and use per_device_train_batch_size in {fits}, "
+            "or raise steps_per_generation / gradient_accumulation_steps."
+        )
+    return BatchPlan(
+        num_processes=num_processes,
+        num_generations=g,
+        per_device_batch_size=config.per_device_train_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        steps_per_generation=steps_per_generation,
+        num_iterations=config.num_iterations,
+        completions_per_generation=generation_batch,
+        prompts_per_generation=generation_batch // g,
+    )
+
+
+def interval_due(strategy: str, step: int, every: int, steps_per_epoch: Optional[int]) -> bool:
+    """TrainingArguments' IntervalStrategy at an optimizer step: "steps" every `every` steps, "epoch" at each epoch's end, "no" never."""
+    if strategy == "steps":
+        return step % every == 0
+    if strategy == "epoch":
+        return bool(steps_per_epoch) and step % steps_per_epoch == 0
+    return False
+
+
+def resolve_steps(value: float, total_steps: int) -> int:
+    """TrainingArguments convention: a value in (0, 1) is a fraction of the total optimizer steps."""
+    if 0 < value < 1:
+        return max(1, math.ceil(value * total_steps))
+    return int(value)

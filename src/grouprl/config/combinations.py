@@ -1,0 +1,190 @@
+"""Which features combine: one declared table, checked when the trainer is built.
+
+Every pair of features is one of three kinds:
+
+- works: built and exercised by a test (the cell names it);
+- not built: refused at construction with an error that names both features and says what to do,
+  instead of failing (or silently doing something else) in the middle of training;
+- untested: allowed, no test covers the pair yet (docs/combinations.md lists them).
+
+The trainer works out which features a run uses (``trainer_builders.active_features``) and calls
+``check_combinations``; docs/combinations.md is rendered from this table (``rewrite_doc``), and a test
+keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations as pairs
+from typing import Iterable
+
+# name -> how the user turns the feature on (used in error messages and the docs).
+FEATURES: dict[str, str] = {
+    "tools": "tools (GRPOTrainer argument)",
+    "environment_factory": "environment_factory (GRPOTrainer argument)",
+    "rollout_func": "rollout_func (GRPOTrainer argument)",
+    "images": "image prompts (an image/images dataset column)",
+    "in_process_sampling": "in-process sampling (generation_engine='auto', 'engine' or 'transformers')",
+    "generation_server": "a generation server (generation_engine='server', or use_vllm=True with vllm_mode='server')",
+    "vllm_colocate": "vLLM colocate (use_vllm=True, vllm_mode='colocate')",
+    "gfpo": "GFPO (GFPOTrainer with num_remains_in_group)",
+    "dynamic_sampling": "dynamic_sampling=True",
+    "lora": "LoRA (peft_config, or a PeftModel as model)",
+    "sync_ref_model": "sync_ref_model=True",
+    "quantized": "a quantized policy (quantization_config, or a quantized model)",
+    "sharded": "sharded weights (FSDP or DeepSpeed ZeRO-3 on several processes)",
+}
+
+WORKS, NOT_BUILT, UNTESTED = "works", "not built", "untested"
+
+
+@dataclass(frozen=True)
+class Cell:
+    status: str
+    note: str  # works: the test that shows it; not built: why, and what to do instead
+
+
+def _works(test: str) -> Cell:
+    return Cell(WORKS, test)
+
+
+def _not_built(note: str) -> Cell:
+    return Cell(NOT_BUILT, note)
+
+
+# Pairs not listed are UNTESTED. Keys are pairs of FEATURES names.
+TABLE: dict[frozenset[str], Cell] = {
+    frozenset(pair): cell
+    for pair, cell in {
+        # ---- agents ----
+        ("tools", "environment_factory"): _works("tests/test_agents.py::test_cli_tools_and_environment_factory"),
+        ("rollout_func", "tools"): _not_built(
+            "rollout_func replaces generation entirely; call your tools inside rollout_func (marking their tokens with env_mask=0), "
+            "or drop rollout_func."
+        ),
+        ("rollout_func", "environment_factory"): _not_built(
+            "rollout_func replaces generation entirely; step your environment inside rollout_func, or drop rollout_func."
+        ),
+        ("tools", "in_process_sampling"): _works("tests/test_agents.py"),
+        ("environment_factory", "in_process_sampling"): _works("tests/test_agents.py"),
+        ("rollout_func", "in_process_sampling"): _works("tests/test_agents.py"),
+        # ---- images (vision-language prompts) ----
+        ("images", "tools"): _not_built(
+            "multi-turn rollouts render and sample text only, so the images would be dropped from generation; train image prompts "
+            "without tools, or tools on text prompts."
+        ),
+        ("images", "environment_factory"): _not_built(
+            "multi-turn rollouts render and sample text only: the completions would be generated without the images and training "
+            "would then fail in multimodal.py; train image prompts without environment_factory, or environments on text prompts."
+        ),
+        ("images", "generation_server"): _not_built(
+            "the server client sends token ids only, not images; sample in the training process (generation_engine='auto' or "
+            "'transformers', use_vllm=False)."
+        ),
+        ("images", "vllm_colocate"): _not_built(
+            "grouprl's vLLM generator passes token ids only, not images; sample in the training process (use_vllm=False)."
+        ),
+        ("images", "in_process_sampling"): _works("tests/test_vlm.py"),
+        ("images", "lora"): _works("tests/test_vlm.py (peft_config on the language model)"),
+        # ---- generation ----
+        ("sharded", "in_process_sampling"): _not_built(
+            "each process decodes a different number of steps and every forward through sharded layers is a collective, so the "
+            "processes would wait on each other forever. Sample on a generation server (`grouprl serve --model PATH` and "
+            "generation_engine='server', or use_vllm=True, vllm_mode='server'), or train with ZeRO-1/2 or DDP "
+            "(--accelerate_config zero2 / multi_gpu)."
+        ),
+        ("quantized", "generation_server"): _not_built(
+            "sending a quantized model's weights to a separate inference engine (dequantized, with the adapters merged) is not built; "
+            "sample in the training process (use_vllm=False, generation_engine='auto'), or train without quantization_config."
+        ),
+        ("quantized", "vllm_colocate"): _not_built(
+            "sending a quantized model's weights to vLLM (dequantized, with the adapters merged) is not built; sample in the training "
+            "process (use_vllm=False, generation_engine='auto'), or train without quantization_config."
+        ),
+        ("quantized", "in_process_sampling"): _works("tests/test_qlora.py"),
+        # ---- algorithm variants ----
+        ("gfpo", "dynamic_sampling"): _not_built(
+            "GFPO's filter keeps num_remains_in_group completions per group before dynamic sampling looks for tied groups of "
+            "num_generations rows, so groups would be cut wrongly; use one of the two (dynamic_sampling=False, or GRPOTrainer)."
+        ),
+        ("gfpo", "tools"): _not_built("GFPOTrainer takes no tools argument; use GRPOTrainer for tool calling."),
+        ("gfpo", "environment_factory"): _not_built(
+            "GFPOTrainer takes no environment_factory argument; use GRPOTrainer for environments."
+        ),
+        ("gfpo", "rollout_func"): _not_built(
+            "GFPOTrainer takes no rollout_func argument; use GRPOTrainer with rollout_func."
+        ),
+        ("gfpo", "in_process_sampling"): _works("tests/test_gfpo.py"),
+        ("dynamic_sampling", "in_process_sampling"): _works(
+            "tests/test_objectives_e2e.py::test_dynamic_sampling_trains_only_on_groups_with_signal"
+        ),
+        # ---- LoRA and the reference model ----
+        ("sync_ref_model", "lora"): _not_built(
+            "with LoRA the reference is the frozen base model (adapters off), which syncing would overwrite; use sync_ref_model=False."
+        ),
+        ("lora", "quantized"): _works("tests/test_qlora.py (QLoRA)"),
+        ("lora", "in_process_sampling"): _works("tests/test_objectives_e2e.py"),
+        ("sync_ref_model", "in_process_sampling"): _works(
+            "tests/test_objectives_e2e.py::test_sync_ref_model_mixes_the_policy_into_the_reference"
+        ),
+    }.items()
+}
+
+
+def cell(a: str, b: str) -> Cell:
+    """What the table says about features `a` and `b` (UNTESTED when it says nothing)."""
+    for name in (a, b):
+        if name not in FEATURES:
+            raise KeyError(f"{name!r} is not a feature of the combination table; known: {', '.join(FEATURES)}.")
+    return TABLE.get(frozenset((a, b)), Cell(UNTESTED, ""))
+
+
+class UnsupportedCombination(NotImplementedError, ValueError):
+    """Two features that are each built but not together. Both a NotImplementedError (the pair is not built) and a
+    ValueError (the arguments as given cannot run), as the checks it replaces raised one or the other."""
+
+
+def check_combinations(active: Iterable[str]) -> None:
+    """Raise UnsupportedCombination for the first pair of `active` features the table marks not built."""
+    names = [
+        name for name in FEATURES if name in set(active)
+    ]  # table order: the same pair is reported first every time
+    for a, b in pairs(names, 2):
+        found = cell(a, b)
+        if found.status == NOT_BUILT:
+            raise UnsupportedCombination(
+                f"{FEATURES[a]} cannot be combined with {FEATURES[b]} in this version of grouprl: {found.note}"
+            )
+
+
+TABLE_BEGIN = '<!-- combinations:begin (generated: python -c "from grouprl.config.combinations import rewrite_doc; rewrite_doc()") -->'
+TABLE_END = "<!-- combinations:end -->"
+
+
+def combinations_markdown() -> str:
+    """The table as markdown: every declared pair, then the features with what turns them on."""
+    lines = ["| feature | with | status | note |", "|---|---|---|---|"]
+    for a, b in pairs(FEATURES, 2):
+        found = cell(a, b)
+        if found.status != UNTESTED:
+            lines.append(f"| `{a}` | `{b}` | {found.status} | {found.note.replace('|', '/')} |")
+    lines += [
+        "",
+        "Pairs not listed are untested: allowed, with no test covering them yet.",
+        "",
+        "| feature | turned on by |",
+        "|---|---|",
+    ]
+    lines += [f"| `{name}` | {how.replace('|', '/')} |" for name, how in FEATURES.items()]
+    return "\n".join(lines)
+
+
+def rewrite_doc(path: str = "docs/combinations.md") -> bool:
+    """Replace the generated part of `path` between the markers; True if it changed."""
+    text = open(path, encoding="utf-8").read()
+    head, _, rest = text.partition(TABLE_BEGIN)
+    _, _, tail = rest.partition(TABLE_END)
+    updated = f"{head}{TABLE_BEGIN}\n{combinations_markdown()}\n{TABLE_END}{tail}"
+    if updated != text:
+        open(path, "w", encoding="utf-8").write(updated)
+    return updated != text

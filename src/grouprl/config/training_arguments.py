@@ -1,0 +1,239 @@
+"""What grouprl does with each ``transformers.TrainingArguments`` field that ``GRPOConfig`` inherits.
+
+``GRPOConfig`` subclasses ``TrainingArguments`` (as TRL's does), so every field exists with
+transformers' default, and scripts, ``HfArgumentParser``, ``TrlParser`` and YAML configs accept it.
+Each field is in exactly one of three groups:
+
+- ``HONOURED``: the setting takes effect (the text says where);
+- ``INERT``: accepted at any value because it does not change a GRPO run, under TRL either (flags
+  for the user's own script, values set by launchers);
+- ``REFUSED``: accepted at its default; any other value stops at construction with the reason and
+  what to use instead, because grouprl does not do what it asks and ignoring it silently would
+  train something other than what the user wrote.
+
+A field that a newer transformers adds and this table does not know is refused when set (see
+``refused_settings``). docs/trl-compat.md is written from these tables (``compat_table``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+HONOURED: dict[str, str] = {
+    "output_dir": "checkpoints, metrics.jsonl, the final model",
+    "per_device_train_batch_size": "completions per micro-batch per process (batch plan)",
+    "per_device_eval_batch_size": "completions per evaluation batch per process",
+    "gradient_accumulation_steps": "micro-batches per optimizer step",
+    "num_train_epochs": "passes over the prompts (when max_steps <= 0)",
+    "max_steps": "total optimizer steps",
+    "learning_rate": "peak learning rate (TRL's default 1e-6)",
+    "lr_scheduler_type": "transformers.get_scheduler",
+    "lr_scheduler_kwargs": "transformers.get_scheduler",
+    "warmup_steps": "scheduler warmup (a value < 1 is a fraction of the total)",
+    "optim": "any transformers optimizer name, resolved by Trainer.get_optimizer_cls_and_kwargs",
+    "optim_args": "passed to the optimizer, as transformers parses it",
+    "optim_target_modules": "GaLore/APOLLO-style optimizers, through transformers' resolution",
+    "weight_decay": "optimizer (not on biases and norm weights)",
+    "adam_beta1": "optimizer",
+    "adam_beta2": "optimizer",
+    "adam_epsilon": "optimizer",
+    "max_grad_norm": "gradient clipping (0 disables)",
+    "bf16": "mixed precision (TRL's default True; declined on CPUs without native bf16, with a warning)",
+    "fp16": "mixed precision",
+    "tf32": "transformers enables/disables TF32 matmuls (needs an Ampere+ GPU when True)",
+    "gradient_checkpointing": "activation checkpointing of the policy (TRL's default True)",
+    "gradient_checkpointing_kwargs": "passed to gradient_checkpointing_enable",
+    "activation_checkpointing": "transformers' new name of gradient_checkpointing",
+    "activation_checkpointing_kwargs": "transformers' new name of gradient_checkpointing_kwargs",
+    "torch_empty_cache_steps": "the accelerator's cache is emptied every N optimizer steps",
+    "logging_strategy": "steps / epoch / no",
+    "logging_steps": "log every N optimizer steps (TRL's default 10)",
+    "logging_first_step": "also log after step 1",
+    "log_level": "verbosity of transformers' and grouprl's loggers on the main process",
+    "log_level_replica": "verbosity on the other processes",
+    "log_on_each_node": "with log_level_replica, as transformers' get_process_log_level",
+    "disable_tqdm": "progress bar",
+    "report_to": "trackers through accelerate (tensorboard, wandb, trackio, mlflow, ...)",
+    "run_name": "tracker run name",
+    "project": "tracker project name (wandb, trackio)",
+    "trackio_space_id": "passed to trackio.init",
+    "eval_strategy": "no / steps / epoch",
+    "eval_steps": "evaluate every N optimizer steps",
+    "eval_delay": "no scheduled evaluation before this many optimizer steps",
+    "eval_on_start": "evaluate once before the first optimizer step",
+    "save_strategy": "no / steps / epoch / best",
+    "save_steps": "checkpoint every N optimizer steps",
+    "save_total_limit": "keep at most N checkpoints (the best one is kept when load_best_model_at_end)",
+    "save_only_model": "checkpoints hold the model and trainer state only; such a checkpoint cannot be resumed",
+    "load_best_model_at_end": "the checkpoint with the best metric_for_best_model is loaded after training",
+    "metric_for_best_model": "state.best_metric / best_model_checkpoint; EarlyStoppingCallback reads it",
+    "greater_is_better": "direction of metric_for_best_model",
+    "push_to_hub": "the final model is pushed by push_to_hub() (the CLI calls it after training)",
+    "hub_model_id": "repository of push_to_hub()",
+    "hub_token": "token of push_to_hub()",
+    "hub_private_repo": "push_to_hub() creates a private repository",
+    "hub_revision": "branch push_to_hub() writes to",
+    "seed": "model init, sampling, shuffling",
+    "data_seed": "the prompt sampler's shuffling",
+    "full_determinism": "transformers.enable_full_determinism(seed) at construction",
+    "use_cpu": "train on the CPU even when an accelerator is present",
+    "accelerator_config": "dispatch_batches must not be True with an IterableDataset (it is set to False for one, as TRL)",
+    "dataloader_num_workers": "worker processes of the prompt loader",
+    "remove_unused_columns": "drop dataset columns the reward functions do not need (TRL's default False)",
+    "resume_from_checkpoint": "read by `grouprl train`; pass it to train() from a script",
+    "ddp_find_unused_parameters": "accelerate's DistributedDataParallelKwargs",
+    "ddp_bucket_cap_mb": "accelerate's DistributedDataParallelKwargs",
+    "ddp_broadcast_buffers": "accelerate's DistributedDataParallelKwargs",
+    "ddp_static_graph": "accelerate's DistributedDataParallelKwargs",
+    "ddp_backend": "accelerate's InitProcessGroupKwargs",
+    "ddp_timeout": "accelerate's InitProcessGroupKwargs",
+    "deepspeed": "a DeepSpeed JSON/dict: transformers builds the plugin, grouprl hands it to accelerate",
+    "fsdp": "FSDP options: transformers builds the plugin arguments, grouprl hands them to accelerate",
+    "fsdp_config": "with fsdp",
+}
+
+INERT: dict[str, str] = {
+    "do_train": "a flag for your own script; the Trainer does not read it either",
+    "do_eval": "a flag for your own script (set True by transformers when eval_strategy != 'no')",
+    "do_predict": "a flag for your own script; the Trainer does not read it either",
+    "local_rank": "set by launchers; accelerate reads the process rank from the environment",
+    "dataloader_pin_memory": "prompts are token lists, not tensors: there is nothing to pin",
+    "logging_nan_inf_filter": "a non-finite loss stops the run with a clear error (and the last good state saved), so there is nothing to filter",
+    "skip_memory_metrics": "transformers' default (True) skips them too; grouprl's run report records peak memory",
+}
+
+REFUSED: dict[str, str] = {
+    "average_tokens_across_devices": "the loss normalisation is set by loss_type, as in TRL's GRPO; pick the loss_type that normalises as you want",
+    "label_smoothing_factor": "GRPO has no labels to smooth",
+    "bf16_full_eval": "evaluation samples with the training model in its own precision; load the model in bf16 (model_init_kwargs={'dtype': 'bfloat16'}) instead",
+    "fp16_full_eval": "evaluation samples with the training model in its own precision; load the model in fp16 instead",
+    "torch_compile": "grouprl's training pass swaps the LM head's and the attention's forward at run time (chunked LM-head logprobs, packed shared-prompt attention), which a compiled graph would not follow; leave it False",
+    "torch_compile_backend": "see torch_compile",
+    "torch_compile_mode": "see torch_compile",
+    "use_liger_kernel": "grouprl's chunked LM-head logprobs already keep the full logits out of memory (what Liger's fused GRPO loss is for), and Liger's Triton kernels need a GPU; leave it False",
+    "liger_kernel_config": "see use_liger_kernel",
+    "use_cache": "training runs without a KV cache; generation uses its own",
+    "neftune_noise_alpha": "NEFTune adds embedding noise for supervised fine-tuning; it does not apply to GRPO",
+    "auto_find_batch_size": "halving the batch on out-of-memory would split num_generations groups (TRL refuses it too); lower per_device_train_batch_size instead",
+    "include_num_input_tokens_seen": "grouprl logs num_tokens (prompt + completion tokens seen) at every logging step, as TRL's GRPO does",
+    "trackio_bucket_id": "not passed to trackio by grouprl yet; set it in trackio's own environment variables",
+    "trackio_static_space_id": "not passed to trackio by grouprl yet; set it in trackio's own environment variables",
+    "prediction_loss_only": "GRPO evaluation samples and scores completions; it runs no prediction loop",
+    "eval_do_concat_batches": "GRPO evaluation runs no prediction loop",
+    "eval_use_gather_object": "GRPO evaluation runs no prediction loop",
+    "eval_accumulation_steps": "GRPO evaluation runs no prediction loop",
+    "include_for_metrics": "GRPO evaluation has no compute_metrics; use reward functions (log_metric) for extra metrics",
+    "batch_eval_metrics": "GRPO evaluation has no compute_metrics",
+    "save_on_each_node": "checkpoints are written by the main process to one shared output_dir",
+    "enable_jit_checkpoint": "grouprl saves the last good state itself when a run stops on an error; use save_steps for regular checkpoints",
+    "hub_strategy": "grouprl pushes the final model only (push_to_hub() after training, hub_strategy='end'); checkpoints are not pushed during training",
+    "hub_always_push": "see hub_strategy",
+    "ignore_data_skip": "resume restores the prompt sampler's exact position; starting the data again would repeat prompts",
+    "restore_callback_states_from_checkpoint": "callback states are not written into checkpoints yet",
+    "parallelism_config": "tensor/context/sequence parallelism is not supported (TRL refuses context and sequence parallelism too); use fsdp or deepspeed",
+    "dataloader_drop_last": "prompts are drawn a whole generation at a time; an incomplete last generation is never drawn",
+    "dataloader_persistent_workers": "the prompt loader's workers are started once per epoch of prompts",
+    "dataloader_prefetch_factor": "not passed to the prompt loader",
+    "dataloader_multiprocessing_context": "not passed to the prompt loader",
+    "dataloader_in_order": "the prompt loader always keeps the sampler's order (resume depends on it)",
+    "label_names": "GRPO has no labels",
+    "train_sampling_strategy": "prompts are shuffled or not by shuffle_dataset",
+    "length_column_name": "prompts are not grouped by length",
+    "debug": "transformers' debug options (underflow/overflow detection, TPU metrics) are not wired",
+}
+
+# grouprl fields that stand in for TrainingArguments fields older transformers versions have.
+COMPAT_ALIASES = {
+    "logging_dir": "tracker log directory (transformers < 5 field; default output_dir/runs)",
+    "warmup_ratio": "warmup as a fraction of total steps (transformers < 5 field; sets warmup_steps)",
+}
+
+
+def refused_settings(config: Any) -> list[str]:
+    """Messages for every TrainingArguments field set away from its default that grouprl refuses.
+
+    A field that transformers has and no table here names is refused too: nobody has checked what
+    grouprl would do with it.
+    """
+    from transformers import TrainingArguments
+
+    messages = []
+    for spec in dataclasses.fields(TrainingArguments):
+        name = spec.name
+        if name in HONOURED or name in INERT or not spec.init:
+            continue
+        value, default = getattr(config, name), _default(spec)
+        if _same(value, default):
+            continue
+        reason = REFUSED.get(
+            name, "grouprl does not know this TrainingArguments field (newer transformers?), so it cannot honour it"
+        )
+        messages.append(
+            f"GRPOConfig.{name}={value!r} is not supported by grouprl: {reason}. Leave {name} at its default ({default!r})."
+        )
+    return messages
+
+
+def _default(spec: dataclasses.Field) -> Any:
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    if spec.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return spec.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _same(value: Any, default: Any) -> bool:
+    # transformers turns strings into enums and "" into [] in __post_init__; compare what they mean.
+    # HfArgumentParser hands Union[str, bool] fields over as False, and debug as None.
+    if value == default:
+        return True
+    nothing = (None, False, "", "no")
+    return default in nothing and (value in nothing or (isinstance(value, (list, tuple)) and not value))
+
+
+def compat_table(config_cls: Any) -> list[tuple[str, str, str]]:
+    """(field, status, note) for every field of `config_cls`, in declaration order."""
+    rows = []
+    for spec in dataclasses.fields(config_cls):
+        if not spec.init:
+            continue
+        name = spec.name
+        if name in HONOURED:
+            rows.append((name, "honoured", HONOURED[name]))
+        elif name in INERT:
+            rows.append((name, "accepted, no effect", INERT[name]))
+        elif name in REFUSED:
+            rows.append((name, "refused unless default", REFUSED[name]))
+        elif name in COMPAT_ALIASES:
+            rows.append((name, "honoured", COMPAT_ALIASES[name]))
+        else:
+            rows.append((name, "GRPO field", (spec.metadata or {}).get("help", "")))
+    return rows
+
+
+TABLE_BEGIN = "<!-- fields:begin (generated: python -c \"from grouprl.config.training_arguments import rewrite_doc; rewrite_doc('docs/trl-compat.md')\") -->"
+TABLE_END = "<!-- fields:end -->"
+
+
+def compat_markdown(config_cls: Any, not_yet_built: dict[str, Any]) -> str:
+    """The field table of docs/trl-compat.md."""
+    lines = ["| field | status | what grouprl does |", "|---|---|---|"]
+    for name, status, note in compat_table(config_cls):
+        if name in not_yet_built:
+            status, note = "refused unless default", f"{not_yet_built[name][1]} is not built yet"
+        lines.append(f"| `{name}` | {status} | {note.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def rewrite_doc(path: str) -> bool:
+    """Replace the table between the markers in `path`; True if it changed."""
+    from grouprl.config.grpo_config import NOT_YET_BUILT, GRPOConfig
+
+    text = open(path, encoding="utf-8").read()
+    head, _, rest = text.partition(TABLE_BEGIN)
+    _, _, tail = rest.partition(TABLE_END)
+    updated = f"{head}{TABLE_BEGIN}\n{compat_markdown(GRPOConfig, NOT_YET_BUILT)}\n{TABLE_END}{tail}"
+    if updated != text:
+        open(path, "w", encoding="utf-8").write(updated)
+    return updated != text

@@ -1,0 +1,287 @@
+"""Typed data passed between the stages of one GRPO step.
+
+Shapes use: B unique prompts on this process, N completions on this process (N = sum of
+``PromptBatch.num_samples``), P prompt length (left-padded), T completion length (right-padded).
+Rows are group-major: the completions of one prompt are consecutive. Mask polarity is the same
+everywhere: ``True`` = this token is real / trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from grouprl.core.group_layout import GroupLayout
+
+
+@dataclass
+class PromptBatch:
+    """The unique prompts this process generates for, with their dataset rows."""
+
+    prompts: list[Any]  # (B,) str (standard) or list of messages (conversational)
+    prompt_ids: list[list[int]]  # (B,) tokenized once, chat template applied
+    columns: dict[str, list[Any]]  # extra dataset columns, each (B,), forwarded to reward functions
+    dataset_indices: list[int]  # (B,) row index in the dataset, for error messages
+    group_ids: list[int]  # (B,) global group index; a group straddling processes has one id
+    num_samples: list[int]  # (B,) completions this process samples for the prompt (G unless split)
+    multimodal: list[Any] | None = None  # (B,) multimodal.PromptImages or None per prompt; None = no images at all
+    prompts_given: bool = (
+        True  # False: the rows had no 'prompt'; `prompts` holds empty user messages that reset() completes
+    )
+    # Where every process's rows of this generation live (group_layout.py); None for a batch built by hand
+    # (then each process's prompts are taken to be whole groups of their own).
+    layout: Optional["GroupLayout"] = None
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def subset(
+        self, indices: list[int], num_samples: list[int], layout: Optional["GroupLayout"] = None
+    ) -> "PromptBatch":
+        """The prompts at `indices` (in that order) with new sample counts and layout; a new batch."""
+        return PromptBatch(
+            prompts=[self.prompts[b] for b in indices],
+            prompt_ids=[self.prompt_ids[b] for b in indices],
+            columns={name: [values[b] for b in indices] for name, values in self.columns.items()},
+            dataset_indices=[self.dataset_indices[b] for b in indices],
+            group_ids=[self.group_ids[b] for b in indices],
+            num_samples=list(num_samples),
+            multimodal=None if self.multimodal is None else [self.multimodal[b] for b in indices],
+            prompts_given=self.prompts_given,
+            layout=layout,
+        )
+
+    def row_index(self) -> list[int]:
+        """(N,) prompt index of each completion row."""
+        return [b for b, n in enumerate(self.num_samples) for _ in range(n)]
+
+
+@dataclass
+class SamplingParams:
+    """What a generation backend needs to sample; `extra` overrides the named fields (generation_kwargs)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: Optional[float] = None
+    repetition_penalty: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    """One sampled completion. `token_ids` keep the EOS; nothing after the first EOS is kept."""
+
+    prompt_index: int  # index into the prompt list given to the backend
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (ended with EOS) or "length" (hit max_new_tokens)
+    sampler_logprobs: Optional[list[float]] = None  # logprob of each sampled token under the sampling distribution
+    # Multi-turn rollouts (tools, environments, rollout_func; grouprl.agents) also set:
+    tool_mask: Optional[list[bool]] = (
+        None  # per token: False = tool output / template glue (attended to, never trained on); None = all True
+    )
+    prompt_ids: Optional[list[int]] = None  # this rollout's own prompt when it differs from its PromptBatch entry
+    messages: Optional[list[dict]] = (
+        None  # assistant and tool messages of a conversational rollout, as reward functions get them
+    )
+    tool_calls: int = 0  # tool calls made (failed ones included)
+    tool_failures: int = 0  # calls that returned an error to the model
+    reward_kwargs: dict[str, Any] = field(
+        default_factory=dict
+    )  # per-completion extras for reward functions (environments, ...)
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Tokens the model sampled (tool output excluded): what length metrics count."""
+        return len(self.token_ids) if self.tool_mask is None else sum(self.tool_mask)
+
+
+@dataclass
+class Rollout:
+    """Prompts plus their N completions on this process, in group-major order."""
+
+    prompts: PromptBatch
+    completions: list[Completion]  # (N,)
+
+    def __post_init__(self) -> None:
+        expected = sum(self.prompts.num_samples)
+        if len(self.completions) != expected:
+            raise ValueError(f"Rollout: the backend returned {len(self.completions)} completions, expected {expected}.")
+
+    @property
+    def row_prompt(self) -> list[int]:
+        return self.prompts.row_index()
+
+    def prompt_rows(self, prompt_indices: list[int]) -> list[int]:
+        """Row indices (into `completions`) of the given prompts' completions, in order."""
+        wanted = set(prompt_indices)
+        return [r for r, b in enumerate(self.row_prompt) if b in wanted]
+
+    def select_prompts(self, prompt_indices: list[int]) -> "Rollout":
+        """The rollout restricted to some prompts (whole groups), renumbered; the result has no layout."""
+        new_index = {b: k for k, b in enumerate(prompt_indices)}
+        prompts = self.prompts.subset(prompt_indices, [self.prompts.num_samples[b] for b in prompt_indices])
+        row_prompt = self.row_prompt
+        completions = [
+            replace(self.completions[r], prompt_index=new_index[row_prompt[r]])
+            for r in self.prompt_rows(prompt_indices)
+        ]
+        return Rollout(prompts, completions)
+
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        """One rollout holding the prompts and completions of `parts`, in order."""
+        prompts = PromptBatch([], [], {}, [], [], [])
+        completions: list[Completion] = []
+        for part in parts:
+            offset = len(prompts)
+            for name, values in part.prompts.columns.items():
+                prompts.columns.setdefault(name, []).extend(values)
+            for name in ("prompts", "prompt_ids", "dataset_indices", "group_ids", "num_samples"):
+                getattr(prompts, name).extend(getattr(part.prompts, name))
+            if part.prompts.multimodal is not None:
+                prompts.multimodal = (prompts.multimodal or [None] * offset) + part.prompts.multimodal
+            elif prompts.multimodal is not None:
+                prompts.multimodal += [None] * len(part.prompts)
+            completions.extend(replace(c, prompt_index=c.prompt_index + offset) for c in part.completions)
+        return Rollout(prompts, completions)
+
+
+@dataclass
+class Rewards:
+    """Rewards of the gathered (global) generation batch."""
+
+    per_function: torch.Tensor  # (N_global, F) float; NaN = "not applicable" (the function returned None)
+    names: list[str]  # (F,)
+    weights: torch.Tensor  # (F,)
+
+    def select(self, rows: list[int]) -> "Rewards":
+        return Rewards(self.per_function[rows], self.names, self.weights)
+
+    @staticmethod
+    def concat(parts: list["Rewards"]) -> "Rewards":
+        return Rewards(torch.cat([p.per_function for p in parts]), parts[0].names, parts[0].weights)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """(N_global,) weighted sum over applicable functions; NaN where no function applied."""
+        weighted = self.per_function * self.weights.unsqueeze(0)
+        total = torch.nansum(weighted, dim=1)
+        unscorable = torch.isnan(self.per_function).all(dim=1)
+        return total.masked_fill(unscorable, float("nan"))
+
+
+PER_TOKEN_FIELDS = (
+    "completion_ids",
+    "completion_mask",
+    "loss_mask",
+    "old_logprobs",
+    "sampler_logprobs",
+    "ref_logprobs",
+    "is_weights",
+)
+
+# TRL's name -> TrainBatch field, for code written against the dict TRL's _generate_and_score_completions
+# returns and its compute_loss receives. `loss_mask` is grouprl's: TRL's completion_mask * tool_mask,
+# with truncated completions dropped under mask_truncated_completions.
+TRL_KEYS = {
+    "prompt_ids": "prompt_ids",
+    "prompt_mask": "prompt_mask",
+    "completion_ids": "completion_ids",
+    "completion_mask": "completion_mask",
+    "advantages": "advantages",
+    "old_per_token_logps": "old_logprobs",
+    "ref_per_token_logps": "ref_logprobs",
+    "sampling_per_token_logps": "sampler_logprobs",
+    "importance_sampling_ratio": "is_weights",
+    "num_items_in_batch": "num_loss_tokens",
+    "loss_mask": "loss_mask",
+}
+
+
+@dataclass
+class TrainBatch:
+    """Tensors the loss needs, for n rows (a generation batch or one micro-batch of it)."""
+
+    prompt_ids: torch.Tensor  # (n, P) long, left-padded
+    prompt_mask: torch.Tensor  # (n, P) bool
+    completion_ids: torch.Tensor  # (n, T) long, right-padded
+    completion_mask: torch.Tensor  # (n, T) bool, real completion tokens (EOS included)
+    loss_mask: torch.Tensor  # (n, T) bool, tokens the loss trains on
+    advantages: torch.Tensor  # (n,) float
+    old_logprobs: Optional[torch.Tensor] = None  # (n, T) float, None = on-policy (ratio 1 with gradient)
+    sampler_logprobs: Optional[torch.Tensor] = None  # (n, T) float, from the generation backend
+    ref_logprobs: Optional[torch.Tensor] = None  # (n, T) float, reference policy (beta != 0)
+    is_weights: Optional[torch.Tensor] = (
+        None  # (n, T) float, sampler-mismatch correction rho (a row's value repeated for sequence modes)
+    )
+    num_loss_tokens: float = 0.0  # loss tokens of the whole generation batch over all processes (DAPO denominator)
+    multimodal: list[Any] | None = (
+        None  # (n,) each row's prompt images (multimodal.PromptImages or None), collated per forward
+    )
+
+    def __len__(self) -> int:
+        """Rows (not keys: the TRL-style item access below is a view, not a full Mapping)."""
+        return self.prompt_ids.shape[0]
+
+    # TRL-style access: batch["advantages"], batch["old_per_token_logps"] = ..., "ref_per_token_logps" in batch.
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self, self._field(key))
+        if value is None:
+            raise KeyError(f"{key!r}: this batch has none (as in TRL, the key is present only when computed).")
+        return value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self, self._field(key), value)
+
+    def __contains__(self, key: object) -> bool:
+        return key in TRL_KEYS and getattr(self, TRL_KEYS[key]) is not None
+
+    def keys(self) -> list[str]:
+        return [key for key in TRL_KEYS if key in self]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    @staticmethod
+    def _field(key: str) -> str:
+        if key not in TRL_KEYS:
+            raise KeyError(
+                f"{key!r} is not a key of grouprl's TrainBatch; keys: {', '.join(TRL_KEYS)} (images travel in the "
+                "`multimodal` attribute, not as pixel_values)."
+            )
+        return TRL_KEYS[key]
+
+    def _tensor_fields(self) -> list[str]:
+        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def select(self, rows: torch.Tensor) -> "TrainBatch":
+        """Rows `rows` (indices), with padding trimmed to the longest selected prompt and completion."""
+        picked = replace(self, **{name: getattr(self, name)[rows] for name in self._tensor_fields()})
+        if self.multimodal is not None:
+            picked.multimodal = [self.multimodal[r] for r in rows.tolist()]
+        return picked.trimmed()
+
+    def trimmed(self) -> "TrainBatch":
+        """Drop prompt columns that are padding in every row (left) and completion columns likewise (right)."""
+        keep_prompt = self.prompt_mask.any(dim=0).nonzero()
+        start = int(keep_prompt[0]) if len(keep_prompt) else self.prompt_mask.shape[1]
+        keep_completion = self.completion_mask.any(dim=0).nonzero()
+        end = int(keep_completion[-1]) + 1 if len(keep_completion) else 0
+        changes: dict[str, torch.Tensor] = {
+            "prompt_ids": self.prompt_ids[:, start:],
+            "prompt_mask": self.prompt_mask[:, start:],
+        }
+        for name in PER_TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = value[:, :end]
+        return replace(self, **changes)
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        return replace(self, **{name: getattr(self, name).to(device) for name in self._tensor_fields()})

@@ -1,0 +1,1 @@
+"""model: see docs/architecture.md."""

@@ -1,0 +1,222 @@
+"""Selected-token logprobs (and entropies) from final hidden states and an LM head, without full logits.
+
+The head is applied in checkpointed chunks of positions, each chunk reduced at once to the selected
+token's logprob (and the entropy), so autograd keeps the (rows, tokens, hidden) states only and
+backward recomputes one chunk's logits at a time; for a plain nn.Linear head the logits' gradient is
+formed by hand (`_LinearHeadLogprobs`). Tensors in, tensors out: no model forward here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+CHUNK_ELEMENTS = 1 << 25  # fp32 logits per chunk of positions (128 MiB), bounds the temporaries below
+
+
+# --- reductions of one chunk of positions --------------------------------------------------------
+
+
+def _reduce(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, ...]:
+    """(m, V) logits, (m,) tokens -> fp32 (m,) logprob of each token [, (m,) entropy]."""
+    scaled = logits.float() / temperature
+    normaliser = torch.logsumexp(scaled, dim=-1)
+    logps = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - normaliser
+    if not with_entropy:
+        return (logps,)
+    probs = torch.softmax(scaled, dim=-1)
+    return logps, normaliser - (probs * scaled).sum(dim=-1)
+
+
+def _chunked(
+    inputs: torch.Tensor,
+    tokens: torch.Tensor,
+    to_logits: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    *,
+    entropy: str,
+    differentiable: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Selected-token logprobs of `to_logits(inputs)` over (m, ...) positions, in chunks, and entropies.
+
+    `entropy` is "none", "value" (no gradient) or "grad" (part of the objective: the entropy bonus).
+    With gradient each chunk is checkpointed: backward recomputes that chunk's logits instead of
+    autograd holding them. torch.split, not slicing: one SplitBackward concatenates the chunk
+    gradients once, where each slice's backward would write a zero-filled full-size gradient
+    (measured 40 s on W3).
+    """
+    vocab = to_logits(inputs[:0]).shape[-1]
+    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+
+    def reduce(x: torch.Tensor, t: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+        return _reduce(to_logits(x), t, temperature, with_entropy)
+
+    with_entropy = entropy != "none"
+    logps, entropies = [], []
+    for chunk, chunk_tokens in zip(inputs.split(step), tokens.split(step)):
+        if differentiable:
+            outs = torch.utils.checkpoint.checkpoint(reduce, chunk, chunk_tokens, with_entropy, use_reentrant=False)
+        else:
+            outs = reduce(chunk, chunk_tokens, with_entropy)
+        logps.append(outs[0])
+        if with_entropy:  # one pass over the chunk's logits gives both; a metric-only entropy is detached
+            entropies.append(outs[1] if entropy == "grad" else outs[1].detach())
+    return torch.cat(logps), (torch.cat(entropies) if entropies else None)
+
+
+def _scaled_logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> tuple[torch.Tensor, torch.dtype]:
+    """(fp32 logits / temperature, the dtype the product ran in); a fresh tensor, safe to modify in place."""
+    raw = F.linear(x, weight, bias)
+    z = raw.float()
+    return (z.div_(temperature) if temperature != 1.0 else z), raw.dtype
+
+
+class _LinearHeadLogprobs(torch.autograd.Function):
+    """Selected-token logprobs and entropies of softmax((hidden @ W^T + b) / T), in chunks of positions,
+    with a hand-written backward.
+
+    The generic path (`_chunked`) checkpoints each chunk and lets autograd differentiate the
+    reductions, which re-runs and differentiates half a dozen elementwise passes over (chunk, vocab)
+    logits: on W3's 151,936-token vocabulary those passes took as long as the head's matrix products.
+    Here backward recomputes a chunk's logits once and forms d(loss)/d(logits) directly:
+
+        d logp / d z = onehot(token) - p           d entropy / d z = -p * (z - E_p[z])
+
+    (z = logits / T, p = softmax(z)), in place, then the two products for the hidden states and the
+    head's weight. Only a chunk's logits are ever held; the forward saves (positions,) statistics
+    (log-normaliser, E_p[z]) and the hidden states. Under autocast the recompute uses the dtype the
+    forward's product ran in, as autograd would have.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature, with_entropy):
+        step = max(1, CHUNK_ELEMENTS // weight.shape[0])
+        logps, normalisers, expected = [], [], []
+        compute_dtype = None
+        for x, t in zip(hidden.split(step), tokens.split(step)):
+            z, compute_dtype = _scaled_logits(x, weight, bias, temperature)
+            normaliser = torch.logsumexp(z, dim=-1)
+            logps.append(z.gather(-1, t.unsqueeze(-1)).squeeze(-1) - normaliser)
+            normalisers.append(normaliser)
+            if with_entropy:
+                expected.append((z - normaliser.unsqueeze(-1)).exp_().mul_(z).sum(dim=-1))  # E_p[z]
+        logps, normaliser = torch.cat(logps), torch.cat(normalisers)
+        expected = torch.cat(expected) if with_entropy else normaliser.new_zeros(0)
+        ctx.save_for_backward(hidden, weight, bias, tokens, normaliser, expected)
+        ctx.temperature, ctx.step, ctx.compute_dtype = temperature, step, compute_dtype or weight.dtype
+        ctx.set_materialize_grads(False)
+        return logps, (normaliser - expected if with_entropy else normaliser.new_zeros(0))
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, bias, tokens, normaliser, expected = ctx.saved_tensors
+        temperature, step, dtype = ctx.temperature, ctx.step, ctx.compute_dtype
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if grad_logps is None:
+            grad_logps = normaliser.new_zeros(normaliser.shape)
+        w, b = weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = (
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+            if need_bias and bias is not None
+            else None
+        )
+        for start in range(0, hidden.shape[0], step):
+            rows = slice(start, start + step)
+            x, g_logp = hidden[rows].to(dtype), grad_logps[rows].unsqueeze(-1)
+            z, _ = _scaled_logits(x, w, b, temperature)
+            if grad_entropy is None:  # G = -p * g_logp
+                grad_z = z.sub_(normaliser[rows].unsqueeze(-1)).exp_().mul_(-g_logp)
+            else:  # G = -p * (g_logp + g_entropy * (z - E_p[z]))
+                centred = z.sub_(expected[rows].unsqueeze(-1))
+                p = (centred + (expected[rows] - normaliser[rows]).unsqueeze(-1)).exp_()
+                grad_z = centred.mul_(grad_entropy[rows].unsqueeze(-1)).add_(g_logp).mul_(p).neg_()
+            grad_z.scatter_add_(-1, tokens[rows].unsqueeze(-1), g_logp)  # + g_logp at the selected token
+            grad_logits = (grad_z.div_(temperature) if temperature != 1.0 else grad_z).to(dtype)
+            if need_hidden:
+                grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
+            if grad_weight is not None and dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.t(), x)
+            elif grad_weight is not None:
+                grad_weight += (grad_logits.t() @ x).float()
+            if grad_bias is not None:
+                grad_bias += grad_logits.float().sum(dim=0)
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def _plain_linear(head: Callable) -> torch.nn.Linear | None:
+    """The nn.Linear whose own forward `head` is (so its product can be differentiated by hand), else None."""
+    module = getattr(head, "__self__", None)
+    if (
+        type(module) is torch.nn.Linear
+        and getattr(head, "__func__", None) is torch.nn.Linear.forward
+        and "forward" not in vars(module)
+    ):
+        return module
+    return None
+
+
+def logits_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, *, entropy: str = "value"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logprob of `tokens` (n, T) under softmax(logits / temperature) in fp32, and the entropy (see `_chunked`)."""
+    return head_logprobs(logits, lambda x: x, tokens, temperature, entropy=entropy)
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor,
+    temperature: float,
+    *,
+    entropy: str = "value",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like `logits_logprobs(head(hidden), ...)` without ever holding head(hidden) for all positions.
+
+    `hidden` (n, T, H) are the final hidden states predicting `tokens` (n, T); `head` maps (m, H)
+    to (m, V) logits (the model's LM head). Gradients flow to `hidden` and the head's parameters.
+    """
+    n, t, size = hidden.shape
+    linear = _plain_linear(head)
+    if linear is not None:
+        logps, entropies = _LinearHeadLogprobs.apply(
+            hidden.reshape(n * t, size),
+            linear.weight,
+            linear.bias,
+            tokens.reshape(n * t),
+            temperature,
+            entropy != "none",
+        )
+        if entropy == "none":
+            return logps.view(n, t), None
+        return logps.view(n, t), (entropies if entropy == "grad" else entropies.detach()).view(n, t)
+    differentiable = torch.is_grad_enabled() and (hidden.requires_grad or _has_trainable_parameters(head))
+    logps, entropies = _chunked(
+        hidden.reshape(n * t, size),
+        tokens.reshape(n * t),
+        head,
+        temperature,
+        entropy=entropy,
+        differentiable=differentiable,
+    )
+    return logps.view(n, t), (entropies.view(n, t) if entropies is not None else None)
+
+
+def _has_trainable_parameters(head: Callable) -> bool:
+    module = getattr(head, "__self__", None)
+    return isinstance(module, torch.nn.Module) and any(p.requires_grad for p in module.parameters())

@@ -1,0 +1,184 @@
+"""Per-token logprobs (and entropies) of completion tokens under the temperature-scaled policy.
+
+GRPO's importance ratio compares the policy's probability of each *sampled* token with the
+probability it had when sampled; sampling used logits / temperature, so training must too
+(TRL PR #3029). Three things keep this pass lean:
+
+- **No (rows, tokens, vocab) logits.** The model runs up to its final hidden states; the LM head is
+  applied in checkpointed chunks of positions, each chunk reduced at once to the selected
+  token's logprob (and the entropy) (`head_logprobs.py`); the forward up to the head is
+  `model_forward.py`. Models whose head cannot be applied separately
+  (sharded by FSDP / ZeRO-3, or logits post-processed after the head) fall back to asking the model
+  for the completion logits, still reduced in checkpointed chunks.
+- **Only completion positions** are projected (`logits_to_keep`).
+- **Length buckets.** Rows are sorted by length and run in buckets, each trimmed to its own
+  longest prompt and completion, so a short completion does not pay for the longest one
+  (`length_buckets.py`).
+- **A shared prompt once** (`prompt_packing.py`), unless `pack_prompts=False`
+  (GRPOConfig.pack_shared_prompts).
+
+Positions are derived from the attention mask (left-padded prompts), the same way `generate`
+derives them, so a sequence's logprobs do not depend on its batch's padding or bucket.
+Vision-language rows add their image inputs, collated per bucket (`multimodal.forward_inputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from grouprl.model.forward import capture_head_input, forward_keeping, separable_head
+from grouprl.model.head_logprobs import head_logprobs, logits_logprobs
+from grouprl.model.length_buckets import in_row_order, length_buckets
+from grouprl.model.multimodal import forward_inputs
+from grouprl.model.prompt_packing import shared_prompt_logprobs
+
+# The chunked head reductions, the buckets and the head check live in their own modules (so prompt_packing
+# uses them without importing this one); callers and tests keep importing them from here.
+__all__ = [
+    "TokenLogprobs",
+    "completion_logprobs",
+    "head_logprobs",
+    "in_row_order",
+    "length_buckets",
+    "logits_logprobs",
+    "position_ids_from_mask",
+    "separable_head",
+]
+
+
+class TokenLogprobs(NamedTuple):
+    logprobs: torch.Tensor  # (n, T) logprob of each completion token, with gradient if enabled
+    entropy: torch.Tensor | None  # (n, T) entropy of the next-token distribution, or None
+    aux_loss: torch.Tensor | None  # scalar MoE router load-balancing loss, or None
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(n, L) positions counting only real tokens; padding gets position 0."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,  # (n, P) left-padded
+    prompt_mask: torch.Tensor,  # (n, P) bool
+    completion_ids: torch.Tensor,  # (n, T) right-padded
+    completion_mask: torch.Tensor,  # (n, T) bool
+    *,
+    temperature: float,
+    rows_per_chunk: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    with_aux_loss: bool = False,
+    bucket_by_length: bool = True,
+    multimodal: Sequence[Any] | None = None,  # (n,) each row's multimodal.PromptImages or None (VLMs)
+    pack_prompts: bool = True,  # GRPOConfig.pack_shared_prompts
+) -> TokenLogprobs:
+    """Logprobs (n, T) of the completion tokens, their entropies (n, T) or None, the MoE aux loss or None.
+
+    Runs the model on length buckets of at most `rows_per_chunk` rows (one bucket of all rows when
+    `bucket_by_length` is False). Positions beyond a row's completion hold 0. The entropy is detached
+    unless `entropy_grad`. With `with_aux_loss` the model returns its router load-balancing loss
+    (averaged over buckets). With `pack_prompts`, rows sharing a prompt run it once (`prompt_packing`).
+    """
+    n, completion_len = completion_ids.shape
+    if completion_len == 0 or n == 0:
+        empty = completion_ids.new_zeros((n, completion_len), dtype=torch.float32)
+        return TokenLogprobs(empty, empty if with_entropy else None, None)
+    entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
+    if pack_prompts and multimodal is None and not with_aux_loss:
+        packed = shared_prompt_logprobs(
+            model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature,
+            rows_per_chunk=rows_per_chunk,
+            entropy=entropy_mode,
+            plain=_plain_logprobs,
+        )
+        if packed is not None:
+            return TokenLogprobs(packed[0], packed[1] if with_entropy else None, None)
+    prompt_lens = prompt_mask.sum(dim=1).tolist()
+    completion_lens = completion_mask.sum(dim=1).tolist()
+    if bucket_by_length:
+        buckets = length_buckets([p + c for p, c in zip(prompt_lens, completion_lens)], rows_per_chunk)
+    else:
+        chunk = rows_per_chunk or n
+        buckets = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
+    logps_parts, entropy_parts, aux_parts, order = [], [], [], []
+    for rows in buckets:
+        p = max(max(prompt_lens[r] for r in rows), 1)
+        t = max(max(completion_lens[r] for r in rows), 1)
+        index = torch.tensor(rows, device=prompt_ids.device)
+        images = (
+            {}
+            if multimodal is None
+            else forward_inputs(model, [multimodal[r] for r in rows], p, p + t, prompt_ids.device)
+        )
+        logps, entropy, aux = _bucket_logprobs(
+            model,
+            prompt_ids[index, -p:],
+            prompt_mask[index, -p:],
+            completion_ids[index, :t],
+            completion_mask[index, :t],
+            temperature,
+            entropy=entropy_mode,
+            with_aux_loss=with_aux_loss,
+            extra=images,
+        )
+        logps_parts.append(F.pad(logps, (0, completion_len - t)))
+        if entropy is not None:
+            entropy_parts.append(F.pad(entropy, (0, completion_len - t)))
+        if aux is not None:
+            aux_parts.append(aux)
+        order.extend(rows)
+    logps, entropy = in_row_order(logps_parts, order), (in_row_order(entropy_parts, order) if with_entropy else None)
+    aux_loss = torch.stack(aux_parts).mean() if aux_parts else None
+    return TokenLogprobs(logps, entropy, aux_loss)
+
+
+def _plain_logprobs(model: torch.nn.Module, *rows: torch.Tensor) -> torch.Tensor:
+    return completion_logprobs(model, *rows, temperature=1.0, with_entropy=False, pack_prompts=False).logprobs
+
+
+def _bucket_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    *,
+    entropy: str,
+    with_aux_loss: bool,
+    extra: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    completion_len = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + T)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+        "use_cache": False,
+        **(extra or {}),
+    }
+    if with_aux_loss:
+        kwargs["output_router_logits"] = True
+    head = separable_head(model)
+    with capture_head_input(head) as captured:
+        output = forward_keeping(model, kwargs, completion_len + 1)
+    aux = getattr(output, "aux_loss", None) if with_aux_loss else None
+    # Position t predicts token t + 1: drop the last one, keep the T before it.
+    if head is not None:
+        hidden = captured[0][:, -(completion_len + 1) : -1, :]
+        logps, entropies = head_logprobs(hidden, head.forward, completion_ids, temperature, entropy=entropy)
+    else:
+        logits = output.logits[:, -(completion_len + 1) : -1, :]
+        logps, entropies = logits_logprobs(logits, completion_ids, temperature, entropy=entropy)
+    return logps, entropies, aux

@@ -1,0 +1,113 @@
+"""Vision-language models: the processor's outputs per prompt, and their batching into model inputs.
+
+(Reading image prompts from a dataset and running them through the processor is
+`multimodal_prompts.py`; this module is what the model passes need, and imports no data code.)
+
+Data (TRL 1.16): a row's images are its ``images`` column (a list) or its ``image`` column (one
+image); the prompt must be conversational. Images become ``{"type": "image"}`` blocks placed before
+the text of the first user message whose content is a string (or fill the image blocks the
+messages already have, in order). The model's processor (``ProcessorMixin``) renders the chat
+template and processes the images once per prompt. Its outputs other than the token ids are kept
+per prompt in a `PromptImages`, split in two kinds:
+
+- *per-token* fields (``mm_token_type_ids``, ``token_type_ids``): one value per prompt token;
+  they are left-padded exactly like the prompt ids and extended with zeros over the completion,
+  so an image token and its type never come apart (TRL 1.4 padded them on opposite sides,
+  user-pain-points row 39);
+- *per-image* fields (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ...): concatenated
+  along their first dimension in row order, which is how a processor batches them.
+
+Rows carry their own `PromptImages` through generation, scoring and every logprob pass, and any
+chunk of rows is collated on the spot (`collate`), so no pixel tensor ever has to be split by
+image counts. Models with multimodal rotary positions (M-RoPE: Qwen2-VL, Qwen2.5-VL, ...) compute
+their positions from the image grids and the attention mask themselves; every other model gets
+positions counted over real tokens, as for text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PromptImages:
+    """The processor's outputs for one prompt, besides its token ids."""
+
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (P,), aligned with the prompt ids
+    per_image: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (images or patches, ...)
+
+
+def is_processor(processing_class: Any) -> bool:
+    from transformers import ProcessorMixin
+
+    return isinstance(processing_class, ProcessorMixin)
+
+
+def text_tokenizer(processing_class: Any) -> Any:
+    """The tokenizer inside a processor, or the tokenizer itself."""
+    return processing_class.tokenizer if is_processor(processing_class) else processing_class
+
+
+def is_vision_language_config(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def image_token_ids(config: Any) -> list[int]:
+    """Placeholder ids the sampler must never emit: a sampled one would have no image features behind it."""
+    return [
+        i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)) if i is not None
+    ]
+
+
+def collate(inputs: Sequence[PromptImages | None], prompt_width: int, total_width: int) -> dict[str, torch.Tensor]:
+    """Model inputs for rows whose prompts are left-padded to `prompt_width` inside sequences of `total_width`.
+
+    Per-token fields end where each row's prompt ends (column prompt_width - 1), zeros elsewhere;
+    per-image fields are concatenated in row order. Rows without images (None) add nothing.
+    """
+    present = [m for m in inputs if m is not None]
+    batched: dict[str, torch.Tensor] = {}
+    for name in dict.fromkeys(k for m in present for k in m.per_image):
+        parts = [m.per_image[name] for m in present if name in m.per_image]
+        try:
+            batched[name] = torch.cat(parts)
+        except RuntimeError as err:
+            shapes = sorted({tuple(p.shape) for p in parts})
+            raise ValueError(
+                f"Cannot batch the processor's {name!r} of shapes {shapes} along their first dimension; this "
+                "processor's outputs are not supported yet."
+            ) from err
+    for name in dict.fromkeys(k for m in present for k in m.per_token):
+        first = next(m.per_token[name] for m in present if name in m.per_token)
+        values = torch.zeros((len(inputs), total_width), dtype=first.dtype)
+        for r, m in enumerate(inputs):
+            if m is not None and name in m.per_token:
+                values[r, prompt_width - len(m.per_token[name]) : prompt_width] = m.per_token[name]
+        batched[name] = values
+    return batched
+
+
+def computes_own_positions(model: torch.nn.Module) -> bool:
+    """True for models with multimodal rotary positions (M-RoPE), which derive them from image grids."""
+    return any(hasattr(module, "get_rope_index") for module in model.modules())
+
+
+def forward_inputs(
+    model: torch.nn.Module,
+    inputs: Sequence[PromptImages | None],
+    prompt_width: int,
+    total_width: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Extra keyword arguments of a forward over these rows: their image inputs, and position_ids=None
+    where the model builds M-RoPE positions itself (given the attention mask, padding is skipped)."""
+    if all(m is None for m in inputs):
+        return {}
+    extra: dict[str, Any] = {k: v.to(device) for k, v in collate(inputs, prompt_width, total_width).items()}
+    if computes_own_positions(model):
+        extra["position_ids"] = None
+    return extra

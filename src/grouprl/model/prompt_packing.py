@@ -1,0 +1,312 @@
+"""Prompt-grouped packing: run a prompt shared by several rows once, not once per row.
+
+GRPO scores G completions of every prompt. The plain pass (`logprobs.completion_logprobs`) runs
+each row as [prompt, completion], so a ~400-token prompt shared by 8 rows costs 8 prompt passes,
+forward and backward. Here the rows of one prompt become one packed sequence
+
+    [prompt, completion_1, completion_2, ..., completion_k, padding]
+
+with positions 0..P-1 for the prompt and P..P+T_j-1 for each completion, and a 4D attention mask in
+which a completion token sees the prompt and, causally, its own completion only. Every token then
+has exactly the keys, values and position it has in its own row, so the hidden states, logprobs and
+gradients are those of the plain pass up to float rounding.
+
+With sdpa models the attention scores only the visible pairs (packed_attention.py: the prompt
+causally, each completion against [prompt, itself]); the pack also carries the same visibility as
+an ordinary (packs, 1, L, L) mask, which eager models use directly (dense: all L^2 pairs).
+`split_for_cost` (pack_planning.py) estimates the cost of a pack and packs a prompt's rows into as many
+sequences as is cheapest; where that saves under 10% the plain pass runs.
+
+Used only where it reproduces the plain pass: the model's own attention takes custom 4D masks
+(sdpa, eager), every layer attends fully (no sliding windows), the LM head is separable, no
+multimodal inputs, no MoE aux loss, and a one-time probe per model agrees with the plain pass. The
+probe's verdict is logged once per model (and attention implementation), with the reason when packing
+is off; a model error other than "this model cannot run it" propagates.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from transformers.utils import logging
+
+from grouprl.model.forward import capture_head_input, describe, forward_keeping, is_unsupported, separable_head
+from grouprl.model.head_logprobs import head_logprobs
+from grouprl.model.length_buckets import in_row_order, length_buckets
+from grouprl.model.pack_planning import PromptGroups, group_by_prompt, pack_cost, pairs_per_token, split_for_cost
+from grouprl.model.packed_attention import LAYOUT_KWARG, PackLayout, build_layout
+from grouprl.model.patches import grouprl_patches, patches_active
+
+logger = logging.get_logger("grouprl")
+
+# The planning names stay importable from here (callers and tests use them through this module).
+__all__ = [
+    "Pack",
+    "PromptGroups",
+    "build_pack",
+    "group_by_prompt",
+    "pack_cost",
+    "packed_logprobs",
+    "packing_head",
+    "pairs_per_token",
+    "shared_prompt_logprobs",
+    "split_for_cost",
+]
+
+MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's
+_MASK_STYLE = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take a custom 4D mask
+
+
+class Pack(NamedTuple):
+    input_ids: torch.Tensor  # (packs, L)
+    position_ids: torch.Tensor  # (packs, L)
+    attention_mask: torch.Tensor  # (packs, 1, L, L) True where a query (dim 2) may attend a key (dim 3)
+    source: torch.Tensor  # (rows, T) flat index into (packs * L) of the state predicting each completion token
+    keep: int  # positions at the end of the pack whose states are needed (`logits_to_keep`)
+    layout: PackLayout  # the same visibility as index tensors, for packed_attention
+
+
+def build_pack(
+    prompts: list[list[int]], completions: list[list[list[int]]], completion_len: int, device: torch.device
+) -> Pack:
+    """Pack each prompt with its completions (token lists); rows come out in the order given.
+
+    `source[r, t]` is where the state predicting completion token t of row r sits: the prompt's last
+    position for t = 0, the completion's position t - 1 after that; beyond the row's length it
+    points at the prompt's last position (a real state whose result is then masked out).
+    """
+    length = max(len(p) + sum(len(c) for c in cs) for p, cs in zip(prompts, completions))
+    ids, positions, segment, source, spans = (
+        [],
+        [],
+        [],
+        [],
+        [],
+    )  # built as lists, turned into tensors once (cheap for many rows)
+    for b, (prompt, rows) in enumerate(zip(prompts, completions)):
+        p = len(prompt)
+        pack_ids, pack_positions, pack_segment = list(prompt), list(range(p)), [0] * p
+        spans.append([])
+        for j, tokens in enumerate(rows, start=1):
+            t, start = len(tokens), len(pack_ids)
+            spans[-1].append((start, t))
+            pack_ids += tokens
+            pack_positions += range(p, p + t)
+            pack_segment += [j] * t
+            last_prompt = b * length + p - 1
+            source.append(
+                [last_prompt]
+                + [b * length + start + i for i in range(t - 1)]
+                + [last_prompt] * (completion_len - max(t, 1))
+            )
+        pad = length - len(pack_ids)
+        ids.append(pack_ids + [0] * pad)
+        positions.append(pack_positions + [0] * pad)
+        segment.append(pack_segment + [-1] * pad)  # 0 prompt, j >= 1 completion j, -1 padding
+    ids, positions, segment = torch.tensor(ids), torch.tensor(positions), torch.tensor(segment)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    seg_q, seg_k = segment[:, :, None], segment[:, None, :]
+    visible = causal & (seg_k >= 0) & ((seg_k == 0) | (seg_k == seg_q))
+    visible |= torch.eye(length, dtype=torch.bool)  # padding queries see themselves: no empty softmax
+    keep = length - min(len(p) for p in prompts) + 1
+    layout = build_layout([len(p) for p in prompts], spans, length, device)
+    return Pack(
+        ids.to(device), positions.to(device), visible[:, None].to(device), torch.tensor(source).to(device), keep, layout
+    )
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # DDP / accelerate wrappers
+
+
+def _model_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
+    if _MASK_STYLE[_unwrapped(model).config._attn_implementation] == "bool":
+        return visible
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(
+        ~visible, torch.finfo(torch.float32).min
+    )
+
+
+def _sparse_attention(model: torch.nn.Module) -> bool:
+    """Whether packs attend through packed_attention (visible pairs only) rather than the dense 4D mask.
+
+    That takes an sdpa model and `grouprl_patches()` active, which registers `sdpa_or_packed` as "sdpa".
+    Outside it a pack attends through the dense mask (same values), so a pass never depends on a
+    registration it did not see: gradient checkpointing recomputes a layer in backward, and a
+    backward inside the same block as its forward recomputes it the same way.
+    """
+    return _unwrapped(model).config._attn_implementation == "sdpa" and patches_active()
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    head: torch.nn.Module,
+    pack: Pack,
+    completion_ids: torch.Tensor,
+    temperature: float,
+    *,
+    entropy: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (rows, T) [and entropies] of `completion_ids` (rows in the pack's order) from one packed forward.
+
+    sdpa models inside grouprl_patches() attend through packed_attention (visible pairs only), others through the 4D mask.
+    """
+    kwargs = {
+        "input_ids": pack.input_ids,
+        "attention_mask": _model_mask(model, pack.attention_mask),
+        "position_ids": pack.position_ids,
+        "use_cache": False,
+    }
+    if _sparse_attention(model):
+        kwargs[LAYOUT_KWARG] = pack.layout
+    with capture_head_input(head) as captured:
+        forward_keeping(model, kwargs, pack.keep)
+    states = captured[0]  # (packs, keep, H): the last `keep` positions
+    packs, length = pack.input_ids.shape
+    offset = length - states.shape[1]
+    flat = states.reshape(packs * states.shape[1], states.shape[2])
+    local = pack.source - offset * (pack.source // length + 1)  # rebase (packs * L) indices onto (packs * keep)
+    hidden = flat[local]  # (rows, T, H)
+    return head_logprobs(hidden, head.forward, completion_ids, temperature, entropy=entropy)
+
+
+# --- when to use it ------------------------------------------------------------------------------
+
+_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()
+
+
+def packing_head(model: torch.nn.Module, plain: Callable[..., torch.Tensor]) -> torch.nn.Module | None:
+    """The LM head to use with packing, or None where packing would not reproduce the plain pass.
+
+    `plain(model, prompt_ids, prompt_mask, completion_ids, completion_mask)` computes the plain
+    pass's logprobs for the one-time probe.
+    """
+    config = getattr(_unwrapped(model), "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    verdicts = _PROBED.setdefault(model, {})
+    if impl not in verdicts:
+        head = separable_head(model)  # None for sharded (FSDP / ZeRO-3) models too
+        reason = _static_reason(config, impl) or (
+            "the LM head is not separable" if head is None else _probe(model, head, plain)
+        )
+        verdicts[impl] = reason is None
+        name = type(_unwrapped(model)).__name__
+        if reason is None:
+            logger.info(
+                f"grouprl: prompt packing is on for {name} ({impl} attention): rows sharing a prompt run it once."
+            )
+        else:
+            logger.log(
+                logging.WARNING if reason.startswith("the probe") else logging.INFO,
+                f"grouprl: prompt packing is off for {name} ({impl} attention): {reason}. Rows run one by one.",
+            )
+    return separable_head(model) if verdicts[impl] else None
+
+
+def _static_reason(config, impl: str | None) -> str | None:
+    """Why the configuration alone rules packing out, or None."""
+    if impl not in _MASK_STYLE:
+        return f"its attention implementation {impl!r} takes no custom 4D mask (sdpa and eager do)"
+    if any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])):
+        return "some layers do not attend fully (sliding windows or other layer types)"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "it uses sliding-window attention"
+    return None
+
+
+@torch.no_grad()
+def _probe(model: torch.nn.Module, head: torch.nn.Module, plain: Callable[..., torch.Tensor]) -> str | None:
+    """Three rows, two sharing a left-padded prompt, ragged completions: None if packed equals plain, else why not."""
+    vocab = head.weight.shape[0]
+    device = head.weight.device
+    prompt_ids = torch.tensor([[0, 3, 5, 7], [0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]], device=device, dtype=torch.bool)
+    completion_ids = torch.tensor([[1, 2, 3], [4, 5, 0], [6, 7, 8]], device=device) % vocab
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]], device=device, dtype=torch.bool)
+    # A wrong mask moves logprobs by O(1); rounding in the model's own dtype (autocast off) by far less.
+    tolerance = 1e-4 if head.weight.dtype == torch.float32 else 5e-2
+    try:  # inside grouprl_patches (no gradient here, nothing recomputes later): the sparse attention is probed
+        with torch.autocast(device.type, enabled=False), grouprl_patches():
+            expected = plain(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            pack = build_pack([[3, 5, 7], [2, 4, 6, 8]], [[[1, 2, 3], [4, 5]], [[6, 7, 8]]], 3, device)
+            pack = pack._replace(input_ids=pack.input_ids % vocab)
+            got, _ = packed_logprobs(model, head, pack, completion_ids, 1.0, entropy="none")
+    except Exception as err:
+        if not is_unsupported(err):
+            raise
+        return f"the probe's packed pass failed: {describe(err)}"
+    got, expected = got[completion_mask].float(), expected[completion_mask].float()
+    if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance):
+        return f"the probe's packed logprobs differ from the plain pass's by up to {float((got - expected).abs().max()):.3g}"
+    return None
+
+
+# --- the pass ------------------------------------------------------------------------------------
+
+
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    *,
+    rows_per_chunk: int | None,
+    entropy: str,
+    plain: Callable[..., torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(n, T) logprobs [and entropies] with shared prompts packed, or None where packing does not apply.
+
+    Applies when some prompt is shared by several rows, sharing it is estimated to save at least
+    1 - MIN_SAVING of the cost (`split_for_cost`), masks are the usual left-padded prompt and
+    right-padded completion, and `packing_head` accepts the model. Positions beyond a row's
+    completion hold 0.
+    """
+    n, completion_len = completion_ids.shape
+    prompt_lens, completion_lens = prompt_mask.sum(dim=1), completion_mask.sum(dim=1)
+    width = prompt_mask.shape[1]
+    left_padded = torch.equal(
+        prompt_mask.bool(), torch.arange(width, device=prompt_mask.device) >= (width - prompt_lens)[:, None]
+    )
+    right_padded = torch.equal(
+        completion_mask.bool(), torch.arange(completion_len, device=completion_mask.device) < completion_lens[:, None]
+    )
+    if not (left_padded and right_padded) or int(prompt_lens.min()) == 0:
+        return None
+    prompt_lens, completion_lens = prompt_lens.tolist(), completion_lens.tolist()
+    ratio = pairs_per_token(model)
+    if ratio <= 0:
+        return None
+    dense = not _sparse_attention(model)
+    groups = split_for_cost(group_by_prompt(prompt_ids, prompt_mask, rows_per_chunk), completion_lens, ratio, dense)
+    plain_cost = sum(pack_cost(prompt_lens[r], [completion_lens[r]], ratio, dense=True) for r in range(n))
+    packed_cost = sum(
+        pack_cost(p, [completion_lens[r] for r in rows], ratio, dense)
+        for p, rows in zip(groups.prompt_lens, groups.rows)
+    )
+    if len(groups.rows) == n or packed_cost > MIN_SAVING * plain_cost:  # nothing (worth) sharing
+        return None
+    head = packing_head(model, plain)
+    if head is None:
+        return None
+    packed_lens = [p + sum(completion_lens[r] for r in rows) for p, rows in zip(groups.prompt_lens, groups.rows)]
+    ids, comp = prompt_ids.tolist(), completion_ids.tolist()
+    logps_parts, entropy_parts, order = [], [], []
+    for bucket in length_buckets(packed_lens, rows_per_chunk, rows=[len(rows) for rows in groups.rows]):
+        rows = [r for g in bucket for r in groups.rows[g]]
+        t = max(max(completion_lens[r] for r in rows), 1)
+        prompts = [ids[groups.rows[g][0]][width - groups.prompt_lens[g] :] for g in bucket]
+        completions = [[comp[r][: completion_lens[r]] for r in groups.rows[g]] for g in bucket]
+        pack = build_pack(prompts, completions, t, prompt_ids.device)
+        index = torch.tensor(rows, device=prompt_ids.device)
+        logps, entropies = packed_logprobs(model, head, pack, completion_ids[index, :t], temperature, entropy=entropy)
+        valid = completion_mask[index, :t].bool()
+        logps_parts.append(torch.nn.functional.pad(logps.masked_fill(~valid, 0.0), (0, completion_len - t)))
+        if entropies is not None:
+            entropy_parts.append(torch.nn.functional.pad(entropies.masked_fill(~valid, 0.0), (0, completion_len - t)))
+        order.extend(rows)
+    return in_row_order(logps_parts, order), (in_row_order(entropy_parts, order) if entropy_parts else None)

@@ -1,0 +1,64 @@
+"""The reference policy pi_ref of the KL penalty (beta != 0), and TR-DPO reference syncing.
+
+Where pi_ref comes from (TRL §3.3):
+
+- a full-parameter policy: a second, frozen model, loaded like the policy from its id / path with
+  ``model_init_kwargs``, or, for a model instance, a deep copy taken at start-up (before training
+  changes it);
+- a LoRA policy: the same model, with its adapters disabled or with the frozen "ref" adapter on
+  (`adapters.reference_mode`), so no second copy of the weights is held.
+
+``sync_ref_model`` (TR-DPO, Gorbatovski et al. 2024) mixes the policy into the reference every
+``ref_model_sync_steps`` optimizer steps: ref <- alpha * policy + (1 - alpha) * ref.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from grouprl.model.adapters import reference_mode
+
+
+@dataclass
+class Reference:
+    model: Optional[torch.nn.Module] = None  # a separate frozen model, or None: the PEFT policy itself
+    adapter: Optional[str] = None  # with the PEFT policy: the frozen reference adapter (None = adapters disabled)
+
+    @contextmanager
+    def scoring(self, policy: torch.nn.Module, unwrapped_policy: Any) -> Iterator[torch.nn.Module]:
+        """Yields the module whose forward computes pi_ref (run it under no_grad)."""
+        if self.model is not None:
+            yield self.model
+            return
+        with reference_mode(unwrapped_policy, self.adapter):
+            yield policy
+
+    def state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """What a checkpoint must hold to resume exactly: the reference weights, only if they change (sync)."""
+        return None if self.model is None else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: Optional[dict[str, torch.Tensor]]) -> None:
+        if state is not None and self.model is not None:
+            self.model.load_state_dict(state)
+
+
+def separate_reference_model(model_arg: Any, policy: torch.nn.Module, load: Any) -> torch.nn.Module:
+    """A frozen, eval-mode reference model: `load(model_arg)` for an id / path, else a deep copy of `policy`."""
+    reference = load(model_arg) if isinstance(model_arg, str) else copy.deepcopy(policy)
+    reference.requires_grad_(False)
+    reference.eval()
+    return reference
+
+
+@torch.no_grad()
+def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
+    """TR-DPO soft update: every reference parameter <- alpha * policy + (1 - alpha) * reference."""
+    policy_params = dict(policy.named_parameters())
+    for name, ref_param in reference.named_parameters():
+        source = policy_params[name].detach().to(device=ref_param.device, dtype=ref_param.dtype)
+        ref_param.mul_(1.0 - alpha).add_(source, alpha=alpha)

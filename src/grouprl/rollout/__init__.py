@@ -1,0 +1,1 @@
+"""rollout: see docs/architecture.md."""

@@ -1,0 +1,266 @@
+"""One generation batch, made ready to train on (score_generation: GRPOTrainer._generate_and_score_completions),
+then cut into micro-batches (split_generation, called by GRPOTrainer._prepare_inputs).
+
+    score_generation(sampling, model, inputs) -> (TrainBatch, ExperienceStats)
+    draw completions -> rewards -> advantages
+        (dynamic sampling: drop groups whose rewards tie, draw further generations to refill)
+    -> old logprobs         if the samples are reused after an update (TRL §2.6) or the sampler's
+                            logprobs are to be corrected
+    -> sampler IS weights   if the backend returned sampler logprobs (any backend, not only vLLM)
+    -> reference logprobs   if beta != 0
+    -> one complete TrainBatch (nothing is filled in afterwards), and its statistics (the advantages,
+       which must be finite, and the sampler IS statistics, reduced over every process by the loop)
+    -> shuffle the rows, cut them into steps_per_generation micro-batches (rows of similar length
+       together within each optimizer step, batching.py), queued num_iterations times
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+from transformers.utils import logging
+
+from grouprl.config.grpo_config import BatchPlan, GRPOConfig
+from grouprl.core.distributed import layout_of, whole_groups
+from grouprl.core.group_layout import own_rollout
+from grouprl.core.importance import sampler_importance_weights
+from grouprl.core.losses import LOSSES
+from grouprl.core.masks import tied_groups
+from grouprl.core.stats import finite, largest, mean, smallest
+from grouprl.core.types import Rewards, Rollout, TrainBatch
+from grouprl.data.generation_inputs import GenerationInputs
+from grouprl.model.policy_logprobs import policy_logprobs
+from grouprl.rollout.batching import length_grouped, regrouping_is_exact, row_order_key
+
+logger = logging.get_logger("grouprl")
+
+
+@dataclass(frozen=True)
+class ExperienceStats:
+    """One generation batch's statistics (TRL's names); the loop reduces them over every process."""
+
+    advantages: Optional[torch.Tensor] = finite(
+        "advantages"
+    )  # this process's (n,) advantages: NaN / inf stops every process
+    logp_gap_mean: Optional[float] = mean(
+        "sampling/sampling_logp_difference/mean"
+    )  # means of per-process values, as TRL
+    logp_gap_max: Optional[float] = largest("sampling/sampling_logp_difference/max")
+    ratio_min: Optional[float] = smallest("sampling/importance_sampling_ratio/min")
+    ratio_mean: Optional[float] = mean("sampling/importance_sampling_ratio/mean")
+    ratio_max: Optional[float] = largest("sampling/importance_sampling_ratio/max")
+    masked_fraction: Optional[float] = mean("sampling/importance_sampling_masked_fraction")
+    # dynamic sampling: counted over the whole batch, the same on every process
+    completions_drawn: Optional[float] = mean("dynamic_sampling/completions_drawn")
+    generation_rounds: Optional[float] = mean("dynamic_sampling/generation_rounds")
+    kept_groups: Optional[float] = mean("dynamic_sampling/kept_groups")
+
+
+_SAMPLER_STATS = {  # sampler_importance_weights' names -> ExperienceStats fields
+    "sampling/sampling_logp_difference/mean": "logp_gap_mean",
+    "sampling/sampling_logp_difference/max": "logp_gap_max",
+    "sampling/importance_sampling_ratio/min": "ratio_min",
+    "sampling/importance_sampling_ratio/mean": "ratio_mean",
+    "sampling/importance_sampling_ratio/max": "ratio_max",
+    "sampling/importance_sampling_masked_fraction": "masked_fraction",
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What making a generation batch uses besides the model: the sampler, settings and the run's counters."""
+
+    rollouts: Any  # rollout.RolloutMaker
+    config: GRPOConfig
+    plan: BatchPlan
+    accelerator: Any  # autocast, device, unwrap_model
+    trainer_state: Any  # transformers.TrainerState (reward functions may read it)
+    window: Any  # the metric window the sampler's reward / length statistics go to (already global)
+    timer: Any  # metrics.PhaseTimer
+
+
+def score_generation(
+    sampling: Sampling, model: torch.nn.Module, inputs: GenerationInputs, *, hooks: Any = None, reference: Any = None
+) -> tuple[TrainBatch, ExperienceStats]:
+    """One generation batch made ready to train on (GRPOTrainer._generate_and_score_completions): completions, rewards,
+    advantages, and the old / reference logprobs and sampler weights it needs, built once; with its statistics."""
+    config, plan, accelerator, timer = sampling.config, sampling.plan, sampling.accelerator, sampling.timer
+    with timer.phase("sync_weights"):
+        sampling.rollouts.sync_weights(accelerator.unwrap_model(model), sampling.trainer_state.global_step)
+    batch, counts = draw_batch(sampling, inputs)
+    # An in-process sampler draws from the very weights being trained: nothing to correct, and the
+    # extra forward pass for pi_old would be pure cost. Separate engines (server, vLLM) say they need it.
+    separate_sampler = getattr(sampling.rollouts.backend, "needs_importance_correction", True)
+    correct_sampler = (
+        batch.sampler_logprobs is not None and config.vllm_importance_sampling_correction and separate_sampler
+    )
+    old_logprobs = is_weights = ref_logprobs = None
+    sampler_stats: dict[str, Any] = {}
+    if plan.old_logprobs_needed or correct_sampler:  # remember pi_old (the trainer's view of the sampling policy)
+        with timer.phase("old_logprobs"):
+            old_logprobs = batch_logprobs(
+                hooks,
+                model,
+                batch,
+                accelerator,
+                plan.per_device_batch_size,
+                config.temperature,
+                config.pack_shared_prompts,
+            )
+    if correct_sampler:
+        if not LOSSES[config.loss_type].sampler_weights_in_loss and config.vllm_importance_sampling_mode.startswith(
+            "sequence"
+        ):
+            raise ValueError(
+                f"loss_type={config.loss_type!r} folds the sampler-mismatch correction into its token-level weights, so it needs "
+                f"vllm_importance_sampling_mode='token_truncate' or 'token_mask', not {config.vllm_importance_sampling_mode!r}."
+            )
+        rho, values = sampler_importance_weights(
+            old_logprobs,
+            batch.sampler_logprobs,
+            batch.loss_mask,
+            mode=config.vllm_importance_sampling_mode,
+            clip_min=config.vllm_importance_sampling_clip_min,
+            clip_max=config.vllm_importance_sampling_clip_max,
+        )
+        is_weights = rho.expand_as(old_logprobs).contiguous()  # (n, T)
+        sampler_stats = {_SAMPLER_STATS[name]: value for name, value in values.items()}
+    if config.beta != 0.0:
+        with timer.phase("ref_logprobs"):
+            with reference.scoring(model, accelerator.unwrap_model(model)) as ref_model:
+                ref_logprobs = batch_logprobs(
+                    hooks,
+                    ref_model,
+                    batch,
+                    accelerator,
+                    plan.per_device_batch_size,
+                    config.temperature,
+                    config.pack_shared_prompts,
+                )
+    batch = replace(batch, old_logprobs=old_logprobs, is_weights=is_weights, ref_logprobs=ref_logprobs)
+    return batch, ExperienceStats(advantages=batch.advantages, **sampler_stats, **counts)
+
+
+def split_generation(
+    batch: TrainBatch, plan: BatchPlan, *, loss_type: str, top_entropy_quantile: float
+) -> list[TrainBatch]:
+    """Shuffle a generation batch's rows and cut them into its micro-batches, queued num_iterations times."""
+    order = torch.randperm(len(batch))  # global RNG, seeded: reproducible and restored on resume
+    parts = list(torch.tensor_split(order, plan.steps_per_generation))
+    if regrouping_is_exact(loss_type, top_entropy_quantile, [len(p) for p in parts]):
+        parts = length_grouped(parts, row_order_key(batch), grad_accum_steps=plan.gradient_accumulation_steps)
+    micro = [batch.select(rows) for rows in parts]
+    return micro * plan.num_iterations
+
+
+@torch.no_grad()
+def batch_logprobs(
+    hooks: Any,
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    accelerator: Any,
+    rows_per_chunk: int,
+    temperature: float,
+    pack_prompts: bool = True,
+) -> torch.Tensor:
+    """(n, T) logprobs of the batch's completions under `model`, in chunks of one micro-batch."""
+    with accelerator.autocast():
+        b = batch.to(accelerator.device)
+        out = policy_logprobs(
+            hooks,
+            model,
+            b,
+            temperature=temperature,
+            rows_per_chunk=rows_per_chunk,
+            with_entropy=False,
+            pack_prompts=pack_prompts,
+        )
+    return out.logprobs.float().cpu()
+
+
+def draw_batch(sampling: Sampling, inputs: GenerationInputs) -> tuple[TrainBatch, dict[str, float]]:
+    """Completions, rewards and advantages as a TrainBatch (no logprobs yet), and the dynamic-sampling counts."""
+    counts: dict[str, float] = {}
+    if sampling.config.dynamic_sampling:
+        rollout, advantages, counts = dynamic_sample(sampling, inputs)
+    else:
+        rollout = _sample(sampling, inputs)
+        with sampling.timer.phase("reward"):
+            rollout, _, advantages = sampling.rollouts.score(rollout, sampling.trainer_state, sampling.window)
+    return sampling.rollouts.make_train_batch(rollout, advantages), counts
+
+
+def _sample(sampling: Sampling, inputs: Optional[GenerationInputs]) -> Rollout:
+    with sampling.timer.phase("generate"), sampling.accelerator.autocast():
+        return sampling.rollouts.sample(inputs)
+
+
+def dynamic_sample(sampling: Sampling, inputs: GenerationInputs) -> tuple[Rollout, torch.Tensor, dict[str, float]]:
+    """DAPO dynamic sampling: keep only groups whose rewards differ.
+
+    Draws generations until the kept groups fill one generation batch, or
+    `max_dynamic_sampling_rounds` extra generations were drawn; then trains on the groups found
+    (a smaller batch), or, if none carried any signal, on the last generation as it is. Advantages
+    are computed over the kept groups. Reward and length metrics cover every generation drawn.
+    With several processes every process gathers each generation whole, so groups are kept or
+    dropped whole, and the kept rows are then dealt out evenly again (a process's share may cut a
+    group); if fewer rows were kept than processes x steps_per_generation, the last generation is
+    trained as it is, so that no process runs a micro-step without rows.
+    """
+    config, plan = sampling.config, sampling.plan
+    group_size, needed = config.num_generations, plan.prompts_per_generation
+    kept_rollouts: list[Rollout] = []
+    kept_rewards: list[Rewards] = []
+    drawn = rounds = 0
+    for attempt in range(1 + config.max_dynamic_sampling_rounds):
+        rollout = _sample(sampling, inputs if attempt == 0 else None)  # further rounds draw further prompts
+        with sampling.timer.phase("reward"):
+            rollout, rewards, _ = sampling.rollouts.score(rollout, sampling.trainer_state, sampling.window)
+        layout = layout_of(rollout.prompts)
+        rollout = whole_groups(
+            rollout, layout
+        )  # every process sees the whole batch, so groups are kept or dropped whole
+        drawn, rounds = drawn + len(rollout.completions), rounds + 1
+        tied = tied_groups(rewards.total, group_size)  # (prompts,)
+        keep = [b for b in range(len(rollout.prompts)) if not tied[b]]
+        if keep:
+            kept_rollouts.append(rollout.select_prompts(keep))
+            kept_rewards.append(rewards.select(rollout.prompt_rows(keep)))
+        if sum(len(r.prompts) for r in kept_rollouts) >= needed:
+            break
+    kept_rows, processes, micro_steps = (
+        sum(len(r.completions) for r in kept_rollouts),
+        plan.num_processes,
+        plan.steps_per_generation,
+    )
+    if processes > 1 and 0 < kept_rows < processes * micro_steps:  # each process needs a row in every micro-step (DDP)
+        logger.warning(
+            "dynamic_sampling: %d kept completions cannot feed %d processes x %d micro-steps; training on the last "
+            "generation as it is.",
+            kept_rows,
+            processes,
+            micro_steps,
+        )
+        kept_rollouts = []
+    if kept_rollouts:
+        rollout = Rollout.concat(kept_rollouts)
+        rewards = Rewards.concat(kept_rewards)
+        if len(rollout.prompts) > needed:  # the last generation overfilled the batch: drop the surplus groups
+            first = list(range(needed))
+            rollout, rewards = rollout.select_prompts(first), rewards.select(rollout.prompt_rows(first))
+    elif kept_rows == 0:
+        logger.warning(
+            "dynamic_sampling: every group of %d generation(s) had tied rewards; training on the last one "
+            "(all advantages are 0).",
+            rounds,
+        )
+    advantages, _ = sampling.rollouts.global_advantages(rewards)
+    counts = {
+        "completions_drawn": float(drawn),
+        "generation_rounds": float(rounds),
+        "kept_groups": float(len(rollout.prompts) if kept_rollouts else 0),
+    }
+    dealt = layout.redealt(rollout.prompts.group_ids, rollout.prompts.num_samples)  # the kept groups over the processes
+    return own_rollout(dealt, rollout), advantages[dealt.local_rows], counts

@@ -1,0 +1,218 @@
+"""The GRPO objective of one micro-batch: forward the policy, build the loss, return it with its statistics.
+
+    micro_batch_loss (GRPOTrainer._compute_loss) -> (loss, LossStats):
+        forward (logprobs, entropy, MoE aux loss)            trainer._get_per_token_logps_and_entropies if overridden
+        -> high-entropy token mask                             trainer.get_high_entropy_mask (threshold over every process's loss tokens)
+        -> off-policy sequence mask                            trainer.get_off_policy_mask (behaviour = sampler logprobs if any, else pi_old)
+        -> losses.policy_loss (objective, masks, sampler weights, KL, aggregation, entropy bonus)
+        -> + router_aux_loss_coef * aux / GA
+        -> LossStats: the loss (must be finite), entropy, the loss function's statistics, each with its reduction
+
+The named trainer methods are TRL's override points: a subclass's version is what runs. Nothing here reduces
+across processes: the loop reduces every micro-batch's LossStats once per optimizer step (step_reduction.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, ContextManager, Optional
+
+import torch
+
+from grouprl.config.grpo_config import BatchPlan, GRPOConfig
+from grouprl.core.losses import dapo_denominator, masked_mean, policy_loss
+from grouprl.core.stats import MAX, MEAN, MIN, Stat, finite, local, mean, open_set, total
+from grouprl.model.policy_logprobs import policy_logprobs
+
+
+@dataclass(frozen=True)
+class Objective:
+    """Everything the GRPO loss of a micro-batch takes from the config and the batch plan, built once per run."""
+
+    loss_type: str
+    loss_kwargs: dict[str, Any]  # the scalar keyword arguments of `policy_loss` (epsilons, delta, beta, ...)
+    temperature: float
+    pack_shared_prompts: bool  # run a prompt shared by several rows once (model/prompt_packing.py)
+    top_entropy_quantile: float
+    off_policy_mask_threshold: Optional[float]
+    aux_loss_coef: float  # MoE router load-balancing loss weight (0 = off)
+    grad_accum_steps: int
+    num_processes: int
+    steps_per_generation: int
+
+    @classmethod
+    def from_config(cls, config: GRPOConfig, plan: BatchPlan, aux_loss_coef: float = 0.0) -> "Objective":
+        return cls(
+            loss_type=config.loss_type,
+            loss_kwargs=dict(
+                epsilon_low=config.epsilon,
+                epsilon_high=config.effective_epsilon_high,
+                delta=config.delta,
+                importance_sampling_level=config.importance_sampling_level,
+                max_completion_length=config.max_completion_length,
+                sapo_temperature_pos=config.sapo_temperature_pos,
+                sapo_temperature_neg=config.sapo_temperature_neg,
+                vespo_k_pos=config.vespo_k_pos,
+                vespo_lambda_pos=config.vespo_lambda_pos,
+                vespo_k_neg=config.vespo_k_neg,
+                vespo_lambda_neg=config.vespo_lambda_neg,
+                beta=config.beta,
+                use_bias_correction_kl=config.use_bias_correction_kl,
+                loss_params=config.loss_kwargs or {},
+            ),
+            temperature=config.temperature,
+            pack_shared_prompts=config.pack_shared_prompts,
+            top_entropy_quantile=config.top_entropy_quantile,
+            off_policy_mask_threshold=config.off_policy_mask_threshold,
+            aux_loss_coef=aux_loss_coef,
+            grad_accum_steps=plan.gradient_accumulation_steps,
+            num_processes=plan.num_processes,
+            steps_per_generation=plan.steps_per_generation,
+        )
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.loss_kwargs["importance_sampling_level"] == "sequence"
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """One micro-batch's loss statistics (TRL's names), reduced by the loop once per optimizer step."""
+
+    loss: Optional[torch.Tensor] = finite("loss")  # the micro-batch's loss: NaN / inf stops every process
+    loss_inputs: Optional[dict[str, torch.Tensor]] = local()  # {readable name: 0-dim bool "finite on loss tokens"}
+    tokens: Optional[torch.Tensor] = local()  # this micro-batch's loss tokens (the weight of token means)
+    rows: Optional[float] = local()
+    entropy: Optional[torch.Tensor] = mean("entropy", weight="tokens")  # model tokens only
+    objective: dict[str, Stat] = open_set()  # the loss function's statistics (clip ratios, kl, ...)
+    aux_loss: Optional[torch.Tensor] = mean("aux_loss")  # mean of per-process values, as TRL
+    off_policy_dropped: Optional[torch.Tensor] = mean("off_policy_mask/dropped_fraction", weight="rows")
+    entropy_sum: Optional[torch.Tensor] = total(None)  # for the entropy-bonus controller: its tokens' entropy
+    entropy_count: Optional[torch.Tensor] = total(None)
+
+
+def objective_stats(values: dict[str, Any], tokens: torch.Tensor, rows: float, sequence_level: bool) -> dict[str, Stat]:
+    """A loss function's statistics with their reductions, declared by name: ``*_min`` / ``*/min`` is a min and
+    ``*_max`` / ``*/max`` a max over every process's rows (TRL's nanmin / nanmax); the rest are means over every
+    process's loss tokens (TRL's global masked mean), over rows when the loss works per sequence, except
+    ``policy_loss`` (the loss before the entropy bonus), a mean of per-process values."""
+    out = {}
+    for name, value in values.items():
+        if name.endswith(("_min", "/min")):
+            out[name] = Stat(value, MIN)
+        elif name.endswith(("_max", "/max")):
+            out[name] = Stat(value, MAX)
+        elif name == "policy_loss":
+            out[name] = Stat(value, MEAN)
+        else:
+            out[name] = Stat(value, MEAN, rows if sequence_level and name != "kl" else tokens)
+    return out
+
+
+def finite_on(tensor: Optional[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """0-dim bool: `tensor` has no NaN / inf (per-token tensors: on the loss tokens only); no host sync."""
+    if tensor is None:
+        return None
+    values = tensor.detach()
+    if values.shape == mask.shape:
+        values = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return torch.isfinite(values).all()
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    micro: Any,
+    objective: Objective,
+    *,
+    hooks: Any,
+    device: Any,
+    autocast: Optional[ContextManager] = None,
+    timer: Any = None,
+    entropy_coef: Optional[float] = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """The GRPO loss of one micro-batch (GA-scaled, with gradient) and its statistics (GRPOTrainer._compute_loss).
+
+    `hooks`: the trainer (its TRL override points); `entropy_coef`: the entropy bonus's coefficient (None: off).
+    """
+    ga = objective.grad_accum_steps
+    b = micro.to(device)
+    bonus = entropy_coef is not None
+    with timer.phase("forward") if timer is not None else nullcontext(), autocast or nullcontext():
+        out = policy_logprobs(
+            hooks,
+            model,
+            b,
+            temperature=objective.temperature,
+            pack_prompts=objective.pack_shared_prompts,
+            entropy_grad=bonus,
+            with_aux_loss=objective.aux_loss_coef != 0.0,
+        )
+        token_keep = None
+        if objective.top_entropy_quantile < 1.0:
+            token_keep = hooks.get_high_entropy_mask(
+                out.entropy.detach(), b.loss_mask, 1.0 - objective.top_entropy_quantile
+            )
+            token_keep = _checked_mask(token_keep, b.loss_mask.shape, "get_high_entropy_mask").bool() & b.loss_mask
+        sequence_keep = None
+        if objective.off_policy_mask_threshold is not None:
+            behaviour = b.sampler_logprobs if b.sampler_logprobs is not None else b.old_logprobs
+            if behaviour is not None:  # on-policy without sampler logprobs: nothing drifted, nothing to drop
+                sequence_keep = hooks.get_off_policy_mask(
+                    b.advantages.unsqueeze(1), out.logprobs, behaviour, b.loss_mask, objective.off_policy_mask_threshold
+                )
+                sequence_keep = _checked_mask(sequence_keep, (len(b), 1), "get_off_policy_mask").to(out.logprobs.dtype)
+        loss, values = policy_loss(
+            objective.loss_type,
+            out.logprobs,
+            b.old_logprobs,
+            b.advantages,
+            b.loss_mask,
+            **objective.loss_kwargs,
+            grad_accum_steps=ga,
+            token_denominator=dapo_denominator(
+                micro.num_loss_tokens,
+                num_processes=objective.num_processes,
+                grad_accum_steps=ga,
+                steps_per_generation=objective.steps_per_generation,
+            ),
+            ref_logprobs=b.ref_logprobs,
+            sequence_keep=sequence_keep,
+            token_keep=token_keep,
+            sampler_weights=b.is_weights,
+            entropy=out.entropy if bonus else None,
+            entropy_coef=entropy_coef if bonus else 0.0,
+        )
+        if out.aux_loss is not None:
+            loss = loss + objective.aux_loss_coef * out.aux_loss / ga
+
+    entropy = out.entropy.detach()
+    tokens = b.loss_mask.sum()
+    effective = b.loss_mask if token_keep is None else b.loss_mask & token_keep
+    inputs = {
+        "policy log-probabilities": out.logprobs,
+        "old log-probabilities": b.old_logprobs,
+        "reference log-probabilities": b.ref_logprobs,
+        "sampler weights": b.is_weights,
+        "advantages": b.advantages,
+    }
+    stats = LossStats(
+        loss=loss.detach(),
+        loss_inputs={name: finite_on(value, b.loss_mask) for name, value in inputs.items() if value is not None},
+        tokens=tokens,
+        rows=float(len(b)),
+        entropy=masked_mean(entropy, b.loss_mask),
+        objective=objective_stats(values, tokens, float(len(b)), objective.sequence_level),
+        aux_loss=out.aux_loss.detach() if out.aux_loss is not None else None,
+        off_policy_dropped=1.0 - sequence_keep.mean() if sequence_keep is not None else None,
+        entropy_sum=(entropy * effective).sum() if bonus else None,
+        entropy_count=effective.sum() if bonus else None,
+    )
+    return loss, stats
+
+
+def _checked_mask(mask: Any, shape: tuple, method: str) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"GRPOTrainer.{method} must return a tensor of shape {tuple(shape)} (as TRL's), got {got}.")
+    return mask
