@@ -36,6 +36,7 @@ for dtype in (torch.float32, torch.bfloat16):
             a.append(best(lin))
             b.append(best(wm))
         print(
-            f"{str(dtype)[6:]:9s} rows {rows:2d}: F.linear {1e3 * min(a):7.2f} ms  weight-major {1e3 * min(b):7.2f} ms  ratio {min(a) / min(b):.2f}x",
+            f"{str(dtype)[6:]:9s} rows {rows:2d}: F.linear {1e3 * min(a):7.2f} ms  weight-major {1e3 * min(b):7.2f} "
+            f"ms  ratio {min(a) / min(b):.2f}x",
             flush=True,
         )

@@ -155,14 +155,18 @@ def write_report(
     lines = [
         START,
         f"Measured {datetime.date.today()} on this project's machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch threads default, no GPU. Command: `python bench/run_all.py --repeats {repeats}` (grouprl in `.venv`, "
-        "TRL 1.16.0 in a separate venv; runs alternate between the two, medians reported). Same model, data, config and seed on both sides; the training script "
-        "`bench/bench_train.py` is identical for both frameworks except the import line.",
+        f"{os.cpu_count()} cores, torch threads default, no GPU. Command: `python bench/run_all.py --repeats "
+        f"{repeats}` (grouprl in `.venv`, TRL 1.16.0 in a separate venv; runs alternate between the two, medians "
+        "reported). Same model, data, config and seed on both sides; the training script `bench/bench_train.py` is "
+        "identical for both frameworks except the import line.",
         "",
-        f"Measured matmul peak (1024x1024, median of the measurements after each pair): fp32 {peak['float32']:.1f} GFLOP/s, bf16 {peak['bfloat16']:.2f} GFLOP/s. "
-        f"{cpu_sentence(rows)} Useful FLOP/s are reported against the fp32 peak.",
+        f"Measured matmul peak (1024x1024, median of the measurements after each pair): fp32 {peak['float32']:.1f} "
+        f"GFLOP/s, bf16 {peak['bfloat16']:.2f} GFLOP/s. {cpu_sentence(rows)} Useful FLOP/s are reported against the "
+        "fp32 peak.",
         "",
-        "| workload | what | grouprl s/step | TRL s/step | speed-up | grouprl gen tok/s | TRL gen tok/s | grouprl peak RSS MiB | TRL peak RSS MiB | memory ratio | grouprl useful GFLOP/s (% of fp32 peak) | runs: grouprl / TRL s/step | speed-up of each pair |",
+        "| workload | what | grouprl s/step | TRL s/step | speed-up | grouprl gen tok/s | TRL gen tok/s | grouprl peak "
+        "RSS MiB | TRL peak RSS MiB | memory ratio | grouprl useful GFLOP/s (% of fp32 peak) | runs: grouprl / TRL "
+        "s/step | speed-up of each pair |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, ours, theirs in rows:
@@ -179,19 +183,21 @@ def write_report(
         useful = ours.get("useful_gflops_per_second")
         lines.append(
             f"| {name} | {WORKLOADS[name].description} | {fmt(ours.get('seconds_per_step', ours.get('error')))} | "
-            f"{fmt(theirs.get('seconds_per_step', theirs.get('error')))} | {fmt(speed)}x | {fmt(ours.get('generated_tokens_per_second'), 0)} | "
-            f"{fmt(theirs.get('generated_tokens_per_second'), 0)} | {fmt(ours.get('peak_rss_mib'), 0)} | {fmt(theirs.get('peak_rss_mib'), 0)} | "
-            f"{fmt(memory)} | {fmt(useful, 1)} ({fmt(100 * useful / peak['float32'], 0) if useful else 'n/a'}%) | "
-            f"{', '.join(fmt(v) for v in ours.get('runs', []))} / {', '.join(fmt(v) for v in theirs.get('runs', []))} | "
-            f"{', '.join(fmt(v) + 'x' for v in pair_speedups(ours, theirs))} |"
+            f"{fmt(theirs.get('seconds_per_step', theirs.get('error')))} | {fmt(speed)}x | "
+            f"{fmt(ours.get('generated_tokens_per_second'), 0)} | {fmt(theirs.get('generated_tokens_per_second'), 0)} "
+            f"| {fmt(ours.get('peak_rss_mib'), 0)} | {fmt(theirs.get('peak_rss_mib'), 0)} | {fmt(memory)} | "
+            f"{fmt(useful, 1)} ({fmt(100 * useful / peak['float32'], 0) if useful else 'n/a'}%) | "
+            f"{', '.join(fmt(v) for v in ours.get('runs', []))} / {', '.join(fmt(v) for v in theirs.get('runs', []))} "
+            f"| {', '.join(fmt(v) + 'x' for v in pair_speedups(ours, theirs))} |"
         )
     lines += [
         "",
-        "Matrix products alone (`bench/bench_bounds.py`, timed right after each pair, median): each workload's prefill, decode and training products "
-        "timed on their real shapes with nothing else (no attention, norms, sampling, Python): a floor for any library "
-        "on this machine, and the largest speed-up over TRL it leaves.",
+        "Matrix products alone (`bench/bench_bounds.py`, timed right after each pair, median): each workload's "
+        "prefill, decode and training products timed on their real shapes with nothing else (no attention, norms, "
+        "sampling, Python): a floor for any library on this machine, and the largest speed-up over TRL it leaves.",
         "",
-        "| workload | decode products s | training products s | floor s/step | grouprl s/step / floor | TRL s/step / floor (largest possible speed-up) |",
+        "| workload | decode products s | training products s | floor s/step | grouprl s/step / floor | TRL s/step / "
+        "floor (largest possible speed-up) |",
         "|---|---|---|---|---|---|",
     ]
     for name, ours, theirs in rows:
@@ -200,8 +206,10 @@ def write_report(
             continue
         floor = b["floor_seconds_per_step"]
         lines.append(
-            f"| {name} | {fmt(b['decode_floor_seconds'])} | {fmt(b['train_floor_seconds'] + b['prefill_floor_seconds'])} | {fmt(floor)} | "
-            f"{fmt(ours.get('seconds_per_step', float('nan')) / floor)} | {fmt(theirs.get('seconds_per_step', float('nan')) / floor)}x |"
+            f"| {name} | {fmt(b['decode_floor_seconds'])} | "
+            f"{fmt(b['train_floor_seconds'] + b['prefill_floor_seconds'])} | {fmt(floor)} | "
+            f"{fmt(ours.get('seconds_per_step', float('nan')) / floor)} | "
+            f"{fmt(theirs.get('seconds_per_step', float('nan')) / floor)}x |"
         )
     lines += [
         "",
@@ -212,11 +220,13 @@ def write_report(
     ]
     for g in generation:
         lines.append(
-            f"| {g.get('backend', g.get('error'))} | {fmt(g.get('seconds'))} | {fmt(g.get('generated_tokens'), 0)} | {fmt(g.get('tokens_per_second'), 0)} |"
+            f"| {g.get('backend', g.get('error'))} | {fmt(g.get('seconds'))} | {fmt(g.get('generated_tokens'), 0)} | "
+            f"{fmt(g.get('tokens_per_second'), 0)} |"
         )
     if len(generation) == 2 and all("tokens_per_second" in g for g in generation):
         lines.append(
-            f"\nFastGenerator / transformers.generate: {generation[1]['tokens_per_second'] / generation[0]['tokens_per_second']:.2f}x tokens/s."
+            "\nFastGenerator / transformers.generate: "
+            f"{generation[1]['tokens_per_second'] / generation[0]['tokens_per_second']:.2f}x tokens/s."
         )
     lines += [
         "",

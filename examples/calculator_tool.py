@@ -267,8 +267,8 @@ def main() -> None:
         json.dump(summary, handle, indent=2)
     print(
         f"held-out tool-use rate {summary['tool_use_rate_before']:.3f} -> {summary['tool_use_rate_after']:.3f}, "
-        f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} after {summary['grpo_steps']} GRPO steps "
-        f"({summary['grpo_seconds']} s; pretraining {summary['pretraining_seconds']} s)",
+        f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} after {summary['grpo_steps']} "
+        f"GRPO steps ({summary['grpo_seconds']} s; pretraining {summary['pretraining_seconds']} s)",
         flush=True,
     )
 

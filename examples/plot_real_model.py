@@ -24,15 +24,16 @@ def load(run_dirs: list[str]) -> list[dict]:
 
 def table(runs: list[dict]) -> str:
     lines = [
-        "| library | mode | seed | steps | held-out accuracy before -> after (gain) | format before -> after | train s | s/step | load avg (1 min) at end |",
+        "| library | mode | seed | steps | held-out accuracy before -> after (gain) | format before -> after | train s "
+        "| s/step | load avg (1 min) at end |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         gain = r["accuracy_after"] - r["accuracy_before"]
         lines.append(
-            f"| {r['library']} | {r['mode']} | {r['seed']} | {r['steps']} | {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
-            f"({gain:+.3f}) | {r['format_before']:.3f} -> {r['format_after']:.3f} | {r['train_seconds']:.0f} | "
-            f"{r['seconds_per_step']:.1f} | {r['load_average'][0]:.1f} |"
+            f"| {r['library']} | {r['mode']} | {r['seed']} | {r['steps']} | {r['accuracy_before']:.3f} -> "
+            f"{r['accuracy_after']:.3f} ({gain:+.3f}) | {r['format_before']:.3f} -> {r['format_after']:.3f} | "
+            f"{r['train_seconds']:.0f} | {r['seconds_per_step']:.1f} | {r['load_average'][0]:.1f} |"
         )
     return "\n".join(lines)
 

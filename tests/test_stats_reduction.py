@@ -184,9 +184,9 @@ def test_non_finite_error_is_the_same_on_every_process_and_names_the_failing_one
     assert isinstance(error0, NonFiniteError) and str(error0) == str(error1)
     assert str(error0) == (
         "Non-finite values on process 1 of 2 at step 4; every process stopped before the update:\n"
-        "  process 1: The loss is nan at step 4; non-finite inputs: policy log-probabilities. The update was not applied. "
-        "Usually weights or activations overflowed: lower learning_rate, keep max_grad_norm > 0, prefer bf16 to fp16; "
-        "non-finite reference log-probabilities point at the reference model."
+        "  process 1: The loss is nan at step 4; non-finite inputs: policy log-probabilities. The update was not "
+        "applied. Usually weights or activations overflowed: lower learning_rate, keep max_grad_norm > 0, prefer bf16 "
+        "to fp16; non-finite reference log-probabilities point at the reference model."
     )
 
 

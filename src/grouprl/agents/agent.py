@@ -82,8 +82,8 @@ class Agent:
             )
         if not is_conversational(prompts.prompts[0]):
             raise ValueError(
-                f"Row {prompts.dataset_indices[0]}: tools and environment_factory need conversational prompts (a list of "
-                "messages), since the chat template renders the tools and their results; got a plain string."
+                f"Row {prompts.dataset_indices[0]}: tools and environment_factory need conversational prompts (a list "
+                "of messages), since the chat template renders the tools and their results; got a plain string."
             )
         rows = prompts.row_index()
         instances: list[Any] = []
@@ -131,8 +131,8 @@ class Agent:
             if observation is not None:
                 if not isinstance(observation, str):
                     raise TypeError(
-                        f"{type(instance).__name__}.reset() returned a {type(observation).__name__}; it must return a string "
-                        "(appended to the prompt's last message) or None."
+                        f"{type(instance).__name__}.reset() returned a {type(observation).__name__}; it must return a "
+                        "string (appended to the prompt's last message) or None."
                     )
                 prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
             tools = environments.tools[name]

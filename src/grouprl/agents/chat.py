@@ -73,8 +73,8 @@ def tool_suffix_ids(
         prefix = prefix[: ends[-1] + 1]
     if full[: len(prefix)] != prefix:
         raise NotPrefixPreserving(
-            "The chat template is not prefix-preserving: a conversation renders differently once tool messages follow it, so "
-            "tool results cannot be appended as tokens."
+            "The chat template is not prefix-preserving: a conversation renders differently once tool messages follow "
+            "it, so tool results cannot be appended as tokens."
         )
     return full[len(prefix) :]
 
@@ -95,7 +95,8 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, **chat_template_kwargs)
     except Exception as err:  # jinja raises its own error types
         raise ValueError(
-            f"The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> tool): {err}"
+            "The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> tool): "
+            f"{err}"
         ) from err
     missing = [
         part
@@ -104,7 +105,8 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
     ]
     if missing:
         raise ValueError(
-            f"The chat template drops {', '.join(missing)} of a tool-calling conversation; use a template that supports tools."
+            f"The chat template drops {', '.join(missing)} of a tool-calling conversation; use a template that "
+            "supports tools."
         )
     if getattr(tokenizer, "response_template", None) is None and TOOL_CALL_OPEN not in rendered:
         raise ValueError(
@@ -134,9 +136,9 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
             f"grouprl's {training.family} training template ({training.path}) is not prefix-preserving: a grouprl bug."
         ) from err
     logger.info(
-        "tools: the tokenizer's chat template is %s's, which is not prefix-preserving (%s); tool results are rendered with "
-        "grouprl's %s training template (%s), which renders prompts identically. Prompts and saved checkpoints keep the "
-        "tokenizer's template.",
+        "tools: the tokenizer's chat template is %s's, which is not prefix-preserving (%s); tool results are rendered "
+        "with grouprl's %s training template (%s), which renders prompts identically. Prompts and saved checkpoints "
+        "keep the tokenizer's template.",
         training.family,
         training.flaw,
         training.family,
@@ -154,11 +156,11 @@ def _not_prefix_preserving_message(tokenizer: Any, messages: list[dict], chat_te
     at = next((i for i, (a, b) in enumerate(zip(alone, followed)) if a != b), min(len(alone), len(followed)))
     start = max(0, at - 40)
     return (
-        "The chat template is not prefix-preserving: it renders a tool-calling assistant turn differently once a tool message "
-        f"follows it (from character {at}: {alone[start : at + 40]!r} when the turn is last, {followed[start : at + 40]!r} once a "
-        "tool answers), so tool results cannot be appended to the sampled tokens. grouprl has prefix-preserving training "
-        f"templates for {known_families()}, recognised by the exact text of their original template; this template is not one "
-        "of them. Pass a processing_class whose chat_template renders every message the same whatever follows it "
-        "(tokenizer.chat_template = <your template>; GRPOTrainer(..., processing_class=tokenizer)); prompts are rendered "
-        "with it too."
+        "The chat template is not prefix-preserving: it renders a tool-calling assistant turn differently once a tool "
+        f"message follows it (from character {at}: {alone[start : at + 40]!r} when the turn is last, "
+        f"{followed[start : at + 40]!r} once a tool answers), so tool results cannot be appended to the sampled "
+        f"tokens. grouprl has prefix-preserving training templates for {known_families()}, recognised by the exact "
+        "text of their original template; this template is not one of them. Pass a processing_class whose "
+        "chat_template renders every message the same whatever follows it (tokenizer.chat_template = <your template>; "
+        "GRPOTrainer(..., processing_class=tokenizer)); prompts are rendered with it too."
     )

@@ -33,12 +33,14 @@ def custom_rollouts(
     name = getattr(rollout_func, "__name__", "rollout_func")
     if not isinstance(output, dict):
         raise TypeError(
-            f"rollout_func {name} returned a {type(output).__name__}; it must return a dict with keys {list(REQUIRED_KEYS)}."
+            f"rollout_func {name} returned a {type(output).__name__}; it must return a dict with keys "
+            f"{list(REQUIRED_KEYS)}."
         )
     missing = [key for key in REQUIRED_KEYS if key not in output]
     if missing:
         raise ValueError(
-            f"rollout_func must return keys {missing} in its output dict (rollout_func {name} returned {sorted(output)})."
+            f"rollout_func must return keys {missing} in its output dict (rollout_func {name} returned "
+            f"{sorted(output)})."
         )
     for key, values in output.items():
         if key == "logprobs" and values is None:
@@ -46,7 +48,8 @@ def custom_rollouts(
         if not isinstance(values, (list, tuple)) or len(values) != len(rows):
             got = f"{len(values)} entries" if isinstance(values, (list, tuple)) else type(values).__name__
             raise ValueError(
-                f"rollout_func {name}: '{key}' must be a list with one entry per prompt it was given ({len(rows)}), got {got}."
+                f"rollout_func {name}: '{key}' must be a list with one entry per prompt it was given ({len(rows)}), "
+                f"got {got}."
             )
     extras = [key for key in output if key not in (*REQUIRED_KEYS, "env_mask")]
     completions = []
@@ -61,7 +64,8 @@ def custom_rollouts(
         for field_name, values in (("logprobs", logprobs), ("env_mask", mask)):
             if values is not None and len(values) != len(ids):
                 raise ValueError(
-                    f"rollout_func {name}: '{field_name}' of completion {r} has {len(values)} entries for {len(ids)} completion tokens."
+                    f"rollout_func {name}: '{field_name}' of completion {r} has {len(values)} entries for {len(ids)} "
+                    "completion tokens."
                 )
         completions.append(
             Completion(

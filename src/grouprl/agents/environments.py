@@ -52,12 +52,14 @@ class Environments:
             label = "environment_factory" if name is None else f"environment_factory[{name!r}]"
             if not callable(factory):
                 raise TypeError(
-                    f"{label} must be callable (a class or a function returning an environment), got {type(factory).__name__}."
+                    f"{label} must be callable (a class or a function returning an environment), got "
+                    f"{type(factory).__name__}."
                 )
             instance = factory()
             if not callable(getattr(instance, "reset", None)):
                 raise TypeError(
-                    f"{label} returned a {type(instance).__name__}, which has no reset() method; every environment needs one."
+                    f"{label} returned a {type(instance).__name__}, which has no reset() method; every environment "
+                    "needs one."
                 )
             self.tools[name] = standalone_tools + make_tools(public_methods(instance), where=f"{label} methods")
             clashes = sorted(
@@ -77,8 +79,9 @@ class Environments:
         for name, row in zip(names, rows):
             if name not in self.factories:
                 raise ValueError(
-                    f"Row {row} has environment={name!r}, which is not among the environments passed to environment_factory: "
-                    f"{[n for n in self.factories]}. (With remove_unused_columns=True the 'environment' column is dropped; keep it.)"
+                    f"Row {row} has environment={name!r}, which is not among the environments passed to "
+                    f"environment_factory: {[n for n in self.factories]}. (With remove_unused_columns=True the "
+                    "'environment' column is dropped; keep it.)"
                 )
 
     def checkout(self, names: list[Optional[str]]) -> list[Any]:

@@ -48,7 +48,8 @@ def make_tools(functions: Sequence[Callable[..., Any]], where: str = "tools") ->
     for i, fn in enumerate(functions):
         if not callable(fn):
             raise TypeError(
-                f"{where}[{i}] is a {type(fn).__name__}, not a function; tools are Python functions with type hints and docstrings."
+                f"{where}[{i}] is a {type(fn).__name__}, not a function; tools are Python functions with type hints "
+                "and docstrings."
             )
         name = getattr(fn, "__name__", type(fn).__name__)
         try:
@@ -57,8 +58,9 @@ def make_tools(functions: Sequence[Callable[..., Any]], where: str = "tools") ->
             Exception
         ) as err:  # transformers raises several types (DocstringParsingException, TypeHintParsingException, ...)
             raise ValueError(
-                f"{where}[{i}] ({name}): cannot build its JSON schema: {err} A tool needs a type hint on every argument and a "
-                "Google-style docstring: a description, then an 'Args:' section with one line per argument."
+                f"{where}[{i}] ({name}): cannot build its JSON schema: {err} A tool needs a type hint on every "
+                "argument and a Google-style docstring: a description, then an 'Args:' section with one line per "
+                "argument."
             ) from err
         tools.append(Tool(name=name, fn=fn, is_async=inspect.iscoroutinefunction(fn), schema=schema))
     names = [t.name for t in tools]

@@ -41,8 +41,9 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
     if bf16 and on_cpu and not cpu_has_fast_bf16():
         if args.bf16_from_default:
             logger.warning(
-                "grouprl: this CPU has no native bf16 units (no AVX512-BF16/AMX), where bf16 autocast runs ~100x slower "
-                "than fp32; training in fp32 instead of TRL's default bf16=True. Pass bf16=True explicitly to force it."
+                "grouprl: this CPU has no native bf16 units (no AVX512-BF16/AMX), where bf16 autocast runs ~100x "
+                "slower than fp32; training in fp32 instead of TRL's default bf16=True. Pass bf16=True explicitly to "
+                "force it."
             )
             bf16 = False
         else:

@@ -53,8 +53,8 @@ class GFPOConfig(GRPOConfig):
         k = self.num_remains_in_group
         if k is not None and not 2 <= k < self.num_generations:
             raise ValueError(
-                f"GFPOConfig.num_remains_in_group={k} must be at least 2 (advantages need two completions to compare) and smaller "
-                f"than num_generations={self.num_generations} (otherwise nothing is filtered)."
+                f"GFPOConfig.num_remains_in_group={k} must be at least 2 (advantages need two completions to compare) "
+                f"and smaller than num_generations={self.num_generations} (otherwise nothing is filtered)."
             )
 
 
@@ -114,11 +114,13 @@ class GFPOTrainer(GRPOTrainer):
         k = getattr(args, "num_remains_in_group", None)
         if k is not None and group_filter_func is None:
             raise ValueError(
-                f"GFPOConfig.num_remains_in_group={k} needs a group_filter_func, e.g. grouprl.compat.gfpo.shortest_k_filter."
+                f"GFPOConfig.num_remains_in_group={k} needs a group_filter_func, e.g. "
+                "grouprl.compat.gfpo.shortest_k_filter."
             )
         if group_filter_func is not None and k is None:
             logger.warning(
-                "GFPOTrainer got a group_filter_func but num_remains_in_group is None: no filtering, this is plain GRPO."
+                "GFPOTrainer got a group_filter_func but num_remains_in_group is None: no filtering, this is plain "
+                "GRPO."
             )
         if k is not None:
             if not callable(group_filter_func):
@@ -151,7 +153,8 @@ def _check_kept_rows_split(args: GRPOConfig, k: int) -> None:
     kept, parts = groups * k, plan.num_processes * plan.steps_per_generation
     if kept % parts != 0:
         raise ValueError(
-            f"GFPO keeps {kept} completions per generation ({groups} groups x num_remains_in_group={k}), which cannot be split "
-            f"into steps_per_generation={plan.steps_per_generation} equal micro-batches on each of {plan.num_processes} "
-            f"process(es). Choose num_remains_in_group or the batch so that groups x k is a multiple of {parts}."
+            f"GFPO keeps {kept} completions per generation ({groups} groups x num_remains_in_group={k}), which cannot "
+            f"be split into steps_per_generation={plan.steps_per_generation} equal micro-batches on each of "
+            f"{plan.num_processes} process(es). Choose num_remains_in_group or the batch so that groups x k is a "
+            f"multiple of {parts}."
         )

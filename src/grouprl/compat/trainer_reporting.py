@@ -140,8 +140,8 @@ class TrainerReporting:
             [
                 f"# Model card for {title}",
                 "",
-                f"This model is {origin}{data}, trained with reinforcement learning by GRPO (group relative policy optimization) "
-                "with grouprl, a drop-in replacement for TRL's GRPOTrainer.",
+                f"This model is {origin}{data}, trained with reinforcement learning by GRPO (group relative policy "
+                "optimization) with grouprl, a drop-in replacement for TRL's GRPOTrainer.",
                 "",
                 "## Quick start",
                 "",
@@ -149,13 +149,15 @@ class TrainerReporting:
                 "from transformers import pipeline",
                 "",
                 f'generator = pipeline("text-generation", model="{self.hub_model_id}")',
-                'print(generator([{"role": "user", "content": "Hello!"}], max_new_tokens=128, return_full_text=False)[0]["generated_text"])',
+                'print(generator([{"role": "user", "content": "Hello!"}], max_new_tokens=128, '
+                'return_full_text=False)[0]["generated_text"])',
                 "```",
                 "",
                 "## Training procedure",
                 "",
-                f"GRPO, introduced in [{title_paper}](https://huggingface.co/papers/{paper_id}), samples a group of completions per "
-                "prompt, scores them with reward functions and raises the likelihood of the completions that beat their group's mean.",
+                f"GRPO, introduced in [{title_paper}](https://huggingface.co/papers/{paper_id}), samples a group of "
+                "completions per prompt, scores them with reward functions and raises the likelihood of the "
+                "completions that beat their group's mean.",
                 "",
                 *[f"- {key}: {value}" for key, value in settings.items()],
                 "",
@@ -171,7 +173,8 @@ class TrainerReporting:
                 "```bibtex",
                 "@article{shao2024deepseekmath,",
                 f"  title   = {{{title_paper}}},",
-                "  author  = {Shao, Zhihong and Wang, Peiyi and Zhu, Qihao and Xu, Runxin and Song, Junxiao and Zhang, Mingchuan and Li, Y. K. and Wu, Y. and Guo, Daya},",
+                "  author  = {Shao, Zhihong and Wang, Peiyi and Zhu, Qihao and Xu, Runxin and Song, Junxiao and Zhang, "
+                "Mingchuan and Li, Y. K. and Wu, Y. and Guo, Daya},",
                 "  year    = {2024},",
                 f"  eprint  = {{arXiv:{paper_id}}}",
                 "}",

@@ -80,8 +80,8 @@ class TrainerSaving:
             self.run.inputs = own.get("inputs")
         elif self.accelerator.num_processes > 1:  # written by one process (or a last-good save): its buffer is not ours
             logger.warning(
-                f"{path} holds one process's buffered micro-batches; each of the {self.accelerator.num_processes} processes "
-                "starts with a fresh generation instead."
+                f"{path} holds one process's buffered micro-batches; each of the {self.accelerator.num_processes} "
+                "processes starts with a fresh generation instead."
             )
             self.run.pending.clear()
             self.run.inputs = None

@@ -64,11 +64,14 @@ class BatchPlan:
         lines = [
             "grouprl batch plan",
             f"  generation: {self.prompts_per_generation} prompts x {self.num_generations} completions = "
-            f"{self.completions_per_generation} completions ({self.completions_per_process} per process, {self.num_processes} process(es))",
+            f"{self.completions_per_generation} completions ({self.completions_per_process} per process, "
+            f"{self.num_processes} process(es))",
             f"  micro-batches: {self.steps_per_generation} of {self.per_device_batch_size} completions per process, "
             f"replayed {self.num_iterations}x (num_iterations)",
-            f"  optimizer step: {self.gradient_accumulation_steps} micro-batch(es) = {self.completions_per_optimizer_step} completions; {per_gen}",
-            f"  old logprobs: {'computed (samples are reused off-policy)' if self.old_logprobs_needed else 'not needed (on-policy)'}",
+            f"  optimizer step: {self.gradient_accumulation_steps} micro-batch(es) = "
+            f"{self.completions_per_optimizer_step} completions; {per_gen}",
+            "  old logprobs: "
+            f"{'computed (samples are reused off-policy)' if self.old_logprobs_needed else 'not needed (on-policy)'}",
         ]
         if num_prompts is not None:
             lines.append(
@@ -92,15 +95,15 @@ def plan_batches(config: "GRPOConfig", num_processes: int = 1) -> BatchPlan:
     ):
         raise ValueError(
             "GRPOConfig: set either generation_batch_size or steps_per_generation, not both "
-            f"(got generation_batch_size={generation_batch_size}, steps_per_generation={steps_per_generation}, which disagree for "
-            f"{per_step} completions per micro-step across processes); one is derived from the other."
+            f"(got generation_batch_size={generation_batch_size}, steps_per_generation={steps_per_generation}, which "
+            f"disagree for {per_step} completions per micro-step across processes); one is derived from the other."
         )
     if generation_batch_size is not None:
         if generation_batch_size % per_step != 0:
             raise ValueError(
                 f"GRPOConfig.generation_batch_size={generation_batch_size} must be divisible by "
-                f"per_device_train_batch_size ({config.per_device_train_batch_size}) x processes ({num_processes}) = {per_step}. "
-                f"Valid values include {', '.join(str(per_step * k) for k in range(1, 5))}."
+                f"per_device_train_batch_size ({config.per_device_train_batch_size}) x processes ({num_processes}) = "
+                f"{per_step}. Valid values include {', '.join(str(per_step * k) for k in range(1, 5))}."
             )
         steps_per_generation = generation_batch_size // per_step
     else:
@@ -110,12 +113,12 @@ def plan_batches(config: "GRPOConfig", num_processes: int = 1) -> BatchPlan:
         valid_g = [d for d in range(2, generation_batch + 1) if generation_batch % d == 0]
         fits = [b for b in range(1, 4 * g + 1) if (b * num_processes * steps_per_generation) % g == 0][:4]
         raise ValueError(
-            f"The generation batch ({config.per_device_train_batch_size} per_device_train_batch_size x {num_processes} processes x "
-            f"{steps_per_generation} steps_per_generation = {generation_batch} completions) must be divisible by "
-            f"num_generations={g}, so that every prompt gets all its completions in the same generation. "
-            f"Valid num_generations for this batch: {valid_g or 'none (increase the batch)'}; "
-            f"or keep num_generations={g} and use per_device_train_batch_size in {fits}, "
-            "or raise steps_per_generation / gradient_accumulation_steps."
+            f"The generation batch ({config.per_device_train_batch_size} per_device_train_batch_size x {num_processes} "
+            f"processes x {steps_per_generation} steps_per_generation = {generation_batch} completions) must be "
+            f"divisible by num_generations={g}, so that every prompt gets all its completions in the same generation. "
+            f"Valid num_generations for this batch: {valid_g or 'none (increase the batch)'}; or keep "
+            f"num_generations={g} and use per_device_train_batch_size in {fits}, or raise steps_per_generation / "
+            "gradient_accumulation_steps."
         )
     return BatchPlan(
         num_processes=num_processes,

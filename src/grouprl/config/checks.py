@@ -66,7 +66,8 @@ def _check_registered_names(config: "GRPOConfig") -> None:
     if unknown:
         raise ValueError(
             f"GRPOConfig.loss_kwargs: loss_type={config.loss_type!r} has no hyper-parameter {unknown[0]!r}; its "
-            f"hyper-parameters are {sorted(LOSSES[config.loss_type].params) or 'none'} (register_loss(..., params=...))."
+            f"hyper-parameters are {sorted(LOSSES[config.loss_type].params) or 'none'} (register_loss(..., "
+            "params=...))."
         )
     if config.advantage_estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
@@ -111,7 +112,8 @@ def _check_sizes_and_sampling(config: "GRPOConfig") -> None:
             raise ValueError(f"GRPOConfig.{name}={getattr(config, name)} must be >= 1.")
     if config.max_tool_calling_iterations is not None and config.max_tool_calling_iterations < 0:
         raise ValueError(
-            f"GRPOConfig.max_tool_calling_iterations={config.max_tool_calling_iterations} must be >= 0 (None = no limit)."
+            f"GRPOConfig.max_tool_calling_iterations={config.max_tool_calling_iterations} must be >= 0 (None = no "
+            "limit)."
         )
     if config.steps_per_generation is not None and config.steps_per_generation < 1:
         raise ValueError(f"GRPOConfig.steps_per_generation={config.steps_per_generation} must be >= 1.")
@@ -150,8 +152,8 @@ def _check_objective(config: "GRPOConfig") -> None:
         )
     if config.vllm_importance_sampling_mode.endswith("truncate") and lo is None and hi is None:
         raise ValueError(
-            f"GRPOConfig.vllm_importance_sampling_mode={config.vllm_importance_sampling_mode!r} clips the importance weights: "
-            "set vllm_importance_sampling_clip_min and/or vllm_importance_sampling_clip_max."
+            f"GRPOConfig.vllm_importance_sampling_mode={config.vllm_importance_sampling_mode!r} clips the importance "
+            "weights: set vllm_importance_sampling_clip_min and/or vllm_importance_sampling_clip_max."
         )
     if not 0.0 <= config.top_entropy_quantile <= 1.0:
         raise ValueError(
@@ -159,7 +161,8 @@ def _check_objective(config: "GRPOConfig") -> None:
         )
     if config.entropy_coef_min > config.entropy_coef_max:
         raise ValueError(
-            f"GRPOConfig.entropy_coef_min ({config.entropy_coef_min}) must be <= entropy_coef_max ({config.entropy_coef_max})."
+            f"GRPOConfig.entropy_coef_min ({config.entropy_coef_min}) must be <= entropy_coef_max "
+            f"({config.entropy_coef_max})."
         )
     if config.sapo_temperature_pos <= 0 or config.sapo_temperature_neg <= 0:
         raise ValueError("GRPOConfig.sapo_temperature_pos and sapo_temperature_neg must be > 0.")
@@ -169,8 +172,8 @@ def _check_objective(config: "GRPOConfig") -> None:
         raise ValueError(f"GRPOConfig.off_policy_mask_threshold={config.off_policy_mask_threshold} must be >= 0.")
     if config.sync_ref_model and config.beta == 0.0:
         raise ValueError(
-            "GRPOConfig.sync_ref_model=True needs a reference model, but beta=0.0 means none is used. Set beta > 0 (e.g. 0.04) "
-            "or sync_ref_model=False."
+            "GRPOConfig.sync_ref_model=True needs a reference model, but beta=0.0 means none is used. Set beta > 0 "
+            "(e.g. 0.04) or sync_ref_model=False."
         )
     if config.ref_model_sync_steps < 1 or not 0.0 <= config.ref_model_mixup_alpha <= 1.0:
         raise ValueError("GRPOConfig: ref_model_sync_steps must be >= 1 and ref_model_mixup_alpha in [0, 1].")
@@ -193,8 +196,8 @@ def check_not_yet_built(config: "GRPOConfig") -> None:
     for name, (off_value, feature) in NOT_YET_BUILT.items():
         if getattr(config, name) != off_value:
             raise NotImplementedError(
-                f"GRPOConfig.{name}={getattr(config, name)!r}: {feature} is not available in this version of grouprl yet. "
-                f"Leave {name} at its default ({config.__dataclass_fields__[name].default!r})."
+                f"GRPOConfig.{name}={getattr(config, name)!r}: {feature} is not available in this version of grouprl "
+                f"yet. Leave {name} at its default ({config.__dataclass_fields__[name].default!r})."
             )
 
 
@@ -214,19 +217,20 @@ def dubious_combinations(config: "GRPOConfig") -> list[str]:
         )
     if sequence and config.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
         found.append(
-            f"importance_sampling_level='sequence' with loss_type={config.loss_type!r}: this loss sums per-token terms, "
-            "which weights each sequence by its completion length instead of optimising the per-sequence objective. "
-            "GSPO uses loss_type='grpo'."
+            f"importance_sampling_level='sequence' with loss_type={config.loss_type!r}: this loss sums per-token "
+            "terms, which weights each sequence by its completion length instead of optimising the per-sequence "
+            "objective. GSPO uses loss_type='grpo'."
         )
     if config.loss_type == "cispo" and config.epsilon_high is None:
         found.append(
             f"loss_type='cispo' caps the importance weight at epsilon_high (an absolute value), which is unset and "
-            f"falls back to epsilon={config.epsilon}, so every weight is capped below 1. MiniMax-M1 suggests epsilon_high=5.0."
+            f"falls back to epsilon={config.epsilon}, so every weight is capped below 1. MiniMax-M1 suggests "
+            "epsilon_high=5.0."
         )
     if config.delta is not None and config.delta <= 1.0 + config.effective_epsilon_high:
         found.append(
-            f"delta={config.delta} is not above 1 + epsilon_high ({1.0 + config.effective_epsilon_high}): it caps ratios "
-            "inside the trust region too. INTELLECT-2 suggests a delta above 1 + epsilon_high."
+            f"delta={config.delta} is not above 1 + epsilon_high ({1.0 + config.effective_epsilon_high}): it caps "
+            "ratios inside the trust region too. INTELLECT-2 suggests a delta above 1 + epsilon_high."
         )
     if config.use_adaptive_entropy and not config.entropy_coef_min <= config.entropy_coef <= config.entropy_coef_max:
         found.append(

@@ -59,53 +59,58 @@ TABLE: dict[frozenset[str], Cell] = {
         # ---- agents ----
         ("tools", "environment_factory"): _works("tests/test_agents.py::test_cli_tools_and_environment_factory"),
         ("rollout_func", "tools"): _not_built(
-            "rollout_func replaces generation entirely; call your tools inside rollout_func (marking their tokens with env_mask=0), "
-            "or drop rollout_func."
+            "rollout_func replaces generation entirely; call your tools inside rollout_func (marking their tokens with "
+            "env_mask=0), or drop rollout_func."
         ),
         ("rollout_func", "environment_factory"): _not_built(
-            "rollout_func replaces generation entirely; step your environment inside rollout_func, or drop rollout_func."
+            "rollout_func replaces generation entirely; step your environment inside rollout_func, or drop "
+            "rollout_func."
         ),
         ("tools", "in_process_sampling"): _works("tests/test_agents.py"),
         ("environment_factory", "in_process_sampling"): _works("tests/test_agents.py"),
         ("rollout_func", "in_process_sampling"): _works("tests/test_agents.py"),
         # ---- images (vision-language prompts) ----
         ("images", "tools"): _not_built(
-            "multi-turn rollouts render and sample text only, so the images would be dropped from generation; train image prompts "
-            "without tools, or tools on text prompts."
+            "multi-turn rollouts render and sample text only, so the images would be dropped from generation; train "
+            "image prompts without tools, or tools on text prompts."
         ),
         ("images", "environment_factory"): _not_built(
-            "multi-turn rollouts render and sample text only: the completions would be generated without the images and training "
-            "would then fail in multimodal.py; train image prompts without environment_factory, or environments on text prompts."
+            "multi-turn rollouts render and sample text only: the completions would be generated without the images "
+            "and training would then fail in multimodal.py; train image prompts without environment_factory, or "
+            "environments on text prompts."
         ),
         ("images", "generation_server"): _not_built(
-            "the server client sends token ids only, not images; sample in the training process (generation_engine='auto' or "
-            "'transformers', use_vllm=False)."
+            "the server client sends token ids only, not images; sample in the training process "
+            "(generation_engine='auto' or 'transformers', use_vllm=False)."
         ),
         ("images", "vllm_colocate"): _not_built(
-            "grouprl's vLLM generator passes token ids only, not images; sample in the training process (use_vllm=False)."
+            "grouprl's vLLM generator passes token ids only, not images; sample in the training process "
+            "(use_vllm=False)."
         ),
         ("images", "in_process_sampling"): _works("tests/test_vlm.py"),
         ("images", "lora"): _works("tests/test_vlm.py (peft_config on the language model)"),
         # ---- generation ----
         ("sharded", "in_process_sampling"): _not_built(
-            "each process decodes a different number of steps and every forward through sharded layers is a collective, so the "
-            "processes would wait on each other forever. Sample on a generation server (`grouprl serve --model PATH` and "
-            "generation_engine='server', or use_vllm=True, vllm_mode='server'), or train with ZeRO-1/2 or DDP "
-            "(--accelerate_config zero2 / multi_gpu)."
+            "each process decodes a different number of steps and every forward through sharded layers is a "
+            "collective, so the processes would wait on each other forever. Sample on a generation server (`grouprl "
+            "serve --model PATH` and generation_engine='server', or use_vllm=True, vllm_mode='server'), or train with "
+            "ZeRO-1/2 or DDP (--accelerate_config zero2 / multi_gpu)."
         ),
         ("quantized", "generation_server"): _not_built(
-            "sending a quantized model's weights to a separate inference engine (dequantized, with the adapters merged) is not built; "
-            "sample in the training process (use_vllm=False, generation_engine='auto'), or train without quantization_config."
+            "sending a quantized model's weights to a separate inference engine (dequantized, with the adapters "
+            "merged) is not built; sample in the training process (use_vllm=False, generation_engine='auto'), or train "
+            "without quantization_config."
         ),
         ("quantized", "vllm_colocate"): _not_built(
-            "sending a quantized model's weights to vLLM (dequantized, with the adapters merged) is not built; sample in the training "
-            "process (use_vllm=False, generation_engine='auto'), or train without quantization_config."
+            "sending a quantized model's weights to vLLM (dequantized, with the adapters merged) is not built; sample "
+            "in the training process (use_vllm=False, generation_engine='auto'), or train without quantization_config."
         ),
         ("quantized", "in_process_sampling"): _works("tests/test_qlora.py"),
         # ---- algorithm variants ----
         ("gfpo", "dynamic_sampling"): _not_built(
-            "GFPO's filter keeps num_remains_in_group completions per group before dynamic sampling looks for tied groups of "
-            "num_generations rows, so groups would be cut wrongly; use one of the two (dynamic_sampling=False, or GRPOTrainer)."
+            "GFPO's filter keeps num_remains_in_group completions per group before dynamic sampling looks for tied "
+            "groups of num_generations rows, so groups would be cut wrongly; use one of the two "
+            "(dynamic_sampling=False, or GRPOTrainer)."
         ),
         ("gfpo", "tools"): _not_built("GFPOTrainer takes no tools argument; use GRPOTrainer for tool calling."),
         ("gfpo", "environment_factory"): _not_built(
@@ -120,7 +125,8 @@ TABLE: dict[frozenset[str], Cell] = {
         ),
         # ---- LoRA and the reference model ----
         ("sync_ref_model", "lora"): _not_built(
-            "with LoRA the reference is the frozen base model (adapters off), which syncing would overwrite; use sync_ref_model=False."
+            "with LoRA the reference is the frozen base model (adapters off), which syncing would overwrite; use "
+            "sync_ref_model=False."
         ),
         ("lora", "quantized"): _works("tests/test_qlora.py (QLoRA)"),
         ("lora", "in_process_sampling"): _works("tests/test_objectives_e2e.py"),

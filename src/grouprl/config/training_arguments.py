@@ -170,7 +170,8 @@ def refused_settings(config: Any) -> list[str]:
             name, "grouprl does not know this TrainingArguments field (newer transformers?), so it cannot honour it"
         )
         messages.append(
-            f"GRPOConfig.{name}={value!r} is not supported by grouprl: {reason}. Leave {name} at its default ({default!r})."
+            f"GRPOConfig.{name}={value!r} is not supported by grouprl: {reason}. Leave {name} at its default "
+            f"({default!r})."
         )
     return messages
 

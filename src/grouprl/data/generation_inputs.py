@@ -90,7 +90,8 @@ class TrainPromptBatches:
         generations = self.sampler.generations_per_epoch
         if generations is None:
             raise TypeError(
-                "get_train_dataloader(): the train_dataset is an IterableDataset, which has no length; iterate it instead."
+                "get_train_dataloader(): the train_dataset is an IterableDataset, which has no length; iterate it "
+                "instead."
             )
         return generations * self.repeats
 

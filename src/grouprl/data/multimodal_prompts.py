@@ -103,7 +103,8 @@ class MultimodalPromptTokenizer(PromptTokenizer):
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
-                    f"Row {index}: the processor returned {name!r} as {type(value).__name__}; grouprl batches tensors only."
+                    f"Row {index}: the processor returned {name!r} as {type(value).__name__}; grouprl batches tensors "
+                    "only."
                 )
             if value.shape == input_ids.shape:
                 inputs.per_token[name] = value[0]

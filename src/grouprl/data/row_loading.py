@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 def check_num_workers(num_workers: Any) -> int:
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(
-            f"GRPOConfig.dataloader_num_workers={num_workers!r} must be an integer >= 0 (0: load rows in the main process)."
+            f"GRPOConfig.dataloader_num_workers={num_workers!r} must be an integer >= 0 (0: load rows in the main "
+            "process)."
         )
     return num_workers
 

@@ -42,7 +42,8 @@ def sample_groups(
             completions = backend.generate(ids, count, params, multimodal=[multimodal[b] for b in members])
         if len(completions) != len(members) * count:
             raise RuntimeError(
-                f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(members)} prompts x {count}."
+                f"{type(backend).__name__}.generate returned {len(completions)} completions for {len(members)} prompts "
+                f"x {count}."
             )
         for completion in completions:
             per_prompt[members[completion.prompt_index]].append(completion)

@@ -99,7 +99,8 @@ class FastGenerator:
         unsupported = set(params.extra) - SUPPORTED_EXTRA
         if unsupported:
             raise ValueError(
-                f"FastGenerator does not support generation_kwargs {sorted(unsupported)}; use generation_backend='transformers'."
+                f"FastGenerator does not support generation_kwargs {sorted(unsupported)}; use "
+                "generation_backend='transformers'."
             )
         if not prompt_ids:
             return []

@@ -92,8 +92,8 @@ class TransformersGenerator:
         new_tokens = sequences[:, width:].tolist()
         if len(new_tokens) != len(prompt_ids):
             raise RuntimeError(
-                f"model.generate returned {len(new_tokens)} sequences for {len(prompt_ids)} rows (prompts x samples); it must return "
-                "one per input row (check generation_kwargs, or an overridden generate)."
+                f"model.generate returned {len(new_tokens)} sequences for {len(prompt_ids)} rows (prompts x samples); "
+                "it must return one per input row (check generation_kwargs, or an overridden generate)."
             )
         eos = set(self.eos_token_ids)
         completions = []

@@ -75,8 +75,9 @@ class EngineUnlessGenerateOverridden:
         reason = generate_override(self.engine.model)
         if reason is not None and self.fallback is None:
             raise ValueError(
-                f"GRPOConfig.generation_engine='engine' samples without calling model.generate, but {reason}, so that code "
-                "would never run. Use generation_engine='auto' (it then samples with model.generate) or 'transformers'."
+                f"GRPOConfig.generation_engine='engine' samples without calling model.generate, but {reason}, so that "
+                "code would never run. Use generation_engine='auto' (it then samples with model.generate) or "
+                "'transformers'."
             )
         return reason
 

@@ -98,7 +98,8 @@ class RemoteGenerator:
         raise ServerError(
             f"generation server {method} {url} failed after {attempts} attempt(s): {getattr(last, 'reason', last)}. "
             f"Settings: vllm_server_timeout={self.timeout:g}s per request, generation_server_retries={self.retries}. "
-            "Check that the server (`grouprl serve --model ...` or `vllm serve ...`) is running at that address, or raise these settings."
+            "Check that the server (`grouprl serve --model ...` or `vllm serve ...`) is running at that address, or "
+            "raise these settings."
         )
 
     def wait_until_ready(self) -> dict:
@@ -117,9 +118,10 @@ class RemoteGenerator:
             except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as err:
                 if time.monotonic() >= deadline:
                     raise ServerError(
-                        f"no generation server answered at {self.base_url}/health within vllm_server_timeout={self.timeout:g}s "
-                        f"({getattr(err, 'reason', err)}). Start one first (`grouprl serve --model PATH --port N`) and point "
-                        "vllm_server_base_url (or vllm_server_host / vllm_server_port) at it."
+                        f"no generation server answered at {self.base_url}/health within "
+                        f"vllm_server_timeout={self.timeout:g}s ({getattr(err, 'reason', err)}). Start one first "
+                        "(`grouprl serve --model PATH --port N`) and point vllm_server_base_url (or vllm_server_host / "
+                        "vllm_server_port) at it."
                     ) from None
                 time.sleep(min(1.0, max(deadline - time.monotonic(), 0.05)))
 
@@ -158,14 +160,16 @@ class RemoteGenerator:
         choices = sorted(response["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompt_ids) * num_samples:
             raise ServerError(
-                f"the generation server returned {len(choices)} completions for {len(prompt_ids)} prompts x {num_samples}."
+                f"the generation server returned {len(choices)} completions for {len(prompt_ids)} prompts x "
+                f"{num_samples}."
             )
         completions = []
         for row, choice in enumerate(choices):
             token_ids = choice.get("token_ids")
             if token_ids is None:
                 raise ServerError(
-                    "the generation server's completions carry no token_ids; grouprl needs them (vLLM: return_token_ids)."
+                    "the generation server's completions carry no token_ids; grouprl needs them (vLLM: "
+                    "return_token_ids)."
                 )
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
             text = choice.get("text")

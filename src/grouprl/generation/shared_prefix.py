@@ -196,12 +196,14 @@ def matches_standard_attention(model: torch.nn.Module) -> bool:
         name = type(model).__name__
         if reason is None:
             logger.info(
-                f"grouprl: shared-prefix decoding is on for {name}: each prompt's KV cache is read once for its samples."
+                f"grouprl: shared-prefix decoding is on for {name}: each prompt's KV cache is read once for its "
+                "samples."
             )
         else:
             logger.log(
                 logging.WARNING if reason.startswith("the probe") else logging.INFO,
-                f"grouprl: shared-prefix decoding is off for {name}: {reason}. Each sample keeps its own copy of the prompt's cache.",
+                f"grouprl: shared-prefix decoding is off for {name}: {reason}. Each sample keeps its own copy of the "
+                "prompt's cache.",
             )
     return _VERIFIED[model]
 

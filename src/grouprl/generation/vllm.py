@@ -30,9 +30,9 @@ from grouprl.generation.remote import RemoteGenerator, _own_address
 from grouprl.generation.weights import inference_weights
 
 INSTALL_HINT = (
-    "pip install 'grouprl[vllm]' (CUDA machines). Without vLLM, sample with grouprl's own server: run `grouprl serve --model PATH` "
-    "and use use_vllm=True, vllm_mode='server' (or generation_engine='server') pointed at it, or keep the in-process engine "
-    "(use_vllm=False, generation_engine='auto')."
+    "pip install 'grouprl[vllm]' (CUDA machines). Without vLLM, sample with grouprl's own server: run `grouprl serve "
+    "--model PATH` and use use_vllm=True, vllm_mode='server' (or generation_engine='server') pointed at it, or keep "
+    "the in-process engine (use_vllm=False, generation_engine='auto')."
 )
 
 

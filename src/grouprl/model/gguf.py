@@ -41,7 +41,8 @@ def dense_loading_kwargs(kwargs: dict) -> dict:
         if not given.dequantize:
             raise ValueError(
                 "model_init_kwargs['quantization_config'] is a GgufConfig with dequantize=False: GGUF blocks "
-                "cannot be trained. Leave quantization_config out (grouprl then unpacks the weights) or set dequantize=True."
+                "cannot be trained. Leave quantization_config out (grouprl then unpacks the weights) or set "
+                "dequantize=True."
             )
         return kwargs
     raise ValueError(
@@ -70,9 +71,9 @@ def as_plain_model(model: Any) -> Any:
     )
     if packed:
         raise ValueError(
-            f"The model was loaded from a GGUF file with its weights left in GGUF blocks ({', '.join(packed)}), which cannot "
-            "be trained. Load it with quantization_config=GgufConfig(dequantize=True), or pass the directory as model= with "
-            "GRPOConfig(model_init_kwargs={'gguf_file': NAME}) and grouprl unpacks it."
+            f"The model was loaded from a GGUF file with its weights left in GGUF blocks ({', '.join(packed)}), which "
+            "cannot be trained. Load it with quantization_config=GgufConfig(dequantize=True), or pass the directory as "
+            "model= with GRPOConfig(model_init_kwargs={'gguf_file': NAME}) and grouprl unpacks it."
         )
     if any(not parameter.is_floating_point() for parameter in model.parameters()):
         raise ValueError(

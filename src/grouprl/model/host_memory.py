@@ -45,6 +45,7 @@ def reuse_freed_host_memory() -> bool:
     applied = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if applied:
         logger.info(
-            "grouprl: glibc keeps freed blocks up to 32 MiB for reuse for the rest of this process (keep_freed_host_memory=True)."
+            "grouprl: glibc keeps freed blocks up to 32 MiB for reuse for the rest of this process "
+            "(keep_freed_host_memory=True)."
         )
     return applied

@@ -150,7 +150,7 @@ def router_aux_loss_coef(configured: Optional[float], model: PreTrainedModel) ->
         return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) if is_moe(model) else 0.0
     if configured != 0.0 and not is_moe(model):
         raise ValueError(
-            f"GRPOConfig.router_aux_loss_coef={configured} but {type(model).__name__} is not a mixture-of-experts model "
-            "(its config has no output_router_logits). Leave router_aux_loss_coef=None (or 0)."
+            f"GRPOConfig.router_aux_loss_coef={configured} but {type(model).__name__} is not a mixture-of-experts "
+            "model (its config has no output_router_logits). Leave router_aux_loss_coef=None (or 0)."
         )
     return float(configured)

@@ -240,7 +240,8 @@ class SoftOverlongPunishment:
     def __init__(self, max_completion_len: int, soft_punish_cache: int):
         if soft_punish_cache < 0 or soft_punish_cache > max_completion_len:
             raise ValueError(
-                f"get_soft_overlong_punishment: soft_punish_cache={soft_punish_cache} must be in [0, max_completion_len={max_completion_len}]"
+                f"get_soft_overlong_punishment: soft_punish_cache={soft_punish_cache} must be in [0, "
+                f"max_completion_len={max_completion_len}]"
             )
         self.max_completion_len, self.soft_punish_cache = max_completion_len, soft_punish_cache
 

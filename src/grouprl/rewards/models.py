@@ -41,13 +41,15 @@ class RewardModel:
         if tokenizer.pad_token is None:
             if tokenizer.eos_token is None:
                 raise ValueError(
-                    f"Reward model {self.__name__!r}: its tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token."
+                    f"Reward model {self.__name__!r}: its tokenizer has neither a pad nor an EOS token; set "
+                    "tokenizer.pad_token."
                 )
             tokenizer.pad_token = tokenizer.eos_token
         model.config.pad_token_id = tokenizer.pad_token_id  # the classification head pools at the last non-pad token
         if getattr(model.config, "num_labels", 1) != 1:
             raise ValueError(
-                f"Reward model {self.__name__!r} has num_labels={model.config.num_labels}; a reward model outputs one score (num_labels=1)."
+                f"Reward model {self.__name__!r} has num_labels={model.config.num_labels}; a reward model outputs one "
+                "score (num_labels=1)."
             )
 
     @property
@@ -64,7 +66,8 @@ class RewardModel:
             return prompt + (completion if isinstance(completion, str) else completion[0]["content"])
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(
-                f"Reward model {self.__name__!r}: the samples are conversational but its tokenizer has no chat template."
+                f"Reward model {self.__name__!r}: the samples are conversational but its tokenizer has no chat "
+                "template."
             )
         text = self.tokenizer.apply_chat_template(
             list(prompt) + list(completion), tokenize=False, **self.chat_template_kwargs
@@ -120,8 +123,8 @@ def match_processing_classes(reward_funcs: Sequence[Any], reward_processing_clas
     if len(classes) != len(reward_funcs):
         raise ValueError(
             f"The number of reward processing classes ({len(classes)}) must match the number of reward functions "
-            f"({len(reward_funcs)}). Give one per entry of reward_funcs, in the same order, with None for plain functions "
-            "and for reward models that should load their own tokenizer."
+            f"({len(reward_funcs)}). Give one per entry of reward_funcs, in the same order, with None for plain "
+            "functions and for reward models that should load their own tokenizer."
         )
     return classes
 
@@ -155,7 +158,8 @@ def load_reward_functions(
             source = entry if isinstance(entry, str) else getattr(model.config, "_name_or_path", None)
             if not source:
                 raise ValueError(
-                    f"reward_funcs[{index}]: cannot find a tokenizer for this reward model; pass it in reward_processing_classes."
+                    f"reward_funcs[{index}]: cannot find a tokenizer for this reward model; pass it in "
+                    "reward_processing_classes."
                 )
             tokenizer = AutoTokenizer.from_pretrained(
                 source, trust_remote_code=trust_remote_code, revision=(model_init_kwargs or {}).get("revision")

@@ -70,12 +70,13 @@ def prepare_reward_functions(reward_funcs: Any) -> list[RewardFunction]:
     for i, fn in enumerate(funcs):
         if isinstance(fn, (str, torch.nn.Module)):
             raise TypeError(
-                f"reward_funcs[{i}] is a reward model ({fn if isinstance(fn, str) else type(fn).__name__}); load it first with "
-                "grouprl.rewards.models.load_reward_functions (GRPOTrainer does this for you)."
+                f"reward_funcs[{i}] is a reward model ({fn if isinstance(fn, str) else type(fn).__name__}); load it "
+                "first with grouprl.rewards.models.load_reward_functions (GRPOTrainer does this for you)."
             )
         if not callable(fn):
             raise TypeError(
-                f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; pass a function f(prompts, completions, **kwargs) -> list[float]."
+                f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; pass a function f(prompts, completions, "
+                "**kwargs) -> list[float]."
             )
         prepared.append(RewardFunction(fn=fn, name=reward_name(fn), is_async=_is_async(fn)))
     return prepared
@@ -156,8 +157,8 @@ def score_completions(
             if not isinstance(outputs[i], _Failure):
                 functions[i].main_thread_only = True
                 logger.warning(
-                    "Reward function '%s' failed in a worker thread but works in the main thread; it runs there from now "
-                    "on (in sequence with the other sync reward functions).",
+                    "Reward function '%s' failed in a worker thread but works in the main thread; it runs there from "
+                    "now on (in sequence with the other sync reward functions).",
                     functions[i].name,
                 )
     if pending is not None:
@@ -191,9 +192,9 @@ def _warn_unscorable(scores: torch.Tensor, kwargs: dict[str, Any]) -> None:
     shown = {k: v[row] for k, v in kwargs.items() if k not in NOT_ROW_DATA and isinstance(v, list) and len(v) == n}
     shown.update(prompt=kwargs["prompts"][row], completion=kwargs["completions"][row])
     logger.warning(
-        "All reward functions returned None for the following kwargs: %s\n%d of %d completions got no reward from any function; "
-        "they get advantage 0 and are left out of their group's mean and std. Make sure at least one reward function returns "
-        "a number for every completion.",
+        "All reward functions returned None for the following kwargs: %s\n%d of %d completions got no reward from any "
+        "function; they get advantage 0 and are left out of their group's mean and std. Make sure at least one reward "
+        "function returns a number for every completion.",
         "{" + ", ".join(f"{k!r}: {_short(v, 200)}" for k, v in shown.items()) + "}",
         count,
         n,
@@ -212,12 +213,13 @@ def _check_output(name: str, values: Any, n: int, prompts: list[Any]) -> torch.T
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
         raise RewardFunctionError(
-            f"Reward function '{name}' returned {type(values).__name__}; it must return a list with one number (or None) per completion ({n} here)."
+            f"Reward function '{name}' returned {type(values).__name__}; it must return a list with one number (or "
+            f"None) per completion ({n} here)."
         )
     if len(values) != n:
         raise RewardFunctionError(
-            f"Reward function '{name}' returned {len(values)} values for {n} completions; it must return exactly one value "
-            "per completion (None if it does not apply)."
+            f"Reward function '{name}' returned {len(values)} values for {n} completions; it must return exactly one "
+            "value per completion (None if it does not apply)."
         )
     result = torch.empty(n, dtype=torch.float32)
     for row, value in enumerate(values):
@@ -234,7 +236,8 @@ def _check_output(name: str, values: Any, n: int, prompts: list[Any]) -> torch.T
         if not math.isfinite(float(value)) or abs(float(value)) > FLOAT32_MAX:  # rewards are stored as float32
             raise RewardFunctionError(
                 f"Reward function '{name}' returned {value} for row {row} (prompt: {_short(prompts[row])}); "
-                "rewards must be finite float32 numbers (|reward| <= 3.4e38). Return None if the function does not apply to a completion."
+                "rewards must be finite float32 numbers (|reward| <= 3.4e38). Return None if the function does not "
+                "apply to a completion."
             )
         result[row] = float(value)
     return result

@@ -106,7 +106,8 @@ class CompletionLog:
             values = list(values)
             if len(values) != n:
                 raise ValueError(
-                    f"log_extra({name!r}, values): got {len(values)} values for {n} completions; give one per completion."
+                    f"log_extra({name!r}, values): got {len(values)} values for {n} completions; give one per "
+                    "completion."
                 )
             table[name if name not in table else f"{name} (log_extra)"] = values
         if accelerator.num_processes > 1:

@@ -114,8 +114,9 @@ def score_generation(
             "sequence"
         ):
             raise ValueError(
-                f"loss_type={config.loss_type!r} folds the sampler-mismatch correction into its token-level weights, so it needs "
-                f"vllm_importance_sampling_mode='token_truncate' or 'token_mask', not {config.vllm_importance_sampling_mode!r}."
+                f"loss_type={config.loss_type!r} folds the sampler-mismatch correction into its token-level weights, "
+                "so it needs vllm_importance_sampling_mode='token_truncate' or 'token_mask', not "
+                f"{config.vllm_importance_sampling_mode!r}."
             )
         rho, values = sampler_importance_weights(
             old_logprobs,

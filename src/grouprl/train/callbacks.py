@@ -88,8 +88,9 @@ class CallbackHandler:
             except AttributeError as error:
                 if getattr(error, "obj", None) is args:  # a field neither GRPOConfig nor TrainingArguments has
                     raise AttributeError(
-                        f"Callback {type(callback).__name__}.{event} reads GRPOConfig.{error.name}, which is not a field of GRPOConfig "
-                        "(nor of transformers.TrainingArguments, which it extends); give the callback the value another way."
+                        f"Callback {type(callback).__name__}.{event} reads GRPOConfig.{error.name}, which is not a "
+                        "field of GRPOConfig (nor of transformers.TrainingArguments, which it extends); give the "
+                        "callback the value another way."
                     ) from error
                 raise
             if isinstance(result, TrainerControl):
