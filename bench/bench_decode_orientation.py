@@ -1,4 +1,5 @@
-"""Decode products on SmolLM2-135M's shapes: x @ W^T (F.linear) vs (W @ x^T)^T (grouprl's weight-major path), fp32 and bf16.
+"""Decode products on SmolLM2-135M's shapes: x @ W^T (F.linear) vs (W @ x^T)^T
+(grouprl's weight-major path), fp32 and bf16.
 
 python bench/bench_decode_orientation.py
 """

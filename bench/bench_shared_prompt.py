@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python bench/bench_shared_prompt.py W2 [repeats] [rows per prompt]
 
 Prompts come from the workload (W2: ~400 shared tokens; W1: ~25), each repeated num_generations
-times (or `rows per prompt` times: a shuffled training micro-batch holds only a few rows of each); completions are random full-length token rows. Both paths run alternately in one process.
+times (or `rows per prompt` times: a shuffled training micro-batch holds only a few rows of each); completions are
+random full-length token rows. Both paths run alternately in one process.
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ def prepare_checkpoint(cache_dir: str) -> str:
 
 
 def addition_rows(seed: int, count: int, exclude: set = frozenset()) -> list[dict]:
-    """`count` distinct additions (operands LOWEST..HIGHEST) as chat prompts after the worked example, with the sum as "solution"."""
+    """`count` distinct additions (operands LOWEST..HIGHEST) as chat prompts after the
+    worked example, with the sum as "solution"."""
     rng, rows, seen = random.Random(seed), [], set(exclude)
     while len(rows) < count:
         pair = (rng.randint(LOWEST, HIGHEST), rng.randint(LOWEST, HIGHEST))

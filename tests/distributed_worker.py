@@ -1,6 +1,7 @@
-"""Training runs that the multi-process tests launch on 2 CPU processes (gloo) and run on 1 for reference.
+r"""Training runs that the multi-process tests launch on 2 CPU processes (gloo) and run on 1 for reference.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_worker.py OUT_DIR MODEL_DIR SCENARIO...
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        tests/distributed_worker.py OUT_DIR MODEL_DIR SCENARIO...
 
 Every scenario trains 2 optimizer steps on completions that a deterministic backend derives from
 (prompt, index of the sample in its group), so 1 and 2 processes train on exactly the same
@@ -24,7 +25,8 @@ from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
 from grouprl.core.types import Completion
 
 NUM_GENERATIONS = 4
-# scenario -> (loss_type, main process samples for everyone (server-style dispatch; None: the config's backend), extra config)
+# scenario -> (loss_type, main process samples for everyone (server-style dispatch;
+# None: the config's backend), extra config)
 SCENARIOS = {
     "dapo": ("dapo", False, {}),
     "grpo": ("grpo", False, {}),

@@ -120,7 +120,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> None:
 
         grouprl.train.micro_step.policy_loss = recording_policy_loss
         grouprl.rollout.experience.sampler_importance_weights = recording_importance
-        # collectives made while computing each micro-batch's loss and statistics (the reduction waits for the step's end)
+        # collectives made while computing each micro-batch's loss and statistics
+        # (the reduction waits for the step's end)
         calls = {"collectives": 0}
         for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object"):
 

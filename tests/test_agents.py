@@ -605,7 +605,8 @@ def test_template_without_tool_support_fails_at_start(tmp_path, tok):
 
 
 def test_cli_tools_and_environment_factory(tool_model_dir, tmp_path, monkeypatch):
-    """grouprl train --tools pkg.func --environment_factory pkg.Class: the environment's get_reward is the only reward."""
+    """grouprl train --tools pkg.func --environment_factory pkg.Class: the
+    environment's get_reward is the only reward."""
     import json
 
     from grouprl.cli import main

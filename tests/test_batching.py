@@ -44,7 +44,8 @@ def test_long_shared_prompts_keep_their_rows_together():
     a, b, c = [5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6], [7, 7, 7]  # a and b: 6 tokens, c: 3 tokens
     long_prompts = batch([a, b, a, c, b, a], [3, 1, 2, 5, 4, 1])
     order = torch.sort(row_order_key(long_prompts), descending=True, stable=True).indices.tolist()
-    # a's rows (completions 3, 2, 1), then b's (4, 1), then the shorter prompt c; a before b is the tie-break by prompt id.
+    # a's rows (completions 3, 2, 1), then b's (4, 1), then the shorter prompt c; a
+    # before b is the tie-break by prompt id.
     assert order == [0, 2, 5, 4, 1, 3]
     short_prompts = batch([[1], [2], [1]], [4, 9, 6])
     assert torch.equal(row_order_key(short_prompts), torch.tensor([5, 10, 7]))

@@ -199,7 +199,8 @@ def test_bad_callbacks_are_named(tiny_model_dir, tmp_path):
             callbacks=[len],
         )
 
-    # A callback reading a field no GRPOConfig has: the error names the callback, the event and the field, not a deep trace.
+    # A callback reading a field no GRPOConfig has: the error names the callback, the
+    # event and the field, not a deep trace.
     class ReadsUnknownField(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             return args.no_such_training_argument

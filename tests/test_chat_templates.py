@@ -130,7 +130,8 @@ def is_real_query(message):
 
 
 def ends_with_reasoning_free_call(messages):
-    """Qwen3's non-prefix-preserving case: the last message is a tool-calling assistant turn, after a real query, with no reasoning."""
+    """Qwen3's non-prefix-preserving case: the last message is a tool-calling assistant turn,
+    after a real query, with no reasoning."""
     last = messages[-1]
     if last["role"] != "assistant" or not last.get("tool_calls") or not any(is_real_query(m) for m in messages[:-1]):
         return False
@@ -233,8 +234,9 @@ def test_training_template_renders_random_prompts_as_qwen3(tok, training):
 
 
 def test_training_template_differs_from_qwen3_only_where_qwen3_is_not_prefix_preserving(tok, training):
-    """Any conversation, any ending: the same text, except a conversation ending with a reasoning-free tool-calling turn, which
-    Qwen3 gives an empty think block that it takes away once tools answer; the training template never writes it."""
+    """Any conversation, any ending: the same text, except a conversation ending with a reasoning-free
+    tool-calling turn, which Qwen3 gives an empty think block that it takes away once tools answer;
+    the training template never writes it."""
     rng = random.Random(1)
     differing = 0
     for _ in range(1500):
@@ -248,8 +250,8 @@ def test_training_template_differs_from_qwen3_only_where_qwen3_is_not_prefix_pre
             assert original.endswith(generation_prompt) and ours.endswith(generation_prompt)
             original, ours = original[: -len(generation_prompt)], ours[: -len(generation_prompt)]
         if ends_with_reasoning_free_call(messages):
-            # Qwen3 writes the empty block while the turn is last; the training template writes the turn as Qwen3 does once a
-            # tool answers it.
+            # Qwen3 writes the empty block while the turn is last; the training template writes the
+            # turn as Qwen3 does once a tool answers it.
             assert original.rpartition("<|im_start|>assistant\n")[2].startswith(EMPTY_THINK)
             answered = render(
                 tok,
@@ -265,7 +267,8 @@ def test_training_template_differs_from_qwen3_only_where_qwen3_is_not_prefix_pre
 
 
 def test_training_template_is_prefix_preserving_where_qwen3_is_not(tok, training):
-    """History + a tool-calling turn, then tool results (and maybe more turns): the turn and all before it render the same."""
+    """History + a tool-calling turn, then tool results (and maybe more turns): the
+    turn and all before it render the same."""
     rng = random.Random(2)
     qwen3_broken = 0
     for _ in range(300):
@@ -373,8 +376,8 @@ def test_tool_calling_grpo_trains_with_the_qwen3_template(qwen3_model_dir, tmp_p
     def turn(text):
         return tok(text, add_special_tokens=False)["input_ids"] + [im_end]
 
-    # Sample 0 thinks, then calls the tool (Qwen3's format: newlines inside <tool_call>); sample 1 calls it without thinking
-    # (as in TRL's tests); sample 2 answers directly. After a tool response every sample answers.
+    # Sample 0 thinks, then calls the tool (Qwen3's format: newlines inside <tool_call>); sample 1 calls it without
+    # thinking (as in TRL's tests); sample 2 answers directly. After a tool response every sample answers.
     tool_call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
     first = [
         turn("<think>\nI should multiply.\n</think>\n\n" + tool_call),

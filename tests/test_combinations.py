@@ -157,7 +157,8 @@ def test_the_trainer_refuses_each_not_built_pair_before_loading_a_model(a, b, tm
 
 
 def test_environment_factory_with_image_prompts_is_refused_at_construction(tiny_model_dir, tmp_path, monkeypatch):
-    # It used to generate without the images and then fail deep in multimodal.py ("The expanded size of the tensor (0) ...").
+    # It used to generate without the images and then fail deep in multimodal.py ("The
+    # expanded size of the tensor (0) ...").
     with pytest.raises(
         ValueError,
         match=r"environment_factory .* cannot be combined with image prompts|image prompts .* cannot be "

@@ -76,7 +76,8 @@ def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path
     assert rank0["processes"] == 2
     for step, whole in enumerate(single["seen"]):
         parts = [rank0["seen"][step], rank1["seen"][step]]
-        # the middle group of 3 is cut by the process boundary: 2 of its 4 samples on each process (GFPO: 1 of its 2 kept)
+        # the middle group of 3 is cut by the process boundary: 2 of its 4 samples
+        # on each process (GFPO: 1 of its 2 kept)
         assert parts[0]["group_ids"][-1] == parts[1]["group_ids"][0] and parts[0]["num_samples"][-1] == (
             1 if scenario == "gfpo" else 2
         )

@@ -54,7 +54,8 @@ def _hf_generate(model, tokenizer, prompts, g, **sampling):
 
 @pytest.mark.parametrize("share_prefix", [True, False])
 def test_same_seed_same_tokens_as_transformers(model_and_tokenizer, share_prefix):
-    """No EOS -> no row leaves the batch -> with transformers' draw the random stream is consumed exactly as generate does."""
+    """No EOS -> no row leaves the batch -> with transformers' draw the random stream
+    is consumed exactly as generate does."""
     model, tokenizer = model_and_tokenizer
     prompts = _prompts(tokenizer)
     engine = FastGenerator(

@@ -85,7 +85,8 @@ def scripted_generate(eos, pad, calls):
 
 def test_patched_generation_mixin_generate_is_called(tiny_model_dir, tmp_path):
     """TRL's test_training_with_mask_truncated_completions patches GenerationMixin.generate. The fast engine never
-    called it, so the random tiny model's own samples (none ends within 8 tokens) were all masked and nothing trained."""
+    called it, so the random tiny model's own samples (none ends within 8
+    tokens) were all masked and nothing trained."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     calls = []
     with patch("transformers.generation.utils.GenerationMixin.generate") as mock_generate:

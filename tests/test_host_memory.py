@@ -17,7 +17,8 @@ def _faults_of_repeated_allocations() -> int:
 
 @pytest.mark.parametrize("opted_in", [False, True])
 def test_malloc_is_tuned_only_when_the_config_asks_and_only_for_a_cpu_model(monkeypatch, opted_in):
-    """A process-wide setting that cannot be undone: made inside grouprl_patches only with keep_freed_host_memory=True."""
+    """A process-wide setting that cannot be undone: made inside grouprl_patches
+    only with keep_freed_host_memory=True."""
     from types import SimpleNamespace
 
     from grouprl.model import patches

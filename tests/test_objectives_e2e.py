@@ -384,7 +384,8 @@ def test_vespo_needs_a_token_level_sampler_correction(tiny_model_dir, tmp_path):
 
 
 def test_off_policy_mask_uses_the_sampler_logprobs(tiny_model_dir, tmp_path):
-    """Sampler logprobs far above the policy's: every negative-advantage sequence drifted more than 0.5 and is dropped."""
+    """Sampler logprobs far above the policy's: every negative-advantage sequence
+    drifted more than 0.5 and is dropped."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     backend = scripted(tokenizer, sampler_logprobs=lambda ids, s, tokens: [0.0] * len(tokens))
     config = make_config(
@@ -432,7 +433,8 @@ def test_entropy_gets_a_gradient_only_when_asked(tiny_model_dir):
 
 
 def test_adaptive_entropy_coefficient_steps_once_per_optimizer_step(tiny_model_dir, tmp_path):
-    """Target 15 nats is above any entropy of this model: the coefficient rises by delta every optimizer step (GA = 2)."""
+    """Target 15 nats is above any entropy of this model: the coefficient rises
+    by delta every optimizer step (GA = 2)."""
     config = make_config(
         tmp_path,
         per_device_train_batch_size=3,
@@ -731,7 +733,8 @@ def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_model_dir, tmp_
         texts = {tokenizer.decode(row[mask]) for row, mask in zip(micro.prompt_ids, micro.prompt_mask)}
         assert texts and all(int(text[1:-1]) % 4 == 0 for text in texts), texts
         assert len(micro) == 8 and (micro.advantages != 0).any()
-    # generations of 2 prompts: (q0 q1) (q2 q3) (q4 q5) fill the first batch with q0, q4; then (q6 q7) (q8 q9) (q10 q11) (q12 q13)
+    # generations of 2 prompts: (q0 q1) (q2 q3) (q4 q5) fill the first batch with q0, q4;
+    # then (q6 q7) (q8 q9) (q10 q11) (q12 q13)
     assert history(trainer, "dynamic_sampling/completions_drawn") == [24.0, 32.0]
     assert history(trainer, "dynamic_sampling/kept_groups") == [2.0, 2.0]
     assert len(backend.calls) == 7

@@ -27,7 +27,8 @@ def _real_positions(pack) -> torch.Tensor:
 @pytest.mark.parametrize("grouped_kernel", [True, False], ids=["enable_gqa", "repeated heads"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_values_and_gradients_equal_dense_masked_sdpa(kv_heads, grouped_kernel, monkeypatch):
-    """Grouped-query attention both ways: the CPU kernel's grouped heads, and heads repeated (other devices, torch < 2.5)."""
+    """Grouped-query attention both ways: the CPU kernel's grouped heads, and heads
+    repeated (other devices, torch < 2.5)."""
     monkeypatch.setattr(packed_attention, "SDPA_TAKES_GROUPED_HEADS", grouped_kernel)
     pack = _pack()
     packs, length = pack.input_ids.shape

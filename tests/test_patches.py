@@ -198,7 +198,8 @@ def _verdicts(caplog, text: str) -> list[str]:
 
 
 def test_packing_outside_the_context_attends_densely_with_the_same_values_and_gradients(tiny_model_dir, fast_paths):
-    """Outside grouprl_patches the pack attends through its 4D mask (no registration to lose before a checkpointed backward)."""
+    """Outside grouprl_patches the pack attends through its 4D mask (no registration to
+    lose before a checkpointed backward)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()

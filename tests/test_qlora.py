@@ -56,8 +56,9 @@ def make_config(tmp_path, **overrides):
 
 
 def quantized_base(path, bits="4bit"):
-    """The base loaded quantized, computing as the trainer's policy does: bitsandbytes' CPU inference kernel (bf16, used in
-    eval mode on AVX512-BF16 CPUs) moves this model's logits by ~2% of their scale, so it is switched off here as there."""
+    """The base loaded quantized, computing as the trainer's policy does: bitsandbytes' CPU inference
+    kernel (bf16, used in eval mode on AVX512-BF16 CPUs) moves this model's logits by ~2% of their
+    scale, so it is switched off here as there."""
     model = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=BitsAndBytesConfig(**(FOUR_BIT if bits == "4bit" else EIGHT_BIT))
     )
@@ -514,13 +515,14 @@ QLORA_QUICKSTART = textwrap.dedent("""
 
 
 def test_qlora_run_learns(tmp_path):
-    """150 QLoRA steps (4-bit NF4 base, LoRA on every linear layer) of the demo's arithmetic task, TRL's defaults otherwise.
+    """150 QLoRA steps (4-bit NF4 base, LoRA on every linear layer) of the demo's
+    arithmetic task, TRL's defaults otherwise.
 
-    The 4-bit base answers ~8% of held-out sums right (the fp32 demo model ~35%: 4 bits cost a 0.2M-parameter model a lot).
-    Measured on this machine, GRPOConfig seeds 42 / 0 / 1, with bf16 adapters (TRL's choice) and with fp32 ones (CPUs without
-    bf16): held-out 0.08 -> 0.42-0.54, training reward (mean of the first vs the last 37 steps) 0.06-0.11 -> 0.32-0.45,
-    10-15 s of training. One OpenMP thread: bitsandbytes' CPU kernels slow down by orders of magnitude when two threads
-    share two busy cores (measured: 9 ms instead of 0.015 ms per dequantization of a 64x64 weight).
+    The 4-bit base answers ~8% of held-out sums right (the fp32 demo model ~35%: 4 bits cost a 0.2M-parameter model a
+    lot). Measured on this machine, GRPOConfig seeds 42 / 0 / 1, with bf16 adapters (TRL's choice) and with fp32 ones
+    (CPUs without bf16): held-out 0.08 -> 0.42-0.54, training reward (mean of the first vs the last 37 steps)
+    0.06-0.11 -> 0.32-0.45, 10-15 s of training. One OpenMP thread: bitsandbytes' CPU kernels slow down by orders of magnitude
+    when two threads share two busy cores (measured: 9 ms instead of 0.015 ms per dequantization of a 64x64 weight).
     """
     script = tmp_path / "qlora_quickstart.py"
     script.write_text(QLORA_QUICKSTART)

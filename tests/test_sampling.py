@@ -52,7 +52,8 @@ def test_same_seed_same_tokens_and_logprobs():
 
 
 def test_a_draw_at_the_top_of_the_range_never_picks_a_filtered_token(monkeypatch):
-    """u = the largest double below 1 times the total can round up to the total; the trailing -inf tokens must stay out."""
+    """u = the largest double below 1 times the total can round up to the total;
+    the trailing -inf tokens must stay out."""
     logits = torch.tensor([[0.3, 1.2, 0.1, -float("inf"), -float("inf")]])
     monkeypatch.setattr(
         torch, "rand", lambda *a, **k: torch.ones(a[0], a[1], dtype=torch.float64)

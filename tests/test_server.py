@@ -1,4 +1,5 @@
-"""`grouprl serve` in a subprocess, and training through it (generation_engine='server' / TRL's use_vllm server mode)."""
+"""`grouprl serve` in a subprocess, and training through it
+(generation_engine='server' / TRL's use_vllm server mode)."""
 
 import time
 

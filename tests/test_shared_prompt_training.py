@@ -52,7 +52,8 @@ def model(tiny_model_dir):
 
 
 def _run(model, rows, pack: bool, **kwargs):
-    """Forward and backward inside grouprl_patches, as in training (checkpointing recomputes through packed_attention)."""
+    """Forward and backward inside grouprl_patches, as in training (checkpointing
+    recomputes through packed_attention)."""
     model.zero_grad()
     with grouprl_patches():
         out = completion_logprobs(model, *rows, temperature=0.7, pack_prompts=pack, **kwargs)
@@ -66,7 +67,8 @@ def _run(model, rows, pack: bool, **kwargs):
 @pytest.mark.parametrize("checkpointing", [None, "non-reentrant", "reentrant"])
 @pytest.mark.parametrize("rows_per_chunk", [None, 2])
 def test_values_and_gradients_match_the_plain_pass(model, checkpointing, rows_per_chunk, monkeypatch):
-    """Also: packed_attention (visible pairs only) serves every packed layer call, and checkpointing recomputes through it."""
+    """Also: packed_attention (visible pairs only) serves every packed layer call,
+    and checkpointing recomputes through it."""
     rows = _rows(model.config.vocab_size)
     if checkpointing:
         model.gradient_checkpointing_enable(
@@ -212,7 +214,8 @@ def test_pairs_per_token_from_the_flop_count(tiny_model_dir):
 
 
 def test_training_step_is_the_same_with_and_without_packing(tiny_model_dir, tmp_path, monkeypatch):
-    """Real GRPO steps (gradient checkpointing on, KL to the reference, old logprobs): same loss, KL and gradient norm."""
+    """Real GRPO steps (gradient checkpointing on, KL to the reference, old
+    logprobs): same loss, KL and gradient norm."""
     import datasets
 
     from grouprl import GRPOConfig, GRPOTrainer

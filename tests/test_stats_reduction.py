@@ -60,7 +60,8 @@ class Combined(Collectives):
 
 
 def reduce_as(process_index, mine, theirs):
-    """What process `process_index` gets from reduce_step (and its Collectives) when the other process recorded `theirs`."""
+    """What process `process_index` gets from reduce_step (and its Collectives)
+    when the other process recorded `theirs`."""
     recorded = Recorded(1 - process_index)
     reduce_step(theirs, recorded)
     combined = Combined(process_index, recorded)

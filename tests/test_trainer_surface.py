@@ -98,7 +98,8 @@ def test_get_high_entropy_mask_hand_computed(threshold, expected):
 
 def test_get_high_entropy_mask_no_valid_token_and_other_processes():
     assert not entropy_mask(ENTROPIES, torch.zeros_like(MASK), 0.5).any()
-    # another process holds 2.0 and 3.0: 12 values, position 0.8 * 11 = 8.8 -> 0.9 + 0.8 * 0.1 = 0.98: only 1.0 here (not 0.9)
+    # another process holds 2.0 and 3.0: 12 values, position 0.8 * 11 = 8.8
+    # -> 0.9 + 0.8 * 0.1 = 0.98: only 1.0 here (not 0.9)
     only_max = torch.tensor([[0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0]], dtype=torch.bool)
     torch.testing.assert_close(entropy_mask(ENTROPIES, MASK, 0.8, other_process=[2.0, 3.0]), only_max)
     # position 0.5 * 11 = 5.5 -> 0.65: 0.7 .. 1.0 are kept, 0.6 no longer
@@ -121,7 +122,8 @@ def test_get_off_policy_mask_hand_computed():
     near = torch.tensor([[-0.5, -0.5, -1e4, 1e4]])
     assert GRPOTrainer.get_off_policy_mask(torch.tensor([[-1.0]]), far, torch.zeros(1, 4), padded, 1.0).item() == 0.0
     assert GRPOTrainer.get_off_policy_mask(torch.tensor([[-1.0]]), near, torch.zeros(1, 4), padded, 1.0).item() == 1.0
-    # a token the sampler did not score (NaN) adds 0: (2 + 0) / 2 = 1 <= 1 keeps; advantages may be (B,); bool mask -> bool
+    # a token the sampler did not score (NaN) adds 0: (2 + 0) / 2 = 1 <= 1 keeps;
+    # advantages may be (B,); bool mask -> bool
     unscored = torch.tensor([[0.0, float("nan")]])
     keep = GRPOTrainer.get_off_policy_mask(
         torch.tensor([-1.0]), torch.tensor([[-2.0, -2.0]]), unscored, torch.ones(1, 2, dtype=torch.bool), 1.0

@@ -1,4 +1,5 @@
-"""GRPOConfig as a transformers.TrainingArguments: every inherited field honoured (effect visible), inert, or refused by name."""
+"""GRPOConfig as a transformers.TrainingArguments: every inherited field honoured
+(effect visible), inert, or refused by name."""
 
 import dataclasses
 import json

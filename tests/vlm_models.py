@@ -194,7 +194,8 @@ def tiny_llava(seed: int = 0):
 
 
 def save_tiny_llava(path) -> str:
-    """The tiny LLaVA and its processor saved like a Hub checkpoint (AutoModelForImageTextToText / AutoProcessor load it)."""
+    """The tiny LLaVA and its processor saved like a Hub checkpoint
+    (AutoModelForImageTextToText / AutoProcessor load it)."""
     model, processor = tiny_llava()
     model.save_pretrained(path)
     processor.save_pretrained(path)

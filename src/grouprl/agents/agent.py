@@ -103,7 +103,8 @@ class Agent:
         return completions
 
     def reset_environments(self, prompts: PromptBatch, rows: list[int]) -> tuple[list[Transcript], list[Any]]:
-        """One environment instance per rollout, reset with its row; prompts with the observation and that environment's tools."""
+        """One environment instance per rollout, reset with its row; prompts with the
+        observation and that environment's tools."""
         environments = self.spec.environments
         if environments.multi:
             if ENVIRONMENT_COLUMN not in prompts.columns:
@@ -145,7 +146,8 @@ class Agent:
 
 
 def tool_call_stats(calls: torch.Tensor, failures: torch.Tensor) -> dict[str, float]:
-    """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls, 0 without calls)."""
+    """TRL's tools/call_frequency (calls per completion) and
+    tools/failure_frequency (failed / calls, 0 without calls)."""
     total = float(calls.sum())
     return {
         "tools/call_frequency": total / max(len(calls), 1),

@@ -85,7 +85,8 @@ class Environments:
                 )
 
     def checkout(self, names: list[Optional[str]]) -> list[Any]:
-        """One instance per rollout (names[i] = its environment), reusing pooled instances and growing pools as needed."""
+        """One instance per rollout (names[i] = its environment), reusing pooled
+        instances and growing pools as needed."""
         handed: dict[Optional[str], int] = {}
         instances = []
         for name in names:
@@ -122,7 +123,8 @@ def environment_reward(env_type: type) -> Callable[..., Any]:
 def environment_dataset(
     train_dataset: Any, environments: Optional[Environments], *, max_steps: int, prompts_per_generation: int
 ) -> Any:
-    """The dataset to train on: the user's, or, when the environment owns the data, placeholder rows of empty prompts."""
+    """The dataset to train on: the user's, or, when the environment owns the
+    data, placeholder rows of empty prompts."""
     if train_dataset is not None or environments is None:
         return train_dataset
     if environments.multi:

@@ -48,8 +48,9 @@ TRAINING_TEMPLATES = (
         family="Qwen3",
         flaw="it drops the empty <think></think> block of a reasoning-free tool-calling turn once tool results follow it",
         filename="qwen3_training.jinja",
-        # Qwen3's hybrid-thinking template (the enable_thinking flag), as carried by trl-internal-testing/tiny-Qwen3ForCausalLM;
-        # TRL 1.16 recognises the same text (its chat_templates/qwen3.jinja).
+        # Qwen3's hybrid-thinking template (the enable_thinking flag), as carried by
+        # trl-internal-testing/tiny-Qwen3ForCausalLM; TRL 1.16 recognises the same
+        # text (its chat_templates/qwen3.jinja).
         originals=frozenset({"a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8"}),
     ),
 )

@@ -82,7 +82,8 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
 
 
 def forget_single_process_accelerator_state() -> None:
-    """Let this trainer choose its own precision and device after an earlier trainer (or PartialState()) in this process.
+    """Let this trainer choose its own precision and device after an earlier
+    trainer (or PartialState()) in this process.
 
     accelerate keeps them in a process-wide shared state that refuses a different mixed_precision later, and
     offers no public way to reset it: `_reset_state` is the one private call grouprl makes into accelerate (no

@@ -147,7 +147,8 @@ class GFPOTrainer(GRPOTrainer):
 def _check_kept_rows_split(args: GRPOConfig, k: int) -> None:
     """The kept rows (k per group) are dealt out again over the processes (group_layout.py); every process must get
     the same number of them, in steps_per_generation equal micro-batches."""
-    # the launcher's process count, read as GRPOConfig reads it (no accelerate state is created before the trainer's own)
+    # the launcher's process count, read as GRPOConfig reads it (no accelerate
+    # state is created before the trainer's own)
     plan = plan_batches(args, max(args.world_size, int(os.environ.get("WORLD_SIZE", "1"))))
     groups = plan.prompts_per_generation
     kept, parts = groups * k, plan.num_processes * plan.steps_per_generation

@@ -64,7 +64,8 @@ def active_features(
         "dynamic_sampling": args.dynamic_sampling,
         "lora": peft_config is not None or is_peft_model(model),
         "sync_ref_model": args.sync_ref_model,
-        # loaded quantized from an id / path, or given quantized (a checkpoint quantized by its own config is found after loading)
+        # loaded quantized from an id / path, or given quantized (a checkpoint quantized by
+        # its own config is found after loading)
         "quantized": quantization.is_quantized(model)
         if not isinstance(model, str)
         else quantization_config is not None or quantization.requested(args.model_init_kwargs) is not None,
@@ -124,7 +125,8 @@ def check_stream_dispatch(args: GRPOConfig) -> None:
 def collect_reward_sources(
     args: GRPOConfig, reward_funcs: Any, reward_processing_classes: Any, agents: Optional[AgentSpec]
 ) -> tuple[list, list, list[float]]:
-    """The reward functions / models, their tokenizers and weights, an environment's get_reward() included (weight 1, as TRL)."""
+    """The reward functions / models, their tokenizers and weights, an environment's
+    get_reward() included (weight 1, as TRL)."""
     environment_rewards = agents.reward_functions if agents else []
     if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
         if not environment_rewards:

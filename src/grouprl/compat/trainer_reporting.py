@@ -185,5 +185,6 @@ class TrainerReporting:
 
     def end(self) -> None:
         """Finish the report_to trackers and end the distributed process group (transformers' Trainer.end, which
-        ``trl grpo`` calls last). Call it once, after everything that needs the other processes (save_model, push_to_hub)."""
+        ``trl grpo`` calls last). Call it once, after everything that needs the
+        other processes (save_model, push_to_hub)."""
         self.accelerator.end_training()

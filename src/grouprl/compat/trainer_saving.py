@@ -1,4 +1,5 @@
-"""GRPOTrainer's saving surface: ``save_model``, ``push_to_hub`` and resuming from a checkpoint (``_load_checkpoint``)."""
+"""GRPOTrainer's saving surface: ``save_model``, ``push_to_hub`` and resuming
+from a checkpoint (``_load_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ logger = logging.get_logger("grouprl")
 
 
 class TrainerSaving:
-    """Expects ``self.run`` (loop.TrainingRun), ``self.args``, ``self.state``, ``self.accelerator``, ``self.processing_class``
-    and ``self.create_model_card`` (TrainerReporting)."""
+    """Expects ``self.run`` (loop.TrainingRun), ``self.args``, ``self.state``, ``self.accelerator``,
+    ``self.processing_class`` and ``self.create_model_card`` (TrainerReporting)."""
 
     def save_model(self, output_dir: Optional[str] = None) -> None:
         """Write the model and tokenizer (`from_pretrained`-loadable) to output_dir (default: args.output_dir)."""

@@ -133,7 +133,8 @@ def plan_batches(config: "GRPOConfig", num_processes: int = 1) -> BatchPlan:
 
 
 def interval_due(strategy: str, step: int, every: int, steps_per_epoch: Optional[int]) -> bool:
-    """TrainingArguments' IntervalStrategy at an optimizer step: "steps" every `every` steps, "epoch" at each epoch's end, "no" never."""
+    """TrainingArguments' IntervalStrategy at an optimizer step: "steps" every `every` steps,
+    "epoch" at each epoch's end, "no" never."""
     if strategy == "steps":
         return step % every == 0
     if strategy == "epoch":

@@ -31,8 +31,8 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
     "use_transformers_paged": (False, "transformers continuous batching"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
     "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
-    # TRL pads for AWS Neuron's fixed shapes ('auto' = 128 there, no padding elsewhere); grouprl trims every micro-batch to
-    # its longest prompt and completion instead, and does not target Neuron.
+    # TRL pads for AWS Neuron's fixed shapes ('auto' = 128 there, no padding elsewhere); grouprl trims every micro-batch
+    # to its longest prompt and completion instead, and does not target Neuron.
     "pad_to_multiple_of": (
         None,
         "padding the training batch's sequence lengths to a multiple (grouprl trims each micro-batch "

@@ -53,7 +53,8 @@ def build_backend(
         return transformers
     if args.generation_engine == "auto" and not auto_engine_measured_on(model_device(model)):
         return transformers
-    # The engine never calls model.generate: while the user has replaced it, 'auto' calls it and 'engine' refuses (overrides.py).
+    # The engine never calls model.generate: while the user has replaced it, 'auto' calls
+    # it and 'engine' refuses (overrides.py).
     backend = EngineUnlessGenerateOverridden(
         FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
         fallback=transformers if args.generation_engine == "auto" else None,

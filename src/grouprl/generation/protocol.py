@@ -22,8 +22,8 @@ class GenerationBackend(Protocol):
     #     weights in the same process, whose sampler logprobs need no correction.
     # `main_process_only` (default False): True for backends only the main process may call (a
     #     server); the loop then gathers every process's prompts, the main process samples whole
-    #     groups and each process takes its rows by the generation's GroupLayout (generation/dispatch.py). `sync_weights` is
-    #     still called on every process (gathering sharded weights is collective).
+    #     groups and each process takes its rows by the generation's GroupLayout (generation/dispatch.py).
+    #     `sync_weights` is still called on every process (gathering sharded weights is collective).
 
     def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
         """Sample `num_samples` completions for each prompt; return them prompt-major (len = prompts x num_samples).

@@ -27,7 +27,8 @@ import torch
 def apply_repetition_penalty(
     logits: torch.Tensor, history: torch.Tensor, history_mask: torch.Tensor, penalty: float
 ) -> torch.Tensor:
-    """CTRL penalty (Keskar et al. 2019): logits of seen tokens are divided (if > 0) or multiplied (if < 0) by `penalty`.
+    """CTRL penalty (Keskar et al. 2019): logits of seen tokens are divided (if > 0) or multiplied (if < 0)
+    by `penalty`.
 
     logits (R, V); history (R, L) token ids; history_mask (R, L) bool, True = a real token.
     """

@@ -210,7 +210,8 @@ def matches_standard_attention(model: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def _probe(model: torch.nn.Module) -> str | None:
-    """Two left-padded prompts, 2 samples each, 3 decode steps: None if the logits equal a regular cache's, else why not."""
+    """Two left-padded prompts, 2 samples each, 3 decode steps: None if the logits
+    equal a regular cache's, else why not."""
     if not callable(getattr(model, "set_attn_implementation", None)):
         return f"{type(model).__name__} has no set_attn_implementation"
     vocab = model.get_input_embeddings().weight.shape[0]

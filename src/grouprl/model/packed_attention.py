@@ -10,8 +10,9 @@ its own, so the work is the visible pairs (padding to the longest completion of 
 How it is reached: the pack's layout travels as a keyword argument (`LAYOUT_KWARG`) through the
 model's forward to each attention call, and `sdpa_or_packed` stands in transformers' attention
 registry under "sdpa" while `patches.grouprl_patches()` is active (and only then): with the layout it
-runs `packed_attention`, without it (every other call, in any model) it is transformers' sdpa unchanged. Gradient checkpointing recomputes a layer
-with the same keyword arguments, so recomputation takes the same path with no context to hold.
+runs `packed_attention`, without it (every other call, in any model) it is transformers' sdpa
+unchanged. Gradient checkpointing recomputes a layer with the same keyword arguments, so recomputation
+takes the same path with no context to hold.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class PackLayout(NamedTuple):
 def build_layout(
     prompt_lens: list[int], spans: list[list[tuple[int, int]]], length: int, device: torch.device
 ) -> PackLayout:
-    """`spans[b]` lists (start, tokens) of each completion of pack b; pack b's prompt is positions 0..prompt_lens[b]-1."""
+    """`spans[b]` lists (start, tokens) of each completion of pack b; pack b's
+    prompt is positions 0..prompt_lens[b]-1."""
     width = max(prompt_lens)
     longest = max((t for pack in spans for _, t in pack), default=1) or 1
     index, owner, own_lens, prompt_rows, completion_rows, prompt_targets, completion_targets = (

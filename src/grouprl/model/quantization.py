@@ -125,7 +125,8 @@ _NO_ADAPTERS = (
 
 
 def describe(source: Any) -> str:
-    """'bitsandbytes 4-bit' / 'bitsandbytes 8-bit' / the quant method, of a model or of a quantization config (object or dict)."""
+    """'bitsandbytes 4-bit' / 'bitsandbytes 8-bit' / the quant method, of a model or of a
+    quantization config (object or dict)."""
     if isinstance(source, torch.nn.Module):
         base = source.get_base_model() if is_peft_model(source) else source
         source = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)

@@ -32,7 +32,8 @@ FIXED_COLUMNS = ("step", "prompt", "completion", "advantage")
 
 
 class RecentCompletions:
-    """TRL's ``trainer._logs``: the rows of the latest generation batch (all processes), kept whatever log_completions is.
+    """TRL's ``trainer._logs``: the rows of the latest generation batch (all
+    processes), kept whatever log_completions is.
 
     ``logs`` is a plain dict, as TRL's: ``prompt``, ``completion`` (as reward functions got them), ``advantages``,
     ``images`` (each row's prompt images; only with log_multimodal), deques of at most the generation batch

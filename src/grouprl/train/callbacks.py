@@ -58,7 +58,8 @@ class CallbackHandler:
             self.add(callback)
 
     def add(self, callback: Union[TrainerCallback, type]) -> None:
-        """Add a callback instance, or a TrainerCallback class (instantiated without arguments, as transformers does)."""
+        """Add a callback instance, or a TrainerCallback class (instantiated
+        without arguments, as transformers does)."""
         if isinstance(callback, type):
             callback = callback()
         missing = [name for name in ("on_step_end", "on_log") if not callable(getattr(callback, name, None))]
