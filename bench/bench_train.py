@@ -39,7 +39,8 @@ def main() -> None:
         "--dtype",
         choices=["fp32", "bf16", "auto"],
         default="fp32",
-        help="bf16: autocast in bf16 (bf16=True); auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32.",
+        help="bf16: autocast in bf16 (bf16=True); auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX), "
+        "else fp32.",
     )
     args = parser.parse_args()
     if args.framework == "trl":

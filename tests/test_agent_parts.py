@@ -148,7 +148,10 @@ def test_tool_suffix_is_the_template_difference_after_the_end_of_turn(tokenizer)
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
     messages = [{"role": "tool", "name": "add", "content": "5"}, {"role": "tool", "name": "add", "content": "7"}]
     suffix = tool_suffix_ids(tokenizer, messages, stop_ids={im_end, tokenizer.eos_token_id}, chat_template_kwargs={})
-    expected_text = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    expected_text = (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n</tool_response><|im_end|>"
+        "\n<|im_start|>assistant\n"
+    )
     assert suffix == tokenizer(expected_text, add_special_tokens=False)["input_ids"]
 
 

@@ -314,7 +314,10 @@ def test_qwen3_swaps_in_the_training_template_visibly(tok, training, caplog):
         {"role": "tool", "name": "multiply", "content": "42"},
         {"role": "tool", "name": "multiply", "content": "6"},
     ]
-    expected = "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    expected = (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n6\n</tool_response><|im_end|>"
+        "\n<|im_start|>assistant\n"
+    )
     for kwargs, tail in (({}, ""), ({"enable_thinking": False}, EMPTY_THINK)):
         suffix = tool_suffix_ids(tok, results, stop_ids={im_end}, chat_template_kwargs=kwargs, chat_template=template)
         assert tok.decode(suffix) == expected + tail
@@ -354,7 +357,7 @@ def test_unknown_template_that_is_not_prefix_preserving_is_refused_with_what_to_
     )  # where the renderings part: the dropped block
 
 
-# ---- end to end: tool-calling GRPO with Qwen3's template --------------------------------------------------------------
+# ---- end to end: tool-calling GRPO with Qwen3's template -------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -299,7 +299,10 @@ def test_nan_stops_before_the_update_and_saves_step_2(tiny_model_dir, tmp_path, 
     message = str(failure.value)
     expected = {
         "loss": "The loss is nan at step 3; non-finite inputs: policy log-probabilities. The update was not applied.",
-        "gradients": "The gradients are not finite at step 3 (grad_norm = nan) although the loss was finite; the update was not applied.",
+        "gradients": (
+            "The gradients are not finite at step 3 (grad_norm = nan) although the loss was finite; "
+            "the update was not applied."
+        ),
         "advantages": "Advantages are not finite at step 3: 6 of 6 rows are NaN or inf (first: row 0)",
     }[where]
     assert expected in message

@@ -181,7 +181,7 @@ def test_the_context_nests_and_restores_an_entry_the_user_had_put_there(monkeypa
         )  # only the outermost exit restores
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is users_sdpa and not patches_active()
     with pytest.raises(ZeroDivisionError), grouprl_patches():
-        1 / 0
+        raise ZeroDivisionError("an error inside the patched block")
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is users_sdpa and not patches_active()  # restored on an error too
 
 

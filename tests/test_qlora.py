@@ -493,9 +493,11 @@ QLORA_QUICKSTART = textwrap.dedent("""
     from grouprl.demo.task import arithmetic_reward, make_arithmetic_dataset
 
     started = time.time()
-    training_args = GRPOConfig(output_dir="qlora-GRPO", max_steps=150, per_device_train_batch_size=128, num_generations=8,
-                               max_completion_length=6, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1,
-                               gradient_checkpointing=False, save_strategy="no", report_to="none", disable_tqdm=True)
+    training_args = GRPOConfig(
+        output_dir="qlora-GRPO", max_steps=150, per_device_train_batch_size=128, num_generations=8,
+        max_completion_length=6, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1,
+        gradient_checkpointing=False, save_strategy="no", report_to="none", disable_tqdm=True,
+    )
     trainer = GRPOTrainer(
         model=str(DEMO_MODEL_DIR),
         reward_funcs=arithmetic_reward,
@@ -504,13 +506,15 @@ QLORA_QUICKSTART = textwrap.dedent("""
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0),
     )
-    policy, heldout = trainer.accelerator.unwrap_model(trainer.run.model), make_arithmetic_dataset(128, seed=HELDOUT_SEED)
+    policy = trainer.accelerator.unwrap_model(trainer.run.model)
+    heldout = make_arithmetic_dataset(128, seed=HELDOUT_SEED)
     with policy.disable_adapter():
         before = sampled_accuracy(policy, trainer.processing_class, heldout, num_samples=4)
     trainer.train()
     after = sampled_accuracy(policy, trainer.processing_class, heldout, num_samples=4)
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
-    json.dump({"before": before, "after": after, "rewards": rewards, "seconds": time.time() - started}, open("result.json", "w"))
+    result = {"before": before, "after": after, "rewards": rewards, "seconds": time.time() - started}
+    json.dump(result, open("result.json", "w"))
 """)
 
 
@@ -521,8 +525,9 @@ def test_qlora_run_learns(tmp_path):
     The 4-bit base answers ~8% of held-out sums right (the fp32 demo model ~35%: 4 bits cost a 0.2M-parameter model a
     lot). Measured on this machine, GRPOConfig seeds 42 / 0 / 1, with bf16 adapters (TRL's choice) and with fp32 ones
     (CPUs without bf16): held-out 0.08 -> 0.42-0.54, training reward (mean of the first vs the last 37 steps)
-    0.06-0.11 -> 0.32-0.45, 10-15 s of training. One OpenMP thread: bitsandbytes' CPU kernels slow down by orders of magnitude
-    when two threads share two busy cores (measured: 9 ms instead of 0.015 ms per dequantization of a 64x64 weight).
+    0.06-0.11 -> 0.32-0.45, 10-15 s of training. One OpenMP thread: bitsandbytes' CPU kernels slow down by orders of
+    magnitude when two threads share two busy cores (measured: 9 ms instead of 0.015 ms per dequantization of a 64x64
+    weight).
     """
     script = tmp_path / "qlora_quickstart.py"
     script.write_text(QLORA_QUICKSTART)

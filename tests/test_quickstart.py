@@ -12,7 +12,8 @@ QUICKSTART = textwrap.dedent("""
     from datasets import Dataset
     from grouprl import GRPOConfig, GRPOTrainer          # was: from trl import GRPOConfig, GRPOTrainer
 
-    dataset = Dataset.from_dict({"prompt": ["The sky is", "Once upon a time", "def add(a, b):", "Hello"]})  # was: load_dataset(...)
+    # was: dataset = load_dataset(...)
+    dataset = Dataset.from_dict({"prompt": ["The sky is", "Once upon a time", "def add(a, b):", "Hello"]})
 
     # Dummy reward function: count the number of unique characters in the completions
     def reward_num_unique_chars(completions, **kwargs):

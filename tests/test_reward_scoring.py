@@ -107,13 +107,16 @@ def test_function_that_only_works_in_the_main_thread_is_retried_there_and_kept_t
         return [1.0] * len(completions)
 
     functions = prepare_reward_functions([length_reward, main_thread_only])
-    run = lambda: score_completions(
-        functions,
-        prompts=PROMPTS,
-        completions=COMPLETIONS,  # noqa: E731
-        completion_ids=[[1], [2, 2], [3, 3, 3]],
-        columns={},
-    )
+
+    def run():
+        return score_completions(
+            functions,
+            prompts=PROMPTS,
+            completions=COMPLETIONS,
+            completion_ids=[[1], [2, 2], [3, 3, 3]],
+            columns={},
+        )
+
     assert run()[:, 1].tolist() == [1.0] * 3
     assert calls == [False, True] and functions[1].main_thread_only
     assert run()[:, 1].tolist() == [1.0] * 3 and calls[2:] == [True]  # no second failed attempt

@@ -110,9 +110,9 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
         )
     if getattr(tokenizer, "response_template", None) is None and TOOL_CALL_OPEN not in rendered:
         raise ValueError(
-            'grouprl parses tool calls written as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes / Qwen '
-            "format) unless the tokenizer has a response_template; this chat template writes calls differently. Set "
-            "tokenizer.response_template (transformers response parsing) for its format."
+            'grouprl parses tool calls written as <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
+            "(Hermes / Qwen format) unless the tokenizer has a response_template; this chat template writes calls "
+            "differently. Set tokenizer.response_template (transformers response parsing) for its format."
         )
     try:
         tool_suffix_ids(tokenizer, messages[2:], stop_ids=stop_ids, chat_template_kwargs=chat_template_kwargs)

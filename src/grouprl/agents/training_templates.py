@@ -46,7 +46,9 @@ def template_digest(chat_template: str) -> str:
 TRAINING_TEMPLATES = (
     TrainingTemplate(
         family="Qwen3",
-        flaw="it drops the empty <think></think> block of a reasoning-free tool-calling turn once tool results follow it",
+        flaw=(
+            "it drops the empty <think></think> block of a reasoning-free tool-calling turn once tool results follow it"
+        ),
         filename="qwen3_training.jinja",
         # Qwen3's hybrid-thinking template (the enable_thinking flag), as carried by
         # trl-internal-testing/tiny-Qwen3ForCausalLM; TRL 1.16 recognises the same

@@ -277,7 +277,10 @@ def unknown_field_message(cls: type, name: str) -> str:
     candidates = [f.name for f in fields(cls) if f.init]
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    return f"{cls.__name__} has no field {name!r}.{hint} Every field is listed by `grouprl train --help` and in docs/trl-compat.md."
+    return (
+        f"{cls.__name__} has no field {name!r}.{hint} Every field is listed by `grouprl train --help` and in "
+        "docs/trl-compat.md."
+    )
 
 
 def no_accelerator() -> bool:

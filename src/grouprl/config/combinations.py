@@ -163,7 +163,10 @@ def check_combinations(active: Iterable[str]) -> None:
             )
 
 
-TABLE_BEGIN = '<!-- combinations:begin (generated: python -c "from grouprl.config.combinations import rewrite_doc; rewrite_doc()") -->'
+TABLE_BEGIN = (
+    '<!-- combinations:begin (generated: python -c "from grouprl.config.combinations import rewrite_doc; '
+    'rewrite_doc()") -->'
+)
 TABLE_END = "<!-- combinations:end -->"
 
 

@@ -78,7 +78,9 @@ HONOURED: dict[str, str] = {
     "data_seed": "the prompt sampler's shuffling",
     "full_determinism": "transformers.enable_full_determinism(seed) at construction",
     "use_cpu": "train on the CPU even when an accelerator is present",
-    "accelerator_config": "dispatch_batches must not be True with an IterableDataset (it is set to False for one, as TRL)",
+    "accelerator_config": (
+        "dispatch_batches must not be True with an IterableDataset (it is set to False for one, as TRL)"
+    ),
     "dataloader_num_workers": "worker processes of the prompt loader",
     "remove_unused_columns": "drop dataset columns the reward functions do not need (TRL's default False)",
     "resume_from_checkpoint": "read by `grouprl train`; pass it to train() from a script",
@@ -99,40 +101,73 @@ INERT: dict[str, str] = {
     "do_predict": "a flag for your own script; the Trainer does not read it either",
     "local_rank": "set by launchers; accelerate reads the process rank from the environment",
     "dataloader_pin_memory": "prompts are token lists, not tensors: there is nothing to pin",
-    "logging_nan_inf_filter": "a non-finite loss stops the run with a clear error (and the last good state saved), so there is nothing to filter",
+    "logging_nan_inf_filter": (
+        "a non-finite loss stops the run with a clear error (and the last good state saved), "
+        "so there is nothing to filter"
+    ),
     "skip_memory_metrics": "transformers' default (True) skips them too; grouprl's run report records peak memory",
 }
 
 REFUSED: dict[str, str] = {
-    "average_tokens_across_devices": "the loss normalisation is set by loss_type, as in TRL's GRPO; pick the loss_type that normalises as you want",
+    "average_tokens_across_devices": (
+        "the loss normalisation is set by loss_type, as in TRL's GRPO; pick the loss_type that normalises as you want"
+    ),
     "label_smoothing_factor": "GRPO has no labels to smooth",
-    "bf16_full_eval": "evaluation samples with the training model in its own precision; load the model in bf16 (model_init_kwargs={'dtype': 'bfloat16'}) instead",
+    "bf16_full_eval": (
+        "evaluation samples with the training model in its own precision; load the model in bf16 "
+        "(model_init_kwargs={'dtype': 'bfloat16'}) instead"
+    ),
     "fp16_full_eval": "evaluation samples with the training model in its own precision; load the model in fp16 instead",
-    "torch_compile": "grouprl's training pass swaps the LM head's and the attention's forward at run time (chunked LM-head logprobs, packed shared-prompt attention), which a compiled graph would not follow; leave it False",
+    "torch_compile": (
+        "grouprl's training pass swaps the LM head's and the attention's forward at run time (chunked LM-head "
+        "logprobs, packed shared-prompt attention), which a compiled graph would not follow; leave it False"
+    ),
     "torch_compile_backend": "see torch_compile",
     "torch_compile_mode": "see torch_compile",
-    "use_liger_kernel": "grouprl's chunked LM-head logprobs already keep the full logits out of memory (what Liger's fused GRPO loss is for), and Liger's Triton kernels need a GPU; leave it False",
+    "use_liger_kernel": (
+        "grouprl's chunked LM-head logprobs already keep the full logits out of memory (what Liger's fused GRPO loss "
+        "is for), and Liger's Triton kernels need a GPU; leave it False"
+    ),
     "liger_kernel_config": "see use_liger_kernel",
     "use_cache": "training runs without a KV cache; generation uses its own",
     "neftune_noise_alpha": "NEFTune adds embedding noise for supervised fine-tuning; it does not apply to GRPO",
-    "auto_find_batch_size": "halving the batch on out-of-memory would split num_generations groups (TRL refuses it too); lower per_device_train_batch_size instead",
-    "include_num_input_tokens_seen": "grouprl logs num_tokens (prompt + completion tokens seen) at every logging step, as TRL's GRPO does",
+    "auto_find_batch_size": (
+        "halving the batch on out-of-memory would split num_generations groups (TRL refuses it too); lower "
+        "per_device_train_batch_size instead"
+    ),
+    "include_num_input_tokens_seen": (
+        "grouprl logs num_tokens (prompt + completion tokens seen) at every logging step, as TRL's GRPO does"
+    ),
     "trackio_bucket_id": "not passed to trackio by grouprl yet; set it in trackio's own environment variables",
     "trackio_static_space_id": "not passed to trackio by grouprl yet; set it in trackio's own environment variables",
     "prediction_loss_only": "GRPO evaluation samples and scores completions; it runs no prediction loop",
     "eval_do_concat_batches": "GRPO evaluation runs no prediction loop",
     "eval_use_gather_object": "GRPO evaluation runs no prediction loop",
     "eval_accumulation_steps": "GRPO evaluation runs no prediction loop",
-    "include_for_metrics": "GRPO evaluation has no compute_metrics; use reward functions (log_metric) for extra metrics",
+    "include_for_metrics": (
+        "GRPO evaluation has no compute_metrics; use reward functions (log_metric) for extra metrics"
+    ),
     "batch_eval_metrics": "GRPO evaluation has no compute_metrics",
     "save_on_each_node": "checkpoints are written by the main process to one shared output_dir",
-    "enable_jit_checkpoint": "grouprl saves the last good state itself when a run stops on an error; use save_steps for regular checkpoints",
-    "hub_strategy": "grouprl pushes the final model only (push_to_hub() after training, hub_strategy='end'); checkpoints are not pushed during training",
+    "enable_jit_checkpoint": (
+        "grouprl saves the last good state itself when a run stops on an error; use save_steps for regular checkpoints"
+    ),
+    "hub_strategy": (
+        "grouprl pushes the final model only (push_to_hub() after training, hub_strategy='end'); checkpoints are not "
+        "pushed during training"
+    ),
     "hub_always_push": "see hub_strategy",
-    "ignore_data_skip": "resume restores the prompt sampler's exact position; starting the data again would repeat prompts",
+    "ignore_data_skip": (
+        "resume restores the prompt sampler's exact position; starting the data again would repeat prompts"
+    ),
     "restore_callback_states_from_checkpoint": "callback states are not written into checkpoints yet",
-    "parallelism_config": "tensor/context/sequence parallelism is not supported (TRL refuses context and sequence parallelism too); use fsdp or deepspeed",
-    "dataloader_drop_last": "prompts are drawn a whole generation at a time; an incomplete last generation is never drawn",
+    "parallelism_config": (
+        "tensor/context/sequence parallelism is not supported (TRL refuses context and sequence parallelism too); use "
+        "fsdp or deepspeed"
+    ),
+    "dataloader_drop_last": (
+        "prompts are drawn a whole generation at a time; an incomplete last generation is never drawn"
+    ),
     "dataloader_persistent_workers": "the prompt loader's workers are started once per epoch of prompts",
     "dataloader_prefetch_factor": "not passed to the prompt loader",
     "dataloader_multiprocessing_context": "not passed to the prompt loader",
@@ -213,7 +248,10 @@ def compat_table(config_cls: Any) -> list[tuple[str, str, str]]:
     return rows
 
 
-TABLE_BEGIN = "<!-- fields:begin (generated: python -c \"from grouprl.config.training_arguments import rewrite_doc; rewrite_doc('docs/trl-compat.md')\") -->"
+TABLE_BEGIN = (
+    '<!-- fields:begin (generated: python -c "from grouprl.config.training_arguments import rewrite_doc; '
+    "rewrite_doc('docs/trl-compat.md')\") -->"
+)
 TABLE_END = "<!-- fields:end -->"
 
 

@@ -81,7 +81,8 @@ def run_demo(args: Any) -> dict[str, Any]:
         gradient_checkpointing=False,  # a 0.5M-parameter model: activations are tiny, recomputing them costs time
         report_to="none",
         seed=args.seed,
-        keep_freed_host_memory=True,  # a CPU run: freed tensors reused, not page-faulted in again (a process-wide setting)
+        # a CPU run: freed tensors reused, not page-faulted in again (a process-wide setting)
+        keep_freed_host_memory=True,
     )
     trainer = GRPOTrainer(
         model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=train, processing_class=tokenizer

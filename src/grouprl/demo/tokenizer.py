@@ -79,7 +79,8 @@ TOOL_CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    '{{- \'# Tools\\nTo call a function, write <tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>. '
+    "{{- '# Tools\\nTo call a function, write "
+    '<tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>. '
     "Functions:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools><|im_end|>\\n' }}" + _SYSTEM_TURN + _MESSAGES_WITH_TOOLS

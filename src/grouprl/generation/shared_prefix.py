@@ -246,7 +246,8 @@ def _probe(model: torch.nn.Module) -> str | None:
             with decoding(model, shared):
                 got = model(**kwargs, past_key_values=shared).logits.float()
             if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4):
-                return f"the probe's decode logits differ from a regular cache's by up to {float((got - expected).abs().max()):.3g}"
+                largest_gap = float((got - expected).abs().max())
+                return f"the probe's decode logits differ from a regular cache's by up to {largest_gap:.3g}"
             positions = positions + 1
     except Exception as err:
         if not is_unsupported(err):

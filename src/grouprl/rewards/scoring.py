@@ -58,7 +58,9 @@ def reward_name(fn: Any) -> str:
 def _is_async(fn: Any) -> bool:
     while isinstance(fn, functools.partial):
         fn = fn.func
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    # a callable object counts as async when its __call__ is a coroutine function
+    call = fn.__call__ if callable(fn) else None
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
 def prepare_reward_functions(reward_funcs: Any) -> list[RewardFunction]:

@@ -1,9 +1,11 @@
 """The GRPO objective of one micro-batch: forward the policy, build the loss, return it with its statistics.
 
     micro_batch_loss (GRPOTrainer._compute_loss) -> (loss, LossStats):
-        forward (logprobs, entropy, MoE aux loss)            trainer._get_per_token_logps_and_entropies if overridden
-        -> high-entropy token mask                             trainer.get_high_entropy_mask (threshold over every process's loss tokens)
-        -> off-policy sequence mask                            trainer.get_off_policy_mask (behaviour = sampler logprobs if any, else pi_old)
+        forward (logprobs, entropy, MoE aux loss)   trainer._get_per_token_logps_and_entropies if overridden
+        -> high-entropy token mask                  trainer.get_high_entropy_mask
+                                                    (threshold over every process's loss tokens)
+        -> off-policy sequence mask                 trainer.get_off_policy_mask
+                                                    (behaviour = sampler logprobs if any, else pi_old)
         -> losses.policy_loss (objective, masks, sampler weights, KL, aggregation, entropy bonus)
         -> + router_aux_loss_coef * aux / GA
         -> LossStats: the loss (must be finite), entropy, the loss function's statistics, each with its reduction
