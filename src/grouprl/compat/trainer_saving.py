@@ -18,8 +18,8 @@ logger = logging.get_logger("grouprl")
 
 
 class TrainerSaving:
-    """Expects ``self.run`` (loop.TrainingRun), ``self.args``, ``self.state``, ``self.accelerator``, ``self.processing_class``
-    and ``self.create_model_card`` (TrainerReporting)."""
+    """Expects ``self.run`` (training_run.TrainingRun), ``self.args``, ``self.state``, ``self.accelerator``,
+    ``self.processing_class`` and ``self.create_model_card`` (TrainerReporting)."""
 
     def save_model(self, output_dir: Optional[str] = None) -> None:
         """Write the model and tokenizer (`from_pretrained`-loadable) to output_dir (default: args.output_dir)."""
