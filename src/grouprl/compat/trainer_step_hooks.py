@@ -72,7 +72,7 @@ class StepOverridePoints:
         batch, stats = experience.score_generation(
             run.sampling(), run.model, inputs, hooks=self, reference=run.reference
         )
-        run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (loop.py)
+        run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (optimizer_step.py)
         return batch
 
     def compute_loss(
@@ -108,5 +108,5 @@ class StepOverridePoints:
             timer=run.timer,
             entropy_coef=controller.applied_coef() if controller is not None else None,
         )
-        run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (loop.py)
+        run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (optimizer_step.py)
         return loss

@@ -56,13 +56,13 @@ class TrainingRun:
     # trainer.evaluate() may run during training (eval_strategy != "no" or there is an eval set)
     evaluates: bool = False
     step_losses: list[float] = field(default_factory=list)
-    health: RunHealth = field(default_factory=RunHealth)  # detectors, NaN guards, last good state (health.py)
+    health: RunHealth = field(default_factory=RunHealth)  # detectors, last good state (health.py)
     callbacks: CallbackHandler = field(default_factory=CallbackHandler)  # the user's TrainerCallbacks
     trainer: Any = None  # the GRPOTrainer: its TRL override points (training_step, log, ...) drive the loop
     inputs: Optional[GenerationInputs] = None  # the generation batch the buffered micro-batches come from
     progress: Any = None  # the tqdm bar while training (log lines are written through it)
     flos: float = 0.0  # this process's floating-point operations not yet added to state.total_flos
-    evaluation_pass: Any = None  # set while evaluating: the eval RolloutMaker and metric window (evaluation.py)
+    evaluation_pass: Any = None  # set while evaluating: the eval RolloutMaker and metric window (eval_mode.py)
     collectives: Collectives = field(init=False)  # the step's reductions over the processes (from the accelerator)
     # tokens trained on since the last store_flos (a tensor: no host sync)
     trained_tokens: Any = field(init=False, default=0.0)
