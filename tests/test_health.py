@@ -12,7 +12,8 @@ from helpers import ScriptedBackend, max_difference, parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer, NonFiniteError, RewardFunctionError
-from grouprl.train.health import HealthMonitor, detect
+from grouprl.train.health import HealthMonitor
+from grouprl.train.health_detectors import detect
 
 
 def distinct_tokens(completion_ids, **kwargs):

@@ -14,8 +14,8 @@ import torch
 from test_distributed import launch
 
 from grouprl.core.stats import MAX, MEAN, MIN, Stat, finite, largest, mean, metrics, smallest, total
-from grouprl.train.health import NonFiniteError, describe_non_finite, non_finite_error
 from grouprl.train.micro_step import LossStats, objective_stats
+from grouprl.train.non_finite import NonFiniteError, describe_non_finite, non_finite_error
 from grouprl.train.step_reduction import Collectives, first_failure_of, reduce_step
 
 WORKER = os.path.join(os.path.dirname(__file__), "stats_worker.py")

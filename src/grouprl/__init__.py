@@ -12,7 +12,7 @@ from grouprl.core.losses import register_loss
 from grouprl.generation import RemoteGenerator, ServerError
 from grouprl.report import write_report
 from grouprl.rewards.scoring import RewardFunctionError
-from grouprl.train.health import NonFiniteError
+from grouprl.train.non_finite import NonFiniteError
 
 __all__ = [
     "BatchPlan",

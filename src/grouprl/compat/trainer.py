@@ -1,8 +1,12 @@
-"""GRPOTrainer: TRL's constructor and methods, assembling grouprl's components around `loop.train`.
+"""GRPOTrainer: TRL's constructor, train() and evaluate(), assembling grouprl's components around `loop.train`.
 
-The constructor composes the builders of trainer_builders.py. Order of construction matters for error
-messages: the config, batch plan and feature combinations (combinations.py) are checked, then the
-dataset and reward functions, and only then is any model loaded.
+The constructor checks its arguments (trainer_inputs.py), then composes the builders of trainer_models.py
+(policy, adapters, reference), trainer_optimization.py (steps, optimizer, scheduler, state) and
+trainer_rollouts.py (the sampler). Order of construction matters for error messages: the config, batch plan
+and feature combinations (combinations.py) are checked, then the dataset and reward functions, and only then
+is any model loaded; and for the random draws: the seed is set right before the policy is loaded.
+The rest of TRL's surface comes from the mixins: TrainerAttributes, TrainerDataloaders, TrainerReporting,
+TrainerSaving and OverridePoints (trainer_hooks.py).
 """
 
 from __future__ import annotations
@@ -11,50 +15,47 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from accelerate.utils import set_seed
-from transformers import PreTrainedModel, TrainerControl
+from transformers import PreTrainedModel
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from grouprl.agents import AgentSpec
 from grouprl.compat.accelerator_setup import cpu_has_fast_bf16, make_accelerator
-from grouprl.compat.trainer_builders import (
-    build_entropy_controller,
-    build_optimizer,
-    build_reference,
-    build_rollouts,
-    load_policy,
-    make_trainer_state,
-    mirror_trl_settings,
-    plan_steps,
-    prepare_for_training,
-    tracker_config,
-    tracker_init_kwargs,
-)
+from grouprl.compat.trainer_attributes import TrainerAttributes, mirror_trl_settings
+from grouprl.compat.trainer_dataloaders import TrainerDataloaders
 from grouprl.compat.trainer_hooks import OverridePoints
 from grouprl.compat.trainer_inputs import active_features, collect_reward_sources, default_args, prepare_train_dataset
+from grouprl.compat.trainer_models import build_reference, load_policy, prepare_for_training
+from grouprl.compat.trainer_optimization import (
+    build_entropy_controller,
+    build_optimizer,
+    make_trainer_state,
+    plan_steps,
+)
 from grouprl.compat.trainer_reporting import TrainerReporting
+from grouprl.compat.trainer_rewards import load_rewards
+from grouprl.compat.trainer_rollouts import build_rollouts
 from grouprl.compat.trainer_saving import TrainerSaving
+from grouprl.compat.trainer_trackers import init_trackers
 from grouprl.config.combinations import check_combinations
 from grouprl.config.grpo_config import GRPOConfig, plan_batches
-from grouprl.data.generation_inputs import TrainPromptBatches
 from grouprl.data.multimodal_prompts import check_multimodal_setup
 from grouprl.generation.factory import build_backend
 from grouprl.generation.protocol import GenerationBackend
 from grouprl.model.loading import eos_token_ids, load_tokenizer
 from grouprl.model.multimodal import text_tokenizer
 from grouprl.model.patches import grouprl_patches
-from grouprl.rewards.models import load_reward_functions
-from grouprl.rewards.scoring import prepare_reward_functions
 from grouprl.train import evaluation, loop
 from grouprl.train.callbacks import CallbackHandler
 from grouprl.train.checkpoint import resolve_resume_path
 from grouprl.train.log_level import apply_log_level
 from grouprl.train.micro_step import Objective
+from grouprl.train.training_run import TrainingRun
 
 logger = logging.get_logger("grouprl")
 
 
-class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
+class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, TrainerSaving, OverridePoints):
     """Train a causal LM with GRPO. Drop-in for ``trl.GRPOTrainer`` (same arguments, same config).
 
     Args:
@@ -74,7 +75,8 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
         reward_processing_classes: tokenizer(s) of the reward models: one, or a list with one entry per
             reward function (None = load the reward model's own tokenizer).
         callbacks: ``transformers.TrainerCallback`` instances or classes, called at the Trainer's events
-            (see ``grouprl.train.callbacks``); ``add_callback`` / ``pop_callback`` / ``remove_callback`` change them later.
+            (see ``grouprl.train.callbacks``); ``add_callback`` / ``pop_callback`` / ``remove_callback`` change them
+            later.
         optimizers: ``(optimizer, lr_scheduler)``; either may be None to use AdamW / ``lr_scheduler_type``.
         quantization_config: a ``transformers.BitsAndBytesConfig`` applied when ``model`` is loaded from an id / path
             (QLoRA; needs ``peft_config``). The same may be given as ``args.model_init_kwargs["quantization_config"]``.
@@ -131,9 +133,8 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
             generation_backend=generation_backend,
         )
         check_combinations(features)
-        agents = AgentSpec.from_arguments(
-            tools, environment_factory, rollout_func
-        )  # tool schemas checked, environments probed
+        # tool schemas checked, environments probed
+        agents = AgentSpec.from_arguments(tools, environment_factory, rollout_func)
         train_dataset, environments_own_prompts = prepare_train_dataset(
             args, train_dataset, eval_dataset, agents, self.plan, self.accelerator.num_processes
         )
@@ -166,24 +167,7 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
                 "pixel_values keyword arguments. Remove the override, or override _compute_loss instead."
             )
         self.eos_token_ids = eos_token_ids(tokenizer, self.model)
-        self.reward_functions = prepare_reward_functions(
-            load_reward_functions(
-                reward_funcs,
-                reward_processing_classes,
-                model_init_kwargs=args.model_init_kwargs,
-                trust_remote_code=args.trust_remote_code,
-                chat_template_kwargs=args.chat_template_kwargs,
-                batch_size=args.per_device_train_batch_size,
-                device=self.accelerator.device,
-            )
-        )
-        self.reward_funcs = [f.fn for f in self.reward_functions]
-        self.reward_func_names = [f.name for f in self.reward_functions]
-        # TRL's attributes: the weights as a tensor, and each reward model's tokenizer (None for a function)
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
-        self.reward_processing_classes = [
-            getattr(f, "tokenizer", None) if hasattr(f, "model") else None for f in self.reward_funcs
-        ]
+        load_rewards(self, args, reward_funcs, reward_processing_classes, weights)
         self.model, reference_adapter, aux_loss_coef = prepare_for_training(
             args,
             self.model,
@@ -216,7 +200,7 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
         self.state = make_trainer_state(args, total_steps, self.accelerator)
         reference, self.ref_model = build_reference(args, reference_model, reference_adapter, self.accelerator.device)
         entropy_controller = build_entropy_controller(args)
-        self.run = loop.TrainingRun(
+        self.run = TrainingRun(
             config=args,
             plan=self.plan,
             accelerator=self.accelerator,
@@ -254,115 +238,27 @@ class GRPOTrainer(TrainerReporting, TrainerSaving, OverridePoints):
         self.run.fire("on_init_end")
         self._send_telemetry()
 
-    @property
-    def entropy_coef(self) -> float:
-        """The entropy-bonus coefficient now: the adaptive controller's current value with use_adaptive_entropy."""
-        controller = self.run.entropy_controller
-        return controller.coef if controller is not None else self.args.entropy_coef
-
-    @entropy_coef.setter
-    def entropy_coef(self, value: float) -> None:
-        if self.run.entropy_controller is None:
-            raise ValueError(
-                "entropy_coef can change only on a run with the entropy bonus on (GRPOConfig.entropy_coef != 0 or "
-                "use_adaptive_entropy=True): with it off, the bonus term is not computed at all."
-            )
-        self.run.entropy_controller.coef = float(value)
-
-    @property
-    def _last_world_entropy(self) -> float:
-        """The global mean entropy of the last optimizer step, as the adaptive controller saw it (inf before the first)."""
-        controller = self.run.entropy_controller
-        return controller.last_entropy if controller is not None else float("inf")
-
-    @property
-    def model_wrapped(self) -> torch.nn.Module:
-        """The model as accelerate prepared it (DDP / FSDP wrapper, or the model itself), as Trainer.model_wrapped."""
-        return self.run.model
-
-    @property
-    def control(self) -> TrainerControl:
-        """The TrainerControl the callbacks share."""
-        return self.run.callbacks.control
-
-    @control.setter
-    def control(self, value: TrainerControl) -> None:
-        self.run.callbacks.control = value
-
-    def get_train_dataloader(self) -> TrainPromptBatches:
-        """One epoch of this process's generation batches, as TRL's dataloader yields them: lists of dataset rows
-        (one per completion, each prompt repeated for its completions), each repeated steps_per_generation x
-        num_iterations times; the same lists training_step receives. Iterating walks the prompt order from the start
-        of an epoch without moving training's position; ``num_workers`` / ``loader`` are those of the DataLoader that
-        fetches training's rows (dataloader_num_workers)."""
-        rollouts = self.run.rollouts
-        return TrainPromptBatches(
-            rollouts.sampler,
-            tokenize=rollouts.tokenize,
-            num_generations=self.args.num_generations,
-            repeats=self.plan.steps_per_generation * self.plan.num_iterations,
-            process_index=self.accelerator.process_index,
-            num_processes=self.accelerator.num_processes,
-            remove_unused_columns=self.args.remove_unused_columns,
-            default_prompt=rollouts.settings.default_prompt,
-        )
-
-    # ---- TRL-compatible surface ----------------------------------------------------------
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.run.optimizer
-
-    @property
-    def lr_scheduler(self) -> Any:
-        return self.run.scheduler
-
-    @property
-    def callback_handler(self) -> CallbackHandler:
-        return self.run.callbacks
-
-    def add_callback(self, callback: Any) -> None:
-        """Add a ``transformers.TrainerCallback`` (an instance or a class), as ``Trainer.add_callback``."""
-        self.run.callbacks.add(callback)
-
-    def pop_callback(self, callback: Any) -> Any:
-        """Remove and return a callback (an instance, or the first instance of a class); None if it is not there."""
-        return self.run.callbacks.pop(callback)
-
-    def remove_callback(self, callback: Any) -> None:
-        """Remove a callback (an instance, or the first instance of a class)."""
-        self.run.callbacks.pop(callback)
-
     def train(self, resume_from_checkpoint: Union[bool, str, None] = None) -> TrainOutput:
         """Run training; `resume_from_checkpoint` = True (latest in output_dir) or a checkpoint path.
 
-        Returns transformers' ``TrainOutput(global_step, training_loss, metrics)``; metrics as Trainer's: train_runtime,
-        train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch (plus, as TRL's GRPO, the
-        metrics of steps after the last log entry). The report_to trackers stay open for later logs; ``end()`` closes them.
+        Returns transformers' ``TrainOutput(global_step, training_loss, metrics)``; metrics as Trainer's:
+        train_runtime, train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch (plus, as
+        TRL's GRPO, the metrics of steps after the last log entry). The report_to trackers stay open for later
+        logs; ``end()`` closes them.
         """
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         path = resolve_resume_path(resume_from_checkpoint, self.args.output_dir)
         if path is not None:
             self._load_checkpoint(path)
-        if self.args.report_to and not self.accelerator.trackers:
-            self.accelerator.init_trackers(
-                self.args.project, config=tracker_config(self.args), init_kwargs=tracker_init_kwargs(self.args)
-            )
+        init_trackers(self.accelerator, self.args)
         try:
-            with grouprl_patches(
-                self.model, self.args
-            ):  # grouprl's attention functions, for this call only (patches.py)
+            # grouprl's attention functions, for this call only (patches.py)
+            with grouprl_patches(self.model, self.args):
                 metrics = loop.train(self.run)
         finally:
             self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
-
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
-        """The DataLoader evaluation reads (a name of a dict eval_dataset, a dataset, or None: the trainer's); a stream gets 0 workers."""
-        return evaluation.eval_loader(
-            evaluation.pick_eval_dataset(self.eval_dataset, eval_dataset), self.args, self.accelerator.num_processes
-        )
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval"

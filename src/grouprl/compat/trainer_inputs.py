@@ -20,7 +20,7 @@ from grouprl.model import quantization
 from grouprl.model.adapters import is_peft_model
 from grouprl.rewards.models import check_reward_funcs
 from grouprl.rewards.scoring import reward_name
-from grouprl.train.evaluation import check_eval_setup
+from grouprl.train.eval_data import check_eval_setup
 
 logger = logging.get_logger("grouprl")
 

@@ -26,7 +26,8 @@ GRPO_PAPER = ("DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Ope
 
 
 class TrainerReporting:
-    """Expects ``self.run`` (loop.TrainingRun), ``self.args``, ``self.model``, ``self.state``, ``self.accelerator``."""
+    """Expects ``self.run`` (training_run.TrainingRun), ``self.args``, ``self.model``, ``self.state``,
+    ``self.accelerator``."""
 
     # transformers' helpers take the trainer as `self`: identical files and console output.
     log_metrics = log_metrics

@@ -19,7 +19,7 @@ logger = logging.get_logger("grouprl")
 
 
 class TrainerSaving:
-    """Expects ``self.run`` (loop.TrainingRun), ``self.args``, ``self.state``, ``self.accelerator``,
+    """Expects ``self.run`` (training_run.TrainingRun), ``self.args``, ``self.state``, ``self.accelerator``,
     ``self.processing_class`` and ``self.create_model_card`` (TrainerReporting)."""
 
     def save_model(self, output_dir: Optional[str] = None) -> None:

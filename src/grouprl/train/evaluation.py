@@ -15,6 +15,10 @@ Metric names are TRL's with a prefix: ``eval_reward``, ``eval_reward_std``,
 Sampling runs on a forked RNG seeded with ``seed``: evaluation does not move the training RNG
 (so a run with evaluation trains exactly like one without), and evaluating the same weights twice
 gives the same numbers.
+
+This module runs an evaluation (`evaluate`) and schedules it (`should_evaluate`); the eval datasets are
+checked, picked and read in eval_data.py, and the trainer's eval-mode override points (one eval batch,
+its loss) are in eval_mode.py.
 """
 
 from __future__ import annotations
@@ -25,52 +29,16 @@ from typing import Any, Callable, Optional
 
 import datasets
 import torch
-from torch.utils.data import DataLoader
 from transformers.utils import logging
 
 from grouprl.config.grpo_config import GRPOConfig, interval_due, resolve_steps
 from grouprl.core.distributed import global_mean
-from grouprl.core.losses import masked_mean, policy_loss
 from grouprl.core.metrics import MetricWindow
-from grouprl.core.stats import metrics
-from grouprl.core.types import Rollout
-from grouprl.data.generation_inputs import GenerationInputs
-from grouprl.data.prompts import check_dataset
-from grouprl.data.row_loading import sequential_loader, workers_for
-from grouprl.model.policy_logprobs import policy_logprobs
 from grouprl.rollout.sampler import RolloutMaker
-from grouprl.train.micro_step import LossStats, Objective, objective_stats
-from grouprl.train.step_reduction import Collectives, reduce_step
+from grouprl.train.eval_data import check_eval_setup, eval_loader
+from grouprl.train.eval_mode import EvaluationPass
 
 logger = logging.get_logger("grouprl")
-
-
-def check_eval_setup(
-    config: GRPOConfig, eval_dataset: Any, num_processes: int, *, prompt_required: bool = True
-) -> None:
-    """Check an eval setup that will be used: by the trainer when eval_strategy != "no" (before any
-    model is loaded), and by every evaluate() call. As in TRL, an eval_dataset that is only stored
-    is not checked at construction."""
-    if config.eval_strategy != "no" and eval_dataset is None:
-        raise ValueError(
-            f"GRPOConfig.eval_strategy='{getattr(config.eval_strategy, 'value', config.eval_strategy)}' needs an eval_dataset; pass one or set eval_strategy='no'."
-        )
-    if eval_dataset is None:
-        return
-    named = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
-    for name, dataset in named.items():
-        check_dataset(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset", prompt_required=prompt_required)
-    size = config.num_generations_eval or config.num_generations
-    if size < 1:
-        raise ValueError(f"GRPOConfig.num_generations_eval={config.num_generations_eval} must be >= 1.")
-    batch = config.per_device_eval_batch_size * num_processes
-    if batch % size != 0:
-        fits = [b for b in range(1, 4 * size + 1) if (b * num_processes) % size == 0][:4]
-        raise ValueError(
-            f"The eval batch (per_device_eval_batch_size={config.per_device_eval_batch_size} x {num_processes} processes = {batch} "
-            f"completions) must be divisible by num_generations_eval={size} (default: num_generations), so each prompt's "
-            f"completions are scored together. Use per_device_eval_batch_size in {fits} or change num_generations_eval."
-        )
 
 
 def should_evaluate(config: GRPOConfig, step: int, total_steps: int, steps_per_epoch: Optional[int]) -> bool:
@@ -95,7 +63,7 @@ class EvaluationParts:
     hooks: Any  # the GRPOTrainer: _prepare_inputs, compute_loss and log are TRL override points
     trainer_state: Any  # transformers.TrainerState
     fire: Callable[..., Any]  # a TrainerCallback event
-    attach: Callable[[Optional["EvaluationPass"]], None]  # makes the pass visible to the eval-mode override points
+    attach: Callable[[Optional[EvaluationPass]], None]  # makes the pass visible to the eval-mode override points
 
 
 def evaluate(parts: EvaluationParts, eval_dataset: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -115,7 +83,8 @@ def evaluate(parts: EvaluationParts, eval_dataset: Any, metric_key_prefix: str =
         return metrics
     started = time.time()
     was_training = parts.model.training
-    parts.model.eval()  # as in TRL, the trainer's override points see model.training False during evaluation and its log
+    # as in TRL, the trainer's override points see model.training False during evaluation and its log
+    parts.model.eval()
     try:
         window, batches, completions = _sample_and_score(parts, eval_dataset)
         runtime = time.time() - started
@@ -133,36 +102,6 @@ def evaluate(parts: EvaluationParts, eval_dataset: Any, metric_key_prefix: str =
         parts.model.train(was_training)
     parts.fire("on_evaluate", metrics=metrics)
     return metrics
-
-
-@dataclass
-class EvaluationPass:
-    """What the trainer's eval-mode defaults use while an evaluation runs (the run's evaluation_pass)."""
-
-    rollouts: RolloutMaker  # G_eval completions per prompt, its own counters
-    window: MetricWindow  # the eval metrics
-
-
-def eval_batch(
-    evaluation_pass: Optional["EvaluationPass"], inputs: GenerationInputs, *, accelerator: Any, trainer_state: Any
-) -> Any:
-    """One eval batch sampled and scored (GRPOTrainer._generate_and_score_completions in eval mode): no old or
-    reference logprobs, nothing buffered."""
-    current = current_pass(evaluation_pass)
-    prompts = inputs.prompt_batch
-    with accelerator.autocast():
-        rollout = Rollout(prompts, current.rollouts.generate(prompts))
-    rollout, _, advantages = current.rollouts.score(rollout, trainer_state, current.window)
-    return current.rollouts.make_train_batch(rollout, advantages)
-
-
-def current_pass(evaluation_pass: Optional[EvaluationPass]) -> EvaluationPass:
-    if evaluation_pass is None:
-        raise RuntimeError(
-            "The trainer's model is in eval mode outside of evaluate(): its eval-mode steps (_generate_and_score_completions, "
-            "_compute_loss) run inside trainer.evaluate(); call model.train() before training steps."
-        )
-    return evaluation_pass
 
 
 def format_eval_line(entry: dict[str, Any]) -> str:
@@ -194,44 +133,11 @@ def _eval_rollouts(training: RolloutMaker, num_generations: int) -> RolloutMaker
     )
 
 
-def pick_eval_dataset(default: Any, chosen: Any) -> Any:
-    """The eval dataset meant: `chosen` (a dataset, or a key of a dict default), else the trainer's own."""
-    if isinstance(chosen, str):
-        if not isinstance(default, dict) or chosen not in default:
-            raise ValueError(
-                f"eval_dataset={chosen!r} names no eval dataset; the trainer's are "
-                f"{sorted(default) if isinstance(default, dict) else 'not a dict'}."
-            )
-        return default[chosen]
-    dataset = default if chosen is None else chosen
-    if dataset is None:
-        raise ValueError("No eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or to this call.")
-    if isinstance(dataset, dict):
-        raise ValueError(
-            f"eval_dataset is a dict ({sorted(dataset)}); name the one meant, e.g. get_eval_dataloader({next(iter(dataset))!r})."
-        )
-    return dataset
-
-
-def eval_loader(dataset: Any, config: GRPOConfig, num_processes: int) -> DataLoader:
-    """The eval prompts' rows in dataset order, one eval batch of prompts at a time, as lists of (index, row).
-
-    Map-style data is read by dataloader_num_workers worker processes; a stream in this process (row_loading.py).
-    """
-    prompts_per_batch = (
-        config.per_device_eval_batch_size * num_processes // (config.num_generations_eval or config.num_generations)
-    )
-    return sequential_loader(
-        dataset, prompts_per_batch, num_workers=workers_for(dataset, config.dataloader_num_workers)
-    )
-
-
 def _sample_and_score(parts: EvaluationParts, dataset: Any) -> tuple[MetricWindow, int, int]:
     config, accelerator, hooks = parts.config, parts.accelerator, parts.hooks
     size = config.num_generations_eval or config.num_generations
-    parts.rollouts.sync_weights(
-        accelerator.unwrap_model(parts.model), parts.trainer_state.global_step
-    )  # a server samples the current weights
+    # a server samples the current weights
+    parts.rollouts.sync_weights(accelerator.unwrap_model(parts.model), parts.trainer_state.global_step)
     rollouts = _eval_rollouts(parts.rollouts, size)
     window, batches, completions = MetricWindow(), 0, 0
     parts.attach(EvaluationPass(rollouts, window))
@@ -260,49 +166,3 @@ def _sample_and_score(parts: EvaluationParts, dataset: Any) -> tuple[MetricWindo
     if isinstance(dataset, datasets.Dataset) and batches == 0:
         raise ValueError("evaluation: the eval dataset produced no complete batch.")
     return window, batches, completions
-
-
-def eval_loss(
-    model: torch.nn.Module,
-    batch: Any,
-    objective: Objective,
-    *,
-    evaluation_pass: Optional[EvaluationPass],
-    hooks: Any,
-    accelerator: Any,
-    rows_per_chunk: int,
-) -> torch.Tensor:
-    """The policy loss at ratio 1 on eval samples (GRPOTrainer._compute_loss in eval mode); eval_entropy and the loss's
-    statistics, reduced over the processes in one reduction, go to the eval window."""
-    window = current_pass(evaluation_pass).window
-    b = batch.to(accelerator.device)
-    with torch.no_grad(), accelerator.autocast():
-        out = policy_logprobs(
-            hooks,
-            model,
-            b,
-            temperature=objective.temperature,
-            rows_per_chunk=rows_per_chunk,
-            pack_prompts=objective.pack_shared_prompts,
-        )
-        settings = {**objective.loss_kwargs, "beta": 0.0}  # no reference pass in evaluation: the KL term is left out
-        loss, values = policy_loss(
-            objective.loss_type,
-            out.logprobs,
-            None,
-            b.advantages,
-            b.loss_mask,
-            **settings,
-            grad_accum_steps=1,
-            token_denominator=max(batch.num_loss_tokens, 1.0) / accelerator.num_processes,
-        )
-    tokens = b.loss_mask.sum()
-    stats = LossStats(
-        tokens=tokens,
-        rows=float(len(b)),
-        entropy=masked_mean(out.entropy, b.loss_mask),  # model tokens only
-        objective=objective_stats(values, tokens, float(len(b)), objective.sequence_level),
-    )
-    (reduced,), _ = reduce_step([stats], Collectives.of(accelerator))
-    window.add_all(metrics(reduced))
-    return loss

@@ -1,0 +1,73 @@
+"""When the loop checkpoints the run, and what of the run goes into a checkpoint (checkpoint.py writes it).
+
+`save` is the scheduled (or callback-asked) checkpoint after an optimizer step: every process's RNG and
+buffered micro-batches, the main process's loop state. `write_checkpoint` writes the last good state
+that the loop kept when a step failed (last_good_state.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from grouprl.config.grpo_config import GRPOConfig, interval_due
+from grouprl.core.distributed import gather_objects
+from grouprl.train.checkpoint import rng_state, save_checkpoint
+from grouprl.train.training_run import TrainingRun
+
+
+def should_save(
+    config: GRPOConfig, step: int, save_steps: int, steps_per_epoch: Optional[int], new_best: bool = False
+) -> bool:
+    if config.save_strategy == "best":
+        return new_best
+    return interval_due(config.save_strategy, step, save_steps, steps_per_epoch)
+
+
+def save(run: TrainingRun) -> Optional[str]:
+    """Checkpoint the run (main process writes; all processes wait for it)."""
+    run.accelerator.wait_for_everyone()
+    path = None
+    # every process's RNG and buffered micro-batches (the loop state below is the main process's)
+    processes = (
+        gather_objects({"rng": rng_state(), "pending": list(run.pending), "inputs": run.inputs})
+        if run.accelerator.num_processes > 1
+        else None
+    )
+    run.store_flos()
+    if run.state.best_global_step == run.state.global_step and run.state.best_metric is not None:
+        run.state.best_model_checkpoint = os.path.join(run.config.output_dir, f"checkpoint-{run.state.global_step}")
+    if run.accelerator.is_main_process:
+        path = save_checkpoint(
+            run.config.output_dir,
+            run.state.global_step,
+            model=run.accelerator.unwrap_model(run.model),
+            tokenizer=run.tokenizer,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            trainer_state=run.state,
+            loop_state={**run.loop_state(), "processes": processes},
+            save_total_limit=run.config.save_total_limit,
+            model_only=run.config.save_only_model,
+            keep=run.state.best_model_checkpoint,
+        )
+    run.accelerator.wait_for_everyone()
+    run.fire("on_save")
+    return path
+
+
+def write_checkpoint(run: TrainingRun, step: int, loop_state: dict[str, Any], rng: Optional[dict[str, Any]]) -> None:
+    """Write a checkpoint of the run at `step` with the given loop state and RNG (the last good state after a
+    failure)."""
+    save_checkpoint(
+        run.config.output_dir,
+        step,
+        model=run.accelerator.unwrap_model(run.model),
+        tokenizer=run.tokenizer,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        trainer_state=run.state,
+        loop_state=loop_state,
+        save_total_limit=run.config.save_total_limit,
+        rng=rng,
+    )
