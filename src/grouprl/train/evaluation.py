@@ -30,7 +30,8 @@ from transformers.utils import logging
 
 from grouprl.config.grpo_config import GRPOConfig, interval_due, resolve_steps
 from grouprl.core.distributed import global_mean
-from grouprl.core.losses import masked_mean, policy_loss
+from grouprl.core.loss_aggregations import masked_mean
+from grouprl.core.losses import policy_loss
 from grouprl.core.metrics import MetricWindow
 from grouprl.core.stats import metrics
 from grouprl.core.types import Rollout
