@@ -337,7 +337,7 @@ def test_iterable_dataset_refuses_dispatch_batches(tiny_model_dir, tmp_path):
 
 
 def test_compat_doc_lists_every_field_as_the_code_says(tmp_path):
-    from grouprl.config.training_arguments import rewrite_doc
+    from grouprl.config.compat_doc import rewrite_doc
 
     doc = os.path.join(os.path.dirname(__file__), "..", "docs", "trl-compat.md")
     copy = tmp_path / "trl-compat.md"

@@ -12,7 +12,8 @@ Each field is in exactly one of three groups:
   train something other than what the user wrote.
 
 A field that a newer transformers adds and this table does not know is refused when set (see
-``refused_settings``). docs/trl-compat.md is written from these tables (``compat_table``).
+``refused_settings``). docs/trl-compat.md is written from these tables (``compat_table``, rendered
+by ``compat_doc.py``).
 """
 
 from __future__ import annotations
@@ -210,30 +211,3 @@ def compat_table(config_cls: Any) -> list[tuple[str, str, str]]:
         else:
             rows.append((name, "GRPO field", (spec.metadata or {}).get("help", "")))
     return rows
-
-
-TABLE_BEGIN = "<!-- fields:begin (generated: python -c \"from grouprl.config.training_arguments import rewrite_doc; rewrite_doc('docs/trl-compat.md')\") -->"
-TABLE_END = "<!-- fields:end -->"
-
-
-def compat_markdown(config_cls: Any, not_yet_built: dict[str, Any]) -> str:
-    """The field table of docs/trl-compat.md."""
-    lines = ["| field | status | what grouprl does |", "|---|---|---|"]
-    for name, status, note in compat_table(config_cls):
-        if name in not_yet_built:
-            status, note = "refused unless default", f"{not_yet_built[name][1]} is not built yet"
-        lines.append(f"| `{name}` | {status} | {note.replace('|', '/')} |")
-    return "\n".join(lines)
-
-
-def rewrite_doc(path: str) -> bool:
-    """Replace the table between the markers in `path`; True if it changed."""
-    from grouprl.config.grpo_config import NOT_YET_BUILT, GRPOConfig
-
-    text = open(path, encoding="utf-8").read()
-    head, _, rest = text.partition(TABLE_BEGIN)
-    _, _, tail = rest.partition(TABLE_END)
-    updated = f"{head}{TABLE_BEGIN}\n{compat_markdown(GRPOConfig, NOT_YET_BUILT)}\n{TABLE_END}{tail}"
-    if updated != text:
-        open(path, "w", encoding="utf-8").write(updated)
-    return updated != text
