@@ -488,7 +488,8 @@ QLORA_QUICKSTART = textwrap.dedent("""
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
     from grouprl import GRPOConfig, GRPOTrainer
-    from grouprl.demo.model import DEMO_MODEL_DIR, HELDOUT_SEED, sampled_accuracy
+    from grouprl.demo.evaluation import HELDOUT_SEED, sampled_accuracy
+    from grouprl.demo.model import DEMO_MODEL_DIR
     from grouprl.demo.task import arithmetic_reward, make_arithmetic_dataset
 
     started = time.time()

@@ -14,7 +14,14 @@ from datasets import Dataset
 
 from grouprl.rewards.arithmetic import arithmetic_reward, parse_answer
 
-__all__ = ["MAX_OPERAND", "arithmetic_reward", "format_problem", "make_arithmetic_dataset", "parse_answer", "sample_problems"]
+__all__ = [
+    "MAX_OPERAND",
+    "arithmetic_reward",
+    "format_problem",
+    "make_arithmetic_dataset",
+    "parse_answer",
+    "sample_problems",
+]
 
 MAX_OPERAND = 49
 """Operands are drawn uniformly from ``0..MAX_OPERAND`` (sums range over 0..98)."""
