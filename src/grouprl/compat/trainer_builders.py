@@ -24,7 +24,7 @@ from grouprl.config.grpo_config import BatchPlan, GRPOConfig, resolve_steps
 from grouprl.core.entropy import EntropyController
 from grouprl.core.types import SamplingParams
 from grouprl.data.multimodal_prompts import make_prompt_tokenizer
-from grouprl.data.prompts import PromptSampler
+from grouprl.data.prompt_sampler import PromptSampler
 from grouprl.generation.vllm import require_vllm
 from grouprl.model import quantization
 from grouprl.model.adapters import add_reference_adapter, head_has_adapter, is_peft_model, require_peft, wrap_with_lora

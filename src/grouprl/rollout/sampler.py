@@ -22,7 +22,8 @@ from grouprl.core.metrics import MetricWindow, completion_length_stats, reward_s
 from grouprl.core.types import Completion, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
 from grouprl.data.generation_inputs import GenerationInputs
 from grouprl.data.multimodal_prompts import rows_images
-from grouprl.data.prompts import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
+from grouprl.data.prompt_sampler import PromptSampler
+from grouprl.data.prompts import PromptTokenizer, is_conversational, local_prompt_batch
 from grouprl.generation.protocol import GenerationBackend
 from grouprl.rewards.scoring import RewardFunction, score_completions
 from grouprl.rollout.completion_log import CompletionLog, RecentCompletions
