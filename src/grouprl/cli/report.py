@@ -6,7 +6,7 @@ import argparse
 
 
 def report_command(argv: list[str]) -> int:
-    from grouprl.report import write_report
+    from grouprl.report.writer import write_report
 
     parser = argparse.ArgumentParser(
         prog="grouprl report", description="Write a self-contained HTML report (and PNG charts) of a run."

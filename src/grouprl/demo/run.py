@@ -55,7 +55,7 @@ def run_demo(args: Any) -> dict[str, Any]:
     from grouprl.demo.evaluation import HELDOUT_SEED, sampled_accuracy
     from grouprl.demo.model import DEMO_MODEL_DIR
     from grouprl.demo.task import arithmetic_reward, make_arithmetic_dataset
-    from grouprl.report import write_report
+    from grouprl.report.writer import write_report
 
     started = time.time()
     model_path = args.model or str(DEMO_MODEL_DIR)
