@@ -9,7 +9,9 @@ import datasets
 import pytest
 import yaml
 
-from grouprl.cli import main, parse_train_args, resolve_reward_function
+from grouprl.cli import main
+from grouprl.cli.train_arguments import parse_train_args
+from grouprl.cli.train_inputs import resolve_reward_function
 from grouprl.demo.task import arithmetic_reward
 from grouprl.rewards import BUILTIN_REWARDS, accuracy_reward
 

@@ -4,7 +4,8 @@ import datasets
 import pytest
 
 from grouprl.core.group_layout import GroupLayout
-from grouprl.data.prompts import PromptSampler, PromptTokenizer, check_dataset, local_prompt_batch
+from grouprl.data.prompt_sampler import PromptSampler
+from grouprl.data.prompts import PromptTokenizer, check_dataset, local_prompt_batch
 from grouprl.demo.tokenizer import build_tokenizer
 
 

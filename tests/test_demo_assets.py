@@ -16,16 +16,8 @@ except ImportError:
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grouprl.demo.model import (
-    DEMO_MODEL_DIR,
-    HELDOUT_SEED,
-    build_tiny_model,
-    greedy_accuracy,
-    sampled_accuracy,
-    save_tiny_model,
-    stop_rate,
-    tiny_qwen2_config,
-)
+from grouprl.demo.evaluation import HELDOUT_SEED, greedy_accuracy, sampled_accuracy, stop_rate
+from grouprl.demo.model import DEMO_MODEL_DIR, build_tiny_model, save_tiny_model, tiny_qwen2_config
 from grouprl.demo.task import arithmetic_reward, make_arithmetic_dataset
 from grouprl.demo.tokenizer import build_tokenizer
 
@@ -194,7 +186,7 @@ def test_save_tiny_model_loads_and_generates(tiny_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def demo_model() -> tuple[torch.nn.Module, object]:
-    assert (DEMO_MODEL_DIR / "model.safetensors").exists(), "run `python -m grouprl.demo.model --regenerate`"
+    assert (DEMO_MODEL_DIR / "model.safetensors").exists(), "run `python -m grouprl.demo.pretrain --regenerate`"
     return AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR), AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
 
 

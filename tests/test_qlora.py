@@ -18,7 +18,9 @@ from helpers import parameters, quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grouprl import GRPOTrainer
-from grouprl.cli import main, parse_train_args, quantization_config
+from grouprl.cli import main
+from grouprl.cli.train_arguments import parse_train_args
+from grouprl.cli.train_inputs import quantization_config
 from grouprl.compat.trainer import cpu_has_fast_bf16
 from grouprl.core.types import SamplingParams
 from grouprl.generation.engine import FastGenerator
@@ -489,7 +491,8 @@ QLORA_QUICKSTART = textwrap.dedent("""
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
     from grouprl import GRPOConfig, GRPOTrainer
-    from grouprl.demo.model import DEMO_MODEL_DIR, HELDOUT_SEED, sampled_accuracy
+    from grouprl.demo.evaluation import HELDOUT_SEED, sampled_accuracy
+    from grouprl.demo.model import DEMO_MODEL_DIR
     from grouprl.demo.task import arithmetic_reward, make_arithmetic_dataset
 
     started = time.time()

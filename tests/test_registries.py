@@ -6,7 +6,8 @@ from helpers import distinct_tokens, numbered_prompts
 
 from grouprl import GRPOConfig, GRPOTrainer, register_advantage, register_loss
 from grouprl.core.advantages import ADVANTAGE_ESTIMATORS, estimate_advantages
-from grouprl.core.losses import LOSSES, global_token_mean_aggregation, policy_loss
+from grouprl.core.loss_aggregations import global_token_mean_aggregation
+from grouprl.core.losses import LOSSES, policy_loss
 
 SEEN = {"scales": [], "advantage_calls": 0}
 

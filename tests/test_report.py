@@ -11,7 +11,7 @@ import pytest
 
 from grouprl import GRPOConfig, GRPOTrainer, write_report
 from grouprl.cli import main
-from grouprl.report import CHARTS
+from grouprl.report.charts import CHARTS
 
 
 class ReportPage(HTMLParser):

@@ -25,7 +25,7 @@ from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.protocol import left_pad
 from grouprl.model.logprobs import completion_logprobs
 from grouprl.model.multimodal import PromptImages, collate
-from grouprl.rollout.sampler import pack_rollout
+from grouprl.rollout.train_batch import pack_rollout
 
 BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava}
 

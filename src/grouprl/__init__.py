@@ -10,7 +10,7 @@ from grouprl.config.grpo_config import BatchPlan, GRPOConfig, plan_batches
 from grouprl.core.advantages import register_advantage
 from grouprl.core.losses import register_loss
 from grouprl.generation import RemoteGenerator, ServerError
-from grouprl.report import write_report
+from grouprl.report.writer import write_report
 from grouprl.rewards.scoring import RewardFunctionError
 from grouprl.train.non_finite import NonFiniteError
 

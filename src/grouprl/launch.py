@@ -43,7 +43,7 @@ def launch_command(argv: list[str]) -> Optional[list[str]]:
     known, rest = pre.parse_known_args(argv)
     if not known.accelerate_config or "-h" in rest or "--help" in rest:
         return None
-    from grouprl.cli import build_parser
+    from grouprl.cli.train_arguments import build_parser
 
     parser = build_parser()
     parser.add_argument("--config")  # the YAML defaults file, read by each process

@@ -12,7 +12,7 @@ from grouprl.agents.multiturn import TurnSettings
 from grouprl.config.grpo_config import GRPOConfig
 from grouprl.core.types import SamplingParams
 from grouprl.data.multimodal_prompts import make_prompt_tokenizer
-from grouprl.data.prompts import PromptSampler
+from grouprl.data.prompt_sampler import PromptSampler
 from grouprl.rollout.completion_log import CompletionLog, RecentCompletions
 from grouprl.rollout.sampler import RolloutMaker, RolloutSettings
 

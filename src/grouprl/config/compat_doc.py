@@ -1,19 +1,19 @@
-"""docs/trl-compat.md's field table, rendered from GRPOConfig and the TrainingArguments tables.
+"""The field table of docs/trl-compat.md: every GRPOConfig field and what grouprl does with it.
 
-A module of its own because it reads both the config class and the tables it is built from.
+Rendered from ``GRPOConfig`` and the tables of ``training_arguments.py``; a test checks that the
+committed document matches (regenerate it with the command in the marker comment).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from grouprl.config.checks import NOT_YET_BUILT
-from grouprl.config.grpo_config import GRPOConfig
+from grouprl.config.grpo_config import NOT_YET_BUILT, GRPOConfig
 from grouprl.config.training_arguments import compat_table
 
 TABLE_BEGIN = (
-    '<!-- fields:begin (generated: python -c "from grouprl.config.compat_doc import rewrite_doc; '
-    "rewrite_doc('docs/trl-compat.md')\") -->"
+    "<!-- fields:begin (generated: python -c "
+    "\"from grouprl.config.compat_doc import rewrite_doc; rewrite_doc('docs/trl-compat.md')\") -->"
 )
 TABLE_END = "<!-- fields:end -->"
 

@@ -12,7 +12,8 @@ Each field is in exactly one of three groups:
   train something other than what the user wrote.
 
 A field that a newer transformers adds and this table does not know is refused when set (see
-``refused_settings``). docs/trl-compat.md is written from these tables (``compat_table``).
+``refused_settings``). docs/trl-compat.md is written from these tables (``compat_table``, rendered
+by ``compat_doc.py``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from typing import Any, Iterator, Optional
 
 from grouprl.core.group_layout import GroupLayout
 from grouprl.core.types import PromptBatch
-from grouprl.data.prompts import KEPT_WHEN_REMOVING, PromptSampler, local_prompt_batch
+from grouprl.data.prompt_sampler import PromptSampler
+from grouprl.data.prompts import KEPT_WHEN_REMOVING, local_prompt_batch
 
 
 class GenerationInputs(list):

@@ -1,31 +1,21 @@
-"""Dataset rows -> PromptBatch: formats, chat template, extra columns, and a resumable prompt order.
+"""Dataset rows -> PromptBatch: formats, chat template, extra columns, one process's share of a generation.
 
 Formats (as in TRL): *standard* rows have a string ``prompt`` (tokenized as-is); *conversational*
 rows have a list of ``{"role", "content"}`` messages, rendered once with the tokenizer's chat
 template and a generation prompt. Every other column travels with the prompt to the reward
 functions. Rows with an ``image`` / ``images`` column go through the model's processor instead
-(``multimodal.py``).
-
-Order (TRL's RepeatSampler, §2.13): prompts are shuffled with a seeded generator (a new
-permutation each epoch), cut into generations of U = generation_batch_size / G unique prompts
-(the incomplete last one is dropped), and each prompt is repeated G times. Processes take
-contiguous slices of the G*U completions, so a group may straddle two processes; its global
-group id keeps it whole for the advantages. The sampler position is two integers, saved in
-checkpoints.
+(``multimodal_prompts.py``). Which rows make a generation is ``prompt_sampler.py``'s job.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import datasets
-import torch
 
 from grouprl.core.group_layout import GroupLayout
 from grouprl.core.types import PromptBatch
-from grouprl.data.row_loading import batches_loader, stream_loader
 
 PROMPT_COLUMN = "prompt"
 KEPT_WHEN_REMOVING = ("prompt", "image", "images")
@@ -73,7 +63,8 @@ def check_prompt(prompt: Any, row: int) -> None:
     for i, message in enumerate(prompt):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(
-                f"Row {row}: message {i} of 'prompt' must be a dict with 'role' and 'content' keys, got {str(message)[:80]!r}."
+                f"Row {row}: message {i} of 'prompt' must be a dict with 'role' and 'content' keys, "
+                f"got {str(message)[:80]!r}."
             )
         if not isinstance(message["role"], str):
             raise ValueError(f"Row {row}: message {i} has role {message['role']!r}; roles are strings like 'user'.")
@@ -99,9 +90,8 @@ class PromptTokenizer:
         self.max_context = max_context
         self.max_completion_length = max_completion_length
         self.chat_template_kwargs = chat_template_kwargs or {}
-        self.tools = (
-            tools or None
-        )  # JSON schemas rendered into conversational prompts (None, not [], as TRL: templates treat them differently)
+        # JSON schemas rendered into conversational prompts (None, not [], as TRL: templates treat them differently)
+        self.tools = tools or None
 
     def __call__(self, prompt: Any, row: int, tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of one prompt; `tools` (schemas) replaces the default tools for this prompt."""
@@ -129,7 +119,8 @@ class PromptTokenizer:
         if row_images(row, index):
             raise ValueError(
                 f"Row {index} has images but the prompts are tokenized by a tokenizer; images need the model's "
-                "processor (processing_class=AutoProcessor.from_pretrained(model), the default for vision-language models)."
+                "processor (processing_class=AutoProcessor.from_pretrained(model), the default for vision-language "
+                "models)."
             )
         return row[PROMPT_COLUMN], self(row[PROMPT_COLUMN], index), None
 
@@ -148,9 +139,11 @@ class PromptTokenizer:
             )
         if self.max_context is not None and len(ids) + self.max_completion_length > self.max_context:
             raise ValueError(
-                f"Row {row}: the prompt has {len(ids)} tokens; with max_completion_length={self.max_completion_length} that needs "
+                f"Row {row}: the prompt has {len(ids)} tokens; with "
+                f"max_completion_length={self.max_completion_length} that needs "
                 f"{len(ids) + self.max_completion_length} positions but the model's context is {self.max_context}. "
-                f"Shorten or drop this prompt, or lower max_completion_length to at most {max(self.max_context - len(ids), 0)}."
+                "Shorten or drop this prompt, or lower max_completion_length to at most "
+                f"{max(self.max_context - len(ids), 0)}."
             )
 
     def prompt_text(self, prompt: Any, prompt_ids: list[int]) -> str:
@@ -172,122 +165,6 @@ def row_images(row: dict, index: int) -> list[Any]:
         return list(images)
     image = row.get("image")
     return [] if image is None else [image]
-
-
-@dataclass
-class SamplerState:
-    epoch: int = 0
-    position: int = 0  # generations already drawn in this epoch (map-style) / rows consumed (iterable)
-
-
-class PromptSampler:
-    """Seeded, resumable order of prompt rows, one generation (U unique prompts) at a time.
-
-    The rows are fetched by `self.loader`, a torch DataLoader (row_loading.py): with `num_workers` > 0
-    (map-style data only) worker processes read the next generations' rows ahead of time, in the
-    same order. The order and the resumable position stay the sampler's own.
-    """
-
-    def __init__(self, dataset: Any, prompts_per_generation: int, *, shuffle: bool, seed: int, num_workers: int = 0):
-        self.dataset = dataset
-        self.prompts_per_generation = prompts_per_generation
-        self.shuffle = shuffle
-        self.seed = seed
-        self.state = SamplerState()
-        self.iterable = isinstance(dataset, datasets.IterableDataset)
-        self._stream: Optional[Iterator[Any]] = None  # the loader's iterator over the rest of this epoch
-        if not self.iterable and len(dataset) < prompts_per_generation:
-            raise ValueError(
-                f"train_dataset has {len(dataset)} prompts but one generation needs {prompts_per_generation} unique prompts "
-                "(generation_batch_size / num_generations). Use a larger dataset or a smaller per_device_train_batch_size / "
-                "steps_per_generation."
-            )
-        if self.iterable:
-            self.loader = stream_loader(self._open_stream)
-        else:
-            self.loader = batches_loader(dataset, RestOfEpoch(self), num_workers=num_workers)
-
-    @property
-    def generations_per_epoch(self) -> Optional[int]:
-        return None if self.iterable else len(self.dataset) // self.prompts_per_generation
-
-    def _order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.dataset)))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.dataset), generator=generator).tolist()
-
-    def next_generation(self) -> tuple[list[int], list[dict]]:
-        """Dataset indices and rows of the next U prompts."""
-        if self.iterable:
-            return self._next_from_stream()
-        if self.state.position >= self.generations_per_epoch:
-            self.state = SamplerState(epoch=self.state.epoch + 1, position=0)
-            self._stream = None
-        if self._stream is None:
-            self._stream = iter(
-                self.loader
-            )  # RestOfEpoch reads the position now: the loader starts where the sampler is
-        pairs = next(self._stream)
-        self.state.position += 1
-        return [index for index, _ in pairs], [row for _, row in pairs]
-
-    def _next_from_stream(self) -> tuple[list[int], list[dict]]:
-        indices, rows = [], []
-        while len(rows) < self.prompts_per_generation:
-            if self._stream is None:
-                self._stream = iter(self.loader)  # opens the stream at the current epoch and position
-            try:
-                row = next(self._stream)
-            except StopIteration:
-                if self.state.position == 0:
-                    raise ValueError("train_dataset (an IterableDataset) yielded no rows.") from None
-                self.state = SamplerState(epoch=self.state.epoch + 1, position=0)
-                self._stream, indices, rows = None, [], []  # drop the incomplete generation, as for map-style data
-                continue
-            indices.append(self.state.position)
-            rows.append(row)
-            self.state.position += 1
-        return indices, rows
-
-    def _open_stream(self) -> Iterator[dict]:
-        """The stream from the current position: reshuffled per epoch (seeded), consumed rows skipped."""
-        stream = self.dataset
-        if self.shuffle:
-            stream = stream.shuffle(seed=self.seed + self.state.epoch, buffer_size=1000)
-        return iter(stream.skip(self.state.position))
-
-    def release(self) -> None:
-        """Stop the loader (and its worker processes) now; the next generation starts it again where the sampler is."""
-        self._stream = None
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.state.epoch, "position": self.state.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.state = SamplerState(epoch=int(state["epoch"]), position=int(state["position"]))
-        self._stream = None  # the next generation restarts the loader at the restored position
-
-
-class RestOfEpoch:
-    """The loader's batch sampler: the index lists of the generations left in the sampler's current epoch.
-
-    Read when the loader starts (`iter`), not when each batch is fetched: workers prefetch ahead,
-    while the sampler's position only counts the generations actually handed out.
-    """
-
-    def __init__(self, sampler: PromptSampler):
-        self.sampler = sampler
-
-    def __iter__(self) -> Iterator[list[int]]:
-        sampler, size = self.sampler, self.sampler.prompts_per_generation
-        order = sampler._order(sampler.state.epoch)
-        return iter(
-            [order[g * size : (g + 1) * size] for g in range(sampler.state.position, sampler.generations_per_epoch)]
-        )
-
-    def __len__(self) -> int:
-        return self.sampler.generations_per_epoch - self.sampler.state.position
 
 
 def local_prompt_batch(

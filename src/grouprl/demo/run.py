@@ -1,6 +1,6 @@
 """`grouprl demo`: GRPO on the built-in arithmetic task with the bundled tiny model.
 
-The bundled model (`grouprl/demo/tiny_arith`, recipe in `grouprl.demo.model`) was pretrained on
+The bundled model (`grouprl/demo/tiny_arith`, recipe in `grouprl.demo.pretrain`) was pretrained on
 addition problems whose shown answers are right only ~40% of the time, so it knows the format but
 samples the right sum rarely. GRPO with the verifiable `arithmetic_reward` (1 if the sum is right)
 should raise its sampled accuracy within a couple of minutes on a laptop CPU. The demo measures
@@ -52,9 +52,10 @@ def run_demo(args: Any) -> dict[str, Any]:
 
     from grouprl.compat.trainer import GRPOTrainer
     from grouprl.config.grpo_config import GRPOConfig
-    from grouprl.demo.model import DEMO_MODEL_DIR, HELDOUT_SEED, sampled_accuracy
+    from grouprl.demo.evaluation import HELDOUT_SEED, sampled_accuracy
+    from grouprl.demo.model import DEMO_MODEL_DIR
     from grouprl.demo.task import arithmetic_reward, make_arithmetic_dataset
-    from grouprl.report import write_report
+    from grouprl.report.writer import write_report
 
     started = time.time()
     model_path = args.model or str(DEMO_MODEL_DIR)

@@ -234,7 +234,7 @@ class RemoteGenerator:
         )
 
     def _join_group(self, device: torch.device) -> Any:
-        from grouprl.generation.server import new_pair_group
+        from grouprl.generation.server_weights import new_pair_group
 
         backend = "nccl" if device.type == "cuda" else "gloo"
         host = _own_address(self.base_url)

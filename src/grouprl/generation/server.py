@@ -1,5 +1,8 @@
 """`grouprl serve`: a generation server hosting the fast engine, with weight updates from a trainer.
 
+This module is the app and its start-up; the choices it returns are built in `server_choices.py`,
+the weights it receives are loaded by `server_weights.py`.
+
 Endpoints (FastAPI; `pip install 'grouprl[serve]'`):
 
     GET  /health              {"status": "ok", "server": "grouprl", "model": ..., "weight_version": k}
@@ -21,14 +24,14 @@ land in the middle of a generation.
 
 import argparse
 import threading
-from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
 
 from grouprl.core.types import SamplingParams
 from grouprl.generation.engine import FastGenerator
-from grouprl.model.logprobs import position_ids_from_mask
+from grouprl.generation.server_choices import sample_choice, score_choice, token_prompts
+from grouprl.generation.server_weights import WeightReceiver
 
 # Request fields accepted without effect here: formatting switches of vLLM's API.
 INERT_FIELDS = {"return_token_ids", "return_tokens_as_token_ids", "stream", "user", "model"}
@@ -41,62 +44,6 @@ def require_server_libraries() -> tuple[Any, Any]:
     except ImportError:
         raise ImportError("grouprl serve needs FastAPI and uvicorn: pip install 'grouprl[serve]'.") from None
     return fastapi, uvicorn
-
-
-class WeightReceiver:
-    """Loads named tensors into the served model; counts updates (weight_version)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.params = dict(model.named_parameters())
-        self.version = 0
-        self.group: Any = None  # torch.distributed process group shared with the trainer (broadcast mode)
-        self.backend = "gloo"
-
-    @torch.no_grad()
-    def load(self, tensors: dict[str, torch.Tensor]) -> int:
-        unknown = sorted(set(tensors) - set(self.params))
-        if unknown:
-            raise ValueError(
-                f"unknown weight names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}: the trainer's model does not "
-                "match the served model (serve the same architecture, e.g. the checkpoint the trainer started from)."
-            )
-        for name, tensor in tensors.items():
-            param = self.params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"weight {name}: shape {tuple(tensor.shape)} from the trainer, {tuple(param.shape)} on the server."
-                )
-            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
-        return len(tensors)
-
-    def join_group(self, host: str, port: int, backend: str, timeout: float) -> None:
-        """Join the trainer's 2-process group as rank 1 (the trainer process is rank 0 and hosts the store)."""
-        store = torch.distributed.TCPStore(host, port, 2, is_master=False, timeout=timedelta(seconds=timeout))
-        self.group, self.backend = new_pair_group(store, rank=1, backend=backend, timeout=timeout), backend
-
-    @torch.no_grad()
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
-        if self.group is None:
-            raise ValueError("no weight broadcast group: POST /init_weight_broadcast first.")
-        device = next(self.model.parameters()).device if self.backend == "nccl" else torch.device("cpu")
-        received = {}
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            self.group.broadcast(tensor, 0).wait()
-            received[name] = tensor
-        return self.load(received)
-
-
-def new_pair_group(store: Any, *, rank: int, backend: str, timeout: float) -> Any:
-    """A process group of the trainer's main process and the server, separate from the training group."""
-    if backend == "gloo":
-        return torch.distributed.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout))
-    if backend == "nccl":
-        options = torch.distributed.ProcessGroupNCCL.Options()
-        options._timeout = timedelta(seconds=timeout)
-        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
-    raise ValueError(f"weight broadcast backend {backend!r}: use 'gloo' or 'nccl'.")
 
 
 def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], model_name: str) -> Any:
@@ -156,10 +103,10 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
         unsupported = sorted(set(request.model_extra or {}) - INERT_FIELDS)
         if unsupported:
             raise bad_request(
-                f"unsupported request fields {unsupported}; grouprl serve samples with n, max_tokens, temperature, top_p, "
-                "top_k, min_p, repetition_penalty, min_tokens, logprobs (0), echo (with max_tokens 0), seed."
+                f"unsupported request fields {unsupported}; grouprl serve samples with n, max_tokens, temperature, "
+                "top_p, top_k, min_p, repetition_penalty, min_tokens, logprobs (0), echo (with max_tokens 0), seed."
             )
-        prompts = _token_prompts(request.prompt, tokenizer)
+        prompts = token_prompts(request.prompt, tokenizer)
         if request.n < 1 or request.logprobs not in (None, 0):
             raise bad_request(
                 "n must be >= 1 and logprobs None or 0 (the sampled token's logprob; no top alternatives)."
@@ -170,9 +117,7 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
             if request.echo:
                 if request.max_tokens not in (0, None):
                     raise bad_request("echo is only supported with max_tokens=0 (scoring the prompt).")
-                choices = [
-                    _score_choice(i, ids, model, tokenizer, request.temperature) for i, ids in enumerate(prompts)
-                ]
+                choices = [score_choice(i, ids, model, tokenizer, request.temperature) for i, ids in enumerate(prompts)]
             else:
                 params = SamplingParams(
                     max_new_tokens=request.max_tokens or 16,
@@ -185,7 +130,7 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
                 )
                 sampled = generator.generate(prompts, request.n, params)
                 choices = [
-                    _sample_choice(i, c, prompts[c.prompt_index], request.logprobs is not None)
+                    sample_choice(i, c, prompts[c.prompt_index], request.logprobs is not None)
                     for i, c in enumerate(sampled)
                 ]
         usage_prompt = sum(len(p) for p in prompts)
@@ -241,69 +186,6 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
         return {"loaded": count, "weight_version": weights.version}
 
     return app
-
-
-def _token_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        from fastapi import HTTPException
-
-        raise HTTPException(status_code=400, detail="every prompt needs at least one token.")
-    return prompts
-
-
-def _sample_choice(index: int, completion: Any, prompt_ids: list[int], with_logprobs: bool) -> dict:
-    logprobs = None
-    if with_logprobs:
-        logprobs = {
-            "tokens": [f"token_id:{t}" for t in completion.token_ids],
-            "token_logprobs": completion.sampler_logprobs,
-            "top_logprobs": None,
-            "text_offset": [],
-        }
-    return {
-        "index": index,
-        "text": completion.text,
-        "logprobs": logprobs,
-        "finish_reason": completion.finish_reason,
-        "token_ids": completion.token_ids,
-        "prompt_token_ids": prompt_ids,
-    }
-
-
-@torch.no_grad()
-def _score_choice(
-    index: int, prompt_ids: list[int], model: torch.nn.Module, tokenizer: Any, temperature: float
-) -> dict:
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids], device=device)
-    mask = torch.ones_like(ids)
-    was_training = model.training
-    model.eval()
-    try:
-        logits = (
-            model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[0, :-1].float()
-        )
-    finally:
-        model.train(was_training)
-    logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
-    return {
-        "index": index,
-        "text": tokenizer.decode(prompt_ids),
-        "finish_reason": "length",
-        "token_ids": [],
-        "prompt_token_ids": prompt_ids,
-        "logprobs": {
-            "tokens": [f"token_id:{t}" for t in prompt_ids],
-            "token_logprobs": [None, *logprobs.tolist()],
-            "top_logprobs": None,
-            "text_offset": [],
-        },
-    }
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

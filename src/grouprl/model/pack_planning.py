@@ -2,7 +2,7 @@
 
 The cost model counts token passes: a pack's tokens plus the attention pairs it scores, converted at
 `pairs_per_token` (what one token through a layer's weights costs, in attention pairs). Pure
-arithmetic on lengths and the model's shapes; the packs themselves are built in `prompt_packing.py`.
+arithmetic on lengths and the model's shapes; the packs themselves are built in `pack_building.py`.
 """
 
 from __future__ import annotations

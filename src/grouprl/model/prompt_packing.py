@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from transformers.utils import logging
@@ -36,86 +35,15 @@ from transformers.utils import logging
 from grouprl.model.forward import capture_head_input, describe, forward_keeping, is_unsupported, separable_head
 from grouprl.model.head_logprobs import head_logprobs
 from grouprl.model.length_buckets import in_row_order, length_buckets
-from grouprl.model.pack_planning import PromptGroups, group_by_prompt, pack_cost, pairs_per_token, split_for_cost
-from grouprl.model.packed_attention import LAYOUT_KWARG, PackLayout, build_layout
+from grouprl.model.pack_building import Pack, build_pack
+from grouprl.model.pack_planning import group_by_prompt, pack_cost, pairs_per_token, split_for_cost
+from grouprl.model.packed_attention import LAYOUT_KWARG
 from grouprl.model.patches import grouprl_patches, patches_active
 
 logger = logging.get_logger("grouprl")
 
-# The planning names stay importable from here (callers and tests use them through this module).
-__all__ = [
-    "Pack",
-    "PromptGroups",
-    "build_pack",
-    "group_by_prompt",
-    "pack_cost",
-    "packed_logprobs",
-    "packing_head",
-    "pairs_per_token",
-    "shared_prompt_logprobs",
-    "split_for_cost",
-]
-
 MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's
 _MASK_STYLE = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take a custom 4D mask
-
-
-class Pack(NamedTuple):
-    input_ids: torch.Tensor  # (packs, L)
-    position_ids: torch.Tensor  # (packs, L)
-    attention_mask: torch.Tensor  # (packs, 1, L, L) True where a query (dim 2) may attend a key (dim 3)
-    source: torch.Tensor  # (rows, T) flat index into (packs * L) of the state predicting each completion token
-    keep: int  # positions at the end of the pack whose states are needed (`logits_to_keep`)
-    layout: PackLayout  # the same visibility as index tensors, for packed_attention
-
-
-def build_pack(
-    prompts: list[list[int]], completions: list[list[list[int]]], completion_len: int, device: torch.device
-) -> Pack:
-    """Pack each prompt with its completions (token lists); rows come out in the order given.
-
-    `source[r, t]` is where the state predicting completion token t of row r sits: the prompt's last
-    position for t = 0, the completion's position t - 1 after that; beyond the row's length it
-    points at the prompt's last position (a real state whose result is then masked out).
-    """
-    length = max(len(p) + sum(len(c) for c in cs) for p, cs in zip(prompts, completions))
-    ids, positions, segment, source, spans = (
-        [],
-        [],
-        [],
-        [],
-        [],
-    )  # built as lists, turned into tensors once (cheap for many rows)
-    for b, (prompt, rows) in enumerate(zip(prompts, completions)):
-        p = len(prompt)
-        pack_ids, pack_positions, pack_segment = list(prompt), list(range(p)), [0] * p
-        spans.append([])
-        for j, tokens in enumerate(rows, start=1):
-            t, start = len(tokens), len(pack_ids)
-            spans[-1].append((start, t))
-            pack_ids += tokens
-            pack_positions += range(p, p + t)
-            pack_segment += [j] * t
-            last_prompt = b * length + p - 1
-            source.append(
-                [last_prompt]
-                + [b * length + start + i for i in range(t - 1)]
-                + [last_prompt] * (completion_len - max(t, 1))
-            )
-        pad = length - len(pack_ids)
-        ids.append(pack_ids + [0] * pad)
-        positions.append(pack_positions + [0] * pad)
-        segment.append(pack_segment + [-1] * pad)  # 0 prompt, j >= 1 completion j, -1 padding
-    ids, positions, segment = torch.tensor(ids), torch.tensor(positions), torch.tensor(segment)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    seg_q, seg_k = segment[:, :, None], segment[:, None, :]
-    visible = causal & (seg_k >= 0) & ((seg_k == 0) | (seg_k == seg_q))
-    visible |= torch.eye(length, dtype=torch.bool)  # padding queries see themselves: no empty softmax
-    keep = length - min(len(p) for p in prompts) + 1
-    layout = build_layout([len(p) for p in prompts], spans, length, device)
-    return Pack(
-        ids.to(device), positions.to(device), visible[:, None].to(device), torch.tensor(source).to(device), keep, layout
-    )
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -152,7 +80,8 @@ def packed_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (rows, T) [and entropies] of `completion_ids` (rows in the pack's order) from one packed forward.
 
-    sdpa models inside grouprl_patches() attend through packed_attention (visible pairs only), others through the 4D mask.
+    sdpa models inside grouprl_patches() attend through packed_attention (visible pairs only), others
+    through the 4D mask.
     """
     kwargs = {
         "input_ids": pack.input_ids,
@@ -240,7 +169,8 @@ def _probe(model: torch.nn.Module, head: torch.nn.Module, plain: Callable[..., t
         return f"the probe's packed pass failed: {describe(err)}"
     got, expected = got[completion_mask].float(), expected[completion_mask].float()
     if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance):
-        return f"the probe's packed logprobs differ from the plain pass's by up to {float((got - expected).abs().max()):.3g}"
+        gap = float((got - expected).abs().max())
+        return f"the probe's packed logprobs differ from the plain pass's by up to {gap:.3g}"
     return None
 
 

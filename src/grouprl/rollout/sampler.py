@@ -16,25 +16,19 @@ from accelerate import Accelerator
 
 from grouprl.agents import Agent, tool_call_stats
 from grouprl.core.advantages import estimate_advantages
-from grouprl.core.distributed import (
-    gather_objects,
-    gather_rows,
-    global_sum,
-    keep_row_values,
-    keep_rows,
-    layout_of,
-    run_on_main,
-)
+from grouprl.core.distributed import gather_rows, global_sum, keep_row_values, keep_rows, layout_of
 from grouprl.core.group_layout import GroupLayout
 from grouprl.core.metrics import MetricWindow, completion_length_stats, reward_stats
 from grouprl.core.types import Completion, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
 from grouprl.data.generation_inputs import GenerationInputs
 from grouprl.data.multimodal_prompts import rows_images
-from grouprl.data.prompts import PromptSampler, PromptTokenizer, is_conversational, local_prompt_batch
-from grouprl.generation.dispatch import sample_for_processes, sample_groups
+from grouprl.data.prompt_sampler import PromptSampler
+from grouprl.data.prompts import PromptTokenizer, is_conversational, local_prompt_batch
 from grouprl.generation.protocol import GenerationBackend
 from grouprl.rewards.scoring import RewardFunction, score_completions
 from grouprl.rollout.completion_log import CompletionLog, RecentCompletions
+from grouprl.rollout.generate import generate_for
+from grouprl.rollout.train_batch import pack_rollout, row_prompt_ids
 
 
 @dataclass
@@ -45,10 +39,9 @@ class RolloutSettings:
     mask_truncated_completions: bool
     remove_unused_columns: bool
     pad_token_id: int
-    default_prompt: Optional[list[dict]] = (
-        None  # the prompt of rows without one (environments own the data); None: required
-    )
-    advantage_estimator: str = "grpo"  # a name in algorithms.advantages.ADVANTAGE_ESTIMATORS
+    # The prompt of rows without one (environments own the data); None: required
+    default_prompt: Optional[list[dict]] = None
+    advantage_estimator: str = "grpo"  # a name in core.advantages.ADVANTAGE_ESTIMATORS
 
 
 @dataclass
@@ -68,9 +61,7 @@ class RolloutMaker:
     completion_extras: dict[str, list[Any]] = field(default_factory=dict)  # log_extra columns of the last generation
     completion_log: Optional[CompletionLog] = None  # set when log_completions is on
     synced_step: Optional[int] = None  # optimizer step whose weights the backend samples from
-    agent: Optional[Agent] = (
-        None  # multi-turn rollouts (tools, environments, rollout_func); None = single-turn sampling
-    )
+    agent: Optional[Agent] = None  # multi-turn rollouts (tools, environments, rollout_func); None: single-turn
     recent: Optional[RecentCompletions] = None  # TRL's trainer._logs: the latest generation batch's rows
     # A TRL subclass's overrides (GRPOTrainer._generate / _calculate_rewards); each returns None when not overridden.
     generate_hook: Optional[Callable[[PromptBatch], Optional[list[Completion]]]] = None
@@ -136,9 +127,8 @@ class RolloutMaker:
         process's share of them (the given one is left as it was) and the rewards and advantages cover them only.
         """
         self.log_lengths(rollout, window)
-        scored = (
-            self.reward_hook(self, rollout, window) if self.reward_hook is not None else None
-        )  # an overridden _calculate_rewards
+        # An overridden _calculate_rewards first
+        scored = self.reward_hook(self, rollout, window) if self.reward_hook is not None else None
         if scored is None:
             scored = gather_rows(self.accelerator, self.reward_table(rollout, trainer_state, window))  # (N_global, F)
         rewards = Rewards(scored, [f.name for f in self.reward_functions], self.reward_weights)
@@ -178,9 +168,7 @@ class RolloutMaker:
 
     def log_lengths(self, rollout: Rollout, window: MetricWindow) -> None:
         """completions/* (and tools/*) metrics and the running num_tokens, over everything the model generated."""
-        lengths = torch.tensor(
-            [c.num_model_tokens for c in rollout.completions]
-        )  # tool output is not the model's length
+        lengths = torch.tensor([c.num_model_tokens for c in rollout.completions])  # tool output is not the model's
         stopped = torch.tensor([c.finish_reason == "stop" for c in rollout.completions])
         window.add_all(
             completion_length_stats(gather_rows(self.accelerator, lengths), gather_rows(self.accelerator, stopped))
@@ -226,7 +214,8 @@ class RolloutMaker:
     def global_advantages(
         self, rewards: Rewards, group_size: Optional[int] = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Advantages (N_global,) of gathered rewards (groups of `group_size`, default G), and group_advantages' statistics."""
+        """Advantages (N_global,) of gathered rewards (groups of `group_size`, default G), and group_advantages'
+        statistics."""
         return estimate_advantages(
             self.settings.advantage_estimator,
             rewards.per_function,
@@ -238,13 +227,13 @@ class RolloutMaker:
 
     def make_train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
         batch = pack_rollout(rollout, advantages, self.settings.pad_token_id, self.settings.mask_truncated_completions)
-        return replace(
-            batch, num_loss_tokens=global_sum(self.accelerator, float(batch.loss_mask.sum()))
-        )  # built complete
+        # Built complete, with the loss-token count of every process
+        return replace(batch, num_loss_tokens=global_sum(self.accelerator, float(batch.loss_mask.sum())))
 
 
 def completion_inputs(rollout: Rollout) -> list[Any]:
-    """(N,) completions as reward functions get them: text, or for conversational prompts the assistant (and tool) messages."""
+    """(N,) completions as reward functions get them: text, or for conversational prompts the assistant (and
+    tool) messages."""
     conversational = is_conversational(rollout.prompts.prompts[0])
     return [
         (c.messages or [{"role": "assistant", "content": c.text}]) if conversational else c.text
@@ -262,87 +251,3 @@ def reward_columns(rollout: Rollout) -> dict[str, list[Any]]:
             for name in {k for c in completions for k in c.reward_kwargs}
         },
     }
-
-
-def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:
-    """Ask the backend for each prompt's num_samples completions; return them in row order.
-
-    Prompts on a process usually all need G samples; a group cut by a process boundary needs fewer
-    (dispatch.sample_groups sends one call per distinct count). A backend that only the main process
-    may use (`main_process_only`: a server) samples whole groups there for every process.
-    """
-    if getattr(backend, "main_process_only", False):
-        return generate_on_main_process(backend, prompts, params)
-    per_prompt = sample_groups(backend, prompts.prompt_ids, prompts.num_samples, params, prompts.multimodal)
-    return [replace(c, prompt_index=b) for b, completions in enumerate(per_prompt) for c in completions]
-
-
-def generate_on_main_process(
-    backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams
-) -> list[Completion]:
-    """This process's completions (row order of `prompts`), sampled as whole groups by the main process for everyone.
-
-    An exception there is raised on every process (run_on_main), so no process waits in a collective for ever.
-    """
-    if prompts.multimodal is not None:
-        raise NotImplementedError(
-            f"{type(backend).__name__} samples text prompts only; prompts with images need an in-process "
-            "backend (generation_engine='auto' or 'transformers')."
-        )
-    layout = layout_of(prompts)
-    group_prompts = layout.join(gather_objects(prompts.prompt_ids))  # the main process needs every group's prompt
-    shares = run_on_main(lambda: sample_for_processes(backend, layout, group_prompts, params))
-    return [replace(c, prompt_index=b) for c, b in zip(shares[layout.process_index], prompts.row_index())]
-
-
-def row_prompt_ids(rollout: Rollout) -> list[list[int]]:
-    """(N,) prompt token ids of each completion: its own (environment observation, rollout_func) or its prompt's."""
-    return [
-        c.prompt_ids if c.prompt_ids is not None else rollout.prompts.prompt_ids[b]
-        for c, b in zip(rollout.completions, rollout.row_prompt)
-    ]
-
-
-def pack_rollout(rollout: Rollout, advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool) -> TrainBatch:
-    """Left-pad prompts and right-pad completions into tensors; build the masks.
-
-    completion_mask covers every completion token (the attention context); loss_mask drops tool
-    output (Completion.tool_mask False) and, with mask_truncated, truncated completions.
-    """
-    rows = rollout.row_prompt
-    prompt_ids = row_prompt_ids(rollout)
-    completion_ids = [c.token_ids for c in rollout.completions]
-    n = len(rows)
-    width_p = max(len(p) for p in prompt_ids)
-    width_c = max(1, max(len(c) for c in completion_ids))
-    prompt_tensor = torch.full((n, width_p), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((n, width_p), dtype=torch.bool)
-    completion_tensor = torch.full((n, width_c), pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros((n, width_c), dtype=torch.bool)
-    has_sampler_logprobs = all(c.sampler_logprobs is not None for c in rollout.completions)
-    sampler_logprobs = torch.zeros((n, width_c)) if has_sampler_logprobs else None
-    for r, (p, completion) in enumerate(zip(prompt_ids, rollout.completions)):
-        prompt_tensor[r, width_p - len(p) :] = torch.tensor(p, dtype=torch.long)
-        prompt_mask[r, width_p - len(p) :] = True
-        length = len(completion.token_ids)
-        completion_tensor[r, :length] = torch.tensor(completion.token_ids, dtype=torch.long)
-        completion_mask[r, :length] = True
-        if sampler_logprobs is not None:
-            sampler_logprobs[r, :length] = torch.tensor(completion.sampler_logprobs, dtype=torch.float32)
-    loss_mask = completion_mask.clone()
-    for r, completion in enumerate(rollout.completions):
-        if completion.tool_mask is not None:
-            loss_mask[r, : len(completion.tool_mask)] = torch.tensor(completion.tool_mask, dtype=torch.bool)
-    if mask_truncated:  # truncated completions keep their rewards in the group statistics but train nothing
-        truncated = torch.tensor([c.finish_reason != "stop" for c in rollout.completions])
-        loss_mask[truncated] = False
-    return TrainBatch(
-        prompt_ids=prompt_tensor,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_tensor,
-        completion_mask=completion_mask,
-        loss_mask=loss_mask,
-        advantages=advantages.float(),
-        sampler_logprobs=sampler_logprobs,
-        multimodal=None if rollout.prompts.multimodal is None else [rollout.prompts.multimodal[b] for b in rows],
-    )

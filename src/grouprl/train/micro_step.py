@@ -23,7 +23,8 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig
-from grouprl.core.losses import dapo_denominator, masked_mean, policy_loss
+from grouprl.core.loss_aggregations import dapo_denominator, masked_mean
+from grouprl.core.losses import policy_loss
 from grouprl.core.stats import MAX, MEAN, MIN, Stat, finite, local, mean, open_set, total
 from grouprl.model.policy_logprobs import policy_logprobs
 

@@ -1,0 +1,37 @@
+"""Command line: ``grouprl train`` (mirrors ``trl grpo``), ``grouprl serve``, ``grouprl demo`` and ``grouprl report``.
+
+    grouprl train --model_name_or_path PATH --dataset_name NAME_OR_FILE --reward_funcs NAME_OR_DOTTED_PATH ...
+    grouprl train --config run.yaml --learning_rate 1e-5      # YAML sets defaults, flags override
+    grouprl train --accelerate_config multi_gpu --num_processes 8 ...   # several processes via accelerate launch
+    grouprl serve --model PATH --port 8000                     # a generation server for trainers
+    grouprl demo                                               # the built-in arithmetic task, ~2 minutes on a CPU
+    grouprl report OUTPUT_DIR                                  # HTML page with charts and completions of a run
+
+Every GRPOConfig field is a flag (``--snake_case`` or ``--kebab-case``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from grouprl.cli.demo import demo_command
+from grouprl.cli.report import report_command
+from grouprl.cli.serve import serve_command
+from grouprl.cli.train import train_command
+
+COMMANDS = {"train": train_command, "serve": serve_command, "demo": demo_command, "report": report_command}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(
+            "usage: grouprl {train,serve,demo,report} [flags]\n\n"
+            "  train   train a model with GRPO (grouprl train --help lists every flag)\n"
+            "  serve   serve a model for generation to trainers (grouprl serve --help)\n"
+            "  demo    run the built-in default: GRPO on small arithmetic with a bundled tiny model\n"
+            "  report  write an HTML report of a run: grouprl report OUTPUT_DIR"
+        )
+        return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
+    return COMMANDS[argv[0]](argv[1:])
