@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 from grouprl.core.types import SamplingParams
 from grouprl.generation.engine import FastGenerator, engine_supports
 from grouprl.generation.sampling import process_logits
-from grouprl.generation.shared_prefix import matches_standard_attention
+from grouprl.generation.shared_prefix_probe import matches_standard_attention
 from grouprl.model.logprobs import completion_logprobs
 
 

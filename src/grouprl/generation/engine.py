@@ -37,7 +37,8 @@ from grouprl.generation.decode_products import weight_major_decode
 from grouprl.generation.kv_buffers import preallocate
 from grouprl.generation.protocol import left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, process_logits, sample_tokens
-from grouprl.generation.shared_prefix import SharedPrefixCache, decoding, matches_standard_attention
+from grouprl.generation.shared_prefix import SharedPrefixCache, decoding
+from grouprl.generation.shared_prefix_probe import matches_standard_attention
 from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches
 

@@ -16,29 +16,20 @@ leave the buffer (`batch_select_indices`); their slot in the per-prompt grid sim
 The attention function is registered in transformers' attention registry only while
 `patches.grouprl_patches()` is active, and a model uses it only inside `decoding`, which sets the
 model's attention implementation through `model.set_attn_implementation` and sets the previous one
-back on exit. `matches_standard_attention` checks a model once and logs its verdict once:
-architectures whose attention layers do something this does not (sliding windows, sinks,
-soft-capping) fail the check and keep the regular cache; an error other than "this model cannot run
-it" propagates.
+back on exit. Whether a model may use it is checked once per model (shared_prefix_probe.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import weakref
 from collections.abc import Iterator
 
 import torch
 from transformers import DynamicCache
-from transformers.utils import logging
 
 from grouprl.generation.kv_buffers import compact_rows
-from grouprl.model.forward import describe, is_unsupported
-from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches, scoped_attention
-
-logger = logging.get_logger("grouprl")
 
 NAME = "grouprl_shared_prefix"
 _ACTIVE: contextvars.ContextVar[SharedPrefixCache | None] = contextvars.ContextVar(
@@ -101,15 +92,18 @@ class SharedPrefixCache:
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (R, H, 1, D) -> attention output (R, 1, H, D) over the row's prompt and its own tokens."""
         rows, heads, _, d = query.shape
-        prefix_k, prefix_v = self.prefix_keys[layer_idx], self.prefix_values[layer_idx]
+        # Scores, softmax and sums in fp32 at least, as the fused attention kernels keep them: a bf16 score of
+        # 30 is off by 0.1, which moves a softmax weight by 10% (SmolLM2-135M's bf16 logits were off by 7).
+        work = torch.promote_types(query.dtype, torch.float32)
+        prefix_k, prefix_v = self.prefix_keys[layer_idx].to(work), self.prefix_values[layer_idx].to(work)
         kvh, p, t = prefix_k.shape[1], prefix_k.shape[2], self.lengths[layer_idx]
-        q = (query * scaling).reshape(rows, kvh, heads // kvh, d)
+        q = (query.to(work) * scaling).reshape(rows, kvh, heads // kvh, d)
         # Against the prompt: all rows of a prompt in one matmul with that prompt's keys.
         prefix_scores = torch.matmul(self._to_grid(q), prefix_k.transpose(-1, -2))  # (B, KVH, G*rep, P)
         if self.prefix_bias is not None:
             prefix_scores = prefix_scores + self.prefix_bias
         # Against the row's own sampled tokens, then one softmax over both parts.
-        own_k, own_v = self.keys[layer_idx][:, :, :t], self.values[layer_idx][:, :, :t]
+        own_k, own_v = self.keys[layer_idx][:, :, :t].to(work), self.values[layer_idx][:, :, :t].to(work)
         scores = torch.cat(
             [self._from_grid(prefix_scores), torch.matmul(q, own_k.transpose(-1, -2))], dim=-1
         )  # (R, KVH, rep, P + t)
@@ -117,7 +111,7 @@ class SharedPrefixCache:
         out = self._from_grid(torch.matmul(self._to_grid(weights[..., :p]), prefix_v)) + torch.matmul(
             weights[..., p:], own_v
         )
-        return out.reshape(rows, 1, heads, d)
+        return out.reshape(rows, 1, heads, d).to(query.dtype)
 
     def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
         """(R, KVH, rep, m) per row -> (B, KVH, G * rep, m) per prompt (empty slots of finished rows are zero)."""
@@ -183,74 +177,3 @@ def decoding(model: torch.nn.Module, cache: SharedPrefixCache) -> Iterator[None]
                 model.set_attn_implementation(previous)
         finally:
             _ACTIVE.reset(token)
-
-
-_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-def matches_standard_attention(model: torch.nn.Module) -> bool:
-    """Whether decoding with SharedPrefixCache reproduces the model's own attention (checked once per model)."""
-    if model not in _VERIFIED:
-        reason = _probe(model)
-        _VERIFIED[model] = reason is None
-        name = type(model).__name__
-        if reason is None:
-            logger.info(
-                f"grouprl: shared-prefix decoding is on for {name}: each prompt's KV cache is read once for its "
-                "samples."
-            )
-        else:
-            logger.log(
-                logging.WARNING if reason.startswith("the probe") else logging.INFO,
-                f"grouprl: shared-prefix decoding is off for {name}: {reason}. Each sample keeps its own copy of the "
-                "prompt's cache.",
-            )
-    return _VERIFIED[model]
-
-
-@torch.no_grad()
-def _probe(model: torch.nn.Module) -> str | None:
-    """Two left-padded prompts, 2 samples each, 3 decode steps: None if the logits
-    equal a regular cache's, else why not."""
-    if not callable(getattr(model, "set_attn_implementation", None)):
-        return f"{type(model).__name__} has no set_attn_implementation"
-    vocab = model.get_input_embeddings().weight.shape[0]
-    device = next(model.parameters()).device
-    ids = torch.tensor([[0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
-    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], device=device)
-    steps = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], device=device) % vocab  # tokens fed per step
-    try:
-        reference = DynamicCache(config=model.config)
-        model(
-            input_ids=ids.repeat_interleave(2, 0),
-            attention_mask=mask.repeat_interleave(2, 0),
-            position_ids=position_ids_from_mask(mask).repeat_interleave(2, 0),
-            past_key_values=reference,
-            use_cache=True,
-        )
-        prefill = DynamicCache(config=model.config)
-        model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position_ids_from_mask(mask),
-            past_key_values=prefill,
-            use_cache=True,
-        )
-        shared = SharedPrefixCache(prefill, mask, 2, steps.shape[0])
-        full_mask = mask.repeat_interleave(2, 0)
-        positions = full_mask.sum(dim=1)
-        for step in steps:
-            full_mask = torch.cat([full_mask, full_mask.new_ones(4, 1)], dim=1)
-            kwargs = {"input_ids": step[:, None], "position_ids": positions[:, None], "use_cache": True}
-            expected = model(**kwargs, attention_mask=full_mask, past_key_values=reference).logits.float()
-            with decoding(model, shared):
-                got = model(**kwargs, past_key_values=shared).logits.float()
-            if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4):
-                largest_gap = float((got - expected).abs().max())
-                return f"the probe's decode logits differ from a regular cache's by up to {largest_gap:.3g}"
-            positions = positions + 1
-    except Exception as err:
-        if not is_unsupported(err):
-            raise
-        return f"the probe's decode step failed: {describe(err)}"
-    return None
