@@ -155,10 +155,10 @@ def write_report(
     lines = [
         START,
         f"Measured {datetime.date.today()} on this project's machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch threads default, no GPU. Command: `python bench/run_all.py --repeats "
-        f"{repeats}` (grouprl in `.venv`, TRL 1.16.0 in a separate venv; runs alternate between the two, medians "
-        "reported). Same model, data, config and seed on both sides; the training script `bench/bench_train.py` is "
-        "identical for both frameworks except the import line.",
+        f"{os.cpu_count()} cores, torch threads default, no GPU. Command: `python bench/run_all.py "
+        f"{' '.join(sys.argv[1:])}` (grouprl in `.venv`, TRL 1.16.0 in a separate venv; runs alternate between the "
+        "two, medians reported). Same model, data, config and seed on both sides; the training script "
+        "`bench/bench_train.py` is identical for both frameworks except the import line.",
         "",
         f"Measured matmul peak (1024x1024, median of the measurements after each pair): fp32 {peak['float32']:.1f} "
         f"GFLOP/s, bf16 {peak['bfloat16']:.2f} GFLOP/s. {cpu_sentence(rows)} Useful FLOP/s are reported against the "
