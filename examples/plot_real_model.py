@@ -38,6 +38,30 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def comparison(runs: list[dict]) -> str:
+    """Per mode: each library's mean held-out gain and training seconds over its seeds, and grouprl's ratios."""
+    lines = [
+        "| mode | seeds | grouprl mean gain | TRL mean gain | grouprl mean train s | TRL mean train s | "
+        "grouprl wall-clock / TRL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in sorted({r["mode"] for r in runs}):
+        by_library = {
+            library: [r for r in runs if r["mode"] == mode and r["library"] == library]
+            for library in ("grouprl", "trl")
+        }
+        if not all(by_library.values()):
+            continue
+        gain = {k: sum(r["accuracy_after"] - r["accuracy_before"] for r in v) / len(v) for k, v in by_library.items()}
+        seconds = {k: sum(r["train_seconds"] for r in v) / len(v) for k, v in by_library.items()}
+        seeds = sorted({r["seed"] for v in by_library.values() for r in v})
+        lines.append(
+            f"| {mode} | {', '.join(map(str, seeds))} | {gain['grouprl']:+.3f} | {gain['trl']:+.3f} | "
+            f"{seconds['grouprl']:.0f} | {seconds['trl']:.0f} | {seconds['grouprl'] / seconds['trl']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(runs: list[dict], path: str) -> None:
     import matplotlib
 
@@ -74,6 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     runs = load(args.runs)
     print(table(runs))
+    print()
+    print(comparison(runs))
     if args.plot:
         plot(runs, args.plot)
 
