@@ -44,7 +44,7 @@ class ServerWorker:
     def describe(self) -> str:
         return f"the generation server at {self.url}"
 
-    def restart(self, version: int) -> str:
+    def restart(self) -> str:
         raise WorkerDied(f"{self.describe()} stopped answering; it was not started by grouprl, so it is not restarted.")
 
     def kill(self) -> None:
@@ -73,10 +73,11 @@ class LocalWorker:
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         write_policy(model, tokenizer, self.directory)
         self.process: Optional[subprocess.Popen] = None
-        self.port, self.url = 0, ""
+        self.port, self.url, self.version = 0, "", 0
 
     def start(self, version: int) -> str:
         """Start the server with the written weights named `version`; wait until it answers; return its URL."""
+        self.version = version
         port = self.port = self.port or _free_port()  # a restart keeps the address the clients know
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "grouprl.cli", "serve", "--model", self.directory, "--host", "127.0.0.1"]
@@ -130,10 +131,10 @@ class LocalWorker:
         except OSError:
             return "no log was written"
 
-    def restart(self, version: int) -> str:
-        """Stop what is left of the process and start a fresh one from the written weights (`version`)."""
+    def restart(self) -> str:
+        """Stop what is left of the process and start a fresh one from the written weights (their version)."""
         self.kill()
-        return self.start(version)
+        return self.start(self.version)
 
     def kill(self) -> None:
         """End the process now (a hung worker: its pending requests then fail at once)."""
