@@ -69,6 +69,7 @@ class LocalWorker:
         startup_timeout: float,
     ):
         self.threads, self.log_path, self.startup_timeout = threads, log_path, startup_timeout
+        self.device = next(model.parameters()).device.type  # the worker samples where the trainer trains
         self.directory = tempfile.mkdtemp(prefix="grouprl-worker-")
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         write_policy(model, tokenizer, self.directory)
@@ -81,7 +82,8 @@ class LocalWorker:
         port = self.port = self.port or _free_port()  # a restart keeps the address the clients know
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "grouprl.cli", "serve", "--model", self.directory, "--host", "127.0.0.1"]
-        command += ["--port", str(port), "--dtype", self.dtype, "--weight_version", str(version)]
+        command += ["--port", str(port), "--dtype", self.dtype, "--device", self.device]
+        command += ["--weight_version", str(version)]
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         if self.threads:
             command += ["--threads", str(self.threads)]
