@@ -1,0 +1,212 @@
+"""Asynchronous GRPO end to end: a `grouprl serve` worker samples ahead while the tiny model trains.
+
+The staleness bound holds for every trained batch (read from the logged async/* metrics and the sampler-
+mismatch statistics), the sampler-mismatch weights of a stale sample are the formula of its two policies'
+logprobs, and samples come from the weight version they are tagged with.
+"""
+
+import math
+import time
+
+import datasets
+import pytest
+import torch
+from helpers import distinct_tokens
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.model.logprobs import completion_logprobs
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+PROMPTS = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(32)]})
+
+
+def async_config(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=0.05,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+        async_generation=True,
+        generation_threads=1,
+    )
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def slow_distinct_tokens(completion_ids, **kwargs):
+    """distinct_tokens, slowly: the trainer falls behind the worker, so samples grow stale."""
+    time.sleep(0.4)
+    return distinct_tokens(completion_ids)
+
+
+def step_entries(trainer):
+    return [e for e in trainer.state.log_history if "async/staleness_max" in e]
+
+
+def test_max_staleness_zero_trains_only_on_the_current_weights(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=slow_distinct_tokens,
+        args=async_config(tmp_path, max_staleness=0),
+        train_dataset=PROMPTS,
+    )
+    trainer.train()
+    entries = step_entries(trainer)
+    assert len(entries) == 4
+    for entry in entries:
+        assert entry["async/staleness_max"] == 0
+        # sampled by the very weights the trainer scores with: no mismatch to correct
+        assert entry["sampling/sampling_logp_difference/max"] < 1e-4
+        assert entry["sampling/importance_sampling_ratio/min"] > 0.999
+    # the worker waited for each update instead of sampling ahead
+    assert sum(e["async/generator_wait_s"] for e in entries[1:]) > 0
+
+
+class RecordBatches(GRPOTrainer):
+    """Keeps every generation batch made ready to train on, with the optimizer step it was taken at."""
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        self.batches.append((self.state.global_step, batch))
+        return batch
+
+
+class RecordWeights(TrainerCallback):
+    """The policy's weights after each optimizer step (version = global_step), and before the first."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.versions = {0: self.copy()}
+
+    def copy(self):
+        return {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.versions[state.global_step] = self.copy()
+
+
+def logprobs_under(model_dir, weights, batch):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        out = completion_logprobs(
+            model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.completion_ids,
+            batch.completion_mask,
+            temperature=1.0,
+            with_entropy=False,
+            pack_prompts=False,
+        )
+    return out.logprobs
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_stale_samples_are_weighted_by_the_sampler_mismatch_formula(tiny_model_dir, tmp_path, mode):
+    trainer = RecordBatches(
+        model=tiny_model_dir,
+        reward_funcs=slow_distinct_tokens,
+        args=async_config(
+            tmp_path, max_staleness=2, max_steps=5, vllm_importance_sampling_mode=mode, learning_rate=0.02
+        ),
+        train_dataset=PROMPTS,
+    )
+    trainer.batches = []
+    weights = RecordWeights(trainer)
+    trainer.add_callback(weights)
+    trainer.train()
+    staleness = {e["step"]: int(e["async/staleness_max"]) for e in step_entries(trainer)}
+    assert max(staleness.values()) <= 2
+    stale = [(step, batch) for step, batch in trainer.batches if staleness[step + 1] > 0]
+    assert stale, f"no batch was sampled ahead (staleness per step: {staleness})"
+    step, batch = stale[-1]
+    sampled_at = step - staleness[step + 1]
+    mask = batch.loss_mask
+    # the sampler's logprobs are those of the weights the sample is tagged with; the old logprobs the trainer's
+    sampler = logprobs_under(tiny_model_dir, weights.versions[sampled_at], batch)
+    trained = logprobs_under(tiny_model_dir, weights.versions[step], batch)
+    assert torch.allclose(batch.sampler_logprobs[mask], sampler[mask], atol=2e-4)
+    assert torch.allclose(batch.old_logprobs[mask], trained[mask], atol=2e-4)
+    assert (trained[mask] - sampler[mask]).abs().max() > 1e-3  # the policy did move in between
+    for row in range(len(batch)):
+        tokens = [t for t in range(mask.shape[1]) if mask[row, t]]
+        gaps = [float(trained[row, t] - sampler[row, t]) for t in tokens]
+        if mode == "token_truncate":  # rho_t = min(pi_old / pi_sampler, 3) per token
+            expected = [min(math.exp(g), 3.0) for g in gaps]
+            got = [float(batch.is_weights[row, t]) for t in tokens]
+        else:  # rho = prod_t pi_old / pi_sampler, 0 when above 3, for the whole sequence
+            rho = math.exp(sum(gaps))
+            expected, got = [0.0 if rho > 3.0 else rho], [float(batch.is_weights[row, tokens[0]])]
+        assert got == pytest.approx(expected, rel=2e-3, abs=1e-4), (row, gaps)
+
+
+def test_no_trained_sample_is_older_than_max_staleness(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=slow_distinct_tokens,
+        args=async_config(tmp_path, max_staleness=1, max_steps=6, learning_rate=0.02),
+        train_dataset=PROMPTS,
+    )
+    trainer.train()
+    entries = step_entries(trainer)
+    assert len(entries) == 6
+    assert all(e["async/staleness_max"] <= 1 for e in entries)
+    assert any(e["async/staleness_max"] == 1 for e in entries)  # it did sample ahead
+    # prompts in the sampler's order, none skipped: 6 steps x 2 prompts, the first 12 of the seeded order
+    assert trainer.run.rollouts.generations_made == 6
+
+
+def test_async_config_fields_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness=0 is below weight_sync_steps - 1 = 1"):
+        async_config(tmp_path, max_staleness=0, weight_sync_steps=2)
+    with pytest.raises(ValueError, match="async_worker='remote'"):
+        async_config(tmp_path, async_worker="remote")
+    with pytest.raises(ValueError, match="max_inflight_tasks=0"):
+        async_config(tmp_path, max_inflight_tasks=0)
+
+
+def test_a_generation_backend_object_is_refused_in_async_mode(tiny_model_dir, tmp_path):
+    from helpers import ScriptedBackend
+
+    with pytest.raises(ValueError, match="async_generation=True samples in a worker process"):
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=async_config(tmp_path),
+            train_dataset=PROMPTS,
+            generation_backend=ScriptedBackend(lambda p, s: [5, 6], eos_token_id=0),
+        )
+
+
+def test_worker_is_stopped_when_training_fails(tiny_model_dir, tmp_path):
+    def failing(completion_ids, trainer_state=None, **kwargs):
+        if trainer_state.global_step == 1:
+            raise RuntimeError("reward service down")
+        return distinct_tokens(completion_ids)
+
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=failing, args=async_config(tmp_path), train_dataset=PROMPTS
+    )
+    workers = []
+
+    class Spy(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            workers.append(trainer.run.rollouts.source.producer.worker)
+
+    trainer.add_callback(Spy())
+    with pytest.raises(Exception, match="reward service down"):
+        trainer.train()
+    assert workers and workers[0].exit_code() is not None  # stopped, not left running
+    assert trainer.run.rollouts.source is None
