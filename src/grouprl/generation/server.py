@@ -213,6 +213,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weight_version", type=int, default=0, help="Version of the weights served at start-up (default 0)."
     )
+    parser.add_argument(
+        "--parent_pid", type=int, default=None, help="Exit when this process ends (a trainer's own worker)."
+    )
     parser.add_argument("--log_level", default="warning", help="uvicorn log level (default warning).")
 
 
@@ -224,6 +227,8 @@ def serve(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.parent_pid:
+        exit_with(args.parent_pid)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     model = (
@@ -236,3 +241,23 @@ def serve(args: argparse.Namespace) -> None:
     app = create_app(model, tokenizer, eos_token_ids(tokenizer, model), args.model, args.weight_version)
     print(f"grouprl serve: {args.model} on {device}, http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def exit_with(parent_pid: int) -> None:
+    """End this process once `parent_pid` has ended (a trainer killed with SIGKILL leaves no worker behind)."""
+    import os
+    import time
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:
+                pass  # alive, owned by someone else
+            if os.getppid() != parent_pid:
+                os._exit(0)  # re-parented: the trainer is gone
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="grouprl-parent-watch", daemon=True).start()

@@ -7,6 +7,7 @@ backoff, so a dead server ends the run with an error naming the URL and the sett
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -60,8 +61,14 @@ class ServerClient:
                 if err.code not in RETRY_STATUS:
                     raise ServerError(f"generation server {method} {url} answered {err.code}: {detail}") from None
                 last = err
-            except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as err:
-                last = err
+            except (
+                urllib.error.URLError,
+                ConnectionError,
+                socket.timeout,
+                TimeoutError,
+                http.client.HTTPException,
+            ) as err:
+                last = err  # HTTPException: the connection broke mid-answer (a server killed while answering)
         raise ServerError(
             f"generation server {method} {url} failed after {attempts} attempt(s): {getattr(last, 'reason', last)}. "
             f"Settings: {self.timeout_name if timeout is None else 'weight_sync_timeout'}={wait:g}s per request, "

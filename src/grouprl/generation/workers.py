@@ -83,7 +83,7 @@ class LocalWorker:
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "grouprl.cli", "serve", "--model", self.directory, "--host", "127.0.0.1"]
         command += ["--port", str(port), "--dtype", self.dtype, "--device", self.device]
-        command += ["--weight_version", str(version)]
+        command += ["--weight_version", str(version), "--parent_pid", str(os.getpid())]
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         if self.threads:
             command += ["--threads", str(self.threads)]

@@ -59,6 +59,7 @@ class Producer:
         self.exact_versions = bool(getattr(backend, "is_grouprl", False))  # the server tags each answer
         self.error: Optional[BaseException] = None
         self.stopping = False
+        self.restarting = False  # a dead worker is being replaced: failing requests are lost, not errors
         self.last_answer = time.monotonic()
         self.generator_wait = 0.0  # seconds the worker sat idle (nothing it may sample) since the last take
         self.pool = ThreadPoolExecutor(max(1, limits.in_flight // completions_per_slot), "grouprl-request")
@@ -145,8 +146,14 @@ class Producer:
                 self.worker.kill()
                 again = " after it was restarted once" if self.epoch else ""
                 raise WorkerDied(f"{self.worker.describe()} {what}{again}; training stops.")
-            self.worker.kill()
-            self.worker.restart()
+            with self.cond:
+                self.restarting = True
+            try:
+                self.worker.kill()
+                self.worker.restart()
+            finally:
+                with self.cond:
+                    self.restarting = False
             with self.cond:
                 self.epoch += 1
                 self.last_answer = time.monotonic()
@@ -241,8 +248,8 @@ class Producer:
                 self.cond.notify_all()
         except BaseException as err:
             with self.cond:
-                if self.epoch == epoch and self.worker.exit_code() is None:
+                if self.epoch == epoch and not self.restarting and self.worker.exit_code() is None:
                     self.error = err  # the worker lives: a bug or a refused request, raised by take()
-                elif slot.number in self.book.requested:
+                elif self.epoch == epoch and slot.number in self.book.requested:
                     self.book.fail(slot)  # lost with the worker: requested again once it is back
-                self.cond.notify_all()
+                self.cond.notify_all()  # (a request of an older worker was re-queued by its restart)
