@@ -15,6 +15,7 @@ from helpers import distinct_tokens
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.generation.server_client import ServerClient
 from grouprl.model.logprobs import completion_logprobs
 
 pytest.importorskip("fastapi")
@@ -210,3 +211,58 @@ def test_worker_is_stopped_when_training_fails(tiny_model_dir, tmp_path):
         trainer.train()
     assert workers and workers[0].exit_code() is not None  # stopped, not left running
     assert trainer.run.rollouts.source is None
+
+
+def test_trl_async_grpo_trainer_trains_against_a_server_it_did_not_start(tiny_model_dir, tmp_path):
+    """TRL's AsyncGRPOConfig / AsyncGRPOTrainer, pointed at a running `grouprl serve` (as at a `vllm serve`)."""
+    from transformers import AutoTokenizer
+
+    from grouprl import AsyncGRPOConfig, AsyncGRPOTrainer
+    from grouprl.generation.workers import LocalWorker
+
+    server = LocalWorker(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+        threads=1,
+        log_path=str(tmp_path / "server.log"),
+        startup_timeout=120,
+    )
+    url = server.start(version=0)
+    try:
+        args = AsyncGRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            vllm_server_base_url=url,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=8,
+            learning_rate=0.02,
+            max_steps=3,
+            max_staleness=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            bf16=False,
+        )
+        assert (args.max_inflight_tasks, args.queue_maxsize, args.weight_sync_steps) == (-1, 1024, 1)
+        assert args.lr_scheduler_type == "constant" and args.logging_steps == 1
+        trainer = AsyncGRPOTrainer(tiny_model_dir, distinct_tokens, args, PROMPTS)
+        trainer.train()
+        entries = step_entries(trainer)
+        assert len(entries) == 3 and all(e["async/staleness_max"] <= 1 for e in entries)
+        # the server was sent the policy's weights before sampling: the first batch has no mismatch
+        assert entries[0]["sampling/sampling_logp_difference/max"] < 1e-4
+        assert server.exit_code() is None  # not the trainer's to stop
+        assert ServerClient(url).health(5.0)["weight_version"] >= 2  # it was sent the updated weights
+    finally:
+        server.stop()
+
+
+def test_trl_async_fields_grouprl_cannot_honour_are_refused(tmp_path):
+    from grouprl import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    with pytest.raises(NotImplementedError, match="token_budget=4096"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), token_budget=4096)
+    with pytest.raises(NotImplementedError, match="fork_threshold_tokens=10"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), fork_threshold_tokens=10)
+    with pytest.raises(NotImplementedError, match="rollout_worker=..."):
+        AsyncGRPOTrainer("unused", distinct_tokens, AsyncGRPOConfig(output_dir=str(tmp_path)), rollout_worker=object())

@@ -109,7 +109,30 @@ def start_worker(config: Any, model: torch.nn.Module, tokenizer: Any, backend: A
         )
         client.info = client.wait_until_ready()
         client.model_name = client.info.get("model")
+        if not client.is_grouprl:
+            client = vllm_client(config, url, tokenizer)
     client.timeout, client.timeout_name = float(config.request_timeout), "request_timeout"
     client.weight_timeout = float(config.weight_sync_timeout)
     local = isinstance(worker, LocalWorker)
     return {"worker": worker, "backend": client, "threads": worker.threads if local and worker.threads else 0}
+
+
+def vllm_client(config: Any, url: str, tokenizer: Any) -> Any:
+    """A `vllm serve` worker: vLLM's NCCL weight transfer (one training process: its set-up is collective)."""
+    from accelerate import PartialState
+
+    from grouprl.generation.vllm import VLLMServerGenerator
+
+    if PartialState().num_processes > 1:
+        raise NotImplementedError(
+            f"async_generation with a `vllm serve` worker ({url}) runs on one training process in this version of "
+            "grouprl; use a `grouprl serve` worker (async_worker='local') or one training process."
+        )
+    return VLLMServerGenerator(
+        url,
+        tokenizer=tokenizer,
+        timeout=config.request_timeout,
+        retries=config.generation_server_retries,
+        group_port=config.vllm_group_port,
+        regex=config.vllm_structured_outputs_regex,
+    )
