@@ -147,6 +147,23 @@ TABLE: dict[frozenset[str], Cell] = {
             "with async_generation=False, or without quantization_config."
         ),
         ("generation_server", "async_generation"): _works("tests/test_async.py"),
+        ("tools", "async_generation"): _works("tests/test_async_features.py::test_tools_run_in_async_rollouts"),
+        ("environment_factory", "async_generation"): _works(
+            "tests/test_async_features.py::test_environments_in_async_rollouts (fresh instances per rollout)"
+        ),
+        ("rollout_func", "async_generation"): _works(
+            "tests/test_async_features.py::test_rollout_func_samples_on_the_worker"
+        ),
+        ("gfpo", "async_generation"): _works("tests/test_async_features.py::test_gfpo_in_async_mode"),
+        ("dynamic_sampling", "async_generation"): _works(
+            "tests/test_async_features.py::test_dynamic_sampling_in_async_mode"
+        ),
+        ("lora", "async_generation"): _works(
+            "tests/test_async_features.py::test_lora_merged_weights_reach_the_worker (merged weights are sent)"
+        ),
+        ("sync_ref_model", "async_generation"): _works(
+            "tests/test_async_features.py::test_sync_ref_model_in_async_mode"
+        ),
     }.items()
 }
 

@@ -138,6 +138,6 @@ def sample_slot(maker: Any, backend: Any, slot: Slot) -> list[Completion]:
         default_prompt=maker.settings.default_prompt,
     )
     if maker.agent is not None:
-        return maker.agent.generate(backend, prompts, maker.sampling)
+        return maker.agent.generate(backend, prompts, maker.sampling, fresh_environments=True)
     per_prompt = sample_groups(backend, prompts.prompt_ids, prompts.num_samples, maker.sampling)
     return [replace(c, prompt_index=b) for b, completions in enumerate(per_prompt) for c in completions]
