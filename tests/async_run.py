@@ -3,8 +3,10 @@
     python async_run.py MODEL_DIR OUTPUT_DIR [resume] [kill_worker_at=STEP,...]
 
 Each optimizer step's prompts (their `idx` column, as the reward function scores them) go to
-OUTPUT_DIR/trained.jsonl as {"step": global step, "idx": [...]}, flushed at once, so a SIGKILL loses nothing
-written. kill_worker_at: SIGKILL the generation worker when those steps end (the crash tests).
+OUTPUT_DIR/trained.jsonl (trained-RANK.jsonl on process RANK > 0) as {"step": global step, "idx": [...]}, flushed
+at once, so a SIGKILL loses nothing written. Launched on several processes (accelerate launch), each process
+gets an equal share of the same global batch. kill_worker_at: SIGKILL the generation worker when those steps end
+(the crash tests).
 """
 
 import json
@@ -21,7 +23,8 @@ from grouprl.generation.server_client import ServerClient
 
 
 def make_trainer(model_dir, output_dir, **overrides):
-    log = open(os.path.join(output_dir, "trained.jsonl"), "a")
+    rank, processes = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    log = open(os.path.join(output_dir, f"trained-{rank}.jsonl" if rank else "trained.jsonl"), "a")
 
     def distinct_tokens(completion_ids, idx, trainer_state, **kwargs):
         log.write(json.dumps({"step": trainer_state.global_step, "idx": sorted(set(idx))}) + "\n")
@@ -31,7 +34,7 @@ def make_trainer(model_dir, output_dir, **overrides):
 
     values = dict(
         output_dir=str(output_dir),
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=8 // processes,
         num_generations=4,
         max_completion_length=8,
         learning_rate=0.02,

@@ -84,3 +84,21 @@ def test_a_worker_that_dies_twice_stops_the_run_with_its_exit_code(tiny_model_di
     assert "generation worker (`grouprl serve`, pid" in result.stderr
     assert "exited with code -9 after it was restarted once" in result.stderr
     assert time.monotonic() - started < 240
+
+
+def test_two_processes_train_on_the_prompts_of_one(tiny_model_dir, tmp_path):
+    """The main process's producer samples for both processes; each trains on its share of every group."""
+    from test_distributed import launch
+
+    one = tmp_path / "one"
+    assert run(tiny_model_dir, one, timeout=300).returncode == 0
+    two = tmp_path / "two"
+    result = launch(2, [SCRIPT, str(tiny_model_dir), str(two)], timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shares = [trained_prompts(two), {}]
+    for line in open(two / "trained-1.jsonl"):
+        entry = json.loads(line)
+        shares[1][entry["step"]] = entry["idx"]
+    together = {step: sorted(set(shares[0][step]) | set(shares[1][step])) for step in shares[0]}
+    assert together == trained_prompts(one)
+    assert all(shares[0][step] and shares[1][step] for step in shares[0])  # both processes trained every step
