@@ -67,8 +67,9 @@ class LocalWorker:
         threads: Optional[int],
         log_path: str,
         startup_timeout: float,
+        seed: int = 0,
     ):
-        self.threads, self.log_path, self.startup_timeout = threads, log_path, startup_timeout
+        self.threads, self.log_path, self.startup_timeout, self.seed = threads, log_path, startup_timeout, seed
         self.device = next(model.parameters()).device.type  # the worker samples where the trainer trains
         self.directory = tempfile.mkdtemp(prefix="grouprl-worker-")
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -84,6 +85,7 @@ class LocalWorker:
         command = [sys.executable, "-m", "grouprl.cli", "serve", "--model", self.directory, "--host", "127.0.0.1"]
         command += ["--port", str(port), "--dtype", self.dtype, "--device", self.device]
         command += ["--weight_version", str(version), "--parent_pid", str(os.getpid())]
+        command += ["--seed", str(self.seed + version)]  # the run's seed; a restart does not replay its samples
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         if self.threads:
             command += ["--threads", str(self.threads)]

@@ -96,6 +96,7 @@ def start_worker(config: Any, model: torch.nn.Module, tokenizer: Any, backend: A
             threads=threads,
             log_path=os.path.join(config.output_dir, "generation_worker.log"),
             startup_timeout=config.vllm_server_timeout,
+            seed=config.seed,
         )
         url, client = worker.start(version), None
     if client is None:
