@@ -85,7 +85,7 @@ class LocalWorker:
         command = [sys.executable, "-m", "grouprl.cli", "serve", "--model", self.directory, "--host", "127.0.0.1"]
         command += ["--port", str(port), "--dtype", self.dtype, "--device", self.device]
         command += ["--weight_version", str(version), "--parent_pid", str(os.getpid())]
-        command += ["--seed", str(self.seed + version)]  # the run's seed; a restart does not replay its samples
+        command += ["--seed", str(self.seed + version)]  # the run's seed, moved on by the version it starts at
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         if self.threads:
             command += ["--threads", str(self.threads)]
