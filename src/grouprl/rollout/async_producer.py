@@ -127,6 +127,8 @@ class Producer:
     def watch(self) -> None:
         """Restart a worker that exited or stopped answering (once); otherwise raise WorkerDied naming it."""
         with self.watch_lock:
+            if self.error is not None:
+                raise self.error  # the first thread to find the worker dead said why
             code = self.worker.exit_code()
             silent = time.monotonic() - self.last_answer
             if code is None and silent > min(5.0, self.limits.heartbeat_s / 4):
