@@ -4,6 +4,8 @@
     python bench/bench_async.py --one W1 sync         # one run, one JSON line (what the driver runs)
 
 sync:  grouprl's synchronous loop; generation (the fast in-process engine) and training each use every core.
+sync1: the same with one torch thread (a control: on a machine other work keeps busy, a two-thread process
+       waits for its descheduled thread at every parallel region).
 async: async_generation=True, max_staleness=1: a local `grouprl serve` worker samples with one core
        (generation_threads=1) while the trainer trains with the others, one step off-policy at most.
 
@@ -40,6 +42,8 @@ def run_one(workload_name: str, mode: str, steps: int, warmup: int, learning_rat
 
     from grouprl import GRPOConfig, GRPOTrainer
 
+    if mode == "sync1":
+        torch.set_num_threads(1)
     workload = WORKLOADS[workload_name]
     path = model_dir(workload)
     rows = chat_prompts_for(workload) if workload.real_model else prompts_for(workload)
@@ -97,6 +101,9 @@ def run_one(workload_name: str, mode: str, steps: int, warmup: int, learning_rat
         "trainer_wait_s": [round(e.get("async/trainer_wait_s", 0.0), 3) for e in entries] if mode == "async" else None,
         "max_staleness": staleness if mode == "async" else None,
         "torch_threads": torch.get_num_threads(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "learning_rate": learning_rate,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
@@ -113,6 +120,7 @@ def main() -> None:
     parser.add_argument("--learning_rate", type=float, default=2e-5)
     parser.add_argument("--max_staleness", type=int, default=1)
     parser.add_argument("--one", nargs=2, metavar=("WORKLOAD", "MODE"), help="Run one workload in one mode.")
+    parser.add_argument("--modes", default="sync,async,sync1", help="Modes to run, in this order, per workload.")
     args = parser.parse_args()
     if args.one:
         name, mode = args.one
@@ -121,7 +129,7 @@ def main() -> None:
     results = []
     for name in args.workloads.split(","):
         model_dir(WORKLOADS[name])  # built once, outside the timed runs
-        for mode in ("sync", "async"):
+        for mode in args.modes.split(","):
             command = [sys.executable, os.path.abspath(__file__), "--one", name, mode]
             command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             command += ["--learning_rate", str(args.learning_rate), "--max_staleness", str(args.max_staleness)]
@@ -131,11 +139,13 @@ def main() -> None:
                 raise SystemExit(f"{name} {mode} failed:\n{out.stderr[-3000:]}")
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps({k: results[-1][k] for k in ("workload", "mode", "steps_per_second", "rewards")}))
-    print(f"\n{'workload':8} {'sync steps/s':>13} {'async steps/s':>14} {'speed-up':>9}")
-    for name in args.workloads.split(","):
-        sync, asyn = (next(r for r in results if r["workload"] == name and r["mode"] == m) for m in ("sync", "async"))
-        ratio = asyn["steps_per_second"] / sync["steps_per_second"]
-        print(f"{name:8} {sync['steps_per_second']:13.3f} {asyn['steps_per_second']:14.3f} {ratio:8.2f}x")
+    print(f"\n{'workload':8} {'mode':6} {'s/step':>8} {'steps/s':>8} {'vs sync':>8}")
+    for r in results:
+        sync = next(s for s in results if s["workload"] == r["workload"] and s["mode"] == "sync")
+        ratio = r["steps_per_second"] / sync["steps_per_second"]
+        print(
+            f"{r['workload']:8} {r['mode']:6} {r['seconds_per_step']:8.2f} {r['steps_per_second']:8.4f} {ratio:7.2f}x"
+        )
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as handle:
         json.dump(results, handle, indent=1)
