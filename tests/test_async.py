@@ -74,13 +74,12 @@ def test_max_staleness_zero_trains_only_on_the_current_weights(tiny_model_dir, t
     assert sum(e["async/generator_wait_s"] for e in entries[1:]) > 0
 
 
-class RecordBatches(GRPOTrainer):
-    """Keeps every generation batch made ready to train on, with the optimizer step it was taken at."""
+class RecordMicroBatches(GRPOTrainer):
+    """Keeps every micro-batch trained on, with the optimizer step it was trained at."""
 
-    def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)
-        self.batches.append((self.state.global_step, batch))
-        return batch
+    def _compute_loss(self, model, inputs):
+        self.micros.append((self.state.global_step, inputs))
+        return super()._compute_loss(model, inputs)
 
 
 class RecordWeights(TrainerCallback):
@@ -115,8 +114,21 @@ def logprobs_under(model_dir, weights, batch):
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
-def test_stale_samples_are_weighted_by_the_sampler_mismatch_formula(tiny_model_dir, tmp_path, mode):
-    trainer = RecordBatches(
+def test_stale_samples_are_weighted_by_the_sampler_mismatch_formula(tiny_model_dir, tmp_path, mode, monkeypatch):
+    """pi_old is the training forward's logprobs (one generation, one update: the pass experience.py would make
+    computes the same), pi_sampler the worker's; rho is checked against the formula by hand, row by row."""
+    from grouprl.train import micro_step
+
+    weights_made = []
+    compute = micro_step.sampler_importance_weights
+
+    def recorded(old, sampler, mask, **settings):
+        rho, values = compute(old, sampler, mask, **settings)
+        weights_made.append((old.clone(), rho.clone()))
+        return rho, values
+
+    monkeypatch.setattr(micro_step, "sampler_importance_weights", recorded)
+    trainer = RecordMicroBatches(
         model=tiny_model_dir,
         reward_funcs=slow_distinct_tokens,
         args=async_config(
@@ -124,33 +136,37 @@ def test_stale_samples_are_weighted_by_the_sampler_mismatch_formula(tiny_model_d
         ),
         train_dataset=PROMPTS,
     )
-    trainer.batches = []
+    trainer.micros = []
     weights = RecordWeights(trainer)
     trainer.add_callback(weights)
     trainer.train()
+    assert len(weights_made) == len(trainer.micros) == 5  # one micro-batch per step, its weights made in its forward
     staleness = {e["step"]: int(e["async/staleness_max"]) for e in step_entries(trainer)}
     assert max(staleness.values()) <= 2
-    stale = [(step, batch) for step, batch in trainer.batches if staleness[step + 1] > 0]
+    stale = [k for k, (step, _) in enumerate(trainer.micros) if staleness[step + 1] > 0]
     assert stale, f"no batch was sampled ahead (staleness per step: {staleness})"
-    step, batch = stale[-1]
+    step, batch = trainer.micros[stale[-1]]
+    old, rho = weights_made[stale[-1]]
     sampled_at = step - staleness[step + 1]
     mask = batch.loss_mask
-    # the sampler's logprobs are those of the weights the sample is tagged with; the old logprobs the trainer's
+    # the sampler's logprobs are those of the weights the sample is tagged with; pi_old those of the trained weights
     sampler = logprobs_under(tiny_model_dir, weights.versions[sampled_at], batch)
     trained = logprobs_under(tiny_model_dir, weights.versions[step], batch)
     assert torch.allclose(batch.sampler_logprobs[mask], sampler[mask], atol=2e-4)
-    assert torch.allclose(batch.old_logprobs[mask], trained[mask], atol=2e-4)
+    assert torch.allclose(old[mask], trained[mask], atol=2e-4)
     assert (trained[mask] - sampler[mask]).abs().max() > 1e-3  # the policy did move in between
     for row in range(len(batch)):
         tokens = [t for t in range(mask.shape[1]) if mask[row, t]]
         gaps = [float(trained[row, t] - sampler[row, t]) for t in tokens]
         if mode == "token_truncate":  # rho_t = min(pi_old / pi_sampler, 3) per token
             expected = [min(math.exp(g), 3.0) for g in gaps]
-            got = [float(batch.is_weights[row, t]) for t in tokens]
+            got = [float(rho[row, t]) for t in tokens]
         else:  # rho = prod_t pi_old / pi_sampler, 0 when above 3, for the whole sequence
-            rho = math.exp(sum(gaps))
-            expected, got = [0.0 if rho > 3.0 else rho], [float(batch.is_weights[row, tokens[0]])]
+            product = math.exp(sum(gaps))
+            expected, got = [0.0 if product > 3.0 else product], [float(rho[row, 0])]
         assert got == pytest.approx(expected, rel=2e-3, abs=1e-4), (row, gaps)
+    # and no pass of its own computed pi_old: the generation batch came without old logprobs
+    assert "time/old_logprobs" not in trainer.state.log_history[-2]
 
 
 def test_no_trained_sample_is_older_than_max_staleness(tiny_model_dir, tmp_path):

@@ -104,9 +104,12 @@ def score_generation(
     correct_sampler = (
         batch.sampler_logprobs is not None and config.vllm_importance_sampling_correction and separate_sampler
     )
+    # Asynchronous generation, trained once with the weights it is taken at: pi_old is what the training forward
+    # computes anyway, so the correction is made there (micro_step.py) instead of in a forward pass of its own.
+    in_forward = correct_sampler and config.async_generation and not plan.old_logprobs_needed
     old_logprobs = is_weights = ref_logprobs = None
     sampler_stats: dict[str, Any] = {}
-    if plan.old_logprobs_needed or correct_sampler:  # remember pi_old (the trainer's view of the sampling policy)
+    if plan.old_logprobs_needed or (correct_sampler and not in_forward):  # pi_old: the trainer's view of the sampler
         with timer.phase("old_logprobs"):
             old_logprobs = batch_logprobs(
                 hooks,
@@ -126,6 +129,7 @@ def score_generation(
                 "so it needs vllm_importance_sampling_mode='token_truncate' or 'token_mask', not "
                 f"{config.vllm_importance_sampling_mode!r}."
             )
+    if correct_sampler and not in_forward:
         rho, values = sampler_importance_weights(
             old_logprobs,
             batch.sampler_logprobs,
