@@ -4,6 +4,7 @@ from grouprl import GRPOConfig, GRPOTrainer   # instead of: from trl import ...
 """
 
 from grouprl._version import __version__
+from grouprl.compat.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from grouprl.compat.gfpo import GFPOConfig, GFPOTrainer
 from grouprl.compat.trainer import GRPOTrainer
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig, plan_batches
@@ -15,6 +16,8 @@ from grouprl.rewards.scoring import RewardFunctionError
 from grouprl.train.non_finite import NonFiniteError
 
 __all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
     "BatchPlan",
     "GFPOConfig",
     "GFPOTrainer",

@@ -74,7 +74,11 @@ class Agent:
         self.spec, self.tokenize, self.settings, self.trainer = spec, tokenize, settings, trainer
         self.has_tools = spec.has_tools
 
-    def generate(self, backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams, fresh_environments: bool = False
+    ) -> list[Completion]:
+        """Each row's rollout; `fresh_environments`: new environment instances instead of pooled ones (asynchronous
+        generation scores a rollout after later ones were sampled)."""
         tokenizer = self.settings.tokenizer
         if self.spec.rollout_func is not None:
             return custom_rollouts(
@@ -91,7 +95,7 @@ class Agent:
             toolbox = {t.name: t for t in self.spec.tools}
             transcripts = [Transcript(prompts.prompt_ids[b], toolbox, self.tokenize.tools) for b in rows]
         else:
-            transcripts, instances = self.reset_environments(prompts, rows)
+            transcripts, instances = self.reset_environments(prompts, rows, fresh_environments)
         first = generate_rows(backend, [t.prompt_ids for t in transcripts], params)
         for transcript, completion in zip(transcripts, first):
             transcript.add_model_turn(completion, self.settings)
@@ -102,7 +106,9 @@ class Agent:
             completion.reward_kwargs["environments"] = instance  # reward functions get the list `environments`
         return completions
 
-    def reset_environments(self, prompts: PromptBatch, rows: list[int]) -> tuple[list[Transcript], list[Any]]:
+    def reset_environments(
+        self, prompts: PromptBatch, rows: list[int], fresh: bool = False
+    ) -> tuple[list[Transcript], list[Any]]:
         """One environment instance per rollout, reset with its row; prompts with the
         observation and that environment's tools."""
         environments = self.spec.environments
@@ -116,7 +122,7 @@ class Agent:
             environments.route(names, [prompts.dataset_indices[b] for b in rows])
         else:
             names = [None] * len(rows)
-        instances = environments.checkout(names)
+        instances = environments.checkout(names, fresh=fresh)
         standalone = {t.name for t in self.spec.tools}
         transcripts = []
         for b, name, instance in zip(rows, names, instances):

@@ -84,9 +84,12 @@ class Environments:
                     "'environment' column is dropped; keep it.)"
                 )
 
-    def checkout(self, names: list[Optional[str]]) -> list[Any]:
+    def checkout(self, names: list[Optional[str]], fresh: bool = False) -> list[Any]:
         """One instance per rollout (names[i] = its environment), reusing pooled
-        instances and growing pools as needed."""
+        instances and growing pools as needed. `fresh`: new instances, not pooled (asynchronous
+        generation: earlier rollouts' instances may still wait to be scored)."""
+        if fresh:
+            return [self.factories[name]() for name in names]
         handed: dict[Optional[str], int] = {}
         instances = []
         for name in names:

@@ -46,6 +46,7 @@ from grouprl.model.loading import eos_token_ids, load_tokenizer
 from grouprl.model.multimodal import text_tokenizer
 from grouprl.model.patches import grouprl_patches
 from grouprl.train import evaluation, loop
+from grouprl.train.async_generation import async_generation
 from grouprl.train.callbacks import CallbackHandler
 from grouprl.train.checkpoint import resolve_resume_path
 from grouprl.train.log_level import apply_log_level
@@ -252,11 +253,15 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
         if path is not None:
             self._load_checkpoint(path)
         init_trackers(self.accelerator, self.args)
+        own_backend = self.generation_backend
         try:
-            # grouprl's attention functions, for this call only (patches.py)
-            with grouprl_patches(self.model, self.args):
+            # grouprl's attention functions, for this call only (patches.py); an asynchronous generation worker
+            with grouprl_patches(self.model, self.args), async_generation(self.run, self._tokenizer) as worker:
+                # a rollout_func samples through trainer.generation_backend: the worker, while there is one
+                self.generation_backend = worker or own_backend
                 metrics = loop.train(self.run)
         finally:
+            self.generation_backend = own_backend
             self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 

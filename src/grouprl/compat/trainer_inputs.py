@@ -52,12 +52,21 @@ def active_features(
     own_backend = generation_backend is not None
     vllm_server = args.use_vllm and args.vllm_mode == "server"
     server = not own_backend and (vllm_server or (not args.use_vllm and args.generation_engine == "server"))
+    if args.async_generation:
+        if own_backend:
+            raise ValueError(
+                "async_generation=True samples in a worker process (a local `grouprl serve`, or the server the config "
+                "names); a generation_backend object lives in the training process. Drop generation_backend, or train "
+                "with async_generation=False."
+            )
+        server = True  # the worker is a generation server, local or not
     on = {
         "tools": bool(tools),
         "environment_factory": environment_factory is not None,
         "rollout_func": rollout_func is not None,
         "images": any(c in columns for c in ("image", "images")),
-        "in_process_sampling": not own_backend and not args.use_vllm and args.generation_engine != "server",
+        "in_process_sampling": not own_backend and not server and not args.use_vllm,
+        "async_generation": args.async_generation,
         "generation_server": server,
         "vllm_colocate": not own_backend and args.use_vllm and args.vllm_mode == "colocate",
         "gfpo": getattr(args, "num_remains_in_group", None) is not None,

@@ -33,6 +33,12 @@ def build_rollouts(
     """The sampler of prompts, the prompt tokenizer, the agent (tools / environments / rollout_func) and the
     RolloutMaker."""
     plan = trainer.plan
+    if args.async_generation and trainer.overrides("_generate"):
+        raise NotImplementedError(
+            f"{type(trainer).__name__} overrides _generate, which async_generation=True cannot call: the worker "
+            "process samples the completions. Override _generate_and_score_completions or _calculate_rewards "
+            "instead, or train with async_generation=False."
+        )
     sampler = PromptSampler(
         train_dataset,
         plan.prompts_per_generation,

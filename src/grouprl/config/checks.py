@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from grouprl.config.async_checks import check_async_fields
 from grouprl.core.advantages import ADVANTAGE_ESTIMATORS
 from grouprl.core.losses import LOSSES
 
@@ -51,6 +52,7 @@ def validate_config(config: "GRPOConfig") -> None:
         _check_objective,
         _check_batching,
         check_not_yet_built,
+        check_async_fields,
     ):
         check(config)
 

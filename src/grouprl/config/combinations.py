@@ -33,6 +33,7 @@ FEATURES: dict[str, str] = {
     "sync_ref_model": "sync_ref_model=True",
     "quantized": "a quantized policy (quantization_config, or a quantized model)",
     "sharded": "sharded weights (FSDP or DeepSpeed ZeRO-3 on several processes)",
+    "async_generation": "asynchronous generation (async_generation=True, AsyncGRPOTrainer)",
 }
 
 WORKS, NOT_BUILT, UNTESTED = "works", "not built", "untested"
@@ -132,6 +133,36 @@ TABLE: dict[frozenset[str], Cell] = {
         ("lora", "in_process_sampling"): _works("tests/test_objectives_e2e.py"),
         ("sync_ref_model", "in_process_sampling"): _works(
             "tests/test_objectives_e2e.py::test_sync_ref_model_mixes_the_policy_into_the_reference"
+        ),
+        # ---- asynchronous generation (its worker is a generation server: the generation_server rows apply) ----
+        ("vllm_colocate", "async_generation"): _not_built(
+            "asynchronous generation samples in a worker process of its own, while colocated vLLM lives in the "
+            "training process; use vllm_mode='server' (or the local `grouprl serve` worker: use_vllm=False)."
+        ),
+        ("images", "async_generation"): _not_built(
+            "the worker is sent token ids only, not images; train image prompts with async_generation=False."
+        ),
+        ("quantized", "async_generation"): _not_built(
+            "sending a quantized model's weights to the worker (dequantized, adapters merged) is not built; train "
+            "with async_generation=False, or without quantization_config."
+        ),
+        ("generation_server", "async_generation"): _works("tests/test_async.py"),
+        ("tools", "async_generation"): _works("tests/test_async_features.py::test_tools_run_in_async_rollouts"),
+        ("environment_factory", "async_generation"): _works(
+            "tests/test_async_features.py::test_environments_in_async_rollouts (fresh instances per rollout)"
+        ),
+        ("rollout_func", "async_generation"): _works(
+            "tests/test_async_features.py::test_rollout_func_samples_on_the_worker"
+        ),
+        ("gfpo", "async_generation"): _works("tests/test_async_features.py::test_gfpo_in_async_mode"),
+        ("dynamic_sampling", "async_generation"): _works(
+            "tests/test_async_features.py::test_dynamic_sampling_in_async_mode"
+        ),
+        ("lora", "async_generation"): _works(
+            "tests/test_async_features.py::test_lora_merged_weights_reach_the_worker (merged weights are sent)"
+        ),
+        ("sync_ref_model", "async_generation"): _works(
+            "tests/test_async_features.py::test_sync_ref_model_in_async_mode"
         ),
     }.items()
 }

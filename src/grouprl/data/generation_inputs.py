@@ -4,7 +4,8 @@ TRL's dataloader hands ``training_step`` / ``_prepare_inputs`` / ``_generate_and
 this process's slice of a generation batch: one dataset row (a dict) per completion to sample, each
 prompt's row repeated for its completions, consecutively. grouprl draws prompts with its own
 ``PromptSampler``; ``GenerationInputs`` is that same list of rows, carrying the tokenized
-``PromptBatch`` the rows came from so that generation does not tokenize them again.
+``PromptBatch`` the rows came from so that generation does not tokenize them again (and, with asynchronous
+generation, the ``Rollout`` a worker already sampled for them).
 
 ``TrainPromptBatches`` is what ``GRPOTrainer.get_train_dataloader()`` returns: the sequence of
 those lists for one epoch, in TRL's layout (each generation batch once per micro-step that trains
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 from grouprl.core.group_layout import GroupLayout
-from grouprl.core.types import PromptBatch
+from grouprl.core.types import PromptBatch, Rollout
 from grouprl.data.prompt_sampler import PromptSampler
 from grouprl.data.prompts import KEPT_WHEN_REMOVING, local_prompt_batch
 
@@ -31,6 +32,9 @@ class GenerationInputs(list):
     def __init__(self, rows: list[dict], prompt_batch: Optional[PromptBatch] = None):
         super().__init__(rows)
         self.prompt_batch = prompt_batch
+        # asynchronous generation: the completions a worker already sampled for these rows (not checkpointed:
+        # the micro-batches made from them are)
+        self.sampled: Optional[Rollout] = None
 
     @classmethod
     def of(

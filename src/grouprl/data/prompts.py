@@ -10,6 +10,7 @@ functions. Rows with an ``image`` / ``images`` column go through the model's pro
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any, Optional
 
 import datasets
@@ -92,10 +93,18 @@ class PromptTokenizer:
         self.chat_template_kwargs = chat_template_kwargs or {}
         # JSON schemas rendered into conversational prompts (None, not [], as TRL: templates treat them differently)
         self.tools = tools or None
+        # asynchronous generation tokenizes in its producer thread too; a fast tokenizer is not to be entered twice
+        self.lock = threading.Lock()
 
     def __call__(self, prompt: Any, row: int, tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of one prompt; `tools` (schemas) replaces the default tools for this prompt."""
         self.check(prompt, row)
+        with self.lock:
+            ids = self._encode(prompt, tools)
+        self.check_fits(ids, prompt, row)
+        return ids
+
+    def _encode(self, prompt: Any, tools: Optional[list[dict]]) -> list[int]:
         if is_conversational(prompt):
             continue_final = prompt[-1]["role"] == "assistant"
             ids = self.tokenizer.apply_chat_template(
@@ -108,11 +117,8 @@ class PromptTokenizer:
             )
             if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
-            ids = list(ids)
-        else:
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        self.check_fits(ids, prompt, row)
-        return ids
+            return list(ids)
+        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
     def encode_row(self, row: dict, index: int) -> tuple[Any, list[int], Any | None]:
         """The prompt as reward functions see it, its token ids, and its processed images (None: text only)."""

@@ -23,7 +23,8 @@ from grouprl.generation.engine import FastGenerator, engine_supports
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.overrides import EngineUnlessGenerateOverridden
 from grouprl.generation.protocol import GenerationBackend
-from grouprl.generation.remote import RemoteGenerator, server_base_url
+from grouprl.generation.remote import RemoteGenerator
+from grouprl.generation.server_client import server_base_url
 from grouprl.model.multimodal import image_token_ids
 
 

@@ -2,43 +2,35 @@
 completions API for the sampling part.
 
 Only the main process talks to the server (`main_process_only`: the dispatcher gathers every
-process's prompts and scatters the completions). Requests use the standard library's HTTP client
-with a per-request timeout and retries with backoff on connection errors, timeouts and 502/503/504,
-so a dead server ends the run with an error naming the URL and the settings, never a hang.
+process's prompts and scatters the completions). The HTTP part (timeouts, retries with backoff, waiting
+for the server) is server_client.py's. A grouprl server says which weight version sampled each response;
+`versions_seen` collects them for the requests a thread makes (asynchronous generation tags its samples
+with them).
 
 Weight sync after each optimizer step (called on every process, since gathering sharded weights
 is collective): `weight_transfer="http"` posts the weights as safetensors in chunks
 (`/load_weights`); `"broadcast"` sends them over a 2-process torch.distributed group of the
 trainer's main process and the server (gloo on CPU, NCCL on GPU), with only the names, dtypes and
-shapes going over HTTP.
+shapes going over HTTP. `send_weights` sends weights already gathered (a snapshot), naming their version.
 """
 
 from __future__ import annotations
 
-import json
-import socket
 import threading
-import time
-import urllib.error
-import urllib.request
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from accelerate import PartialState
 
 from grouprl.core.distributed import run_on_main
 from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.server_client import ServerClient, ServerError, own_address
 from grouprl.generation.weights import chunks, inference_weights
 
-RETRY_STATUS = {502, 503, 504}
 
-
-class ServerError(ConnectionError):
-    """The generation server could not be reached, or answered with an error."""
-
-
-class RemoteGenerator:
+class RemoteGenerator(ServerClient):
     """A `GenerationBackend` that samples on a generation server."""
 
     main_process_only = True
@@ -55,75 +47,22 @@ class RemoteGenerator:
         group_port: int = 51216,
         chunk_bytes: int = 256 * 2**20,
         connect: bool = True,
+        weight_timeout: Optional[float] = None,
     ):
         if weight_transfer not in ("http", "broadcast"):
             raise ValueError(f"weight_transfer={weight_transfer!r}: use 'http' or 'broadcast'.")
-        self.base_url = base_url.rstrip("/")
+        super().__init__(base_url, timeout=timeout, retries=retries)
         self.tokenizer = tokenizer
-        self.timeout, self.retries = float(timeout), int(retries)
         self.weight_transfer, self.group_port, self.chunk_bytes = weight_transfer, group_port, chunk_bytes
+        self.weight_timeout = weight_timeout  # per weight request (None: `timeout`)
         self.info: dict = {}
         self.model_name: Optional[str] = None
+        self.sent_version: Optional[int] = None  # the version named in the last completed send_weights
         self._group: Any = None
+        self._seen = threading.local()  # per thread: the list versions_seen collects into, if any
         if connect:
             self.info = run_on_main(self.wait_until_ready)
             self.model_name = self.info.get("model")
-
-    # ---- HTTP ---------------------------------------------------------------------------------
-
-    def request(
-        self, method: str, path: str, body: Any = None, *, raw: Optional[bytes] = None, retries: Optional[int] = None
-    ) -> Any:
-        """JSON response of one request, retried on connection errors, timeouts and 502/503/504."""
-        url = self.base_url + path
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        headers = {"Content-Type": "application/octet-stream" if raw is not None else "application/json"}
-        attempts = 1 + (self.retries if retries is None else retries)
-        last: Exception = RuntimeError("no attempt made")
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
-            try:
-                with urllib.request.urlopen(
-                    urllib.request.Request(url, data=data, headers=headers, method=method), timeout=self.timeout
-                ) as response:
-                    return json.loads(response.read() or b"null")
-            except urllib.error.HTTPError as err:
-                detail = err.read().decode(errors="replace")[:2000]
-                if err.code not in RETRY_STATUS:
-                    raise ServerError(f"generation server {method} {url} answered {err.code}: {detail}") from None
-                last = err
-            except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as err:
-                last = err
-        raise ServerError(
-            f"generation server {method} {url} failed after {attempts} attempt(s): {getattr(last, 'reason', last)}. "
-            f"Settings: vllm_server_timeout={self.timeout:g}s per request, generation_server_retries={self.retries}. "
-            "Check that the server (`grouprl serve --model ...` or `vllm serve ...`) is running at that address, or "
-            "raise these settings."
-        )
-
-    def wait_until_ready(self) -> dict:
-        """Poll GET /health until it answers (at most `timeout` seconds); return its JSON (empty for vLLM)."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                with urllib.request.urlopen(
-                    self.base_url + "/health", timeout=max(1.0, min(self.timeout, 10.0))
-                ) as response:
-                    body = response.read()
-                try:
-                    return json.loads(body) if body else {}
-                except json.JSONDecodeError:
-                    return {}
-            except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as err:
-                if time.monotonic() >= deadline:
-                    raise ServerError(
-                        f"no generation server answered at {self.base_url}/health within "
-                        f"vllm_server_timeout={self.timeout:g}s ({getattr(err, 'reason', err)}). Start one first "
-                        "(`grouprl serve --model PATH --port N`) and point vllm_server_base_url (or vllm_server_host / "
-                        "vllm_server_port) at it."
-                    ) from None
-                time.sleep(min(1.0, max(deadline - time.monotonic(), 0.05)))
 
     @property
     def is_grouprl(self) -> bool:
@@ -157,6 +96,9 @@ class RemoteGenerator:
         if not prompt_ids:
             return []
         response = self.request("POST", "/v1/completions", self.completion_request(prompt_ids, num_samples, params))
+        seen = getattr(self._seen, "versions", None)
+        if seen is not None:  # a grouprl server names the weights that sampled; others: the last version sent
+            seen.append(response.get("weight_version", self.sent_version))
         choices = sorted(response["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompt_ids) * num_samples:
             raise ServerError(
@@ -187,6 +129,15 @@ class RemoteGenerator:
             )
         return completions
 
+    @contextmanager
+    def versions_seen(self) -> Iterator[list[Optional[int]]]:
+        """The weight versions that answered this thread's generation requests inside the block, in order."""
+        self._seen.versions = versions = []
+        try:
+            yield versions
+        finally:
+            self._seen.versions = None
+
     def score(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Logprob of each token after the first under the server's current weights (echo, max_tokens 0)."""
         body = {"prompt": [list(token_ids)], "max_tokens": 0, "echo": True, "logprobs": 0, "temperature": temperature}
@@ -198,29 +149,34 @@ class RemoteGenerator:
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Send `model`'s weights to the server (call on every process; only the main one sends)."""
         weights = inference_weights(model)
-        send = self._broadcast if self.weight_transfer == "broadcast" else self._post
         if PartialState().is_main_process:
-            run_on_main(lambda: send(weights))
+            run_on_main(lambda: self.send_weights(weights))
         else:
             for _ in weights:  # take part in the gathers of sharded weights
                 pass
             run_on_main(lambda: None)
 
-    def _post(self, weights: Any) -> None:
+    def send_weights(self, weights: Any, version: Optional[int] = None) -> None:
+        """Send (name, tensor) pairs to the server (main process); `version` names the update (None: the next)."""
+        send = self._broadcast if self.weight_transfer == "broadcast" else self._post
+        send(weights, version)
+        self.sent_version = version
+
+    def _post(self, weights: Any, version: Optional[int]) -> None:
         pending: Optional[dict] = None
         for chunk in chunks(weights, self.chunk_bytes):
             if pending is not None:
-                self._post_chunk(pending, last=False)
+                self._post_chunk(pending, "last=0")
             pending = chunk
         if pending is not None:
-            self._post_chunk(pending, last=True)
+            self._post_chunk(pending, "last=1" + ("" if version is None else f"&version={version}"))
 
-    def _post_chunk(self, tensors: dict[str, torch.Tensor], last: bool) -> None:
+    def _post_chunk(self, tensors: dict[str, torch.Tensor], query: str) -> None:
         from safetensors.torch import save
 
-        self.request("POST", f"/load_weights?last={int(last)}", raw=save(tensors))
+        self.request("POST", f"/load_weights?{query}", raw=save(tensors), timeout=self.weight_timeout)
 
-    def _broadcast(self, weights: Any) -> None:
+    def _broadcast(self, weights: Any, version: Optional[int]) -> None:
         tensors = [(name, tensor.contiguous()) for name, tensor in weights]
         if self._group is None:
             self._group = self._join_group(device=tensors[0][1].device)
@@ -228,60 +184,28 @@ class RemoteGenerator:
             "names": [n for n, _ in tensors],
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
             "shapes": [list(t.shape) for _, t in tensors],
+            "version": version,
         }
-        self._while_posting(
-            "/broadcast_weights", meta, lambda: [self._group.broadcast(t, 0).wait() for _, t in tensors]
+        self.while_posting(
+            "/broadcast_weights",
+            meta,
+            lambda: [self._group.broadcast(t, 0).wait() for _, t in tensors],
+            timeout=self.weight_timeout,
         )
 
     def _join_group(self, device: torch.device) -> Any:
         from grouprl.generation.server_weights import new_pair_group
 
         backend = "nccl" if device.type == "cuda" else "gloo"
-        host = _own_address(self.base_url)
+        host = own_address(self.base_url)
         store = torch.distributed.TCPStore(
             host, self.group_port, 2, is_master=True, timeout=timedelta(seconds=self.timeout), wait_for_workers=False
         )
         group: list[Any] = []
         body = {"host": host, "port": self.group_port, "backend": backend, "timeout": self.timeout}
-        self._while_posting(
+        self.while_posting(
             "/init_weight_broadcast",
             body,
             lambda: group.append(new_pair_group(store, rank=0, backend=backend, timeout=self.timeout)),
         )
         return group[0]
-
-    def _while_posting(self, path: str, body: dict, work: Any) -> None:
-        """POST `body` in a thread while this thread runs `work` (the collective the server joins)."""
-        errors: list[Exception] = []
-
-        def post() -> None:
-            try:
-                self.request("POST", path, body, retries=0)
-            except Exception as err:  # re-raised below, after the collective
-                errors.append(err)
-
-        thread = threading.Thread(target=post, daemon=True)
-        thread.start()
-        work()
-        thread.join(self.timeout)
-        if errors:
-            raise errors[0]
-
-
-def _own_address(base_url: str) -> str:
-    """This machine's address as seen from the server (the interface that routes to it)."""
-    from urllib.parse import urlparse
-
-    host = urlparse(base_url).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "0.0.0.0"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 1))
-        return probe.getsockname()[0]
-
-
-def server_base_url(base_url: Optional[str], host: str, port: int) -> str:
-    """TRL's rule: vllm_server_base_url wins over host / port."""
-    if base_url:
-        return base_url.rstrip("/")
-    return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"

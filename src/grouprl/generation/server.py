@@ -6,17 +6,21 @@ the weights it receives are loaded by `server_weights.py`.
 Endpoints (FastAPI; `pip install 'grouprl[serve]'`):
 
     GET  /health              {"status": "ok", "server": "grouprl", "model": ..., "weight_version": k}
+                              (k counts weight updates from --weight_version, or is the version an update named)
     GET  /v1/models           OpenAI model list
     POST /v1/completions      OpenAI completions with token-id prompts (vLLM's extensions: token_ids
                               in each choice, top_k / min_p / repetition_penalty / min_tokens);
                               `n` samples per prompt, choices prompt-major; `logprobs: 0` returns the
                               sampled tokens' logprobs under the processed sampling distribution
                               (vLLM's processed_logprobs); `echo: true, max_tokens: 0` scores the
-                              prompt instead (logprob of each prompt token, the first is null)
-    POST /load_weights        body = safetensors bytes of some named weights; loads them
+                              prompt instead (logprob of each prompt token, the first is null);
+                              the response's "weight_version" is the version that sampled it
+    POST /load_weights        body = safetensors bytes of some named weights; loads them (?last=1 ends an
+                              update; ?version=k names its version)
     POST /init_weight_broadcast  {"host", "port", "backend", "timeout"}: join a 2-process group
                               (trainer rank 0, server rank 1) for broadcasts (gloo on CPU, nccl on GPU)
-    POST /broadcast_weights   {"names", "dtypes", "shapes"}: receive those tensors by broadcast, load them
+    POST /broadcast_weights   {"names", "dtypes", "shapes", "version"}: receive those tensors by broadcast, load
+                              them (version optional)
 
 Requests run one at a time (a lock): the engine holds one model, and a weight update must not
 land in the middle of a generation.
@@ -46,7 +50,9 @@ def require_server_libraries() -> tuple[Any, Any]:
     return fastapi, uvicorn
 
 
-def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], model_name: str) -> Any:
+def create_app(
+    model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], model_name: str, weight_version: int = 0
+) -> Any:
     fastapi, _ = require_server_libraries()
     from fastapi import HTTPException, Request
     from pydantic import BaseModel, ConfigDict
@@ -76,6 +82,7 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
         names: list[str]
         dtypes: list[str]
         shapes: list[list[int]]
+        version: Optional[int] = None
 
     generator = FastGenerator(
         model,
@@ -83,7 +90,7 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
         eos_token_ids,
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0],
     )
-    weights = WeightReceiver(model)
+    weights = WeightReceiver(model, version=weight_version)
     lock = threading.Lock()
     app = fastapi.FastAPI(title="grouprl generation server")
 
@@ -112,6 +119,7 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
                 "n must be >= 1 and logprobs None or 0 (the sampled token's logprob; no top alternatives)."
             )
         with lock:
+            version = weights.version
             if request.seed is not None:
                 torch.manual_seed(request.seed)
             if request.echo:
@@ -136,9 +144,10 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
         usage_prompt = sum(len(p) for p in prompts)
         usage_completion = sum(len(c.get("token_ids") or []) for c in choices)
         return {
-            "id": f"cmpl-{weights.version}",
+            "id": f"cmpl-{version}",
             "object": "text_completion",
             "model": model_name,
+            "weight_version": version,  # the weights that sampled these choices (the lock held them still)
             "choices": choices,
             "usage": {
                 "prompt_tokens": usage_prompt,
@@ -162,7 +171,7 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
             except ValueError as err:
                 raise bad_request(str(err)) from None
             if request.query_params.get("last", "1") == "1":
-                weights.version += 1
+                weights.advance(request.query_params.get("version"))
         return {"loaded": count, "weight_version": weights.version}
 
     @app.post("/init_weight_broadcast")
@@ -182,7 +191,7 @@ def create_app(model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int],
                 count = weights.receive(request.names, request.dtypes, request.shapes)
             except ValueError as err:
                 raise bad_request(str(err)) from None
-            weights.version += 1
+            weights.advance(request.version)
         return {"loaded": count, "weight_version": weights.version}
 
     return app
@@ -200,6 +209,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, help="Sampling seed at start-up (a request's seed overrides it)."
     )
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow custom model code.")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
+    parser.add_argument(
+        "--weight_version", type=int, default=0, help="Version of the weights served at start-up (default 0)."
+    )
+    parser.add_argument(
+        "--parent_pid", type=int, default=None, help="Exit when this process ends (a trainer's own worker)."
+    )
     parser.add_argument("--log_level", default="warning", help="uvicorn log level (default warning).")
 
 
@@ -209,6 +225,10 @@ def serve(args: argparse.Namespace) -> None:
 
     from grouprl.model.loading import eos_token_ids
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.parent_pid:
+        exit_with(args.parent_pid)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     model = (
@@ -218,6 +238,26 @@ def serve(args: argparse.Namespace) -> None:
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     torch.manual_seed(args.seed)
-    app = create_app(model, tokenizer, eos_token_ids(tokenizer, model), args.model)
+    app = create_app(model, tokenizer, eos_token_ids(tokenizer, model), args.model, args.weight_version)
     print(f"grouprl serve: {args.model} on {device}, http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def exit_with(parent_pid: int) -> None:
+    """End this process once `parent_pid` has ended (a trainer killed with SIGKILL leaves no worker behind)."""
+    import os
+    import time
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:
+                pass  # alive, owned by someone else
+            if os.getppid() != parent_pid:
+                os._exit(0)  # re-parented: the trainer is gone
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="grouprl-parent-watch", daemon=True).start()

@@ -13,10 +13,10 @@ import torch
 class WeightReceiver:
     """Loads named tensors into the served model; counts updates (weight_version)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, version: int = 0):
         self.model = model
         self.params = dict(model.named_parameters())
-        self.version = 0
+        self.version = version
         self.group: Any = None  # torch.distributed process group shared with the trainer (broadcast mode)
         self.backend = "gloo"
 
@@ -36,6 +36,10 @@ class WeightReceiver:
                 )
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
         return len(tensors)
+
+    def advance(self, version: Any = None) -> None:
+        """An update is complete: its version is the one the trainer named (the policy's step), else the next."""
+        self.version = self.version + 1 if version is None else int(version)
 
     def join_group(self, host: str, port: int, backend: str, timeout: float) -> None:
         """Join the trainer's 2-process group as rank 1 (the trainer process is rank 0 and hosts the store)."""

@@ -26,7 +26,8 @@ from accelerate import PartialState
 
 from grouprl.core.distributed import run_on_main
 from grouprl.core.types import Completion, SamplingParams
-from grouprl.generation.remote import RemoteGenerator, _own_address
+from grouprl.generation.remote import RemoteGenerator
+from grouprl.generation.server_client import own_address
 from grouprl.generation.weights import inference_weights
 
 INSTALL_HINT = (
@@ -162,14 +163,10 @@ class VLLMServerGenerator(RemoteGenerator):
             body["structured_outputs"] = {"regex": self.regex}
         return body
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        weights = inference_weights(model)
-        if PartialState().is_main_process:
-            run_on_main(lambda: self._send(list(weights)))
-        else:
-            for _ in weights:  # take part in the gathers of sharded weights
-                pass
-            run_on_main(lambda: None)
+    def send_weights(self, weights: Any, version: Optional[int] = None) -> None:
+        """vLLM's NCCL weight transfer (main process); vLLM does not count versions, the client remembers it."""
+        self._send(list(weights))
+        self.sent_version = version
 
     def _send(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import (
@@ -179,13 +176,13 @@ class VLLMServerGenerator(RemoteGenerator):
         if self._group is None:
             workers = int(self.request("GET", "/get_world_size")["world_size"])
             init_info = {
-                "master_address": _own_address(self.base_url),
+                "master_address": own_address(self.base_url),
                 "master_port": self.group_port,
                 "rank_offset": 1,
                 "world_size": workers + 1,
             }
             group: list[Any] = []
-            self._while_posting(
+            self.while_posting(
                 "/init_weight_transfer_engine",
                 {"init_info": init_info},
                 lambda: group.append(NCCLWeightTransferEngine.trainer_init(init_info)),
@@ -198,7 +195,7 @@ class VLLMServerGenerator(RemoteGenerator):
             "packed": True,
         }
         self.request("POST", "/start_weight_update", {"is_checkpoint_format": True})
-        self._while_posting(
+        self.while_posting(
             "/update_weights",
             {"update_info": update_info},
             lambda: NCCLWeightTransferEngine.trainer_send_weights(

@@ -56,6 +56,13 @@ class ExperienceStats:
     completions_drawn: Optional[float] = mean("dynamic_sampling/completions_drawn")
     generation_rounds: Optional[float] = mean("dynamic_sampling/generation_rounds")
     kept_groups: Optional[float] = mean("dynamic_sampling/kept_groups")
+    # asynchronous generation (async_rollouts.py): the same on every process (the main process's producer says)
+    staleness_mean: Optional[float] = mean("async/staleness_mean")  # optimizer steps the sampling weights lag
+    staleness_max: Optional[float] = largest("async/staleness_max")
+    dropped_groups: Optional[float] = mean("async/dropped_groups")  # dropped as too stale (and regenerated)
+    queue_size: Optional[float] = mean("async/queue_size")  # finished completions left waiting after the take
+    trainer_wait_s: Optional[float] = mean("async/trainer_wait_s")  # the trainer waited for the generation
+    generator_wait_s: Optional[float] = mean("async/generator_wait_s")  # the worker had nothing it could sample
 
 
 _SAMPLER_STATS = {  # sampler_importance_weights' names -> ExperienceStats fields
@@ -90,15 +97,19 @@ def score_generation(
     with timer.phase("sync_weights"):
         sampling.rollouts.sync_weights(accelerator.unwrap_model(model), sampling.trainer_state.global_step)
     batch, counts = draw_batch(sampling, inputs)
+    counts = {**counts, **sampling.rollouts.async_report()}
     # An in-process sampler draws from the very weights being trained: nothing to correct, and the
-    # extra forward pass for pi_old would be pure cost. Separate engines (server, vLLM) say they need it.
-    separate_sampler = getattr(sampling.rollouts.backend, "needs_importance_correction", True)
+    # extra forward pass for pi_old would be pure cost. Separate engines (server, vLLM, async worker) need it.
+    separate_sampler = sampling.rollouts.sampler_is_separate
     correct_sampler = (
         batch.sampler_logprobs is not None and config.vllm_importance_sampling_correction and separate_sampler
     )
+    # Asynchronous generation, trained once with the weights it is taken at: pi_old is what the training forward
+    # computes anyway, so the correction is made there (micro_step.py) instead of in a forward pass of its own.
+    in_forward = correct_sampler and config.async_generation and not plan.old_logprobs_needed
     old_logprobs = is_weights = ref_logprobs = None
     sampler_stats: dict[str, Any] = {}
-    if plan.old_logprobs_needed or correct_sampler:  # remember pi_old (the trainer's view of the sampling policy)
+    if plan.old_logprobs_needed or (correct_sampler and not in_forward):  # pi_old: the trainer's view of the sampler
         with timer.phase("old_logprobs"):
             old_logprobs = batch_logprobs(
                 hooks,
@@ -118,6 +129,7 @@ def score_generation(
                 "so it needs vllm_importance_sampling_mode='token_truncate' or 'token_mask', not "
                 f"{config.vllm_importance_sampling_mode!r}."
             )
+    if correct_sampler and not in_forward:
         rho, values = sampler_importance_weights(
             old_logprobs,
             batch.sampler_logprobs,

@@ -69,15 +69,22 @@ class RolloutMaker:
     # Which rows of the global batch train, given this process's rollout and the global rewards: a (N_global,) bool
     # mask (GFPO's group filter); None keeps every row. Advantages are then computed over the kept rows only.
     row_filter: Optional[Callable[[Rollout, Rewards], torch.Tensor]] = None
+    # Asynchronous generation (async_rollouts.AsyncRollouts): where the next generations come from, sampled ahead
+    # by a worker process; None: sampled here, when drawn
+    source: Any = None
 
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
-        """Hand the policy's weights to the backend before sampling, at most once per optimizer step (as TRL)."""
-        if self.synced_step != step:
+        """Hand the policy's weights to the backend before sampling, at most once per optimizer step (as TRL). An
+        asynchronous worker gets them from the loop after each optimizer step instead (optimizer_step.py)."""
+        if self.source is None and self.synced_step != step:
             self.backend.sync_weights(model)
             self.synced_step = step
 
     def draw_prompts(self) -> GenerationInputs:
-        """The next generation's prompts on this process, as the rows TRL's override points receive."""
+        """The next generation's prompts on this process, as the rows TRL's override points receive (with asynchronous
+        generation: the next one the worker finished, in prompt order, its completions attached)."""
+        if self.source is not None:
+            return self.source.take()
         indices, rows = self.sampler.next_generation()
         inputs = self.prompt_inputs(indices, rows, self.generations_made)
         self.generations_made += 1
@@ -103,9 +110,21 @@ class RolloutMaker:
         return GenerationInputs.of(prompts, dict(zip(indices, rows)), self.settings.remove_unused_columns)
 
     def sample(self, inputs: Optional[GenerationInputs] = None) -> Rollout:
-        """Completions for `inputs` (default: the next prompts drawn)."""
-        prompts = (inputs if inputs is not None else self.draw_prompts()).prompt_batch
-        return Rollout(prompts, self.generate(prompts))
+        """Completions for `inputs` (default: the next prompts drawn); those a worker already sampled, if it did."""
+        inputs = inputs if inputs is not None else self.draw_prompts()
+        if getattr(inputs, "sampled", None) is not None:
+            return inputs.sampled
+        return Rollout(inputs.prompt_batch, self.generate(inputs.prompt_batch))
+
+    @property
+    def sampler_is_separate(self) -> bool:
+        """The completions come from another copy of the weights (a server, vLLM, an asynchronous worker), whose
+        logprobs the trainer corrects for."""
+        return self.source is not None or getattr(self.backend, "needs_importance_correction", True)
+
+    def async_report(self) -> dict[str, float]:
+        """The async/* statistics of the generations taken since the last call (none when generating here)."""
+        return self.source.report() if self.source is not None else {}
 
     def generate(self, prompts: PromptBatch) -> list[Completion]:
         if self.generate_hook is not None and (overridden := self.generate_hook(prompts)) is not None:

@@ -6,6 +6,8 @@
                                                     (threshold over every process's loss tokens)
         -> off-policy sequence mask                 trainer.get_off_policy_mask
                                                     (behaviour = sampler logprobs if any, else pi_old)
+        -> sampler weights from this forward       asynchronous generation trained at the weights it is taken at:
+                                                    pi_old is this forward's logprobs (experience.py skips its pass)
         -> losses.policy_loss (objective, masks, sampler weights, KL, aggregation, entropy bonus)
         -> + router_aux_loss_coef * aux / GA
         -> LossStats: the loss (must be finite), entropy, the loss function's statistics, each with its reduction
@@ -23,6 +25,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig
+from grouprl.core.importance import sampler_importance_weights
 from grouprl.core.loss_aggregations import dapo_denominator, masked_mean
 from grouprl.core.losses import policy_loss
 from grouprl.core.stats import MAX, MEAN, MIN, Stat, finite, local, mean, open_set, total
@@ -43,6 +46,8 @@ class Objective:
     grad_accum_steps: int
     num_processes: int
     steps_per_generation: int
+    # (mode, clip_min, clip_max) when the sampler-mismatch weights come from the training forward (experience.py)
+    sampler_correction: Optional[tuple[str, Optional[float], Optional[float]]] = None
 
     @classmethod
     def from_config(cls, config: GRPOConfig, plan: BatchPlan, aux_loss_coef: float = 0.0) -> "Objective":
@@ -72,6 +77,13 @@ class Objective:
             grad_accum_steps=plan.gradient_accumulation_steps,
             num_processes=plan.num_processes,
             steps_per_generation=plan.steps_per_generation,
+            sampler_correction=(
+                config.vllm_importance_sampling_mode,
+                config.vllm_importance_sampling_clip_min,
+                config.vllm_importance_sampling_clip_max,
+            )
+            if config.async_generation and config.vllm_importance_sampling_correction and not plan.old_logprobs_needed
+            else None,
         )
 
     @property
@@ -93,6 +105,7 @@ class LossStats:
     off_policy_dropped: Optional[torch.Tensor] = mean("off_policy_mask/dropped_fraction", weight="rows")
     entropy_sum: Optional[torch.Tensor] = total(None)  # for the entropy-bonus controller: its tokens' entropy
     entropy_count: Optional[torch.Tensor] = total(None)
+    sampler: dict[str, Stat] = open_set()  # sampling/* when the sampler weights come from this forward
 
 
 def objective_stats(values: dict[str, Any], tokens: torch.Tensor, rows: float, sequence_level: bool) -> dict[str, Stat]:
@@ -165,6 +178,9 @@ def micro_batch_loss(
                     b.advantages.unsqueeze(1), out.logprobs, behaviour, b.loss_mask, objective.off_policy_mask_threshold
                 )
                 sequence_keep = _checked_mask(sequence_keep, (len(b), 1), "get_off_policy_mask").to(out.logprobs.dtype)
+        sampler_weights, sampler_stats = b.is_weights, {}
+        if objective.sampler_correction is not None and b.sampler_logprobs is not None and b.is_weights is None:
+            sampler_weights, sampler_stats = weights_from_forward(out.logprobs, b, objective.sampler_correction)
         loss, values = policy_loss(
             objective.loss_type,
             out.logprobs,
@@ -182,7 +198,7 @@ def micro_batch_loss(
             ref_logprobs=b.ref_logprobs,
             sequence_keep=sequence_keep,
             token_keep=token_keep,
-            sampler_weights=b.is_weights,
+            sampler_weights=sampler_weights,
             entropy=out.entropy if bonus else None,
             entropy_coef=entropy_coef if bonus else 0.0,
         )
@@ -196,7 +212,7 @@ def micro_batch_loss(
         "policy log-probabilities": out.logprobs,
         "old log-probabilities": b.old_logprobs,
         "reference log-probabilities": b.ref_logprobs,
-        "sampler weights": b.is_weights,
+        "sampler weights": sampler_weights,
         "advantages": b.advantages,
     }
     stats = LossStats(
@@ -210,8 +226,36 @@ def micro_batch_loss(
         off_policy_dropped=1.0 - sequence_keep.mean() if sequence_keep is not None else None,
         entropy_sum=(entropy * effective).sum() if bonus else None,
         entropy_count=effective.sum() if bonus else None,
+        sampler=sampler_stats,
     )
     return loss, stats
+
+
+def weights_from_forward(
+    logprobs: torch.Tensor, b: Any, correction: tuple[str, Optional[float], Optional[float]]
+) -> tuple[torch.Tensor, dict[str, Stat]]:
+    """Sampler-mismatch weights (n, T) with pi_old = this forward's logprobs (detached), and their statistics:
+    means over the loss tokens (sequences, for sequence modes), min / max over every process's rows."""
+    mode, clip_min, clip_max = correction
+    rho, values = sampler_importance_weights(
+        logprobs.detach().float(),
+        b.sampler_logprobs.float(),
+        b.loss_mask,
+        mode=mode,
+        clip_min=clip_min,
+        clip_max=clip_max,
+    )
+    tokens, sequences = b.loss_mask.sum(), b.loss_mask.any(dim=1).sum()
+    counted = sequences if mode.startswith("sequence") else tokens
+    weights = {"sampling/sampling_logp_difference/mean": tokens, "sampling/importance_sampling_ratio/mean": counted}
+    weights["sampling/importance_sampling_masked_fraction"] = counted
+    stats = {
+        name: Stat(
+            value, MIN if name.endswith("/min") else MAX if name.endswith("/max") else MEAN, weights.get(name, 1.0)
+        )
+        for name, value in values.items()
+    }
+    return rho.expand_as(logprobs).to(logprobs.dtype), stats
 
 
 def _checked_mask(mask: Any, shape: tuple, method: str) -> torch.Tensor:

@@ -95,8 +95,11 @@ def apply_update(run: TrainingRun) -> float:
 
 def end_of_step_updates(run: TrainingRun, reduced: list[Any]) -> None:
     """Controllers that act once per optimizer step: the entropy coefficient (from the step's reduced entropy
-    sums), the TR-DPO reference sync."""
+    sums), the TR-DPO reference sync, the weights of an asynchronous generation worker."""
     controller, accelerator = run.entropy_controller, run.accelerator
+    source, step = run.rollouts.source, run.state.global_step
+    if source is not None and step % run.config.weight_sync_steps == 0:
+        source.publish(accelerator.unwrap_model(run.model), step)
     if controller is not None:
         total = sum(getattr(entry, "entropy_sum", None) or 0.0 for entry in reduced)
         count = sum(getattr(entry, "entropy_count", None) or 0.0 for entry in reduced)

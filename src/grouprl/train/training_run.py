@@ -63,6 +63,8 @@ class TrainingRun:
     progress: Any = None  # the tqdm bar while training (log lines are written through it)
     flos: float = 0.0  # this process's floating-point operations not yet added to state.total_flos
     evaluation_pass: Any = None  # set while evaluating: the eval RolloutMaker and metric window (eval_mode.py)
+    # a checkpoint's asynchronous-generation book (async_slots.SlotBook.state_dict), until train() starts with it
+    async_resume: Optional[dict[str, Any]] = None
     collectives: Collectives = field(init=False)  # the step's reductions over the processes (from the accelerator)
     # tokens trained on since the last store_flos (a tensor: no host sync)
     trained_tokens: Any = field(init=False, default=0.0)
@@ -142,8 +144,11 @@ class TrainingRun:
         return PhaseTimer(self.window)
 
     def loop_state(self, with_reference: bool = True) -> dict[str, Any]:
+        # asynchronous generation: the sampler's position and the batches drawn ahead of training, read together
+        drawn = self.rollouts.source.state_dict() if self.rollouts.source is not None else None
         state = {
-            "sampler": self.rollouts.sampler.state_dict(),
+            "sampler": drawn["sampler"] if drawn else self.rollouts.sampler.state_dict(),
+            "async": drawn["book"] if drawn else self.async_resume,
             "pending": list(self.pending),
             "generations_made": self.rollouts.generations_made,
             "tokens_seen": self.rollouts.tokens_seen,
@@ -160,6 +165,7 @@ class TrainingRun:
 
     def load_loop_state(self, state: dict[str, Any]) -> None:
         self.rollouts.sampler.load_state_dict(state["sampler"])
+        self.async_resume = state.get("async")
         self.pending = deque(state["pending"])
         self.inputs = state.get("inputs")
         self.rollouts.generations_made = state["generations_made"]
