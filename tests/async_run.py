@@ -66,9 +66,11 @@ class KillWorker(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step not in self.steps:
             return
-        worker = self.trainer.run.rollouts.source.producer.worker
+        producer = self.trainer.run.rollouts.source.producer
+        worker = producer.worker
         deadline = time.monotonic() + 120
-        while worker.process.pid in self.killed or worker.exit_code() is not None or not answers(worker.url):
+        # the trainer has finished restarting the worker after each earlier kill (not only: the new one answers)
+        while producer.epoch < len(self.killed) or producer.restarting or not answers(worker.url):
             assert time.monotonic() < deadline, "the worker was not restarted"
             time.sleep(0.1)
         self.killed.add(worker.process.pid)

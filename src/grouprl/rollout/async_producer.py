@@ -150,9 +150,12 @@ class Producer:
                 raise WorkerDied(f"{self.worker.describe()} {what}{again}; training stops.")
             with self.cond:
                 self.restarting = True
+            dead = self.worker.describe()
             try:
                 self.worker.kill()
                 self.worker.restart()
+            except WorkerDied as err:
+                raise WorkerDied(f"{dead} {what}; it was restarted once, and then {err}") from None
             finally:
                 with self.cond:
                     self.restarting = False
@@ -250,8 +253,19 @@ class Producer:
                 self.cond.notify_all()
         except BaseException as err:
             with self.cond:
-                if self.epoch == epoch and not self.restarting and self.worker.exit_code() is None:
+                if self._still_running(err, epoch):
                     self.error = err  # the worker lives: a bug or a refused request, raised by take()
                 elif self.epoch == epoch and slot.number in self.book.requested:
                     self.book.fail(slot)  # lost with the worker: requested again once it is back
                 self.cond.notify_all()  # (a request of an older worker was re-queued by its restart)
+
+    def _still_running(self, err: BaseException, epoch: int) -> bool:
+        """Whether the worker of `epoch` outlived a failed request (held: self.cond). A killed process closes its
+        connections a moment before it can be reaped, so a connection error waits (at most 2 s, the lock
+        released) for the exit to show; a restart meanwhile means it did not."""
+        deadline = time.monotonic() + (2.0 if isinstance(err, OSError) else 0.0)
+        while self.epoch == epoch and not self.restarting and self.worker.exit_code() is None:
+            if time.monotonic() >= deadline:
+                return True
+            self.cond.wait(timeout=0.05)
+        return False
