@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--max_staleness", type=int, default=1)
     parser.add_argument("--one", nargs=2, metavar=("WORKLOAD", "MODE"), help="Run one workload in one mode.")
     parser.add_argument("--modes", default="sync,async,sync1", help="Modes to run, in this order, per workload.")
+    parser.add_argument("--output", default=RESULTS, help="Where the JSON results go.")
     args = parser.parse_args()
     if args.one:
         name, mode = args.one
@@ -146,8 +147,8 @@ def main() -> None:
         print(
             f"{r['workload']:8} {r['mode']:6} {r['seconds_per_step']:8.2f} {r['steps_per_second']:8.4f} {ratio:7.2f}x"
         )
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as handle:
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as handle:
         json.dump(results, handle, indent=1)
 
 
