@@ -118,6 +118,11 @@ def main() -> None:
                 "dtype": "bf16" if bf16 else "fp32",
                 "cpu_flags": cpu_flags(),
                 "load_average": os.getloadavg(),
+                # where a timed step goes (grouprl logs time/<phase> per optimizer step; TRL logs none)
+                "phase_seconds": {
+                    key.removeprefix("time/"): sum(e[key] for e in timed if key in e) / len(timed)
+                    for key in sorted({k for e in timed for k in e if k.startswith("time/")})
+                },
             }
         )
     )

@@ -113,6 +113,7 @@ def median_run(runs: list[dict]) -> dict:
         return runs[0]
     middle = statistics.median(r["seconds_per_step"] for r in timed)
     chosen = dict(min(timed, key=lambda r: abs(r["seconds_per_step"] - middle)))
+    chosen["phase_seconds_step"] = chosen["seconds_per_step"]
     rescale = chosen["seconds_per_step"] / middle  # per-second rates follow the median step time
     chosen.update(
         seconds_per_step=middle,
@@ -145,6 +146,28 @@ def cpu_sentence(rows: list) -> str:
         f"CPU flags: {listed}, so bf16 is {'native' if native else 'emulated by PyTorch (~100x slower)'}; "
         f"both sides ran in **{' and '.join(dtypes)}** (`use_cpu=True`)."
     )
+
+
+def phase_table(rows: list) -> list[str]:
+    """Where grouprl's median run spends a step: its logged time/<phase> seconds, the rest as `other`."""
+    phased = [(name, ours) for name, ours, _ in rows if ours.get("phase_seconds")]
+    if not phased:
+        return []
+    phases = sorted({p for _, ours in phased for p in ours["phase_seconds"]})
+    lines = [
+        "",
+        "Where grouprl's step goes (its logged `time/<phase>` seconds per optimizer step, median run; `other`: "
+        "the rest of the step: batching, statistics, callbacks):",
+        "",
+        f"| workload | {' | '.join(phases)} | other | s/step |",
+        "|---" * (len(phases) + 3) + "|",
+    ]
+    for name, ours in phased:
+        seconds = [ours["phase_seconds"].get(p, 0.0) for p in phases]
+        # the phases of the median run, against that run's own step time (not the median of all runs)
+        step = ours["phase_seconds_step"] if "phase_seconds_step" in ours else ours["seconds_per_step"]
+        lines.append(f"| {name} | {' | '.join(fmt(v) for v in seconds)} | {fmt(step - sum(seconds))} | {fmt(step)} |")
+    return lines
 
 
 def write_report(
@@ -211,6 +234,7 @@ def write_report(
             f"{fmt(ours.get('seconds_per_step', float('nan')) / floor)} | "
             f"{fmt(theirs.get('seconds_per_step', float('nan')) / floor)}x |"
         )
+    lines += phase_table(rows)
     lines += [
         "",
         "Generation alone (W2: shared ~400-token prompt, 4 prompts x 8 samples, up to 128 new tokens, fp32):",
