@@ -112,8 +112,10 @@ def default_text(spec: dataclasses.Field) -> str:
     return repr(getattr(value, "value", value))  # enums (SchedulerType, ...) by the value a user writes
 
 
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+def _cell(text: str, code: bool = False) -> str:
+    # Markdown tables split rows at "|" except inside a code span, where an escape would show as a backslash.
+    text = " ".join(text.split())
+    return f"`{text}`" if code else text.replace("|", "\\|")
 
 
 def reference_markdown(config_cls: Any = GRPOConfig) -> str:
@@ -124,7 +126,8 @@ def reference_markdown(config_cls: Any = GRPOConfig) -> str:
             continue
         help_text = (spec.metadata or {}).get("help", "")
         rows[field_section(spec.name)].append(
-            f"| `{spec.name}` | `{_cell(type_name(spec.type))}` | `{_cell(default_text(spec))}` | {_cell(help_text)} |"
+            f"| `{spec.name}` | {_cell(type_name(spec.type), code=True)} | {_cell(default_text(spec), code=True)} "
+            f"| {_cell(help_text)} |"
         )
     parts = []
     for title, about in SECTIONS:
