@@ -9,6 +9,7 @@ reference tables (type, default, help of every field) are rendered when the docs
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from transformers import TrainingArguments
@@ -92,14 +93,14 @@ def field_section(name: str) -> str:
 
 
 def type_name(annotation: Any) -> str:
-    """A field's annotation as a reader writes it: `int`, `Optional[str]`, not `<class 'int'>`."""
+    """A field's annotation as a reader writes it: `int`, `Optional[str]`, `OptimizerNames | str`."""
     if isinstance(annotation, str):
         text = annotation
     elif isinstance(annotation, type):
         text = annotation.__name__
     else:
         text = str(annotation)
-    return text.replace("typing.", "").replace("transformers.trainer_utils.", "").replace("transformers.", "")
+    return re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", text)  # a class by its name: ParallelismConfig, not its module path
 
 
 def default_text(spec: dataclasses.Field) -> str:
