@@ -60,14 +60,17 @@ class TrainerAttributes:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer (``optim`` / ``optimizers=``), as ``Trainer.optimizer``."""
         return self.run.optimizer
 
     @property
     def lr_scheduler(self) -> Any:
+        """The learning-rate scheduler (``lr_scheduler_type``), as ``Trainer.lr_scheduler``."""
         return self.run.scheduler
 
     @property
     def callback_handler(self) -> CallbackHandler:
+        """The ``transformers.CallbackHandler`` that calls every callback's events, as ``Trainer.callback_handler``."""
         return self.run.callbacks
 
     def add_callback(self, callback: Any) -> None:

@@ -57,6 +57,11 @@ from grouprl.core.loss_objectives import cispo_objective, clipped_surrogate, sap
 
 @dataclass(frozen=True)
 class LossSpec:
+    """One ``loss_type``: its per-token objective, its aggregation and how the loop must treat them.
+
+    Built by `register_loss` (whose docstring describes each piece); ``LOSSES`` maps names to specs.
+    """
+
     objective: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
     aggregate: Callable[..., torch.Tensor]
     divides_by_grad_accum: bool = True  # False: normalised by the global token count instead

@@ -17,13 +17,18 @@ from grouprl.core.types import Completion, SamplingParams
 
 @runtime_checkable
 class GenerationBackend(Protocol):
-    # Optional class attributes:
-    # `needs_importance_correction` (default True): False for backends that sample from the training
-    #     weights in the same process, whose sampler logprobs need no correction.
-    # `main_process_only` (default False): True for backends only the main process may call (a
-    #     server); the loop then gathers every process's prompts, the main process samples whole
-    #     groups and each process takes its rows by the generation's GroupLayout (generation/dispatch.py).
-    #     `sync_weights` is still called on every process (gathering sharded weights is collective).
+    """What the training loop samples completions with: `generate` and `sync_weights`.
+
+    Any object with these two methods qualifies (``GRPOTrainer(..., generation_backend=obj)``); no base
+    class is needed. Two optional class attributes change how the loop uses it:
+
+    - ``needs_importance_correction`` (default True): False for a backend that samples from the training
+      weights in the same process, whose sampler logprobs need no correction.
+    - ``main_process_only`` (default False): True for a backend only the main process may call (a server);
+      the loop then gathers every process's prompts, the main process samples whole groups and each
+      process takes its rows by the generation's GroupLayout (generation/dispatch.py). `sync_weights` is
+      still called on every process (gathering sharded weights is collective).
+    """
 
     def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
         """Sample `num_samples` completions for each prompt; return them prompt-major (len = prompts x num_samples).
