@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 
 
-def demo_command(argv: list[str]) -> int:
-    from grouprl.demo.run import add_demo_arguments, run_demo
+def build_parser() -> argparse.ArgumentParser:
+    from grouprl.demo.run import add_demo_arguments
 
     parser = argparse.ArgumentParser(
         prog="grouprl demo", description="GRPO on the built-in arithmetic task with the bundled tiny model."
     )
     add_demo_arguments(parser)
-    run_demo(parser.parse_args(argv))
+    return parser
+
+
+def demo_command(argv: list[str]) -> int:
+    from grouprl.demo.run import run_demo
+
+    run_demo(build_parser().parse_args(argv))
     return 0

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def report_command(argv: list[str]) -> int:
-    from grouprl.report.writer import write_report
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grouprl report", description="Write a self-contained HTML report (and PNG charts) of a run."
     )
@@ -15,7 +13,13 @@ def report_command(argv: list[str]) -> int:
     parser.add_argument(
         "--out", default=None, help="Where to write index.html and the PNGs (default: OUTPUT_DIR/report)."
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def report_command(argv: list[str]) -> int:
+    from grouprl.report.writer import write_report
+
+    args = build_parser().parse_args(argv)
     report = write_report(args.output_dir, args.out)
     drawn = [key for key, png in report.charts.items() if png]
     print(f"grouprl report: {report.html} ({len(drawn)} of {len(report.charts)} charts drawn; PNGs next to it)")

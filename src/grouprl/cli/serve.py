@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 
-def serve_command(argv: list[str]) -> int:
-    from grouprl.generation.server import add_serve_arguments, serve
+def build_parser() -> argparse.ArgumentParser:
+    from grouprl.generation.server import add_serve_arguments
 
     parser = argparse.ArgumentParser(
         prog="grouprl serve",
@@ -14,5 +14,11 @@ def serve_command(argv: list[str]) -> int:
         "token ids and logprobs) and accept weight updates from a grouprl trainer.",
     )
     add_serve_arguments(parser)
-    serve(parser.parse_args(argv))
+    return parser
+
+
+def serve_command(argv: list[str]) -> int:
+    from grouprl.generation.server import serve
+
+    serve(build_parser().parse_args(argv))
     return 0
