@@ -339,12 +339,11 @@ def test_rollout_selection_concatenation_and_packing_keep_each_prompts_images():
     assert pack_rollout(text, torch.zeros(2), 0, False).multimodal is None
 
 
-def test_the_readme_example_trains(tmp_path, monkeypatch):
+def test_the_documented_example_trains(tmp_path, monkeypatch):
     pytest.importorskip("peft")  # the example trains a LoRA adapter
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as handle:
-        readme = handle.read()
-    section = readme.split("## Vision-language models", 1)[1]
-    script = section.split("```python\n", 1)[1].split("```", 1)[0]
+    page = os.path.join(os.path.dirname(__file__), "..", "docs", "vision_language.md")
+    with open(page, encoding="utf-8") as handle:
+        script = handle.read().split("```python\n", 1)[1].split("```", 1)[0]
     path = save_tiny_llava(tmp_path / "tiny-llava")
     for hub, local in (
         ('"Qwen/Qwen2.5-VL-3B-Instruct"', repr(path)),
@@ -354,7 +353,7 @@ def test_the_readme_example_trains(tmp_path, monkeypatch):
         script = script.replace(hub, local)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(script, "README.md", "exec"), namespace)  # noqa: S102 (the README's own code)
+    exec(compile(script, "docs/vision_language.md", "exec"), namespace)  # noqa: S102 (the page's own code)
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 2 and "rewards/color_reward/mean" in trainer.state.log_history[0]
     table = pq.read_table(tmp_path / "vlm-GRPO" / "completions" / "completions_00002.parquet").to_pydict()
