@@ -1,6 +1,6 @@
 """The fewest seconds per step this CPU allows for a workload: its matrix products alone, at measured speed.
 
-    python bench/bench_bounds.py [W1 W2 W3 W4]
+    python bench/bench_bounds.py [--dtype fp32|bf16|auto] [W1 W2 W3 W4]
 
 The matrix products of a GRPO step are fixed by the model and the workload, whatever the library:
 - prefill: each distinct prompt token once through every weight matrix;
@@ -14,11 +14,14 @@ the weights come from memory as they do in a step), fastest of several runs, and
 attention, norms, sampling, optimizer or Python. The sum estimates a floor for any implementation on
 this machine (an estimate: on a shared 2-core machine the same product varies by ~10% between runs). Decode
 schedules (rows alive at each step) come from a seeded FastGenerator run, except W3 (8 rows for all
-512 steps, its EOS is one token of 151,936). Prints one JSON line per workload.
+512 steps, its EOS is one token of 151,936). With --dtype bf16 (or auto on a CPU with native bf16) the
+products run in bf16, as under the bf16 autocast that bench_train.py --dtype bf16 trains with.
+Prints one JSON line per workload.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -29,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
-from workloads import WORKLOADS, model_dir, prompts_for  # noqa: E402
+from workloads import WORKLOADS, model_dir, native_bf16, prompts_for  # noqa: E402
 
 from grouprl.core.types import SamplingParams  # noqa: E402
 from grouprl.generation import FastGenerator  # noqa: E402
@@ -60,8 +63,8 @@ def decode_seconds(layers: list[torch.Tensor], head: torch.Tensor, rows: int) ->
     x @ W^T and W @ x^T with and without rows padded to a multiple of 16 (grouprl's engine computes
     few rows weight-major; decode_products.py)."""
     weights = layers + [head]
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    padded = {w.shape[1]: torch.randn(-(-rows // 16) * 16, w.shape[1]) for w in weights}
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+    padded = {w.shape[1]: torch.randn(-(-rows // 16) * 16, w.shape[1], dtype=w.dtype) for w in weights}
     row_major = _fastest_seconds(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
     weight_major = _fastest_seconds(lambda: [w @ inputs[w.shape[1]].t() for w in weights])
     weight_major_padded = _fastest_seconds(lambda: [w @ padded[w.shape[1]].t() for w in weights])
@@ -70,8 +73,8 @@ def decode_seconds(layers: list[torch.Tensor], head: torch.Tensor, rows: int) ->
 
 def per_token_seconds(weights: list[torch.Tensor]) -> dict[str, float]:
     """Seconds per token of the forward, input-gradient and weight-gradient products over `weights`."""
-    x = {w.shape[1]: torch.randn(TRAIN_ROWS, w.shape[1]) for w in weights}
-    g = {w.shape[0]: torch.randn(TRAIN_ROWS, w.shape[0]) for w in weights}
+    x = {w.shape[1]: torch.randn(TRAIN_ROWS, w.shape[1], dtype=w.dtype) for w in weights}
+    g = {w.shape[0]: torch.randn(TRAIN_ROWS, w.shape[0], dtype=w.dtype) for w in weights}
     return {
         "forward": _fastest_seconds(lambda: [F.linear(x[w.shape[1]], w) for w in weights], 3) / TRAIN_ROWS,
         "input_grad": _fastest_seconds(lambda: [g[w.shape[0]] @ w for w in weights], 3) / TRAIN_ROWS,
@@ -95,7 +98,7 @@ def schedule(name: str, model, tokenizer) -> list[int]:
     return list(generator.decode_batch_sizes)
 
 
-def main(names: list[str]) -> None:
+def main(names: list[str], dtype: torch.dtype = torch.float32) -> None:
     cache: dict[str, tuple] = {}
     for name in names:
         workload = WORKLOADS[name]
@@ -103,8 +106,9 @@ def main(names: list[str]) -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
         key = (workload.hidden_size, workload.num_hidden_layers, workload.vocab_size)
+        rows = schedule(name, model, tokenizer)  # the fp32 model's schedule: the runs sample the same way
         layers, head = _weights(model)
-        rows = schedule(name, model, tokenizer)
+        layers, head = [w.to(dtype) for w in layers], head.to(dtype)
         with torch.no_grad():
             if key not in cache:
                 cache[key] = (per_token_seconds(layers), per_token_seconds([head]), {})
@@ -124,6 +128,7 @@ def main(names: list[str]) -> None:
             json.dumps(
                 {
                     "workload": name,
+                    "dtype": str(dtype).replace("torch.", ""),
                     "floor_seconds_per_step": decode + prefill + train,
                     "decode_floor_seconds": decode,
                     "prefill_floor_seconds": prefill,
@@ -137,4 +142,9 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["W1", "W2", "W3", "W4"])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("workloads", nargs="*", default=["W1", "W2", "W3", "W4"])
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32")
+    args = parser.parse_args()
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and native_bf16())
+    main(args.workloads, torch.bfloat16 if bf16 else torch.float32)

@@ -10,6 +10,10 @@ within an hour, so a floor or peak timed at another moment than the runs it is c
 Only the part of docs/benchmarks.md between the GENERATED markers is rewritten; the analysis
 around it is kept.
 
+A full run takes an hour or more. With --record FILE each finished workload's raw measurements are
+appended to FILE (one JSON line each); run the same command again and the workloads already in FILE
+are read back instead of measured again, so an interrupted run goes on where it stopped.
+
 grouprl runs in this interpreter's environment; TRL 1.16 in a separate one (never a dependency of
 grouprl): create it with `python3 -m venv trl-venv && trl-venv/bin/pip install torch==2.13.0 trl==1.16.0`.
 """
@@ -67,10 +71,23 @@ def main() -> None:
     parser.add_argument(
         "--dtype", choices=["fp32", "bf16", "auto"], default="fp32", help="Passed to bench_train.py (both sides)."
     )
+    parser.add_argument(
+        "--record", help="JSON-lines file of finished workloads: appended to, and read back to resume a run."
+    )
     args = parser.parse_args()
+    recorded = read_record(args.record, args.dtype)
     peaks, rows, bounds = [], [], {}
     for workload in args.workloads:
-        ours, theirs, floors = [], [], []
+        if workload in recorded:
+            done = recorded[workload]
+            ours, theirs, floors = done["ours"], done["theirs"], done["floors"]
+            peaks += done["peaks"]
+            print(f"{workload}: read back from {args.record}", flush=True)
+            rows.append((workload, median_run(ours), median_run(theirs)))
+            if floors:
+                bounds[workload] = median_floor(floors)
+            continue
+        ours, theirs, floors, workload_peaks = [], [], [], []
         for _ in range(args.repeats):
             dtype = ["--dtype", args.dtype]
             ours.append(
@@ -83,9 +100,15 @@ def main() -> None:
                     [args.trl_python, "bench/bench_train.py", "--framework", "trl", "--workload", workload, *dtype]
                 )[0]
             )
-            floors += [b for b in run_json([sys.executable, "bench/bench_bounds.py", workload]) if "workload" in b]
-            peaks.append(matmul_peak())
-            print(workload, json.dumps(ours[-1]), json.dumps(theirs[-1]), json.dumps(peaks[-1]), flush=True)
+            bounds_command = [sys.executable, "bench/bench_bounds.py", workload, *dtype]
+            floors += [b for b in run_json(bounds_command) if "workload" in b]
+            workload_peaks.append(matmul_peak())
+            print(workload, json.dumps(ours[-1]), json.dumps(theirs[-1]), json.dumps(workload_peaks[-1]), flush=True)
+        peaks += workload_peaks
+        if args.record:
+            with open(args.record, "a", encoding="utf-8") as handle:
+                entry = {"workload": workload, "dtype": args.dtype, "ours": ours, "theirs": theirs}
+                handle.write(json.dumps({**entry, "floors": floors, "peaks": workload_peaks}) + "\n")
         rows.append((workload, median_run(ours), median_run(theirs)))
         if floors:
             bounds[workload] = median_floor(floors)
@@ -93,6 +116,19 @@ def main() -> None:
     peak = {dtype: statistics.median(p[dtype] for p in peaks) for dtype in peaks[0]}
     write_report(args.output, peak, rows, generation, args.repeats, bounds)
     print(f"wrote {args.output}")
+
+
+def read_record(path: str | None, dtype: str) -> dict[str, dict]:
+    """The workloads a previous run with the same --record file finished, by name (the last entry wins)."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        entries = [json.loads(line) for line in handle if line.strip()]
+    other = sorted({e["dtype"] for e in entries} - {dtype})
+    if other:
+        kinds = ", ".join(other)
+        raise SystemExit(f"--record {path} holds {kinds} runs, this run is --dtype {dtype}: use another file")
+    return {e["workload"]: e for e in entries}
 
 
 def median_floor(floors: list[dict]) -> dict:
@@ -215,9 +251,11 @@ def write_report(
         )
     lines += [
         "",
-        "Matrix products alone (`bench/bench_bounds.py`, timed right after each pair, median): each workload's "
-        "prefill, decode and training products timed on their real shapes with nothing else (no attention, norms, "
-        "sampling, Python): a floor for any library on this machine, and the largest speed-up over TRL it leaves.",
+        "Matrix products alone (`bench/bench_bounds.py`, timed right after each pair, median, in "
+        f"{' and '.join(sorted({b.get('dtype', 'float32') for b in bounds.values()})) or 'float32'}): each "
+        "workload's prefill, decode and training products timed on their real shapes with nothing else (no "
+        "attention, norms, sampling, Python): a floor for any library on this machine, and the largest speed-up "
+        "over TRL it leaves.",
         "",
         "| workload | decode products s | training products s | floor s/step | grouprl s/step / floor | TRL s/step / "
         "floor (largest possible speed-up) |",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -69,3 +70,19 @@ def test_floor_is_the_median_measurement_and_pairs_are_listed():
     assert run_all.median_floor(floors) == {"floor_seconds_per_step": 8.0, "decode_floor_seconds": 4.0}
     ours, theirs = run_all.median_run([_run(10.0), _run(20.0)]), run_all.median_run([_run(30.0), _run(30.0)])
     assert run_all.pair_speedups(ours, theirs) == [3.0, 1.5]  # each alternating pair, in run order
+
+
+def test_a_recorded_run_is_read_back_and_a_record_of_another_dtype_is_refused(tmp_path):
+    record = tmp_path / "record.jsonl"
+    assert run_all.read_record(str(record), "bf16") == {}  # nothing recorded yet: measure everything
+    entry = {"workload": "W1", "dtype": "bf16", "ours": [_run(10.0)], "theirs": [_run(20.0)], "floors": [], "peaks": []}
+    record.write_text(json.dumps(entry) + "\n" + json.dumps({**entry, "ours": [_run(9.0)]}) + "\n")
+    assert run_all.read_record(str(record), "bf16")["W1"]["ours"] == [_run(9.0)]  # the last entry wins
+    with pytest.raises(SystemExit, match="holds bf16 runs, this run is --dtype fp32"):
+        run_all.read_record(str(record), "fp32")
+
+
+def test_bounds_run_in_the_weights_dtype():
+    weights = [torch.randn(32, 16, dtype=torch.bfloat16)]
+    assert bench_bounds.decode_seconds(weights, torch.randn(50, 16, dtype=torch.bfloat16), rows=4) > 0
+    assert bench_bounds.per_token_seconds(weights)["weight_grad"] > 0
