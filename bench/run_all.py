@@ -80,42 +80,34 @@ def main() -> None:
     for workload in args.workloads:
         if workload in recorded:
             done = recorded[workload]
-            ours, theirs, floors = done["ours"], done["theirs"], done["floors"]
-            peaks += done["peaks"]
             print(f"{workload}: read back from {args.record}", flush=True)
-            rows.append((workload, median_run(ours), median_run(theirs)))
-            if floors:
-                bounds[workload] = median_floor(floors)
-            continue
-        ours, theirs, floors, workload_peaks = [], [], [], []
-        for _ in range(args.repeats):
-            dtype = ["--dtype", args.dtype]
-            ours.append(
-                run_json(
-                    [sys.executable, "bench/bench_train.py", "--framework", "grouprl", "--workload", workload, *dtype]
-                )[0]
-            )
-            theirs.append(
-                run_json(
-                    [args.trl_python, "bench/bench_train.py", "--framework", "trl", "--workload", workload, *dtype]
-                )[0]
-            )
-            bounds_command = [sys.executable, "bench/bench_bounds.py", workload, *dtype]
-            floors += [b for b in run_json(bounds_command) if "workload" in b]
-            workload_peaks.append(matmul_peak())
-            print(workload, json.dumps(ours[-1]), json.dumps(theirs[-1]), json.dumps(workload_peaks[-1]), flush=True)
-        peaks += workload_peaks
-        if args.record:
-            with open(args.record, "a", encoding="utf-8") as handle:
-                entry = {"workload": workload, "dtype": args.dtype, "ours": ours, "theirs": theirs}
-                handle.write(json.dumps({**entry, "floors": floors, "peaks": workload_peaks}) + "\n")
-        rows.append((workload, median_run(ours), median_run(theirs)))
-        if floors:
-            bounds[workload] = median_floor(floors)
+        else:
+            done = measure(workload, args.repeats, args.dtype, args.trl_python)
+            if args.record:
+                with open(args.record, "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(done) + "\n")
+        peaks += done["peaks"]
+        rows.append((workload, median_run(done["ours"]), median_run(done["theirs"])))
+        if done["floors"]:
+            bounds[workload] = median_floor(done["floors"])
     generation = run_json([sys.executable, "bench/bench_generate.py", "W2"])
     peak = {dtype: statistics.median(p[dtype] for p in peaks) for dtype in peaks[0]}
     write_report(args.output, peak, rows, generation, args.repeats, bounds)
     print(f"wrote {args.output}")
+
+
+def measure(workload: str, repeats: int, dtype: str, trl_python: str) -> dict:
+    """`repeats` alternating grouprl / TRL runs of one workload, each pair followed by the floor and the peak."""
+    done = {"workload": workload, "dtype": dtype, "ours": [], "theirs": [], "floors": [], "peaks": []}
+    train = ["bench/bench_train.py", "--workload", workload, "--dtype", dtype, "--framework"]
+    for _ in range(repeats):
+        done["ours"].append(run_json([sys.executable, *train, "grouprl"])[0])
+        done["theirs"].append(run_json([trl_python, *train, "trl"])[0])
+        bounds = run_json([sys.executable, "bench/bench_bounds.py", workload, "--dtype", dtype])
+        done["floors"] += [b for b in bounds if "workload" in b]
+        done["peaks"].append(matmul_peak())
+        print(workload, *(json.dumps(done[k][-1]) for k in ("ours", "theirs", "peaks")), flush=True)
+    return done
 
 
 def read_record(path: str | None, dtype: str) -> dict[str, dict]:
