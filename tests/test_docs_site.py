@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from helpers import quiet_config
 
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.core.advantages import ADVANTAGE_ESTIMATORS
@@ -147,18 +148,12 @@ def test_extending_examples_train_a_tiny_model(extending_examples, tiny_model_di
     dataset = Dataset.from_dict(
         {"prompt": [f"count to {i}:" for i in range(12)], "target_length": [3 + i % 5 for i in range(12)]}
     )
-    config = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
+    config = quiet_config(
+        tmp_path,
         per_device_train_batch_size=6,
-        num_generations=3,
         max_completion_length=8,
         learning_rate=0.05,
         max_steps=2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
         loss_type="truncated_pg",
         loss_kwargs={"truncation": 1.5},
         advantage_estimator="leave_one_out",
