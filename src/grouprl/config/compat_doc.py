@@ -20,6 +20,13 @@ from grouprl.config.loss_and_logging_fields import LossAndLoggingFields
 from grouprl.config.model_and_sampling_fields import ModelAndSamplingFields
 from grouprl.config.training_arguments import compat_table
 
+
+def _names(cls: Any) -> frozenset[str]:
+    return frozenset(spec.name for spec in dataclasses.fields(cls))
+
+
+ASYNC_FIELDS = _names(AsyncGenerationFields)
+
 # Fields TRL 1.16's GRPOConfig does not have (besides the asynchronous-generation ones, all grouprl's).
 EXTENSIONS = frozenset(
     {
@@ -34,7 +41,7 @@ EXTENSIONS = frozenset(
         "max_dynamic_sampling_rounds",
         "bf16_from_default",
     }
-    | {spec.name for spec in dataclasses.fields(AsyncGenerationFields)}
+    | ASYNC_FIELDS
 )
 
 TABLE_BEGIN = (
@@ -77,18 +84,21 @@ SECTIONS = (
 )
 
 
+# Which fields each section lists, checked in this order (the first match wins: extensions before their base).
+_SECTION_FIELDS = (
+    ("Asynchronous generation", ASYNC_FIELDS),
+    ("grouprl extensions", EXTENSIONS),
+    ("Training", _names(TrainingArguments)),
+    ("Model and sampling", _names(ModelAndSamplingFields)),
+    ("Loss, rewards, logging and tools", _names(LossAndLoggingFields)),
+)
+
+
 def field_section(name: str) -> str:
     """The reference section a GRPOConfig field is listed under."""
-    if name in {spec.name for spec in dataclasses.fields(AsyncGenerationFields)}:
-        return "Asynchronous generation"
-    if name in EXTENSIONS:
-        return "grouprl extensions"
-    if name in {spec.name for spec in dataclasses.fields(TrainingArguments)}:
-        return "Training"
-    if name in {spec.name for spec in dataclasses.fields(ModelAndSamplingFields)}:
-        return "Model and sampling"
-    if name in {spec.name for spec in dataclasses.fields(LossAndLoggingFields)}:
-        return "Loss, rewards, logging and tools"
+    for title, names in _SECTION_FIELDS:
+        if name in names:
+            return title
     raise ValueError(f"GRPOConfig field {name!r} belongs to no reference section; add it to compat_doc.py.")
 
 
