@@ -31,21 +31,32 @@ UNPADDED_ROWS = 8  # above this, rows are padded to a multiple of 16
 
 def weight_major_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, as (W @ x^T)^T when x has few rows (see the module doc), else `F.linear`."""
+    return few_row_linear(x, layer.weight, layer.bias)
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, as (W @ x^T)^T when x has few fp32 rows on the CPU and no autograd."""
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
-    if rows not in FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
-        return F.linear(x, layer.weight, layer.bias)
+    if (
+        rows not in FEW_ROWS
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.device.type != "cpu"
+        or torch.is_grad_enabled()
+    ):
+        return F.linear(x, weight, bias)
     flat = x.reshape(rows, features)
     if rows > UNPADDED_ROWS and rows % 16:  # zero rows up to a multiple of 16 (module doc)
         padded = flat.new_zeros(-(-rows // 16) * 16, features)
         padded[:rows] = flat
         flat = padded
     columns = flat.t()
-    if layer.bias is None:
-        out = torch.mm(layer.weight, columns)
+    if bias is None:
+        out = torch.mm(weight, columns)
     else:
-        out = torch.addmm(layer.bias[:, None], layer.weight, columns)
-    return out[:, :rows].t().contiguous().view(*x.shape[:-1], layer.weight.shape[0])
+        out = torch.addmm(bias[:, None], weight, columns)
+    return out[:, :rows].t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 @contextlib.contextmanager

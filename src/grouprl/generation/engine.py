@@ -15,7 +15,9 @@ samples of the same prompt, with lengths that vary widely. This engine:
 4. writes each step's keys and values into buffers allocated once (kv_buffers.py) instead of
    growing the cache by concatenation;
 5. on CPU, computes the few-row products of a decode step with the weight as the left-hand
-   operand, which the CPU BLAS runs faster (decode_products.py).
+   operand, which the CPU BLAS runs faster (decode_products.py);
+6. runs the decode steps of Llama-family models from their weights with fewer, larger operators
+   than their forward (fused_decode.py), where a probe shows both give the same logits.
 
 It works with any transformers causal LM whose cache supports `batch_repeat_interleave` and
 `batch_select_indices` (DynamicCache: Llama, Qwen2/3, Mistral, Gemma, ...). It samples the same
@@ -34,6 +36,7 @@ from transformers import DynamicCache
 
 from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation.decode_products import weight_major_decode
+from grouprl.generation.fused_decode_probe import fused_decoder, fuses
 from grouprl.generation.kv_buffers import preallocate
 from grouprl.generation.protocol import left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, process_logits, sample_tokens
@@ -43,8 +46,9 @@ from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches
 
 SUPPORTED_EXTRA = {"min_new_tokens"}
-# Below this mean prompt length the regular cache is as fast (measured: equal at 13 tokens, shared
-# 7% faster at 29, 25% at 333; W1's model, 4 prompts x 8 samples, docs/benchmarks.md).
+# Decoding through the model's forward (no fused steps), below this mean prompt length the regular cache is
+# as fast (measured: equal at 13 tokens, shared 7% faster at 29, 25% at 333; W1's model, 4 prompts x 8
+# samples, docs/benchmarks.md).
 SHARED_PREFIX_MIN_TOKENS = 16
 
 
@@ -78,6 +82,7 @@ class FastGenerator:
         pad_token_id: int,
         *,
         share_prefix: bool = True,
+        fuse_decode: bool = True,
         sampling_method: str = "inverse_cdf",
     ):
         if sampling_method not in SAMPLING_METHODS:
@@ -90,6 +95,7 @@ class FastGenerator:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.share_prefix = share_prefix
+        self.fuse_decode = fuse_decode
         self.decode_batch_sizes: list[int] = []  # rows in the decode batch at each step of the last call
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -126,11 +132,10 @@ class FastGenerator:
     ) -> tuple[list[list[int]], list[list[float]]]:
         ids, mask = left_pad(prompt_ids, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
-        shared = (
-            self.share_prefix
-            and mask.sum(dim=1).float().mean() >= SHARED_PREFIX_MIN_TOKENS
-            and matches_standard_attention(self.model)
-        )
+        standard = self.share_prefix and matches_standard_attention(self.model)
+        fused = standard and self.fuse_decode and fuses(self.model)
+        # the fused step reads the shared-prefix cache, and with it the shared cache pays off at any prompt length
+        shared = standard and (fused or mask.sum(dim=1).float().mean() >= SHARED_PREFIX_MIN_TOKENS)
         if not self.share_prefix:
             ids, mask = ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
         prefill = DynamicCache(config=self.model.config)
@@ -157,6 +162,7 @@ class FastGenerator:
             )
         if not shared:  # decode steps write into buffers instead of concatenating (kv_buffers.py)
             cache = preallocate(cache, params.max_new_tokens)
+        decoder = fused_decoder(self.model) if fused else None  # the weights as they are for this call
 
         rows = ids.shape[0]
         history, history_mask = ids, mask.bool()  # (R, L) for the repetition penalty
@@ -201,22 +207,17 @@ class FastGenerator:
                 if track_history:
                     history = torch.cat([history, next_tokens[:, None]], dim=1)
                     history_mask = torch.cat([history_mask, history_mask.new_ones((len(active), 1))], dim=1)
-                if shared:
-                    out = self.model(
-                        input_ids=next_tokens[:, None],
-                        position_ids=positions[:, None],
-                        past_key_values=cache,
-                        use_cache=True,
-                    )
-                else:
+                if not shared:
                     mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-                    out = self.model(
+                if decoder is not None:
+                    logits = decoder.step(next_tokens, positions, cache)
+                else:
+                    logits = self.model(
                         input_ids=next_tokens[:, None],
-                        attention_mask=mask,
+                        attention_mask=None if shared else mask,  # the shared-prefix cache masks the prompts itself
                         position_ids=positions[:, None],
                         past_key_values=cache,
                         use_cache=True,
-                    )
-                logits = out.logits[:, -1]
+                    ).logits[:, -1]
                 positions = positions + 1
         return out_tokens, out_logprobs

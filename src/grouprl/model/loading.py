@@ -110,6 +110,12 @@ def _fp32_head_forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Ten
         return type(self).forward(self, hidden.float())
 
 
+def runs_head_in_fp32(head: torch.nn.Module) -> bool:
+    """Whether `head` was converted by `cast_lm_head_to_fp32` (it computes in fp32 outside autocast)."""
+    forward = vars(head).get("forward")
+    return getattr(forward, "__func__", None) is _fp32_head_forward
+
+
 def _back_to_dtype(dtype: torch.dtype):
     def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
         return output.to(dtype)

@@ -1,0 +1,193 @@
+"""Fused decode steps (generation/fused_decode.py): the same logits as the model's own forward for every
+architecture they accept, LoRA adapters included; a model they would get wrong is caught by the probe and
+decodes through its forward; generation samples the same tokens with and without them."""
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from grouprl.core.types import SamplingParams
+from grouprl.generation import FastGenerator, fused_decode_probe
+from grouprl.generation.fused_decode import structure_reason
+from grouprl.generation.fused_decode_probe import _fused_decode, fuses, probe
+from grouprl.generation.shared_prefix_probe import shared_decode
+
+SIZES = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def _llama():
+    # llama3 rope scaling: cos/sin come from the model's own rotary embedding, whatever its type
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    return LlamaForCausalLM(LlamaConfig(**SIZES, rope_scaling={**rope, "original_max_position_embeddings": 32}))
+
+
+def _llama_with_biases():
+    return LlamaForCausalLM(LlamaConfig(**SIZES, attention_bias=True, tie_word_embeddings=True))
+
+
+def _qwen3():  # q/k RMSNorm per head before RoPE, an explicit head_dim
+    return Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=32))
+
+
+def _mistral():
+    return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None))
+
+
+ACCEPTED = {
+    "llama (llama3 rope)": _llama,
+    "llama with biases": _llama_with_biases,
+    "qwen3": _qwen3,
+    "mistral": _mistral,
+}
+
+
+def _random_decode(model, steps=4, seed=0):
+    """Both paths over the same left-padded prompts and fed tokens: (forward logits, fused logits)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab, (3, 7), generator=generator)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    mask[2, :1] = 0
+    fed = torch.randint(0, vocab, (steps, 6), generator=generator)  # 3 prompts x 2 samples per step
+    with torch.no_grad():
+        return shared_decode(model, prompts, mask, fed), _fused_decode(model, prompts, mask, fed)
+
+
+@pytest.mark.parametrize("build", ACCEPTED.values(), ids=ACCEPTED.keys())
+def test_fused_steps_give_the_forward_logits(build):
+    torch.manual_seed(0)
+    model = build().eval()
+    assert structure_reason(model) is None
+    expected, got = _random_decode(model)
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
+    assert probe(model) is None
+
+
+def test_lora_adapters_are_merged_for_the_step():
+    peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        _llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    )
+    with torch.no_grad():  # trained adapters: B is zero at initialisation, which would hide a missing merge
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    model.eval()
+    base = model.get_base_model()
+    assert structure_reason(base) is None
+    expected, got = _random_decode(base)
+    without_adapters = None
+    with model.disable_adapter():
+        without_adapters, _ = _random_decode(base)
+    assert (expected[0] - without_adapters[0]).abs().max() > 0.1  # the adapters change the logits ...
+    for want, have in zip(expected, got):  # ... and the fused step applies them
+        torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
+
+
+def test_structures_it_cannot_run_are_named():
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    assert "not a Llama-family" in structure_reason(gpt2)
+    sliding = MistralForCausalLM(MistralConfig(**SIZES, sliding_window=16))
+    assert structure_reason(sliding) == "it has sliding-window layers"
+    assert "bfloat16" in structure_reason(_llama().to(torch.bfloat16))
+
+
+def test_a_model_that_computes_differently_is_caught_by_the_probe():
+    """Gemma has Llama's module names and types but scales its embeddings and its norms by (1 + w): only the
+    probe can tell, and it does."""
+    torch.manual_seed(0)
+    gemma = GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=16, hidden_activation="gelu_pytorch_tanh")).eval()
+    reason = structure_reason(gemma) or probe(gemma)
+    assert reason is not None
+
+
+def test_probe_rejects_a_changed_layer_and_says_by_how_much():
+    torch.manual_seed(0)
+    model = _llama().eval()
+    mlp = model.model.layers[1].mlp
+    plain = type(mlp).forward
+    mlp.forward = lambda x: 2.0 * plain(mlp, x)  # structure unchanged, arithmetic not
+    reason = probe(model)
+    assert reason is not None and "differ from its forward by up to" in reason
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir):
+    return PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+
+
+def _generate(model, tokenizer, fuse, prompts, seed=0):
+    generator = FastGenerator(
+        model,
+        tokenizer,
+        [tokenizer.eos_token_id],
+        tokenizer.pad_token_id,
+        fuse_decode=fuse,
+        sampling_method="multinomial",
+    )
+    torch.manual_seed(seed)
+    return generator.generate(prompts, 4, SamplingParams(max_new_tokens=24, temperature=1.0))
+
+
+def test_generation_samples_the_same_tokens_with_and_without_fused_steps(tiny_model_dir, tokenizer):
+    """fp32, the same seed: every completion token and its logprob as decoding through the forward."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 3?", "Count: 1 2", "x")]
+    plain = _generate(model, tokenizer, False, prompts)
+    fused = _generate(model, tokenizer, True, prompts)
+    assert fuses(model) and fused_decode_probe._VERDICTS[model] is None
+    assert [c.token_ids for c in fused] == [c.token_ids for c in plain]
+    for a, b in zip(fused, plain):
+        fused_logprobs, plain_logprobs = torch.tensor(a.sampler_logprobs), torch.tensor(b.sampler_logprobs)
+        torch.testing.assert_close(fused_logprobs, plain_logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_refused_model_still_generates_through_its_forward(tiny_model_dir, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    mlp = model.model.layers[0].mlp
+    plain = type(mlp).forward
+    mlp.forward = lambda x: plain(mlp, x) * 1.5
+    prompts = [tokenizer("What is 2 + 3?")["input_ids"]]
+    out = _generate(model, tokenizer, True, prompts)
+    assert not fuses(model) and "differ from its forward" in fused_decode_probe._VERDICTS[model]
+    assert len(out) == 4 and all(c.token_ids for c in out)
+
+
+def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards():
+    """Under bf16 autocast neither path matches fp32 exactly; the fused one must be no further from it."""
+    torch.manual_seed(0)
+    model = _llama().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30.0)  # logits of a real model's scale
+    reference, _ = _random_decode(model, steps=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        forward_bf16, fused_bf16 = _random_decode(model, steps=6)
+    forward_error = max(float((f.reshape(r.shape) - r).abs().max()) for f, r in zip(forward_bf16, reference))
+    fused_error = max(float((f.reshape(r.shape) - r).abs().max()) for f, r in zip(fused_bf16, reference))
+    scale = max(float(r.abs().max()) for r in reference)
+    assert fused_error <= max(1.5 * forward_error, 0.02 * scale)
