@@ -31,11 +31,24 @@ def main() -> None:
     parser.add_argument("workload", choices=sorted(WORKLOADS))
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: under bf16 autocast")
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument(
+        "--lora", action="store_true", help="wrap the model in peft LoRA adapters (r=16, all linear layers, B random)"
+    )
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
     path = model_dir(workload)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if args.lora:  # as examples/real_model_smollm2.py --mode lora trains; B nonzero, as after some training
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=1e-3)
+        model.eval()
     if workload.real_model:
         texts = [
             tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
@@ -47,7 +60,8 @@ def main() -> None:
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
     params = SamplingParams(max_new_tokens=workload.max_completion_length)
-    print(json.dumps({"cpu_flags": cpu_flags(), "workload": args.workload, "dtype": args.dtype}), flush=True)
+    setting = {"workload": args.workload, "dtype": args.dtype, "lora": args.lora}
+    print(json.dumps({"cpu_flags": cpu_flags(), **setting}), flush=True)
     rates: dict[bool, list[float]] = {False: [], True: []}
     identical = []
     for pair in range(args.pairs):

@@ -4,6 +4,7 @@ decodes through its forward; generation samples the same tokens with and without
 
 import pytest
 import torch
+from helpers import distinct_tokens, numbered_prompts, quiet_config
 from transformers import (
     AutoModelForCausalLM,
     GemmaConfig,
@@ -19,6 +20,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
 from grouprl.generation import FastGenerator, fused_decode_probe
 from grouprl.generation.fused_decode import structure_reason
@@ -100,11 +102,10 @@ def test_lora_adapters_are_merged_for_the_step():
     base = model.get_base_model()
     assert structure_reason(base) is None
     expected, got = _random_decode(base)
-    without_adapters = None
     with model.disable_adapter():
-        without_adapters, _ = _random_decode(base)
+        without_adapters, fused_without = _random_decode(base)
     assert (expected[0] - without_adapters[0]).abs().max() > 0.1  # the adapters change the logits ...
-    for want, have in zip(expected, got):  # ... and the fused step applies them
+    for want, have in zip(expected + without_adapters, got + fused_without):  # ... the fused step follows them
         torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
 
 
@@ -134,6 +135,17 @@ def test_probe_rejects_a_changed_layer_and_says_by_how_much():
     mlp.forward = lambda x: 2.0 * plain(mlp, x)  # structure unchanged, arithmetic not
     reason = probe(model)
     assert reason is not None and "differ from its forward by up to" in reason
+
+
+def test_probe_compares_in_fp32_when_the_forward_is_wrapped_in_autocast():
+    """accelerator.prepare wraps a bf16 run's model.forward in autocast; the probe's reference must stay fp32
+    (a regression: inside the trainer the probe compared bf16 logits with fp32 ones and refused every model)."""
+    torch.manual_seed(0)
+    model = _llama().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30.0)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    assert probe(model) is None
 
 
 @pytest.fixture
@@ -191,3 +203,13 @@ def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards():
     fused_error = max(float((f.reshape(r.shape) - r).abs().max()) for f, r in zip(fused_bf16, reference))
     scale = max(float(r.abs().max()) for r in reference)
     assert fused_error <= max(1.5 * forward_error, 0.02 * scale)
+
+
+def test_training_generates_with_fused_steps(tiny_model_dir, tmp_path):
+    """The trainer's default engine on CPU reaches the fused step (its verdict is reached and positive)."""
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = quiet_config(tmp_path, per_device_train_batch_size=6, max_completion_length=8, max_steps=1)
+    trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts())
+    trainer.train()
+    assert fused_decode_probe._VERDICTS.get(trainer.model, "never asked") is None

@@ -14,8 +14,9 @@ same arithmetic with fewer, larger operators:
   step -> the shared-prefix cache's attention -> o product -> RMSNorm -> gate/up product ->
   SiLU(gate) * up -> down product, the residual stream in the weights' dtype as in the model.
 
-Measured on W5's model (SmolLM2-135M-Instruct, 32 rows, shared ~47-token prompts, 2-core AVX512-BF16
-CPU, same process, alternating): see docs/real_model.md.
+Measured (bench/bench_fused_decode.py, generation alone, 2-core AVX512-BF16 CPU, alternating): under
+bf16 autocast 1.18-1.50x the tokens/s of decoding through the forward on W1-W5 (SmolLM2-135M: 1.22x),
+in fp32 1.02-1.08x: there a 32-row step is bound by streaming the fp32 weights from memory.
 
 Which models: the structure is checked by name and type here (Llama, Mistral, Qwen2 and Qwen3
 layers; LoRA adapters from peft are merged into the weights for the call), and, once per model, a
@@ -33,18 +34,18 @@ from grouprl.generation.decode_products import few_row_linear
 from grouprl.generation.shared_prefix import SharedPrefixCache
 from grouprl.model.loading import runs_head_in_fp32
 
+Product = list[tuple[torch.Tensor, torch.Tensor | None]]  # (weight, bias) pairs whose outputs are concatenated
+
 
 class _Layer(NamedTuple):
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # (q + k + v features, hidden)
-    qkv_bias: torch.Tensor | None
+    qkv: Product
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm of each head's q and k before RoPE
     k_norm: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: Product
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # (2 * intermediate, hidden)
-    down: torch.Tensor
+    gate_up: Product
+    down: Product
 
 
 def _norm_eps(norm: torch.nn.Module) -> float | None:
@@ -65,7 +66,7 @@ def _linear_weight(proj: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | 
         return proj.weight.detach(), (None if proj.bias is None else proj.bias.detach())
     base = getattr(proj, "base_layer", None)
     weight, bias = _linear_weight(base)
-    if getattr(proj, "merged", False):
+    if getattr(proj, "merged", False) or getattr(proj, "disable_adapters", False):  # merged, or switched off
         return weight, bias
     for adapter in proj.active_adapters:
         if adapter in proj.lora_A:
@@ -101,6 +102,8 @@ def structure_reason(model: torch.nn.Module) -> str | None:
             reason = _projection_reason(proj)
             if reason:
                 return reason
+        if any(getattr(getattr(mlp, n), "bias", None) is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            return "its MLP has biases"
         if not _is_silu(getattr(mlp, "act_fn", None)):
             return "its MLP activation is not SiLU"
         norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
@@ -158,30 +161,36 @@ class FusedDecoder:
         head = model.get_output_embeddings()
         head_dtype = torch.float32 if runs_head_in_fp32(head) else self.dtype
         weight, bias = _linear_weight(head)
-        self.head, self.head_bias = weight.to(head_dtype), (None if bias is None else bias.to(head_dtype))
+        self.head = [(weight.to(head_dtype), None if bias is None else bias.to(head_dtype))]
 
     def _gather(self, layer: torch.nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v, o = (_linear_weight(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         gate, up, down = (_linear_weight(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
-        if gate[1] is not None or up[1] is not None or down[1] is not None:
-            raise NotImplementedError("FusedDecoder: MLP biases are not supported")
-        qkv_bias = None if q[1] is None else torch.cat([q[1], k[1], v[1]]).to(self.dtype)
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=torch.cat([q[0], k[0], v[0]]).to(self.dtype),
-            qkv_bias=qkv_bias,
+            qkv=self._product([q, k, v]),
             q_norm=attn.q_norm.weight.detach() if getattr(attn, "q_norm", None) is not None else None,
             k_norm=attn.k_norm.weight.detach() if getattr(attn, "k_norm", None) is not None else None,
-            o=o[0].to(self.dtype),
-            o_bias=None if o[1] is None else o[1].to(self.dtype),
+            o=self._product([o]),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=torch.cat([gate[0], up[0]]).to(self.dtype),
-            down=down[0].to(self.dtype),
+            gate_up=self._product([gate, up]),
+            down=self._product([down]),
         )
 
-    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return few_row_linear(x.to(weight.dtype), weight, bias)
+    def _product(self, pairs: Product) -> Product:
+        """The weights in the products' dtype. Where that takes a cast (a copy anyway) they are stacked into one
+        product; weights already in it are used as they are, with no copy (in fp32 stacking gained nothing:
+        58 vs 61 ms a W5 step)."""
+        if all(weight.dtype == self.dtype for weight, _ in pairs) or len(pairs) == 1:
+            return [(w.to(self.dtype), None if b is None else b.to(self.dtype)) for w, b in pairs]
+        bias = None if pairs[0][1] is None else torch.cat([b for _, b in pairs]).to(self.dtype)
+        return [(torch.cat([w for w, _ in pairs]).to(self.dtype), bias)]
+
+    def _apply(self, x: torch.Tensor, product: Product) -> torch.Tensor:
+        x = x.to(product[0][0].dtype)
+        outs = [few_row_linear(x, weight, bias) for weight, bias in product]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SharedPrefixCache) -> torch.Tensor:
@@ -201,7 +210,7 @@ class FusedDecoder:
         width = hidden.shape[-1]
         for index, (layer, (input_eps, post_eps, head_eps)) in enumerate(zip(self.layers, self.eps)):
             x = F.rms_norm(hidden, (width,), layer.input_norm, input_eps)
-            qkv = self._product(x, layer.qkv, layer.qkv_bias)
+            qkv = self._apply(x, layer.qkv)
             qk = qkv[:, : q_width + k_width].float().view(rows, heads + kv_heads, dim)
             if layer.q_norm is not None:
                 qk = torch.cat(
@@ -215,11 +224,11 @@ class FusedDecoder:
             value = qkv[:, q_width + k_width :].view(rows, kv_heads, 1, dim)
             cache.update(qk[:, heads:, None], value, index)
             attended = cache.attend(index, qk[:, :heads, None], self.scaling)  # (R, 1, heads, D)
-            out = self._product(attended.reshape(rows, q_width), layer.o, layer.o_bias)
+            out = self._apply(attended.reshape(rows, q_width), layer.o)
             hidden = hidden + out.to(self.residual_dtype)
             x = F.rms_norm(hidden, (width,), layer.post_norm, post_eps)
-            gate_up = self._product(x, layer.gate_up)
+            gate_up = self._apply(x, layer.gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
-            hidden = hidden + self._product(F.silu(gate) * up, layer.down).to(self.residual_dtype)
+            hidden = hidden + self._apply(F.silu(gate) * up, layer.down).to(self.residual_dtype)
         hidden = F.rms_norm(hidden, (width,), self.final_norm, self.final_eps)
-        return self._product(hidden, self.head, self.head_bias).float()
+        return self._apply(hidden, self.head).float()

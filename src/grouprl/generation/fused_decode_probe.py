@@ -5,13 +5,16 @@ type; the probe finds what it would compute differently (Gemma has Llama's modul
 its embeddings and norms): it decodes two left-padded prompts, 2 samples each, for 3 steps, through
 the model's forward and through FusedDecoder over the same shared-prefix cache, in fp32, and
 compares the logits (tolerance: shared_prefix_probe.logit_tolerance with no noise, i.e. 1e-3 of the
-logits' scale). Only fp32 weights take the fused path (bf16 autocast on them included): in
-lower-precision weights the comparison cannot tell a different rounding order from a different
+logits' scale). Both run the model's class forward: `accelerator.prepare` replaces a bf16 model's
+forward on the instance with one under autocast, which would make the fp32 reference a bf16 one. Only
+fp32 weights take the fused path (bf16 autocast on them included): in lower-precision weights the
+comparison cannot tell a different rounding order from a different
 computation. An error other than "this model cannot run it" propagates.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -19,8 +22,8 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from grouprl.generation.fused_decode import FusedDecoder, structure_reason
-from grouprl.generation.shared_prefix import SharedPrefixCache
-from grouprl.generation.shared_prefix_probe import logit_tolerance, shared_decode
+from grouprl.generation.shared_prefix import SharedPrefixCache, decoding
+from grouprl.generation.shared_prefix_probe import logit_tolerance
 from grouprl.model.forward import describe, is_unsupported
 from grouprl.model.logprobs import position_ids_from_mask
 
@@ -64,14 +67,14 @@ def probe(model: torch.nn.Module) -> str | None:
     steps = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], device=device) % vocab
     with torch.autocast(device.type, enabled=False):
         try:
-            expected = shared_decode(model, prompts, mask, steps)
-            got = _fused_decode(model, prompts, mask, steps)
+            expected = _decode(model, prompts, mask, steps, fused=False)
+            got = _decode(model, prompts, mask, steps, fused=True)
         except Exception as err:
             if not is_unsupported(err):
                 raise
             return f"the probe's fused step failed: {describe(err)}"
     for want, have in zip(expected, got):
-        gap, allowed = float((have - want.reshape(have.shape)).abs().max()), logit_tolerance(want, noise=0.0)
+        gap, allowed = float((have - want).abs().max()), logit_tolerance(want, noise=0.0)
         if gap > allowed:
             return f"the probe's fused logits differ from its forward by up to {gap:.3g} (allowed {allowed:.3g})"
     return None
@@ -80,8 +83,18 @@ def probe(model: torch.nn.Module) -> str | None:
 def _fused_decode(
     model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor
 ) -> list[torch.Tensor]:
+    """Each step's fp32 logits (rows, vocab) from FusedDecoder, after the model's own prefill."""
+    return _decode(model, prompts, mask, steps, fused=True)
+
+
+def _decode(
+    model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor, *, fused: bool
+) -> list[torch.Tensor]:
+    """Each step's fp32 logits (rows, vocab), `PROBE_SAMPLES` per prompt over one shared-prefix cache; the
+    model runs through its class's forward (module doc)."""
+    forward = functools.partial(type(model).forward, model)
     prefill = DynamicCache(config=model.config)
-    model(
+    forward(
         input_ids=prompts,
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
@@ -89,10 +102,15 @@ def _fused_decode(
         use_cache=True,
     )
     cache = SharedPrefixCache(prefill, mask, PROBE_SAMPLES, steps.shape[0])
-    decoder = FusedDecoder(model)
+    decoder = FusedDecoder(model) if fused else None
     positions = mask.repeat_interleave(PROBE_SAMPLES, 0).sum(dim=1)
     logits = []
     for step in steps:
-        logits.append(decoder.step(step, positions, cache))
+        if decoder is not None:
+            logits.append(decoder.step(step, positions, cache))
+        else:
+            with decoding(model, cache):
+                out = forward(input_ids=step[:, None], position_ids=positions[:, None], past_key_values=cache)
+            logits.append(out.logits[:, -1].float())
         positions = positions + 1
     return logits
