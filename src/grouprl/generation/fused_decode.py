@@ -7,16 +7,16 @@ q/k/v products, two gate/up products, RoPE with its own cos/sin per layer, mask 
 objects), and under bf16 autocast it casts every input on the way in. `FusedDecoder` does the
 same arithmetic with fewer, larger operators:
 
-- it gathers each layer's weights once per generate call, q/k/v stacked into one matrix and gate/up
-  into another (one product each instead of three and two), already in the dtype the products run
-  in (autocast's bf16, or the weights' own dtype);
+- under bf16 autocast it casts each layer's weights once per generate call, q/k/v stacked into one
+  matrix and gate/up into another (one product each instead of three and two); weights already in
+  the products' dtype (fp32 without autocast) are used as they are, with no copy;
 - per step: RMSNorm (`F.rms_norm`) -> q/k/v product -> RoPE on q and k together, cos/sin once per
   step -> the shared-prefix cache's attention -> o product -> RMSNorm -> gate/up product ->
   SiLU(gate) * up -> down product, the residual stream in the weights' dtype as in the model.
 
 Measured (bench/bench_fused_decode.py, generation alone, 2-core AVX512-BF16 CPU, alternating): under
 bf16 autocast 1.18-1.50x the tokens/s of decoding through the forward on W1-W5 (SmolLM2-135M: 1.22x),
-in fp32 1.02-1.08x: there a 32-row step is bound by streaming the fp32 weights from memory.
+in fp32 0.99-1.09x: there a 32-row step is bound by streaming the fp32 weights from memory.
 
 Which models: the structure is checked by name and type here (Llama, Mistral, Qwen2 and Qwen3
 layers; LoRA adapters from peft are merged into the weights for the call), and, once per model, a
