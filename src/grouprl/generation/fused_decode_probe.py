@@ -18,14 +18,12 @@ import functools
 import weakref
 
 import torch
-from transformers import DynamicCache
 from transformers.utils import logging
 
 from grouprl.generation.fused_decode import FusedDecoder, structure_reason
-from grouprl.generation.shared_prefix import SharedPrefixCache, decoding
-from grouprl.generation.shared_prefix_probe import logit_tolerance
+from grouprl.generation.shared_prefix import decoding
+from grouprl.generation.shared_prefix_probe import logit_tolerance, shared_prefill
 from grouprl.model.forward import describe, is_unsupported
-from grouprl.model.logprobs import position_ids_from_mask
 
 logger = logging.get_logger("grouprl")
 
@@ -93,15 +91,7 @@ def _decode(
     """Each step's fp32 logits (rows, vocab), `PROBE_SAMPLES` per prompt over one shared-prefix cache; the
     model runs through its class's forward (module doc)."""
     forward = functools.partial(type(model).forward, model)
-    prefill = DynamicCache(config=model.config)
-    forward(
-        input_ids=prompts,
-        attention_mask=mask,
-        position_ids=position_ids_from_mask(mask),
-        past_key_values=prefill,
-        use_cache=True,
-    )
-    cache = SharedPrefixCache(prefill, mask, PROBE_SAMPLES, steps.shape[0])
+    cache = shared_prefill(forward, model.config, prompts, mask, PROBE_SAMPLES, steps.shape[0])
     decoder = FusedDecoder(model) if fused else None
     positions = mask.repeat_interleave(PROBE_SAMPLES, 0).sum(dim=1)
     logits = []

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -122,15 +123,7 @@ def shared_decode(
     model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor
 ) -> list[torch.Tensor]:
     """Each step's logits (fp32) with the shared-prefix cache: one prefill per prompt for its samples."""
-    prefill = DynamicCache(config=model.config)
-    model(
-        input_ids=prompts,
-        attention_mask=mask,
-        position_ids=position_ids_from_mask(mask),
-        past_key_values=prefill,
-        use_cache=True,
-    )
-    shared = SharedPrefixCache(prefill, mask, SAMPLES, steps.shape[0])
+    shared = shared_prefill(model, model.config, prompts, mask, SAMPLES, steps.shape[0])
     positions, logits = mask.repeat_interleave(SAMPLES, 0).sum(dim=1), []
     for step in steps:
         with decoding(model, shared):
@@ -140,6 +133,21 @@ def shared_decode(
         logits.append(out.logits.float())
         positions = positions + 1
     return logits
+
+
+def shared_prefill(
+    forward: Callable[..., Any], config: Any, prompts: torch.Tensor, mask: torch.Tensor, samples: int, new_tokens: int
+) -> SharedPrefixCache:
+    """`forward` (a model, or its class forward) prefills `prompts` once; their cache, shared by `samples` rows each."""
+    prefill = DynamicCache(config=config)
+    forward(
+        input_ids=prompts,
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        past_key_values=prefill,
+        use_cache=True,
+    )
+    return SharedPrefixCache(prefill, mask, samples, new_tokens)
 
 
 @contextlib.contextmanager
