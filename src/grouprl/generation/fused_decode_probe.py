@@ -8,8 +8,8 @@ compares the logits (tolerance: shared_prefix_probe.logit_tolerance with no nois
 logits' scale). Both run the model's class forward: `accelerator.prepare` replaces a bf16 model's
 forward on the instance with one under autocast, which would make the fp32 reference a bf16 one. Only
 fp32 weights take the fused path (bf16 autocast on them included): in lower-precision weights the
-comparison cannot tell a different rounding order from a different
-computation. An error other than "this model cannot run it" propagates.
+comparison cannot tell a different rounding order from a different computation. An error other than
+"this model cannot run it" propagates.
 """
 
 from __future__ import annotations
@@ -76,13 +76,6 @@ def probe(model: torch.nn.Module) -> str | None:
         if gap > allowed:
             return f"the probe's fused logits differ from its forward by up to {gap:.3g} (allowed {allowed:.3g})"
     return None
-
-
-def _fused_decode(
-    model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor
-) -> list[torch.Tensor]:
-    """Each step's fp32 logits (rows, vocab) from FusedDecoder, after the model's own prefill."""
-    return _decode(model, prompts, mask, steps, fused=True)
 
 
 def _decode(
