@@ -24,7 +24,7 @@ from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
 from grouprl.generation import FastGenerator, fused_decode_probe
 from grouprl.generation.fused_decode import structure_reason
-from grouprl.generation.fused_decode_probe import _decode, fuses, probe
+from grouprl.generation.fused_decode_probe import _fused_decode, fuses, probe
 from grouprl.generation.shared_prefix_probe import shared_decode
 
 SIZES = dict(
@@ -74,7 +74,7 @@ def _random_decode(model, steps=4, seed=0):
     mask[2, :1] = 0
     fed = torch.randint(0, vocab, (steps, 6), generator=generator)  # 3 prompts x 2 samples per step
     with torch.no_grad():
-        return shared_decode(model, prompts, mask, fed), _decode(model, prompts, mask, fed, fused=True)
+        return shared_decode(model, prompts, mask, fed), _fused_decode(model, prompts, mask, fed)
 
 
 @pytest.mark.parametrize("build", ACCEPTED.values(), ids=ACCEPTED.keys())

@@ -39,11 +39,14 @@ Product = list[tuple[torch.Tensor, torch.Tensor | None]]  # (weight, bias) pairs
 
 class _Layer(NamedTuple):
     input_norm: torch.Tensor
+    input_eps: float
     qkv: Product
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm of each head's q and k before RoPE
     k_norm: torch.Tensor | None
+    head_eps: float | None
     o: Product
     post_norm: torch.Tensor
+    post_eps: float
     gate_up: Product
     down: Product
 
@@ -149,14 +152,6 @@ class FusedDecoder:
         self.rotary = inner.rotary_emb
         self.embedding = model.get_input_embeddings().weight.detach()
         self.layers = [self._gather(layer) for layer in inner.layers]
-        self.eps = [
-            (
-                _norm_eps(layer.input_layernorm),
-                _norm_eps(layer.post_attention_layernorm),
-                _norm_eps(layer.self_attn.q_norm) if getattr(layer.self_attn, "q_norm", None) is not None else None,
-            )
-            for layer in inner.layers
-        ]
         self.final_norm, self.final_eps = inner.norm.weight.detach(), _norm_eps(inner.norm)
         head = model.get_output_embeddings()
         head_dtype = torch.float32 if runs_head_in_fp32(head) else self.dtype
@@ -167,13 +162,17 @@ class FusedDecoder:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v, o = (_linear_weight(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         gate, up, down = (_linear_weight(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
+            input_eps=_norm_eps(layer.input_layernorm),
             qkv=self._product([q, k, v]),
-            q_norm=attn.q_norm.weight.detach() if getattr(attn, "q_norm", None) is not None else None,
-            k_norm=attn.k_norm.weight.detach() if getattr(attn, "k_norm", None) is not None else None,
+            q_norm=None if q_norm is None else q_norm.weight.detach(),
+            k_norm=None if k_norm is None else k_norm.weight.detach(),
+            head_eps=None if q_norm is None else _norm_eps(q_norm),
             o=self._product([o]),
             post_norm=layer.post_attention_layernorm.weight.detach(),
+            post_eps=_norm_eps(layer.post_attention_layernorm),
             gate_up=self._product([gate, up]),
             down=self._product([down]),
         )
@@ -208,15 +207,15 @@ class FusedDecoder:
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).float()
         q_width, k_width = heads * dim, kv_heads * dim
         width = hidden.shape[-1]
-        for index, (layer, (input_eps, post_eps, head_eps)) in enumerate(zip(self.layers, self.eps)):
-            x = F.rms_norm(hidden, (width,), layer.input_norm, input_eps)
+        for index, layer in enumerate(self.layers):
+            x = F.rms_norm(hidden, (width,), layer.input_norm, layer.input_eps)
             qkv = self._apply(x, layer.qkv)
             qk = qkv[:, : q_width + k_width].float().view(rows, heads + kv_heads, dim)
             if layer.q_norm is not None:
                 qk = torch.cat(
                     [
-                        F.rms_norm(qk[:, :heads], (dim,), layer.q_norm.float(), head_eps),
-                        F.rms_norm(qk[:, heads:], (dim,), layer.k_norm.float(), head_eps),
+                        F.rms_norm(qk[:, :heads], (dim,), layer.q_norm.float(), layer.head_eps),
+                        F.rms_norm(qk[:, heads:], (dim,), layer.k_norm.float(), layer.head_eps),
                     ],
                     dim=1,
                 )
@@ -226,7 +225,7 @@ class FusedDecoder:
             attended = cache.attend(index, qk[:, :heads, None], self.scaling)  # (R, 1, heads, D)
             out = self._apply(attended.reshape(rows, q_width), layer.o)
             hidden = hidden + out.to(self.residual_dtype)
-            x = F.rms_norm(hidden, (width,), layer.post_norm, post_eps)
+            x = F.rms_norm(hidden, (width,), layer.post_norm, layer.post_eps)
             gate_up = self._apply(x, layer.gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = hidden + self._apply(F.silu(gate) * up, layer.down).to(self.residual_dtype)

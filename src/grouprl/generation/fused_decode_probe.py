@@ -21,14 +21,12 @@ import torch
 from transformers.utils import logging
 
 from grouprl.generation.fused_decode import FusedDecoder, structure_reason
-from grouprl.generation.shared_prefix import decoding
-from grouprl.generation.shared_prefix_probe import logit_tolerance, shared_prefill
+from grouprl.generation.shared_prefix_probe import SAMPLES, logit_tolerance, shared_decode, shared_prefill
 from grouprl.model.forward import describe, is_unsupported
 
 logger = logging.get_logger("grouprl")
 
 _VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
-PROBE_SAMPLES = 2
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -63,37 +61,33 @@ def probe(model: torch.nn.Module) -> str | None:
     prompts = torch.tensor([[0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], device=device)
     steps = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], device=device) % vocab
+    forward = functools.partial(type(model).forward, model)  # the class forward (module doc)
     with torch.autocast(device.type, enabled=False):
         try:
-            expected = _decode(model, prompts, mask, steps, fused=False)
-            got = _decode(model, prompts, mask, steps, fused=True)
+            expected = shared_decode(model, prompts, mask, steps, forward=forward)
+            got = _fused_decode(model, prompts, mask, steps)
         except Exception as err:
             if not is_unsupported(err):
                 raise
             return f"the probe's fused step failed: {describe(err)}"
     for want, have in zip(expected, got):
-        gap, allowed = float((have - want).abs().max()), logit_tolerance(want, noise=0.0)
+        gap, allowed = float((have - want.reshape(have.shape)).abs().max()), logit_tolerance(want, noise=0.0)
         if gap > allowed:
             return f"the probe's fused logits differ from its forward by up to {gap:.3g} (allowed {allowed:.3g})"
     return None
 
 
-def _decode(
-    model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor, *, fused: bool
+def _fused_decode(
+    model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor
 ) -> list[torch.Tensor]:
-    """Each step's fp32 logits (rows, vocab), `PROBE_SAMPLES` per prompt over one shared-prefix cache; the
-    model runs through its class's forward (module doc)."""
+    """Each step's fp32 logits (rows, vocab) from FusedDecoder, `SAMPLES` per prompt over one shared-prefix cache
+    prefilled by the model's class forward (module doc)."""
     forward = functools.partial(type(model).forward, model)
-    cache = shared_prefill(forward, model.config, prompts, mask, PROBE_SAMPLES, steps.shape[0])
-    decoder = FusedDecoder(model) if fused else None
-    positions = mask.repeat_interleave(PROBE_SAMPLES, 0).sum(dim=1)
+    cache = shared_prefill(forward, model.config, prompts, mask, SAMPLES, steps.shape[0])
+    decoder = FusedDecoder(model)
+    positions = mask.repeat_interleave(SAMPLES, 0).sum(dim=1)
     logits = []
     for step in steps:
-        if decoder is not None:
-            logits.append(decoder.step(step, positions, cache))
-        else:
-            with decoding(model, cache):
-                out = forward(input_ids=step[:, None], position_ids=positions[:, None], past_key_values=cache)
-            logits.append(out.logits[:, -1].float())
+        logits.append(decoder.step(step, positions, cache))
         positions = positions + 1
     return logits

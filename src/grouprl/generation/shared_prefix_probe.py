@@ -120,14 +120,20 @@ def regular_decode(
 
 
 def shared_decode(
-    model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor
+    model: torch.nn.Module,
+    prompts: torch.Tensor,
+    mask: torch.Tensor,
+    steps: torch.Tensor,
+    forward: Callable[..., Any] | None = None,
 ) -> list[torch.Tensor]:
-    """Each step's logits (fp32) with the shared-prefix cache: one prefill per prompt for its samples."""
-    shared = shared_prefill(model, model.config, prompts, mask, SAMPLES, steps.shape[0])
+    """Each step's logits (fp32) with the shared-prefix cache: one prefill per prompt for its samples; the model
+    runs as `forward` (default: `model` itself)."""
+    forward = forward or model
+    shared = shared_prefill(forward, model.config, prompts, mask, SAMPLES, steps.shape[0])
     positions, logits = mask.repeat_interleave(SAMPLES, 0).sum(dim=1), []
     for step in steps:
         with decoding(model, shared):
-            out = model(
+            out = forward(
                 input_ids=step[:, None], position_ids=positions[:, None], past_key_values=shared, use_cache=True
             )
         logits.append(out.logits.float())
