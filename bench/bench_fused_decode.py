@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
-from workloads import WORKLOADS, chat_prompts_for, cpu_flags, model_dir, prompts_for  # noqa: E402
+from workloads import WORKLOADS, cpu_flags, model_dir, prompts_for  # noqa: E402
 
 from grouprl.core.types import SamplingParams  # noqa: E402
 from grouprl.generation import FastGenerator  # noqa: E402
@@ -49,13 +49,7 @@ def main() -> None:
                 if "lora_B" in name:
                     param.normal_(std=1e-3)
         model.eval()
-    if workload.real_model:
-        texts = [
-            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-            for c in chat_prompts_for(workload)
-        ]
-    else:
-        texts = prompts_for(workload)
+    texts = prompts_for(workload)  # W5: its chat template rendered
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
