@@ -223,6 +223,7 @@ def test_chunked_logprobs_equal_naive_in_value_and_gradient(monkeypatch):
     expected_logps, expected_entropy = naive()
     (grad_expected,) = torch.autograd.grad((expected_logps * weights).sum() + expected_entropy.sum(), logits)
     monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 40 * 4)  # 4 positions per chunk: several chunks, one partial
+    monkeypatch.setattr(lp, "MIN_CHUNK_POSITIONS", 1)
     logps, entropy = lp.logits_logprobs(logits, tokens, 0.7, entropy="grad")
     (grad,) = torch.autograd.grad((logps * weights).sum() + entropy.sum(), logits)
     assert torch.allclose(logps, expected_logps, atol=1e-6) and torch.allclose(entropy, expected_entropy, atol=1e-5)

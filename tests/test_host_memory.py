@@ -50,3 +50,51 @@ def test_after_tuning_freed_blocks_are_reused_without_page_faults():
     _faults_of_repeated_allocations()  # the heap grows once
     # 20 allocations of 8 MB = ~39,000 pages; reused from the heap they fault (almost) never.
     assert _faults_of_repeated_allocations() < 500
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def test_free_heap_pages_go_back_to_the_os_only_when_enough_are_free():
+    """release_free_host_memory trims the heap's free pages (held there by blocks still alive between them),
+    and leaves a heap with less than RELEASE_THRESHOLD free alone."""
+    from grouprl.model import host_memory
+
+    if not reuse_freed_host_memory():  # blocks up to 32 MiB from the heap, as with keep_freed_host_memory
+        pytest.skip("not glibc")
+    block = 2_000_000  # 8 MB of float32
+    blocks = [torch.ones(block) for _ in range(80)]
+    kept = blocks[1::2]  # alive between the freed ones: the heap cannot shrink from its top
+    del blocks
+    resident = _resident_bytes()
+    host_memory.release_free_host_memory()
+    released = resident - _resident_bytes()
+    assert released > 250e6, released  # 40 freed blocks = 320 MB
+    few = [torch.ones(block) for _ in range(20)]
+    kept_few = few[1::2]
+    del few  # 80 MB free: below the threshold, kept for reuse
+    resident = _resident_bytes()
+    host_memory.release_free_host_memory()
+    assert abs(resident - _resident_bytes()) < 20e6
+    assert len(kept) == 40 and len(kept_few) == 10
+
+
+def test_the_loop_releases_free_host_memory_between_phases(monkeypatch, tmp_path, tiny_model_dir):
+    """Before each micro-batch's loss (after generation), before its backward, and after each update."""
+    from helpers import distinct_tokens, numbered_prompts, quiet_config
+
+    from grouprl import GRPOTrainer
+    from grouprl.train import training_run
+
+    calls = []
+    monkeypatch.setattr(training_run, "release_free_host_memory", lambda: calls.append(1))
+    config = quiet_config(
+        tmp_path, max_steps=2, per_device_train_batch_size=3, gradient_accumulation_steps=2, max_completion_length=4
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts()
+    )
+    trainer.train()
+    assert len(calls) == 2 * (2 * 2 + 1)  # 2 steps x (2 micro-batches x 2 + 1)

@@ -77,6 +77,7 @@ def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypa
         real_forward = head.forward
         monkeypatch.setattr(head, "forward", lambda x: seen.append(x.shape[0]) or real_forward(x))
     monkeypatch.setattr(head_module, "CHUNK_ELEMENTS", model.config.vocab_size * 4)  # 4 positions per chunk
+    monkeypatch.setattr(head_module, "MIN_CHUNK_POSITIONS", 1)
     model_forward._SEPARABLE.clear()
     out = lp.completion_logprobs(model, *batch, temperature=0.7, entropy_grad=True, bucket_by_length=bucket_by_length)
     assert lp.separable_head(model) is head
@@ -99,6 +100,7 @@ def test_hand_written_head_backward_equals_autograd(monkeypatch, entropy, temper
     monkeypatch.setattr(
         head_module, "CHUNK_ELEMENTS", 50 * 3
     )  # vocab 50: 3 positions per chunk, 11 positions -> 4 chunks
+    monkeypatch.setattr(head_module, "MIN_CHUNK_POSITIONS", 1)
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=bias)
     hidden = torch.randn(1, 11, 8, generator=g, requires_grad=True)

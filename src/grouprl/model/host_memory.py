@@ -13,6 +13,16 @@ training chunk's 128 MiB of logits, still get their own mapping) and its trim th
 then stays in the process for reuse; peak memory is unchanged. Without glibc (macOS, musl) it does
 nothing.
 
+`release_free_host_memory` is the other half, used by the training loop on a CPU model whether or not
+the thresholds were raised: at the boundaries between generation, the training forward, backward and
+the optimizer step, glibc's malloc_trim hands the free pages inside the heap back to the OS. Each phase
+frees its temporaries in a different pattern from the next one's, and a block left alive between them
+(a saved activation, a gradient) pins the free memory around it, so without it the heap kept up to 1.3
+GiB free: W5 in bf16 (SmolLM2-135M, 3 steps) peaked at 4.5 GiB resident with 1.9 GiB of live blocks.
+Within a phase freed blocks are still reused. A trim costs 30-110 ms on that 2.5 GiB heap, and the
+pages handed back fault in again when reused, so it runs only when at least 256 MiB are free: trimming
+after every phase of the tiny test models' steps made them about 8% slower.
+
 It is a process-wide setting that cannot be undone (glibc reports no thresholds to restore, and
 setting one switches off its dynamic mmap threshold for good), so grouprl makes it only when asked:
 `GRPOConfig.keep_freed_host_memory=True`, applied by `patches.grouprl_patches()` on a CPU model.
@@ -49,3 +59,36 @@ def reuse_freed_host_memory() -> bool:
             "(keep_freed_host_memory=True)."
         )
     return applied
+
+
+RELEASE_THRESHOLD = 256 * 1024 * 1024  # free heap bytes worth handing back (below: the re-faults cost more)
+
+
+class _MallInfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+_GLIBC: list = []  # [malloc_trim, mallinfo2 or None], or [None] without glibc
+
+
+def release_free_host_memory() -> None:
+    """Return the free pages inside glibc's heap to the OS (malloc_trim; module doc) when at least
+    RELEASE_THRESHOLD bytes are free. Nothing without glibc."""
+    if not _GLIBC:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            info = getattr(libc, "mallinfo2", None)
+            if info is not None:
+                info.restype = _MallInfo2
+            _GLIBC.extend([libc.malloc_trim, info])
+        except (OSError, AttributeError):  # not glibc
+            _GLIBC.append(None)
+    trim = _GLIBC[0]
+    if trim is None:
+        return
+    info = _GLIBC[1]
+    if info is None or info().fordblks >= RELEASE_THRESHOLD:
+        trim(0)

@@ -22,6 +22,7 @@ from grouprl.core.distributed import global_sum
 from grouprl.core.entropy import EntropyController
 from grouprl.core.metrics import JsonlWriter, MetricWindow, PhaseTimer
 from grouprl.data.generation_inputs import GenerationInputs
+from grouprl.model.host_memory import release_free_host_memory
 from grouprl.model.reference import Reference
 from grouprl.rollout.experience import Sampling
 from grouprl.rollout.sampler import RolloutMaker
@@ -99,6 +100,13 @@ class TrainingRun:
             self.progress.write(line)
         else:
             print(line, flush=True)
+
+    def between_phases(self) -> None:
+        """Called between generation, the training forward, backward and the optimizer step: on a CPU model the
+        free pages of the host heap go back to the OS (host_memory.release_free_host_memory), which keeps one
+        phase's freed temporaries from adding to the next phase's peak."""
+        if self.accelerator.device.type == "cpu":
+            release_free_host_memory()
 
     def count_flos(self, micro: Any) -> None:
         """Count a micro-batch's tokens for the training flos (6 x tokens x non-embedding parameters,
