@@ -1,9 +1,16 @@
 """Weight-major decode products: the same values as F.linear, only where they are meant to apply."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from grouprl.generation.decode_products import weight_major_decode, weight_major_linear
+from grouprl.generation.decode_products import (
+    pack_weight,
+    packed_linear,
+    packs_weights,
+    weight_major_decode,
+    weight_major_linear,
+)
 
 
 def _layer(bias: bool) -> torch.nn.Linear:
@@ -85,3 +92,24 @@ def test_few_rows_take_the_weight_major_product_and_many_rows_do_not():
         )
         if columns is not None:  # from 9 rows on, padded with zero rows to a multiple of 16
             assert calls.columns == columns, rows
+
+
+@pytest.mark.skipif(not packs_weights(torch.bfloat16, torch.device("cpu")), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("rows", [1, 7, 32, 33])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_bf16_products_equal_f_linear(rows, bias):
+    """A weight packed once gives F.linear's bf16 results at any row count (the decode step's rows shrink)."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, 40, generator=g).bfloat16()
+    packed = pack_weight(weight)
+    assert packed.is_mkldnn
+    got, want = packed_linear(x, packed, b), F.linear(x, weight, b)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_only_bf16_cpu_products_are_packed():
+    assert not packs_weights(torch.float32, torch.device("cpu"))
+    assert not packs_weights(torch.bfloat16, torch.device("meta"))

@@ -23,7 +23,8 @@ from transformers import (
 from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
 from grouprl.generation import FastGenerator, fused_decode_probe
-from grouprl.generation.fused_decode import structure_reason
+from grouprl.generation.decode_products import packs_weights
+from grouprl.generation.fused_decode import FusedDecoder, structure_reason
 from grouprl.generation.fused_decode_probe import _fused_decode, fuses, probe
 from grouprl.generation.shared_prefix_probe import shared_decode
 
@@ -203,6 +204,11 @@ def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards():
     fused_error = max(float((f.reshape(r.shape) - r).abs().max()) for f, r in zip(fused_bf16, reference))
     scale = max(float(r.abs().max()) for r in reference)
     assert fused_error <= max(1.5 * forward_error, 0.02 * scale)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decoder = FusedDecoder(model)
+    products = [decoder.head, *(p for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+    packed = packs_weights(torch.bfloat16, torch.device("cpu"))  # the steps above ran from packed weights
+    assert decoder.packed == packed and all(w.is_mkldnn == packed for product in products for w, _ in product)
 
 
 def test_training_generates_with_fused_steps(tiny_model_dir, tmp_path):

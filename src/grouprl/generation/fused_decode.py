@@ -9,7 +9,9 @@ same arithmetic with fewer, larger operators:
 
 - under bf16 autocast it casts each layer's weights once per generate call, q/k/v stacked into one
   matrix and gate/up into another (one product each instead of three and two); weights already in
-  the products' dtype (fp32 without autocast) are used as they are, with no copy;
+  the products' dtype (fp32 without autocast) are used as they are, with no copy; bf16 weights on the
+  CPU are then packed once into oneDNN's layout (decode_products.pack_weight), which `F.linear` would
+  redo at every product;
 - per step: RMSNorm (`F.rms_norm`) -> q/k/v product -> RoPE on q and k together, cos/sin once per
   step -> the shared-prefix cache's attention -> o product -> RMSNorm -> gate/up product ->
   SiLU(gate) * up -> down product, the residual stream in the weights' dtype as in the model.
@@ -30,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from grouprl.generation.decode_products import few_row_linear
+from grouprl.generation.decode_products import few_row_linear, pack_weight, packed_linear, packs_weights
 from grouprl.generation.shared_prefix import SharedPrefixCache
 from grouprl.model.loading import runs_head_in_fp32
 
@@ -145,6 +147,7 @@ class FusedDecoder:
         autocast = torch.is_autocast_enabled(device.type)
         self.residual_dtype = model.get_input_embeddings().weight.dtype
         self.dtype = torch.get_autocast_dtype(device.type) if autocast else self.residual_dtype
+        self.packed = packs_weights(self.dtype, device)
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -156,7 +159,7 @@ class FusedDecoder:
         head = model.get_output_embeddings()
         head_dtype = torch.float32 if runs_head_in_fp32(head) else self.dtype
         weight, bias = _linear_weight(head)
-        self.head = [(weight.to(head_dtype), None if bias is None else bias.to(head_dtype))]
+        self.head = self._packed([(weight.to(head_dtype), None if bias is None else bias.to(head_dtype))])
 
     def _gather(self, layer: torch.nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -182,13 +185,22 @@ class FusedDecoder:
         product; weights already in it are used as they are, with no copy (in fp32 stacking gained nothing:
         58 vs 61 ms a W5 step)."""
         if all(weight.dtype == self.dtype for weight, _ in pairs) or len(pairs) == 1:
-            return [(w.to(self.dtype), None if b is None else b.to(self.dtype)) for w, b in pairs]
+            return self._packed([(w.to(self.dtype), None if b is None else b.to(self.dtype)) for w, b in pairs])
         bias = None if pairs[0][1] is None else torch.cat([b for _, b in pairs]).to(self.dtype)
-        return [(torch.cat([w for w, _ in pairs]).to(self.dtype), bias)]
+        return self._packed([(torch.cat([w for w, _ in pairs]).to(self.dtype), bias)])
+
+    def _packed(self, product: Product) -> Product:
+        """bf16 weights reordered once for oneDNN (decode_products.pack_weight); others as they are."""
+        if not self.packed:
+            return product
+        return [(pack_weight(w), b) if w.dtype == torch.bfloat16 else (w, b) for w, b in product]
 
     def _apply(self, x: torch.Tensor, product: Product) -> torch.Tensor:
         x = x.to(product[0][0].dtype)
-        outs = [few_row_linear(x, weight, bias) for weight, bias in product]
+        outs = [
+            packed_linear(x, weight, bias) if weight.is_mkldnn else few_row_linear(x, weight, bias)
+            for weight, bias in product
+        ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     @torch.no_grad()

@@ -67,16 +67,14 @@ RELEASE_THRESHOLD = 256 * 1024 * 1024  # free heap bytes worth handing back (bel
 class _MallInfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h
     _fields_ = [
         (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
     ]
 
 
 _GLIBC: list = []  # [malloc_trim, mallinfo2 or None], or [None] without glibc
 
 
-def release_free_host_memory() -> None:
-    """Return the free pages inside glibc's heap to the OS (malloc_trim; module doc) when at least
-    RELEASE_THRESHOLD bytes are free. Nothing without glibc."""
+def _glibc() -> list:
     if not _GLIBC:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -85,10 +83,22 @@ def release_free_host_memory() -> None:
                 info.restype = _MallInfo2
             _GLIBC.extend([libc.malloc_trim, info])
         except (OSError, AttributeError):  # not glibc
-            _GLIBC.append(None)
-    trim = _GLIBC[0]
+            _GLIBC.extend([None, None])
+    return _GLIBC
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes in free blocks of glibc's heap (resident or not); None without glibc >= 2.33."""
+    info = _glibc()[1]
+    return None if info is None else info().fordblks
+
+
+def release_free_host_memory() -> None:
+    """Return the free pages inside glibc's heap to the OS (malloc_trim; module doc) when at least
+    RELEASE_THRESHOLD bytes are free. Nothing without glibc."""
+    trim = _glibc()[0]
     if trim is None:
         return
-    info = _GLIBC[1]
-    if info is None or info().fordblks >= RELEASE_THRESHOLD:
+    free = free_heap_bytes()
+    if free is None or free >= RELEASE_THRESHOLD:
         trim(0)
