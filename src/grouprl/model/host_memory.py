@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 from transformers.utils import logging
 
@@ -42,12 +43,19 @@ MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest accepted value on 64-bit sy
 TRIM_THRESHOLD = 64 * 1024 * 1024
 
 
+@functools.cache
+def _libc_function(name: str):
+    """The C library's function `name`, or None (not glibc, or a glibc without it)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def reuse_freed_host_memory() -> bool:
     """Set glibc's thresholds (module doc); True if they were set."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:  # not glibc
         logger.warning(
             "grouprl: keep_freed_host_memory=True, but this C library has no mallopt (not glibc): nothing was set."
         )
@@ -71,32 +79,19 @@ class _MallInfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h
     ]
 
 
-_GLIBC: list = []  # [malloc_trim, mallinfo2 or None], or [None] without glibc
-
-
-def _glibc() -> list:
-    if not _GLIBC:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            info = getattr(libc, "mallinfo2", None)
-            if info is not None:
-                info.restype = _MallInfo2
-            _GLIBC.extend([libc.malloc_trim, info])
-        except (OSError, AttributeError):  # not glibc
-            _GLIBC.extend([None, None])
-    return _GLIBC
-
-
 def free_heap_bytes() -> int | None:
     """Bytes in free blocks of glibc's heap (resident or not); None without glibc >= 2.33."""
-    info = _glibc()[1]
-    return None if info is None else info().fordblks
+    mallinfo2 = _libc_function("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    return mallinfo2().fordblks
 
 
 def release_free_host_memory() -> None:
     """Return the free pages inside glibc's heap to the OS (malloc_trim; module doc) when at least
     RELEASE_THRESHOLD bytes are free. Nothing without glibc."""
-    trim = _glibc()[0]
+    trim = _libc_function("malloc_trim")
     if trim is None:
         return
     free = free_heap_bytes()
