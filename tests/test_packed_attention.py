@@ -13,24 +13,36 @@ from grouprl.model.pack_building import build_pack
 from grouprl.model.packed_attention import LAYOUT_KWARG, sdpa_or_packed
 
 
-def _pack():
-    """Two packs: prompt of 3 with completions of 4, 2 and 0 tokens; prompt of 5 with one of 3 (padded to L = 9)."""
-    return build_pack([[1, 2, 3], [4, 5, 6, 7, 8]], [[[9] * 4, [9] * 2, []], [[9] * 3]], 4, torch.device("cpu"))
+def _pack(concatenate: bool = False):
+    """Two packs: prompt of 3 with completions of 4, 2 and 0 tokens; prompt of 5 with one of 3. One per row (L = 9,
+    the second row ends in one pad) or one after the other in a single row (L = 17, no padding)."""
+    return build_pack(
+        [[1, 2, 3], [4, 5, 6, 7, 8]],
+        [[[9] * 4, [9] * 2, []], [[9] * 3]],
+        4,
+        torch.device("cpu"),
+        concatenate=concatenate,
+    )
 
 
 def _real_positions(pack) -> torch.Tensor:
-    return torch.arange(pack.input_ids.shape[1]) < torch.tensor(
-        [[3 + 4 + 2], [5 + 3]]
-    )  # the second pack ends in one pad
+    if pack.input_ids.shape[0] == 1:
+        return torch.ones(pack.input_ids.shape, dtype=torch.bool)
+    return torch.arange(pack.input_ids.shape[1]) < torch.tensor([[3 + 4 + 2], [5 + 3]])
 
 
 @pytest.mark.parametrize("grouped_kernel", [True, False], ids=["enable_gqa", "repeated heads"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_values_and_gradients_equal_dense_masked_sdpa(kv_heads, grouped_kernel, monkeypatch):
+@pytest.mark.parametrize("concatenate", [False, True], ids=["pack per row", "packs in one row"])
+@pytest.mark.parametrize("explicit_scores", [False, True], ids=["sdpa kernel", "explicit products"])
+def test_values_and_gradients_equal_dense_masked_sdpa(
+    kv_heads, grouped_kernel, concatenate, explicit_scores, monkeypatch
+):
     """Grouped-query attention both ways: the CPU kernel's grouped heads, and heads
-    repeated (other devices, torch < 2.5)."""
+    repeated (other devices, torch < 2.5); attending by sdpa's kernel or by explicit products."""
     monkeypatch.setattr(packed_attention, "SDPA_TAKES_GROUPED_HEADS", grouped_kernel)
-    pack = _pack()
+    pack = _pack(concatenate)
+    pack = pack._replace(layout=pack.layout._replace(explicit_scores=explicit_scores))
     packs, length = pack.input_ids.shape
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(packs, h, length, 8, generator=g, requires_grad=True) for h in (4, kv_heads, kv_heads))
@@ -51,32 +63,47 @@ def test_values_and_gradients_equal_dense_masked_sdpa(kv_heads, grouped_kernel, 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_layout_visibility_is_the_dense_mask():
-    """Rebuild the (packs, L, L) visibility from the layout's index tensors: it must be the 4D mask, pair for pair."""
-    pack = _pack()
+@pytest.mark.parametrize("concatenate", [False, True], ids=["pack per row", "packs in one row"])
+def test_layout_visibility_is_the_dense_mask(concatenate):
+    """Rebuild the (rows * L)^2 visibility from the layout's index tensors: it must be the 4D mask, pair for pair."""
+    pack = _pack(concatenate)
     lay = pack.layout
-    packs, length = pack.input_ids.shape
-    seen = torch.zeros(packs * length, packs * length, dtype=torch.bool)
+    rows, length = pack.input_ids.shape
+    seen = torch.zeros(rows * length, rows * length, dtype=torch.bool)
     p = lay.prompt_width
-    for b in range(packs):
-        for i in range(p):
-            for j in range(p):
-                if lay.prompt_mask[b, 0, i, j] and b * p + i in lay.prompt_rows.tolist():
-                    seen[b * length + i, b * length + j] = True
-    for n, (rows, b) in enumerate(zip(lay.completion_index.tolist(), lay.completion_pack.tolist())):
-        keys = [b * length + j for j in range(p)] + rows
-        for i, query in enumerate(rows):
-            if n * len(rows) + i not in lay.completion_rows.tolist():
+    for b, prompt in enumerate(lay.prompt_index.tolist()):
+        for i, query in enumerate(prompt):
+            if b * p + i not in lay.prompt_rows.tolist():
+                continue
+            for j, key in enumerate(prompt):
+                if lay.prompt_mask[b, 0, i, j]:
+                    seen[query, key] = True
+    for n, (own, b) in enumerate(zip(lay.completion_index.tolist(), lay.completion_prompt.tolist())):
+        keys = lay.prompt_index[b].tolist() + own
+        for i, query in enumerate(own):
+            if n * len(own) + i not in lay.completion_rows.tolist():
                 continue
             for j, key in enumerate(keys):
                 if lay.completion_mask[n, 0, i, j]:
                     seen[query, key] = True
-    dense = torch.block_diag(*[pack.attention_mask[b, 0] for b in range(packs)])
+    dense = torch.block_diag(*[pack.attention_mask[r, 0] for r in range(rows)])
     real = _real_positions(pack).reshape(-1)
     assert torch.equal(seen[real][:, real], dense[real][:, real])
     assert (
         sorted(lay.targets.tolist()) == real.nonzero().squeeze(1).tolist()
     )  # every real position gets an output, once
+
+
+def test_packs_in_one_row_by_hand():
+    """Two packs in one row: each keeps its own positions and sees nothing of the other."""
+    pack = build_pack([[11, 12], [13]], [[[21, 22], [31]], [[41, 42]]], 2, torch.device("cpu"), concatenate=True)
+    assert pack.input_ids.tolist() == [[11, 12, 21, 22, 31, 13, 41, 42]]
+    assert pack.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2]]
+    assert pack.source.tolist() == [[1, 2], [1, 1], [5, 6]]
+    visible = pack.attention_mask[0, 0].int().tolist()
+    assert visible[4] == [1, 1, 0, 0, 1, 0, 0, 0]  # the second completion of pack 0: its prompt and itself
+    assert visible[7] == [0, 0, 0, 0, 0, 1, 1, 1]  # pack 1 sees only its own prompt and completion
+    assert pack.keep == 7  # from the first prompt's last token on
 
 
 def test_calls_without_a_layout_are_transformers_sdpa(monkeypatch):
@@ -91,3 +118,25 @@ def test_refuses_sliding_windows():
     q = torch.zeros(2, 4, pack.input_ids.shape[1], 8)
     with pytest.raises(NotImplementedError, match="full-attention"):
         packed_attention.packed_attention(None, q, q, q, None, sliding_window=4, **{LAYOUT_KWARG: pack.layout})
+
+
+def test_explicit_products_round_as_eager_attention_under_bf16_autocast():
+    """Under bf16 autocast the explicit products are eager attention's arithmetic (bf16 products, fp32 softmax):
+    as close to the fp32 result as eager's, and to sdpa's kernel within bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(4, 6, 16, 8, generator=g),
+        torch.randn(4, 2, 24, 8, generator=g),
+        torch.randn(4, 2, 24, 8, generator=g),
+    )
+    mask = torch.rand(4, 1, 16, 24, generator=g) > 0.3
+    mask[..., 0] = True  # every query sees a key
+    exact = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = packed_attention.grouped_attention(q, k, v.bfloat16(), mask, 0.3)
+        scores = (q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 0.3
+        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).bfloat16()
+        eager = probs @ v.repeat_interleave(3, 1).bfloat16()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), eager.float(), rtol=0, atol=1e-2)
+    assert (got.float() - exact).abs().max() <= 2 * (eager.float() - exact).abs().max() + 1e-3

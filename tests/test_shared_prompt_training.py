@@ -253,3 +253,23 @@ def test_training_step_is_the_same_with_and_without_packing(tiny_model_dir, tmp_
     for step in (0, 1):
         for key in ("loss", "grad_norm", "kl", "entropy"):
             assert packed[step][key] == pytest.approx(plain[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_explicit_attention_products_only_where_layers_are_recomputed(tiny_model_dir):
+    """The explicit products keep (queries x keys) probabilities for backward: only where each layer is recomputed
+    (gradient checkpointing in training) or nothing is kept (no gradient)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
+    assert not prompt_packing._scores_short_lived(model)  # every layer's probabilities would stay until backward
+    with torch.no_grad():
+        assert prompt_packing._scores_short_lived(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert prompt_packing._scores_short_lived(model)
+    model.eval()  # transformers checkpoints in training mode only
+    assert not prompt_packing._scores_short_lived(model)
+
+
+def test_concatenated_rows_respect_the_token_cap_and_the_row_cap(monkeypatch):
+    monkeypatch.setattr(prompt_packing, "CONCATENATED_ROW_TOKENS", 100)
+    # packs of 60, 30, 50 and 120 tokens: 60 + 30 fit, 50 starts a row, the oversized one gets its own
+    assert prompt_packing.concatenated_rows([60, 30, 50, 120], [2, 2, 2, 4], None) == [[0, 1], [2], [3]]
+    assert prompt_packing.concatenated_rows([10, 10, 10], [2, 2, 2], 4) == [[0, 1], [2]]  # at most 4 completions

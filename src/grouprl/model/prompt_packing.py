@@ -43,6 +43,9 @@ from grouprl.model.patches import grouprl_patches, patches_active
 logger = logging.get_logger("grouprl")
 
 MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's
+# Longest row of packs placed one after another. Each such row still carries its dense (L, L) visibility mask (what a
+# call outside grouprl_patches attends with), so the cap bounds that mask: 8,192 tokens make 64 MiB.
+CONCATENATED_ROW_TOKENS = 8192
 _MASK_STYLE = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take a custom 4D mask
 
 
@@ -69,6 +72,13 @@ def _sparse_attention(model: torch.nn.Module) -> bool:
     return _unwrapped(model).config._attn_implementation == "sdpa" and patches_active()
 
 
+def _scores_short_lived(model: torch.nn.Module) -> bool:
+    """Whether what attention keeps for backward lives briefly: no gradient, or every layer recomputed in backward
+    (gradient checkpointing, which transformers applies in training mode only)."""
+    inner = _unwrapped(model)
+    return not torch.is_grad_enabled() or (inner.training and bool(getattr(inner, "is_gradient_checkpointing", False)))
+
+
 def packed_logprobs(
     model: torch.nn.Module,
     head: torch.nn.Module,
@@ -77,11 +87,13 @@ def packed_logprobs(
     temperature: float,
     *,
     entropy: str,
+    explicit_scores: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (rows, T) [and entropies] of `completion_ids` (rows in the pack's order) from one packed forward.
 
     sdpa models inside grouprl_patches() attend through packed_attention (visible pairs only), others
-    through the 4D mask.
+    through the 4D mask. `explicit_scores` picks packed_attention's arithmetic (None: explicit products
+    where they are kept only briefly, `_scores_short_lived`; False: sdpa's kernel).
     """
     kwargs = {
         "input_ids": pack.input_ids,
@@ -90,7 +102,8 @@ def packed_logprobs(
         "use_cache": False,
     }
     if _sparse_attention(model):
-        kwargs[LAYOUT_KWARG] = pack.layout
+        explicit = _scores_short_lived(model) if explicit_scores is None else explicit_scores
+        kwargs[LAYOUT_KWARG] = pack.layout._replace(explicit_scores=explicit)
     with capture_head_input(head) as captured:
         forward_keeping(model, kwargs, pack.keep)
     states = captured[0]  # (packs, keep, H): the last `keep` positions
@@ -162,7 +175,10 @@ def _probe(model: torch.nn.Module, head: torch.nn.Module, plain: Callable[..., t
             expected = plain(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
             pack = build_pack([[3, 5, 7], [2, 4, 6, 8]], [[[1, 2, 3], [4, 5]], [[6, 7, 8]]], 3, device)
             pack = pack._replace(input_ids=pack.input_ids % vocab)
-            got, _ = packed_logprobs(model, head, pack, completion_ids, 1.0, entropy="none")
+            # sdpa's kernel on both sides: the probe checks what each token sees. The explicit products round
+            # differently in bf16 (as eager attention does), which 30 layers can amplify far past any tolerance on
+            # such made-up tokens (SmolLM2 under bf16 autocast: plain sdpa vs plain eager differ by 3 nats here).
+            got, _ = packed_logprobs(model, head, pack, completion_ids, 1.0, entropy="none", explicit_scores=False)
     except Exception as err:
         if not is_unsupported(err):
             raise
@@ -175,6 +191,21 @@ def _probe(model: torch.nn.Module, head: torch.nn.Module, plain: Callable[..., t
 
 
 # --- the pass ------------------------------------------------------------------------------------
+
+
+def concatenated_rows(packed_lens: list[int], group_rows: list[int], max_rows: int | None) -> list[list[int]]:
+    """Packs (in order) cut into consecutive rows of at most CONCATENATED_ROW_TOKENS tokens and `max_rows`
+    completions; a pack longer than the cap gets a row of its own."""
+    batches: list[list[int]] = []
+    tokens = completions = 0
+    for g, (length, rows) in enumerate(zip(packed_lens, group_rows)):
+        full = tokens + length > CONCATENATED_ROW_TOKENS or (max_rows is not None and completions + rows > max_rows)
+        if not batches or full:
+            batches.append([])
+            tokens = completions = 0
+        batches[-1].append(g)
+        tokens, completions = tokens + length, completions + rows
+    return batches
 
 
 def shared_prompt_logprobs(
@@ -224,14 +255,19 @@ def shared_prompt_logprobs(
     if head is None:
         return None
     packed_lens = [p + sum(completion_lens[r] for r in rows) for p, rows in zip(groups.prompt_lens, groups.rows)]
+    group_rows = [len(rows) for rows in groups.rows]
+    if dense:  # one pack per row of the batch, rows of similar length together
+        batches = length_buckets(packed_lens, rows_per_chunk, rows=group_rows)
+    else:  # packs one after another in a row: no padding, one forward for many packs
+        batches = concatenated_rows(packed_lens, group_rows, rows_per_chunk)
     ids, comp = prompt_ids.tolist(), completion_ids.tolist()
     logps_parts, entropy_parts, order = [], [], []
-    for bucket in length_buckets(packed_lens, rows_per_chunk, rows=[len(rows) for rows in groups.rows]):
+    for bucket in batches:
         rows = [r for g in bucket for r in groups.rows[g]]
         t = max(max(completion_lens[r] for r in rows), 1)
         prompts = [ids[groups.rows[g][0]][width - groups.prompt_lens[g] :] for g in bucket]
         completions = [[comp[r][: completion_lens[r]] for r in groups.rows[g]] for g in bucket]
-        pack = build_pack(prompts, completions, t, prompt_ids.device)
+        pack = build_pack(prompts, completions, t, prompt_ids.device, concatenate=not dense)
         index = torch.tensor(rows, device=prompt_ids.device)
         logps, entropies = packed_logprobs(model, head, pack, completion_ids[index, :t], temperature, entropy=entropy)
         valid = completion_mask[index, :t].bool()
