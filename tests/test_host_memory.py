@@ -8,13 +8,6 @@ import torch
 from grouprl.model.host_memory import reuse_freed_host_memory
 
 
-def _faults_of_repeated_allocations() -> int:
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
-        torch.ones(2_000_000)  # 8 MB, above glibc's default (dynamic) mmap threshold for a fresh process
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
-
-
 @pytest.mark.parametrize("opted_in", [False, True])
 def test_malloc_is_tuned_only_when_the_config_asks_and_only_for_a_cpu_model(monkeypatch, opted_in):
     """A process-wide setting that cannot be undone: made inside grouprl_patches
@@ -35,21 +28,41 @@ def test_malloc_is_tuned_only_when_the_config_asks_and_only_for_a_cpu_model(monk
     assert calls == ([1] if opted_in else [])
 
 
+_FAULTS_SCRIPT = """
+import ctypes, resource, torch
+from grouprl.model import host_memory
+
+def faults():
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        torch.ones(2_000_000)  # 8 MB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+
+if not host_memory.reuse_freed_host_memory():
+    print("not glibc")
+    raise SystemExit
+libc = ctypes.CDLL("libc.so.6")
+libc.mallopt(host_memory.M_MMAP_THRESHOLD, 128 * 1024)  # glibc's starting thresholds, held fixed
+libc.mallopt(host_memory.M_TRIM_THRESHOLD, 128 * 1024)
+untuned = faults()
+assert host_memory.reuse_freed_host_memory()
+faults()  # the heap grows once
+print(untuned, faults())
+"""
+
+
 def test_after_tuning_freed_blocks_are_reused_without_page_faults():
-    import ctypes
+    """In a fresh process (the suite's own heap, shaped by every earlier test, decides where its blocks come from)."""
+    import subprocess
+    import sys
 
-    from grouprl.model import host_memory
-
-    if not reuse_freed_host_memory():
+    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, check=True).stdout
+    if out.strip() == "not glibc":
         pytest.skip("not glibc: nothing to tune")
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(host_memory.M_MMAP_THRESHOLD, 128 * 1024)  # glibc's starting thresholds, held fixed
-    libc.mallopt(host_memory.M_TRIM_THRESHOLD, 128 * 1024)
-    assert _faults_of_repeated_allocations() > 10_000  # every 8 MB block mapped afresh: a fault per page
-    assert reuse_freed_host_memory()
-    _faults_of_repeated_allocations()  # the heap grows once
+    untuned, tuned = (int(x) for x in out.split())
+    assert untuned > 10_000  # every 8 MB block mapped afresh: a fault per page
     # 20 allocations of 8 MB = ~39,000 pages; reused from the heap they fault (almost) never.
-    assert _faults_of_repeated_allocations() < 500
+    assert tuned < 500
 
 
 def _resident_bytes() -> int:

@@ -262,7 +262,9 @@ def test_explicit_attention_products_only_where_layers_are_recomputed(tiny_model
     assert not prompt_packing._scores_short_lived(model)  # every layer's probabilities would stay until backward
     with torch.no_grad():
         assert prompt_packing._scores_short_lived(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from grouprl.model.loading import enable_checkpointing
+
+    enable_checkpointing(model, {"use_reentrant": False})
     assert prompt_packing._scores_short_lived(model)
     model.eval()  # transformers checkpoints in training mode only
     assert not prompt_packing._scores_short_lived(model)

@@ -75,8 +75,16 @@ def _sparse_attention(model: torch.nn.Module) -> bool:
 def _scores_short_lived(model: torch.nn.Module) -> bool:
     """Whether what attention keeps for backward lives briefly: no gradient, or every layer recomputed in backward
     (gradient checkpointing, which transformers applies in training mode only)."""
+    if not torch.is_grad_enabled():
+        return True
     inner = _unwrapped(model)
-    return not torch.is_grad_enabled() or (inner.training and bool(getattr(inner, "is_gradient_checkpointing", False)))
+    # transformers >= 5.x renamed gradient checkpointing to activation checkpointing (the old name warns)
+    name = (
+        "is_activation_checkpointing"
+        if hasattr(type(inner), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    return inner.training and bool(getattr(inner, name, False))
 
 
 def packed_logprobs(
