@@ -43,6 +43,11 @@ def test_values_and_gradients_equal_dense_masked_sdpa(
     monkeypatch.setattr(packed_attention, "SDPA_TAKES_GROUPED_HEADS", grouped_kernel)
     pack = _pack(concatenate)
     pack = pack._replace(layout=pack.layout._replace(explicit_scores=explicit_scores))
+    # the explicit products serve half-precision products only; here they are checked in fp32 against exact values
+    monkeypatch.setattr(packed_attention, "_products_in_half_precision", lambda query: True)
+    calls = []
+    real = packed_attention.grouped_attention
+    monkeypatch.setattr(packed_attention, "grouped_attention", lambda *a: calls.append(1) or real(*a))
     packs, length = pack.input_ids.shape
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(packs, h, length, 8, generator=g, requires_grad=True) for h in (4, kv_heads, kv_heads))
@@ -61,6 +66,7 @@ def test_values_and_gradients_equal_dense_masked_sdpa(
     expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
     for a, b in zip(grads, expected_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert len(calls) == (2 if explicit_scores else 0)  # the prompts' attention and the completions'
 
 
 @pytest.mark.parametrize("concatenate", [False, True], ids=["pack per row", "packs in one row"])
@@ -140,3 +146,11 @@ def test_explicit_products_round_as_eager_attention_under_bf16_autocast():
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), eager.float(), rtol=0, atol=1e-2)
     assert (got.float() - exact).abs().max() <= 2 * (eager.float() - exact).abs().max() + 1e-3
+
+
+def test_explicit_products_only_for_half_precision_products():
+    q32 = torch.zeros(1, 2, 3, 4)
+    assert not packed_attention._products_in_half_precision(q32)
+    assert packed_attention._products_in_half_precision(q32.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packed_attention._products_in_half_precision(q32)
