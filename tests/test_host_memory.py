@@ -97,20 +97,28 @@ def test_free_heap_pages_go_back_to_the_os_only_when_enough_are_free(monkeypatch
     assert len(kept) == 40 and len(kept_few) == 10
 
 
-def test_the_loop_releases_free_host_memory_between_phases(monkeypatch, tmp_path, tiny_model_dir):
-    """Before each micro-batch's loss (after generation), before its backward, and after each update."""
+def test_the_loop_releases_free_host_memory_between_each_forward_and_its_backward(
+    monkeypatch, tmp_path, tiny_model_dir
+):
+    """Between each micro-batch's loss and its backward, and nowhere else (the pages handed back fault in again)."""
     from helpers import distinct_tokens, numbered_prompts, quiet_config
 
     from grouprl import GRPOTrainer
     from grouprl.train import training_run
 
-    calls = []
-    monkeypatch.setattr(training_run, "release_free_host_memory", lambda: calls.append(1))
+    events = []
+    monkeypatch.setattr(training_run, "release_free_host_memory", lambda: events.append("release"))
     config = quiet_config(
         tmp_path, max_steps=2, per_device_train_batch_size=3, gradient_accumulation_steps=2, max_completion_length=4
     )
     trainer = GRPOTrainer(
         model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts()
     )
+    real_loss = trainer.compute_loss
+    monkeypatch.setattr(trainer, "compute_loss", lambda *a, **k: events.append("loss") or real_loss(*a, **k))
+    real_backward = trainer.accelerator.backward
+    monkeypatch.setattr(
+        trainer.accelerator, "backward", lambda *a, **k: events.append("backward") or real_backward(*a, **k)
+    )
     trainer.train()
-    assert len(calls) == 2 * (2 * 2 + 1)  # 2 steps x (2 micro-batches x 2 + 1)
+    assert events == ["loss", "release", "backward"] * (2 * 2)  # 2 steps x 2 micro-batches

@@ -133,7 +133,6 @@ def train_steps(run: TrainingRun) -> dict[str, float]:
             checked_norm = grad_norm if accelerator.scaler is None else None  # fp16 scaling skips inf steps by itself
             reduced = reduce_statistics(run, StepStats(loss=step_loss, grad_norm=checked_norm))
             learning_rate = apply_update(run)
-        run.between_phases()
         state.global_step += 1
         if config.torch_empty_cache_steps and state.global_step % config.torch_empty_cache_steps == 0:
             clear_device_cache()

@@ -38,14 +38,13 @@ def train_micro_batch(run: TrainingRun, micro: Any) -> torch.Tensor:
     (no host sync)."""
     if len(micro) == 0:  # dynamic sampling kept fewer rows than micro-steps
         return torch.zeros((), device=run.accelerator.device)
-    run.between_phases()
     loss = run.trainer.compute_loss(run.model, micro)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
             f"{type(run.trainer).__name__}.compute_loss must return the loss as a one-element tensor, got "
             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
         )
-    run.between_phases()
+    run.before_backward()
     with run.timer.phase("backward"):
         run.accelerator.backward(loss)
     run.count_flos(micro)
