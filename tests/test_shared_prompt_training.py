@@ -275,3 +275,13 @@ def test_concatenated_rows_respect_the_token_cap_and_the_row_cap(monkeypatch):
     # packs of 60, 30, 50 and 120 tokens: 60 + 30 fit, 50 starts a row, the oversized one gets its own
     assert prompt_packing.concatenated_rows([60, 30, 50, 120], [2, 2, 2, 4], None) == [[0, 1], [2], [3]]
     assert prompt_packing.concatenated_rows([10, 10, 10], [2, 2, 2], 4) == [[0, 1], [2]]  # at most 4 completions
+
+
+def test_explicit_attention_products_see_checkpointing_through_a_peft_wrapper(tiny_model_dir):
+    peft = pytest.importorskip("peft")
+    from grouprl.model.loading import enable_checkpointing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    enable_checkpointing(model, {"use_reentrant": False})
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])).train()
+    assert prompt_packing._scores_short_lived(wrapped)

@@ -12,8 +12,10 @@ has exactly the keys, values and position it has in its own row, so the hidden s
 gradients are those of the plain pass up to float rounding.
 
 With sdpa models the attention scores only the visible pairs (packed_attention.py: the prompt
-causally, each completion against [prompt, itself]); the pack also carries the same visibility as
-an ordinary (packs, 1, L, L) mask, which eager models use directly (dense: all L^2 pairs).
+causally, each completion against [prompt, itself]), and the packs of a micro-batch sit one after
+another in a single row (`concatenated_rows`): no padding, one forward. The pack also carries the same
+visibility as an ordinary (rows, 1, L, L) mask, which eager models use directly (dense: all L^2 pairs;
+there each pack gets a row of its own, rows of similar length batched together).
 `split_for_cost` (pack_planning.py) estimates the cost of a pack and packs a prompt's rows into as many
 sequences as is cheapest; where that saves under 10% the plain pass runs.
 
@@ -78,13 +80,14 @@ def _scores_short_lived(model: torch.nn.Module) -> bool:
     if not torch.is_grad_enabled():
         return True
     inner = _unwrapped(model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft wraps the transformers model
     # transformers >= 5.x renamed gradient checkpointing to activation checkpointing (the old name warns)
     name = (
         "is_activation_checkpointing"
-        if hasattr(type(inner), "is_activation_checkpointing")
+        if hasattr(type(base), "is_activation_checkpointing")
         else "is_gradient_checkpointing"
     )
-    return inner.training and bool(getattr(inner, name, False))
+    return base.training and bool(getattr(base, name, False))
 
 
 def packed_logprobs(
