@@ -99,6 +99,19 @@ def enable_checkpointing(model: PreTrainedModel, kwargs: dict) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def recomputes_layers(model: torch.nn.Module) -> bool:
+    """Whether `model`'s layers are recomputed in backward: checkpointing enabled, and training mode (transformers
+    checkpoints only there). A peft wrapper is looked through to the transformers model."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    # the same rename as above; the old property still answers but warns
+    name = (
+        "is_activation_checkpointing"
+        if hasattr(type(base), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    return base.training and bool(getattr(base, name, False))
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):

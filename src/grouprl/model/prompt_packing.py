@@ -37,6 +37,7 @@ from transformers.utils import logging
 from grouprl.model.forward import capture_head_input, describe, forward_keeping, is_unsupported, separable_head
 from grouprl.model.head_logprobs import head_logprobs
 from grouprl.model.length_buckets import in_row_order, length_buckets
+from grouprl.model.loading import recomputes_layers
 from grouprl.model.pack_building import Pack, build_pack
 from grouprl.model.pack_planning import group_by_prompt, pack_cost, pairs_per_token, split_for_cost
 from grouprl.model.packed_attention import LAYOUT_KWARG
@@ -79,15 +80,7 @@ def _scores_short_lived(model: torch.nn.Module) -> bool:
     (gradient checkpointing, which transformers applies in training mode only)."""
     if not torch.is_grad_enabled():
         return True
-    inner = _unwrapped(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft wraps the transformers model
-    # transformers >= 5.x renamed gradient checkpointing to activation checkpointing (the old name warns)
-    name = (
-        "is_activation_checkpointing"
-        if hasattr(type(base), "is_activation_checkpointing")
-        else "is_gradient_checkpointing"
-    )
-    return base.training and bool(getattr(base, name, False))
+    return recomputes_layers(_unwrapped(model))
 
 
 def packed_logprobs(
