@@ -13,6 +13,7 @@ final weights and logged metrics to OUT_DIR/<scenario>-<processes>p-rank<r>.pt.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -181,7 +182,15 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     return result
 
 
+def record_group_ended(out_dir: str) -> None:
+    """Runs after grouprl's exit handler (atexit is last in, first out): like TRL's scripts, this one never
+    ends the process group itself, and grouprl must have ended it before the interpreter goes."""
+    with open(os.path.join(out_dir, f"group-ended-rank{os.environ.get('RANK', '0')}"), "w") as handle:
+        handle.write(str(not torch.distributed.is_initialized()))
+
+
 if __name__ == "__main__":
     out_dir, model_dir, *scenarios = sys.argv[1:]
+    atexit.register(record_group_ended, out_dir)
     for name in scenarios:
         run(name, out_dir, model_dir)

@@ -61,9 +61,17 @@ def two_process_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, requ
     out = tmp_path_factory.mktemp("two_process")
     result = launch(2, [WORKER, str(out), str(tiny_model_dir), *RUNNABLE])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return {
+    runs = {
         name: [torch.load(out / f"{name}-2p-rank{r}.pt", weights_only=False) for r in range(2)] for name in RUNNABLE
     }
+    runs["group_ended"] = [(out / f"group-ended-rank{r}").read_text() for r in range(2)]
+    return runs
+
+
+def test_the_gloo_group_is_ended_at_exit(two_process_runs):
+    """A script that never calls destroy_process_group (TRL's do not) must not leave gloo's threads to the
+    interpreter's teardown, where they now and then abort a finished run with SIGABRT."""
+    assert two_process_runs["group_ended"] == ["True", "True"]
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
