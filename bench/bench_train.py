@@ -21,6 +21,7 @@ from workloads import (
     WORKLOADS,
     chat_prompts_for,
     cpu_flags,
+    isa_limits,
     model_dir,
     native_bf16,
     parameter_count,
@@ -117,6 +118,7 @@ def main() -> None:
                 "total_seconds": total,
                 "dtype": "bf16" if bf16 else "fp32",
                 "cpu_flags": cpu_flags(),
+                "isa_limits": isa_limits(),
                 "load_average": os.getloadavg(),
                 # where a timed step goes (grouprl logs time/<phase> per optimizer step; TRL logs none)
                 "phase_seconds": {

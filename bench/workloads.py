@@ -108,6 +108,17 @@ def cpu_flags() -> dict:
     return {name: name in flags for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")}
 
 
+# Environment variables that hold PyTorch's own kernels, oneDNN and MKL to a smaller instruction set than the CPU
+# has. With all three at AVX2, a CPU with AVX-512 runs the code paths of an AVX2-only machine (its memory and
+# cores stay its own): the closest this project gets to that kind of machine when none is lent.
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_limits() -> dict:
+    """The instruction-set limits set in this environment (ISA_LIMITS), by variable."""
+    return {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}
+
+
 def native_bf16() -> bool:
     flags = cpu_flags()
     return flags["avx512_bf16"] or flags["amx_bf16"]

@@ -86,3 +86,16 @@ def test_bounds_run_in_the_weights_dtype():
     weights = [torch.randn(32, 16, dtype=torch.bfloat16)]
     assert bench_bounds.decode_seconds(weights, torch.randn(50, 16, dtype=torch.bfloat16), rows=4) > 0
     assert bench_bounds.per_token_seconds(weights)["weight_grad"] > 0
+
+
+def test_the_cpu_sentence_names_an_instruction_set_limit(monkeypatch):
+    """A run with PyTorch/oneDNN/MKL held to AVX2 on an AVX-512 CPU must say so next to the CPU's own flags."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    rows = [("W1", {"dtype": "fp32"}, {"dtype": "fp32"})]
+    assert "limited" not in run_all.cpu_sentence(rows)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    sentence = run_all.cpu_sentence(rows)
+    assert "**fp32**" in sentence
+    assert "limited for both sides by `ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`" in sentence
