@@ -169,7 +169,8 @@ def cpu_sentence(rows: list) -> str:
     dtypes = sorted(
         {run.get("dtype", "fp32") for _, ours, theirs in rows for run in (ours, theirs) if "dtype" in run}
     ) or ["fp32"]
-    native = flags["avx512_bf16"] or flags["amx_bf16"]
+    # oneDNN runs the bf16 products: held to an older instruction set it emulates them like an AVX2-only CPU
+    native = (flags["avx512_bf16"] or flags["amx_bf16"]) and "ONEDNN_MAX_CPU_ISA" not in limits
     listed = ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in flags.items())
     limited = (
         " Instruction set limited for both sides by "
