@@ -8,7 +8,8 @@ Every scenario trains 2 optimizer steps on completions that a deterministic back
 completions. The global batch of one generation is 3 prompts x 4 samples: with 2 processes the
 middle group straddles them (process 0 samples 2 of its completions, process 1 the other 2).
 Each process writes what it saw (advantages, completions, group ids) and the main process the
-final weights and logged metrics to OUT_DIR/<scenario>-<processes>p-rank<r>.pt.
+final weights and logged metrics to OUT_DIR/<scenario>-<processes>p-rank<r>.pt. At exit each process writes
+whether grouprl ended the process group to OUT_DIR/group-ended-rank<r>.
 """
 
 from __future__ import annotations
