@@ -106,8 +106,9 @@ class _ChunkBuffers:
         return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _product_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype `F.linear` multiplies `weight` in here: autocast's for an fp32 weight under autocast, else its own."""
+def product_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype matrix products multiply `weight` in here: autocast's for an fp32 tensor under autocast, else its
+    own."""
     device = weight.device.type
     if weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
@@ -155,7 +156,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, tokens, temperature, with_entropy):
         step = positions_per_chunk(weight.shape[0])
         logps, normalisers, expected = [], [], []
-        dtype = _product_dtype(weight)
+        dtype = product_dtype(weight)
         w, b = weight.to(dtype), (bias.to(dtype) if bias is not None else None)
         buffers = _ChunkBuffers(min(step, hidden.shape[0]), w)
         for x, t in zip(hidden.split(step), tokens.split(step)):

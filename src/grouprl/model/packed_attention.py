@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+from grouprl.model.head_logprobs import product_dtype
+
 LAYOUT_KWARG = "grouprl_pack_layout"
 SDPA_TAKES_GROUPED_HEADS = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (
     2,
@@ -150,9 +152,7 @@ def packed_attention(
 def _products_in_half_precision(query: torch.Tensor) -> bool:
     """Whether matrix products on `query` run in bf16/fp16 (its dtype, or autocast's): the explicit products pay off
     there; in fp32 sdpa's kernel was as fast or faster (SmolLM2's pack: 77-81 against 88-95 ms forward + backward)."""
-    half = (torch.bfloat16, torch.float16)
-    device = query.device.type
-    return query.dtype in half or (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in half)
+    return product_dtype(query) in (torch.bfloat16, torch.float16)
 
 
 def grouped_attention(
