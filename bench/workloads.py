@@ -120,8 +120,10 @@ def isa_limits() -> dict:
 
 
 def native_bf16() -> bool:
+    """Whether bf16 products run natively: the CPU has the units, and oneDNN (which runs them) is not held to an
+    instruction set without them (ISA_LIMITS)."""
     flags = cpu_flags()
-    return flags["avx512_bf16"] or flags["amx_bf16"]
+    return (flags["avx512_bf16"] or flags["amx_bf16"]) and "ONEDNN_MAX_CPU_ISA" not in isa_limits()
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
