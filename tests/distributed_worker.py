@@ -9,12 +9,13 @@ completions. The global batch of one generation is 3 prompts x 4 samples: with 2
 middle group straddles them (process 0 samples 2 of its completions, process 1 the other 2).
 Each process writes what it saw (advantages, completions, group ids) and the main process the
 final weights and logged metrics to OUT_DIR/<scenario>-<processes>p-rank<r>.pt. At exit each process writes
-whether grouprl ended the process group to OUT_DIR/group-ended-rank<r>.
+whether the process group is still initialized and which gloo threads are left to OUT_DIR/exit-rank<r>.json.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 
@@ -183,15 +184,26 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     return result
 
 
-def record_group_ended(out_dir: str) -> None:
-    """Runs after grouprl's exit handler (atexit is last in, first out): like TRL's scripts, this one never
-    ends the process group itself, and grouprl must have ended it before the interpreter goes."""
-    with open(os.path.join(out_dir, f"group-ended-rank{os.environ.get('RANK', '0')}"), "w") as handle:
-        handle.write(str(not torch.distributed.is_initialized()))
+def record_gloo_threads_at_exit(out_dir: str) -> None:
+    """Runs after grouprl's exit handler (atexit is last in, first out). Like TRL's scripts, this one never ends
+    the process group itself: grouprl must have ended it and stopped gloo's threads before the interpreter goes."""
+    threads = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as comm:
+                threads.append(comm.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    state = {
+        "group_initialized": torch.distributed.is_initialized(),
+        "gloo_threads": sorted(t for t in threads if "gloo" in t),
+    }
+    with open(os.path.join(out_dir, f"exit-rank{os.environ.get('RANK', '0')}.json"), "w", encoding="utf-8") as handle:
+        json.dump(state, handle)
 
 
 if __name__ == "__main__":
     out_dir, model_dir, *scenarios = sys.argv[1:]
-    atexit.register(record_group_ended, out_dir)
+    atexit.register(record_gloo_threads_at_exit, out_dir)
     for name in scenarios:
         run(name, out_dir, model_dir)

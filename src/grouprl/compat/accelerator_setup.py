@@ -3,8 +3,6 @@ process-group settings, DeepSpeed / FSDP plugins, trackers."""
 
 from __future__ import annotations
 
-import atexit
-import functools
 import os
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -81,31 +79,7 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
         deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        end_gloo_process_group_at_exit()
     return accelerator
-
-
-@functools.cache  # registers the handler once per process
-def end_gloo_process_group_at_exit() -> None:
-    """End a gloo process group when the interpreter exits, if the script has not (``trainer.end()`` does).
-
-    TRL's scripts and most users' end after ``trainer.train()`` / ``save_model()`` without
-    ``destroy_process_group()``. Gloo's worker threads then outlive the interpreter and now and then abort the
-    process at exit ("terminate called without an active exception", SIGABRT: pytorch/pytorch#190489), turning
-    a finished run into a failed launch. atexit runs while the interpreter is still whole. Only gloo (CPU
-    processes): ending a gloo group is local to the process, where NCCL's teardown needs its peers.
-    """
-    atexit.register(_end_gloo_process_group)
-
-
-def _end_gloo_process_group() -> None:
-    if not torch.distributed.is_initialized():
-        return
-    # "cpu:gloo" or "cpu:gloo,cuda:nccl" (get_backend() says "undefined" for a group set up per device type)
-    backends = {entry.split(":")[-1] for entry in str(torch.distributed.get_backend_config()).split(",")}
-    if backends == {"gloo"}:
-        torch.distributed.destroy_process_group()
 
 
 def forget_single_process_accelerator_state() -> None:

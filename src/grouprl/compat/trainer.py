@@ -21,6 +21,7 @@ from transformers.utils import logging
 
 from grouprl.agents import AgentSpec
 from grouprl.compat.accelerator_setup import cpu_has_fast_bf16, make_accelerator
+from grouprl.compat.gloo_exit import stop_gloo_at_exit
 from grouprl.compat.trainer_attributes import TrainerAttributes, mirror_trl_settings
 from grouprl.compat.trainer_dataloaders import TrainerDataloaders
 from grouprl.compat.trainer_hooks import OverridePoints
@@ -182,6 +183,7 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
         total_steps, steps_per_epoch = plan_steps(args, self.plan, train_dataset)
         optimizer, scheduler = build_optimizer(self.model, args, optimizers, total_steps)
         prepared_model, optimizer = self.accelerator.prepare(self.model, optimizer)
+        stop_gloo_at_exit(prepared_model)
         self.generation_backend = generation_backend or build_backend(
             self.accelerator.unwrap_model(prepared_model),
             tokenizer,
