@@ -22,6 +22,7 @@ import sys
 import datasets
 import torch
 from accelerate import PartialState
+from helpers import gloo_threads
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
@@ -187,16 +188,9 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
 def record_gloo_threads_at_exit(out_dir: str) -> None:
     """Runs after grouprl's exit handler (atexit is last in, first out). Like TRL's scripts, this one never ends
     the process group itself: grouprl must have ended it and stopped gloo's threads before the interpreter goes."""
-    threads = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as comm:
-                threads.append(comm.read().strip())
-        except OSError:  # a thread that ended meanwhile
-            pass
     state = {
         "group_initialized": torch.distributed.is_initialized(),
-        "gloo_threads": sorted(t for t in threads if "gloo" in t),
+        "gloo_threads": gloo_threads(),
     }
     with open(os.path.join(out_dir, f"exit-rank{os.environ.get('RANK', '0')}.json"), "w", encoding="utf-8") as handle:
         json.dump(state, handle)

@@ -1,5 +1,6 @@
 """Test helpers: a deterministic generation backend and small comparison utilities."""
 
+import os
 from typing import Callable
 
 import torch
@@ -87,3 +88,15 @@ def quiet_config(tmp_path, overrides=None, **defaults):
         seed=0,
     )
     return GRPOConfig(**{**base, **defaults, **(overrides or {})})
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (Linux: /proc/self/task), sorted."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(name for name in names if "gloo" in name)

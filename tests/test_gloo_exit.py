@@ -2,6 +2,7 @@
 interpreter's teardown (where they now and then abort a finished run), even while a DDP wrapper holds it."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,18 +11,10 @@ from conftest import free_port
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import json, sys
     import torch
     from grouprl.compat.gloo_exit import stop_gloo_at_exit, stop_gloo_threads
-
-    def gloo_threads():
-        names = []
-        for task in os.listdir("/proc/self/task"):
-            try:
-                names.append(open(f"/proc/self/task/{task}/comm").read().strip())
-            except OSError:
-                pass
-        return sorted(n for n in names if "gloo" in n)
+    from helpers import gloo_threads
 
     torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
@@ -41,7 +34,12 @@ SCRIPT = textwrap.dedent(
 
 def run(mode: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(free_port()), mode], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", SCRIPT, str(free_port()), mode],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},  # grouprl and tests/helpers.py
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -49,7 +47,7 @@ def run(mode: str) -> dict:
 
 def test_the_exit_handler_stops_the_threads_of_a_group_that_a_ddp_wrapper_holds():
     state = run("leave_it")
-    assert state["before"] and all("gloo" in name for name in state["before"])  # the group's threads ran
+    assert state["before"]  # the group's threads ran
     assert state["after"] == [] and not state["initialized"]
 
 

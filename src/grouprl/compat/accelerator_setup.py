@@ -70,7 +70,7 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
     ]
     if any(value is not None for value in ddp.values()):
         handlers.append(DistributedDataParallelKwargs(**{k: v for k, v in ddp.items() if v is not None}))
-    accelerator = Accelerator(
+    return Accelerator(
         mixed_precision=mixed_precision,
         cpu=args.use_cpu or (launched and no_accelerator()),
         log_with=args.report_to or None,
@@ -79,7 +79,6 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
         deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
-    return accelerator
 
 
 def forget_single_process_accelerator_state() -> None:
