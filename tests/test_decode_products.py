@@ -1,9 +1,13 @@
 """Weight-major decode products: the same values as F.linear, only where they are meant to apply."""
 
+import contextlib
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from grouprl.generation import decode_products
 from grouprl.generation.decode_products import (
     pack_weight,
     packed_linear,
@@ -94,7 +98,10 @@ def test_few_rows_take_the_weight_major_product_and_many_rows_do_not():
             assert calls.columns == columns, rows
 
 
-@pytest.mark.skipif(not packs_weights(torch.bfloat16, torch.device("cpu")), reason="this torch build has no oneDNN")
+@pytest.mark.skipif(
+    not packs_weights(torch.bfloat16, torch.device("cpu")),
+    reason="oneDNN here runs no bf16 products from packed weights (an AVX2-only CPU, or the instruction set held)",
+)
 @pytest.mark.parametrize("rows", [1, 7, 32, 33])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_bf16_products_equal_f_linear(rows, bias):
@@ -113,3 +120,43 @@ def test_packed_bf16_products_equal_f_linear(rows, bias):
 def test_only_bf16_cpu_products_are_packed():
     assert not packs_weights(torch.float32, torch.device("cpu"))
     assert not packs_weights(torch.bfloat16, torch.device("meta"))
+
+
+def test_packed_weights_are_declined_where_onednn_runs_no_bf16_and_the_reason_is_logged(monkeypatch, caplog):
+    """An AVX2-only CPU (or ONEDNN_MAX_CPU_ISA=AVX2): torch says oneDNN runs no bf16, so nothing is packed."""
+    monkeypatch.setattr(decode_products, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setattr(decode_products, "pack_weight", lambda w: pytest.fail("packed a weight oneDNN cannot run"))
+    with fresh_verdict(), caplog.at_level(logging.INFO, logger="grouprl"):
+        assert not packs_weights(torch.bfloat16, torch.device("cpu"))
+        assert not packs_weights(torch.bfloat16, torch.device("cpu"))
+    assert caplog.text.count("use F.linear, not packed weights") == 1 and "ONEDNN_MAX_CPU_ISA=AVX2" in caplog.text
+
+
+def test_a_packed_product_that_is_not_supported_is_declined_and_other_errors_propagate(monkeypatch, caplog):
+    monkeypatch.setattr(decode_products, "onednn_runs_bf16", lambda: True)
+
+    def unsupported(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(decode_products, "pack_weight", unsupported)
+    with fresh_verdict(), caplog.at_level(logging.INFO, logger="grouprl"):
+        assert not packs_weights(torch.bfloat16, torch.device("cpu"))
+    assert "a packed product failed: RuntimeError: mkldnn_reorder_linear_weight" in caplog.text
+
+    def out_of_memory(weight):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(decode_products, "pack_weight", out_of_memory)
+    with fresh_verdict(), pytest.raises(torch.OutOfMemoryError):
+        packs_weights(torch.bfloat16, torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def fresh_verdict():
+    """packed_bf16_runs decides once per process: ask again inside the block, and let the next caller ask again."""
+    decode_products.packed_bf16_runs.cache_clear()
+    try:
+        yield
+    finally:
+        decode_products.packed_bf16_runs.cache_clear()

@@ -22,7 +22,7 @@ from transformers import (
 
 from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
-from grouprl.generation import FastGenerator, fused_decode_probe
+from grouprl.generation import FastGenerator, fused_decode, fused_decode_probe
 from grouprl.generation.decode_products import packs_weights
 from grouprl.generation.fused_decode import FusedDecoder, structure_reason
 from grouprl.generation.fused_decode_probe import _fused_decode, fuses, probe
@@ -191,8 +191,12 @@ def test_a_refused_model_still_generates_through_its_forward(tiny_model_dir, tok
     assert len(out) == 4 and all(c.token_ids for c in out)
 
 
-def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards():
-    """Under bf16 autocast neither path matches fp32 exactly; the fused one must be no further from it."""
+@pytest.mark.parametrize("packing", ["as this CPU allows", "declined"])
+def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards(packing, monkeypatch):
+    """Under bf16 autocast neither path matches fp32 exactly; the fused one must be no further from it. "declined"
+    is the path of a CPU whose oneDNN runs no bf16 (AVX2-only): the bf16 weights multiplied unpacked."""
+    if packing == "declined":
+        monkeypatch.setattr(fused_decode, "packs_weights", lambda dtype, device: False)
     torch.manual_seed(0)
     model = _llama().eval()
     with torch.no_grad():
@@ -207,7 +211,7 @@ def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         decoder = FusedDecoder(model)
     products = [decoder.head, *(p for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))]
-    packed = packs_weights(torch.bfloat16, torch.device("cpu"))  # the steps above ran from packed weights
+    packed = packing != "declined" and packs_weights(torch.bfloat16, torch.device("cpu"))  # as the steps above ran
     assert decoder.packed == packed and all(w.is_mkldnn == packed for product in products for w, _ in product)
 
 

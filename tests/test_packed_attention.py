@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import types
 
 import pytest
@@ -44,7 +45,7 @@ def test_values_and_gradients_equal_dense_masked_sdpa(
     pack = _pack(concatenate)
     pack = pack._replace(layout=pack.layout._replace(explicit_scores=explicit_scores))
     # the explicit products serve half-precision products only; here they are checked in fp32 against exact values
-    monkeypatch.setattr(packed_attention, "_products_in_half_precision", lambda query: True)
+    monkeypatch.setattr(packed_attention, "_explicit_products_pay_off", lambda query: True)
     calls = []
     real = packed_attention.grouped_attention
     monkeypatch.setattr(packed_attention, "grouped_attention", lambda *a: calls.append(1) or real(*a))
@@ -148,9 +149,26 @@ def test_explicit_products_round_as_eager_attention_under_bf16_autocast():
     assert (got.float() - exact).abs().max() <= 2 * (eager.float() - exact).abs().max() + 1e-3
 
 
-def test_explicit_products_only_for_half_precision_products():
+def test_explicit_products_only_for_half_precision_products_at_native_speed(monkeypatch):
     q32 = torch.zeros(1, 2, 3, 4)
-    assert not packed_attention._products_in_half_precision(q32)
-    assert packed_attention._products_in_half_precision(q32.bfloat16())
+    monkeypatch.setattr(packed_attention, "_cpu_runs_half_products_natively", lambda: True)
+    assert not packed_attention._explicit_products_pay_off(q32)
+    assert packed_attention._explicit_products_pay_off(q32.bfloat16())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert packed_attention._products_in_half_precision(q32)
+        assert packed_attention._explicit_products_pay_off(q32)
+    monkeypatch.setattr(packed_attention, "_cpu_runs_half_products_natively", lambda: False)  # bf16 emulated
+    assert not packed_attention._explicit_products_pay_off(q32.bfloat16())
+
+
+def test_a_cpu_that_emulates_bf16_keeps_sdpa_and_says_why_once(monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(packed_attention, "bf16_emulation_reason", lambda: calls.append(1) or "no bf16 units here")
+    decide = packed_attention._cpu_runs_half_products_natively
+    decide.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="grouprl"):
+            assert not decide() and not decide()
+        assert len(calls) == 1 and caplog.text.count("runs sdpa's kernel, not explicit bf16 products") == 1
+        assert "no bf16 units here" in caplog.text
+    finally:
+        decide.cache_clear()  # the next caller asks this machine again

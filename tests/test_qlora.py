@@ -21,7 +21,7 @@ from grouprl import GRPOTrainer
 from grouprl.cli import main
 from grouprl.cli.train_arguments import parse_train_args
 from grouprl.cli.train_inputs import quantization_config
-from grouprl.compat.trainer import cpu_has_fast_bf16
+from grouprl.core.cpu_capabilities import native_bf16
 from grouprl.core.types import SamplingParams
 from grouprl.generation.engine import FastGenerator
 from grouprl.model.logprobs import completion_logprobs
@@ -114,7 +114,7 @@ def test_every_route_loads_quantized_and_only_the_adapters_train(tiny_model_dir,
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_A" in n or "lora_B" in n for n in trainable)
     # TRL keeps a quantized model's adapters in bf16; grouprl too, except on CPUs that emulate bf16 (fp32 there).
-    expected = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    expected = torch.bfloat16 if trainer.accelerator.device.type != "cpu" or native_bf16() else torch.float32
     assert {p.dtype for n, p in model.named_parameters() if n in trainable} == {expected}
 
     base_before, adapters_before = frozen_state(model), {k: v for k, v in parameters(model).items() if k in trainable}

@@ -398,17 +398,19 @@ def test_default_bf16_declined_on_cpu_without_bf16_units(tiny_model_dir, tmp_pat
     import grouprl.compat.accelerator_setup as accelerator_setup
     import grouprl.compat.trainer as trainer_module
 
-    monkeypatch.setattr(accelerator_setup, "cpu_has_fast_bf16", lambda: False)  # the precision decision
-    monkeypatch.setattr(trainer_module, "cpu_has_fast_bf16", lambda: False)  # quantized layers' dtype
-    config = make_config(tmp_path, max_steps=1)  # bf16 left at TRL's default (True)
+    """On any machine: use_cpu=True makes it a CPU run, and the CPU is made one that emulates bf16."""
+    reason = "this CPU has no bf16 units (no AVX512-BF16/AMX)"
+    monkeypatch.setattr(accelerator_setup, "bf16_emulation_reason", lambda: reason)  # the precision decision
+    monkeypatch.setattr(trainer_module, "native_bf16", lambda: False)  # quantized layers' dtype
+    config = make_config(tmp_path, max_steps=1, use_cpu=True)  # bf16 left at TRL's default (True)
     assert config.bf16 and config.bf16_from_default
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
     assert trainer.accelerator.mixed_precision == "no"
-    assert "training in fp32" in caplog.text
+    assert "training in fp32" in caplog.text and reason in caplog.text
     explicit = GRPOTrainer(
         model=tiny_model_dir,
         reward_funcs=distinct_tokens,
-        args=make_config(tmp_path, max_steps=1, bf16=True),
+        args=make_config(tmp_path, max_steps=1, bf16=True, use_cpu=True),
         train_dataset=prompts(),
     )
     assert explicit.accelerator.mixed_precision == "bf16"

@@ -1,5 +1,5 @@
-"""The process's accelerate.Accelerator for a GRPOConfig: precision (bf16 declined on CPUs that emulate it), DDP and
-process-group settings, DeepSpeed / FSDP plugins, trackers."""
+"""The process's accelerate.Accelerator for a GRPOConfig: precision (TRL's default bf16 declined on CPUs that emulate
+it), DDP and process-group settings, DeepSpeed / FSDP plugins, trackers."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataPara
 from transformers.utils import logging
 
 from grouprl.config.grpo_config import no_accelerator
+from grouprl.core.cpu_capabilities import bf16_emulation_reason
 
 if TYPE_CHECKING:
     from grouprl.config.grpo_config import GRPOConfig
@@ -21,35 +22,23 @@ if TYPE_CHECKING:
 logger = logging.get_logger("grouprl")
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True if this x86/ARM CPU has native bf16 matrix instructions (AVX512-BF16, AMX, ARM BF16).
-
-    Without them PyTorch emulates bf16 matmuls: measured 0.95 GFLOP/s vs 175 GFLOP/s in fp32 on
-    an AVX2 machine, i.e. bf16 autocast makes a CPU step ~100x slower instead of faster.
-    """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            flags = handle.read()
-    except OSError:
-        return True  # cannot tell (not Linux): trust the configuration
-    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", " bf16"))
-
-
 def make_accelerator(args: "GRPOConfig") -> Accelerator:
     on_cpu = args.use_cpu or not torch.cuda.is_available()
     bf16 = args.bf16
-    if bf16 and on_cpu and not cpu_has_fast_bf16():
+    emulated = on_cpu and bf16 and bf16_emulation_reason()
+    if emulated:
+        # Without native bf16 units, PyTorch emulates bf16 matmuls: measured 0.95 GFLOP/s vs 175 GFLOP/s in fp32 on
+        # an AVX2 machine, i.e. bf16 autocast makes a CPU step ~100x slower instead of faster.
         if args.bf16_from_default:
             logger.warning(
-                "grouprl: this CPU has no native bf16 units (no AVX512-BF16/AMX), where bf16 autocast runs ~100x "
-                "slower than fp32; training in fp32 instead of TRL's default bf16=True. Pass bf16=True explicitly to "
-                "force it."
+                f"grouprl: bf16 products are emulated here ({emulated}), ~100x slower than fp32; training in fp32 "
+                "instead of TRL's default bf16=True. Pass bf16=True explicitly to force it."
             )
             bf16 = False
         else:
             logger.warning(
-                "grouprl: bf16=True on a CPU without native bf16 units (no AVX512-BF16/AMX): expect steps ~100x slower "
-                "than fp32. Set bf16=False unless you are measuring exactly this."
+                f"grouprl: bf16=True where bf16 products are emulated ({emulated}): expect steps ~100x slower than "
+                "fp32. Set bf16=False unless you are measuring exactly this."
             )
     mixed_precision = "bf16" if bf16 else ("fp16" if args.fp16 else "no")
     if (AcceleratorState._shared_state or PartialState._shared_state) and PartialState().num_processes == 1:

@@ -20,7 +20,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from grouprl.agents import AgentSpec
-from grouprl.compat.accelerator_setup import cpu_has_fast_bf16, make_accelerator
+from grouprl.compat.accelerator_setup import make_accelerator
 from grouprl.compat.gloo_exit import stop_gloo_at_exit
 from grouprl.compat.trainer_attributes import TrainerAttributes, mirror_trl_settings
 from grouprl.compat.trainer_dataloaders import TrainerDataloaders
@@ -40,6 +40,7 @@ from grouprl.compat.trainer_saving import TrainerSaving
 from grouprl.compat.trainer_trackers import init_trackers
 from grouprl.config.combinations import check_combinations
 from grouprl.config.grpo_config import GRPOConfig, plan_batches
+from grouprl.core.cpu_capabilities import native_bf16, summary
 from grouprl.data.multimodal_prompts import check_multimodal_setup
 from grouprl.generation.factory import build_backend
 from grouprl.generation.protocol import GenerationBackend
@@ -176,7 +177,7 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
             reference_model,
             peft_config=peft_config,
             use_peft=use_peft,
-            bf16_capable=self.accelerator.device.type != "cpu" or cpu_has_fast_bf16(),
+            bf16_capable=self.accelerator.device.type != "cpu" or native_bf16(),
         )
 
         # Training: steps, optimizer, sampling, state.
@@ -238,6 +239,8 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
                 self.plan.describe(None if steps_per_epoch is None else len(train_dataset))
                 + f"\n  total: {total_steps} optimizer steps"
             )
+            if self.accelerator.device.type == "cpu":  # what chooses the CPU paths (docs/troubleshooting.md)
+                logger.info(f"grouprl: {summary()}")
         self.run.fire("on_init_end")
         self._send_telemetry()
 

@@ -13,8 +13,9 @@ W3's, with its 151,936-row head, 1.9x at 8 rows.
 bf16 products go through oneDNN, which `F.linear` asks to reorder the weight into its blocked
 layout at every call. `pack_weight` does that once and `packed_linear` multiplies with the packed
 weight (the results are those of `F.linear`); the fused decode step packs its weights once per
-generate call. SmolLM2-135M's 30 layers and head, one decode step, median of 30, 2-core AVX512-BF16
-CPU: 37.0 -> 28.4 ms at 32 rows, 25.1 -> 15.9 at 16, 19.8 -> 11.3 at 8.
+generate call, where oneDNN runs bf16 on this CPU (`packed_bf16_runs`; not on an AVX2-only one).
+SmolLM2-135M's 30 layers and head, one decode step, median of 30, 2-core AVX512-BF16 CPU: 37.0 -> 28.4 ms
+at 32 rows, 25.1 -> 15.9 at 16, 19.8 -> 11.3 at 8.
 
 Results differ from `F.linear` by summation order only (about 1e-6 in the logits). Only float32
 inputs on the CPU without autograd take it, with 2-32 rows: GPUs' BLAS and bf16 kernels have their
@@ -26,10 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
+
+from grouprl.core.cpu_capabilities import onednn_runs_bf16
+from grouprl.model.forward import describe, is_unsupported
+
+logger = logging.get_logger("grouprl")
 
 FEW_ROWS = range(2, 33)
 UNPADDED_ROWS = 8  # above this, rows are padded to a multiple of 16
@@ -66,13 +74,36 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether products in `dtype` on `device` run faster from packed weights (bf16 on a CPU with oneDNN)."""
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """Whether products in `dtype` on `device` run from packed weights: bf16 on a CPU whose oneDNN runs them."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and packed_bf16_runs()
+
+
+@functools.cache
+def packed_bf16_runs() -> bool:
+    """Whether oneDNN here multiplies bf16 rows by a packed weight: asked of torch (which knows the CPU and the
+    instruction-set limits in force, core/cpu_capabilities.py), then tried once on a tiny weight. Without it (an
+    AVX2-only CPU: "bf16 path needs the cpu support ...") the products run through `F.linear`. Logged once."""
+    reason = None
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        reason = "this torch build has no oneDNN weight packing"
+    elif not onednn_runs_bf16():
+        limit = os.environ.get("ONEDNN_MAX_CPU_ISA")
+        held = f"ONEDNN_MAX_CPU_ISA={limit}" if limit else "it needs AVX512BW/VL/DQ or AVX-NE-CONVERT"
+        reason = f"oneDNN runs no bf16 products on this CPU ({held})"
+    else:
+        try:
+            packed_linear(
+                torch.ones(2, 16, dtype=torch.bfloat16), pack_weight(torch.ones(16, 16, dtype=torch.bfloat16))
+            )
+        except Exception as err:
+            if not is_unsupported(err):
+                raise
+            reason = f"a packed product failed: {describe(err)}"
+    if reason is None:
+        logger.info("grouprl: bf16 decode products on the CPU use weights packed once for oneDNN.")
+    else:
+        logger.info(f"grouprl: bf16 decode products on the CPU use F.linear, not packed weights: {reason}.")
+    return reason is None
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -17,13 +17,18 @@ takes the same path with no context to hold.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.utils import logging
 
+from grouprl.core.cpu_capabilities import bf16_emulation_reason
 from grouprl.model.head_logprobs import product_dtype
+
+logger = logging.get_logger("grouprl")
 
 LAYOUT_KWARG = "grouprl_pack_layout"
 SDPA_TAKES_GROUPED_HEADS = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (
@@ -113,7 +118,7 @@ def packed_attention(
     if not grouped:  # (repeat_kv returns the tensors as they are when groups == 1)
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     attend = dict(dropout_p=dropout, scale=scaling, **({"enable_gqa": True} if grouped else {}))
-    if layout.explicit_scores and dropout == 0.0 and _products_in_half_precision(query):
+    if layout.explicit_scores and dropout == 0.0 and _explicit_products_pay_off(query):
         scale = scaling if scaling is not None else d**-0.5
         attend_masked = lambda q, k, v, attn_mask: grouped_attention(q, k, v, attn_mask, scale)  # noqa: E731
     else:
@@ -149,10 +154,25 @@ def packed_attention(
     return out.view(rows, length, heads, d), None
 
 
-def _products_in_half_precision(query: torch.Tensor) -> bool:
-    """Whether matrix products on `query` run in bf16/fp16 (its dtype, or autocast's): the explicit products pay off
-    there; in fp32 sdpa's kernel was as fast or faster (SmolLM2's pack: 77-81 against 88-95 ms forward + backward)."""
-    return product_dtype(query) in (torch.bfloat16, torch.float16)
+def _explicit_products_pay_off(query: torch.Tensor) -> bool:
+    """Whether matrix products on `query` run in bf16/fp16 (its dtype, or autocast's) at native speed: the explicit
+    products pay off there; in fp32 sdpa's kernel was as fast or faster (SmolLM2's pack: 77-81 against 88-95 ms
+    forward + backward). A CPU that emulates bf16 (core/cpu_capabilities.py) keeps sdpa's kernel: its products
+    were 3.7x slower than sdpa's there (bf16, 8 x 9/3 heads x 128 queries x 181 keys, forward + backward,
+    oneDNN held to AVX2: 209 against 56 ms)."""
+    if product_dtype(query) not in (torch.bfloat16, torch.float16):
+        return False
+    if query.device.type == "cpu":
+        return _cpu_runs_half_products_natively()
+    return True
+
+
+@functools.cache
+def _cpu_runs_half_products_natively() -> bool:
+    reason = bf16_emulation_reason()
+    if reason is not None:
+        logger.info(f"grouprl: packed attention runs sdpa's kernel, not explicit bf16 products: {reason}.")
+    return reason is None
 
 
 def grouped_attention(

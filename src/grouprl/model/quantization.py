@@ -12,7 +12,7 @@ so no second quantized copy is loaded, and ``save_model`` writes the adapter onl
 
 Adapter dtype: TRL keeps the adapters of a bitsandbytes-quantized model in bf16, the QLoRA paper's
 choice. On a CPU without native bf16 units, where grouprl already trains in fp32 instead of TRL's
-bf16 (``accelerator_setup.cpu_has_fast_bf16``), they stay in fp32: emulated bf16 products are ~100x slower,
+bf16 (``core.cpu_capabilities.native_bf16``), they stay in fp32: emulated bf16 products are ~100x slower,
 and fp32 keeps updates that bf16 would round away.
 
 peft's ``prepare_model_for_kbit_training`` is not called, as in TRL's GRPOTrainer: the adapters are
