@@ -1,0 +1,58 @@
+"""On a CUDA GPU (marker gpu; skipped, with the reason, elsewhere): the trainer trains there in bf16 with each
+generation engine, and the training pass's log-probabilities on the GPU equal the CPU's.
+bench/gpu/check.sh runs these with the rest of the suite's GPU-relevant part."""
+
+import math
+
+import pytest
+import torch
+from helpers import distinct_tokens, numbered_prompts, quiet_config
+from transformers import AutoModelForCausalLM
+
+from grouprl import GRPOTrainer
+from grouprl.model.logprobs import completion_logprobs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("engine", ["auto", "engine", "transformers"])
+def test_bf16_training_runs_on_the_gpu_with_every_engine(tiny_model_dir, tmp_path, engine):
+    config = quiet_config(
+        tmp_path,
+        per_device_train_batch_size=6,
+        max_completion_length=8,
+        max_steps=3,
+        bf16=True,
+        generation_engine=engine,
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts()
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.accelerator.device.type == "cuda" and trainer.accelerator.mixed_precision == "bf16"
+    assert all(p.device.type == "cuda" for p in trainer.model.parameters())
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters()), "no weight moved"
+
+
+def test_training_logprobs_on_the_gpu_equal_the_cpu_ones(tiny_model_dir):
+    """fp32, same rows: the packed-prompt pass on CUDA gives the CPU's values (kernels differ: 1e-4)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompt_ids = torch.randint(3, vocab, (4, 6), generator=g).repeat_interleave(2, 0)  # 4 prompts x 2 samples
+    prompt_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
+    prompt_mask[:2, :2] = False  # a left-padded prompt
+    completion_ids = torch.randint(3, vocab, (8, 5), generator=g)
+    completion_mask = torch.ones_like(completion_ids, dtype=torch.bool)
+    completion_mask[3, 3:] = False  # a finished completion
+
+    def logprobs(device: str) -> torch.Tensor:
+        rows = (t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
+        with torch.no_grad():
+            return completion_logprobs(model.to(device), *rows, temperature=1.0).logprobs.cpu()
+
+    on_cpu = logprobs("cpu")
+    torch.testing.assert_close(logprobs("cuda"), on_cpu, rtol=1e-4, atol=1e-4)
