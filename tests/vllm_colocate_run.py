@@ -1,0 +1,96 @@
+"""Run by tests/test_vllm_cpu.py under a Python that has vLLM (its CPU build): TRL's quick start with
+use_vllm=True, vllm_mode="colocate", as `python script.py` (no launcher variables set). After every weight sync it
+asks vLLM for the log-probabilities of a fixed sequence and compares them with the trainer's model; prints one JSON
+line with what it saw.
+
+    python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR {full,lora}
+"""
+
+import json
+import sys
+
+import torch
+
+
+def reward_num_unique_chars(completions, **kwargs):
+    return [len(set(c)) for c in completions]
+
+
+FIXED = [5, 17, 42, 9, 33, 8, 21, 60, 3, 14, 27, 50]  # token ids scored after every sync
+
+
+def vllm_logprobs(llm, vllm) -> torch.Tensor:
+    params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    (output,) = llm.generate([{"prompt_token_ids": FIXED}], params, use_tqdm=False)
+    return torch.tensor([step[token].logprob for step, token in zip(output.prompt_logprobs[1:], FIXED[1:])])
+
+
+def trainer_logprobs(model) -> torch.Tensor:
+    ids = torch.tensor([FIXED], device=next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()[0, :-1]
+    return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+
+
+def main(model_dir: str, output_dir: str, variant: str) -> None:
+    import vllm
+    from datasets import Dataset
+
+    from grouprl import GRPOConfig, GRPOTrainer
+
+    dataset = Dataset.from_dict({"prompt": ["The sky is", "Once upon a time", "def add(a, b):", "Hello"]})
+    args = GRPOConfig(
+        output_dir=output_dir,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=False,  # vLLM's CPU build has no sleep mode (docs/scaling.md)
+        vllm_max_model_length=128,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=0.05 if variant == "full" else 0.2,  # weights that move: a missed sync shows
+        max_completion_length=16,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        report_to="none",
+        bf16=False,
+        seed=0,
+    )
+    peft_config = None
+    if variant == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=reward_num_unique_chars,
+        args=args,
+        train_dataset=dataset,
+        peft_config=peft_config,
+    )
+    backend = trainer.generation_backend
+    real_sync, syncs = backend.sync_weights, []
+
+    def checked_sync(model):
+        real_sync(model)
+        ours, theirs = trainer_logprobs(model), vllm_logprobs(backend.llm, vllm)
+        syncs.append({"trainer": ours.tolist(), "vllm": theirs.tolist(), "gap": float((ours - theirs).abs().max())})
+
+    backend.sync_weights = checked_sync
+    trainer.train()
+    history = trainer.state.log_history
+    print(
+        json.dumps(
+            {
+                "syncs": syncs,
+                "losses": [e["loss"] for e in history if "loss" in e],
+                "sampler_gap": [e.get("sampling/sampling_logp_difference/max") for e in history if "loss" in e],
+                "vllm_dtype": str(backend.llm.llm_engine.model_config.dtype),
+                "reloads_in_place": backend.reloads_in_place,
+                "vllm": vllm.__version__,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process
+    main(*sys.argv[1:])
