@@ -96,3 +96,21 @@ def test_serve_help():
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])
     assert exit_info.value.code == 0
+
+
+def test_fsdp_asked_for_on_a_cpu_launch_is_named_as_ddp(monkeypatch):
+    """accelerate turns a multi-process CPU launch into DDP (MULTI_CPU) even under an FSDP config; grouprl says so."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from grouprl.compat.accelerator_setup import fsdp_asked_but_not_sharded
+
+    cpu_launch = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)
+    sharded = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp2.yaml` sets
+    assert fsdp_asked_but_not_sharded(cpu_launch, SimpleNamespace(fsdp_plugin_args=None))
+    assert not fsdp_asked_but_not_sharded(sharded, SimpleNamespace(fsdp_plugin_args=None))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    assert not fsdp_asked_but_not_sharded(cpu_launch, SimpleNamespace(fsdp_plugin_args=None))  # plain DDP asked
+    assert fsdp_asked_but_not_sharded(cpu_launch, SimpleNamespace(fsdp_plugin_args={"fsdp_version": 2}))

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+)
 from transformers.utils import logging
 
 from grouprl.config.grpo_config import no_accelerator
@@ -59,7 +64,7 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
     ]
     if any(value is not None for value in ddp.values()):
         handlers.append(DistributedDataParallelKwargs(**{k: v for k, v in ddp.items() if v is not None}))
-    return Accelerator(
+    accelerator = Accelerator(
         mixed_precision=mixed_precision,
         cpu=args.use_cpu or (launched and no_accelerator()),
         log_with=args.report_to or None,
@@ -68,6 +73,20 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
         deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
+    if fsdp_asked_but_not_sharded(accelerator, args) and accelerator.is_main_process:
+        logger.warning(
+            "grouprl: FSDP was asked for (fsdp / fsdp_config, or accelerate's FSDP config), but accelerate shards "
+            "only on accelerators (GPU, XPU, NPU, ...): this CPU launch trains with DDP over gloo instead, every "
+            "process holding the whole model. The updates are the same; the memory is not sharded."
+        )
+    return accelerator
+
+
+def fsdp_asked_but_not_sharded(accelerator: Accelerator, args: "GRPOConfig") -> bool:
+    """True when a multi-process CPU launch asked for FSDP and accelerate chose DDP (it does FSDP on accelerators
+    only: its MULTI_CPU type never becomes FSDP, measured with accelerate 1.15 and the bundled fsdp2 config)."""
+    asked = bool(args.fsdp_plugin_args) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return asked and accelerator.distributed_type == DistributedType.MULTI_CPU
 
 
 def forget_single_process_accelerator_state() -> None:
