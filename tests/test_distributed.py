@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import free_port
 from distributed_worker import SCENARIOS, run
-from helpers import max_difference
+from helpers import max_difference, parameters
+from transformers import AutoModelForCausalLM
 
 from grouprl.launch import resolve_accelerate_config
 
@@ -25,28 +26,26 @@ HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name i
 RUNNABLE = [name for name in SCENARIOS if HAS_SERVER_LIBRARIES or name != "grpo_server"]
 
 
+LAUNCH_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(sys.path),
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONFAULTHANDLER": "1",  # a crash prints every thread's Python stack
+}
+
+
+def accelerate_launch(nproc: int, flags: list[str], args: list[str]) -> list[str]:
+    """The command line users run: accelerate launch with grouprl's bundled multi_gpu config (on a machine without
+    GPUs the processes join over gloo)."""
+    config = resolve_accelerate_config("multi_gpu")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+    return [*launcher, "--num_processes", str(nproc), *flags, *args]
+
+
 def launch(nproc: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run a script on `nproc` CPU processes the way users do: accelerate launch with grouprl's bundled
-    multi_gpu config (on a machine without GPUs the processes join over gloo), 1 thread each."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(sys.path),
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONFAULTHANDLER": "1",  # a crash prints every thread's Python stack
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        resolve_accelerate_config("multi_gpu"),
-        "--num_processes",
-        str(nproc),
-        "--main_process_port",
-        str(free_port()),
-        *args,
-    ]
+    """Run a script on `nproc` CPU processes of this machine, 1 thread each."""
+    command = accelerate_launch(nproc, ["--main_process_port", str(free_port())], args)
+    env = {**os.environ, **LAUNCH_ENV}
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -110,9 +109,46 @@ def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path
 
 
 def test_the_steps_change_the_weights(two_process_runs, tiny_model_dir):
-    from helpers import parameters
-    from transformers import AutoModelForCausalLM
-
     base = parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     for name in RUNNABLE:
         assert max_difference(base, two_process_runs[name][0]["weights"]) > 1e-3, name
+
+
+@pytest.mark.skipif(
+    not HAS_SERVER_LIBRARIES, reason="grouprl serve needs fastapi and uvicorn (pip install 'grouprl[serve]')"
+)
+def test_two_nodes_on_loopback_with_a_generation_server_train_like_one(
+    grouprl_server, tiny_model_dir, tmp_path, monkeypatch
+):
+    """TRL's multi-node recipe in miniature: two `accelerate launch --num_machines 2 --machine_rank {0,1}
+    --main_process_ip 127.0.0.1` commands, one process each, train as two nodes while a third process (grouprl
+    serve) samples for them; the weights after 2 steps equal one process's."""
+    monkeypatch.setenv("GROUPRL_TEST_SERVER", grouprl_server[0])
+    out, port = tmp_path / "nodes", str(free_port())
+    env = {**os.environ, **LAUNCH_ENV}
+    nodes = [
+        subprocess.Popen(
+            accelerate_launch(
+                2,
+                ["--num_machines", "2", "--machine_rank", str(rank)]
+                + ["--main_process_ip", "127.0.0.1", "--main_process_port", port],
+                [WORKER, str(out), str(tiny_model_dir), "grpo_server"],
+            ),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        logs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    rank0, rank1 = (torch.load(out / f"grpo_server-2p-rank{r}.pt", weights_only=False) for r in range(2))
+    single = run("grpo_server", str(tmp_path / "one"), str(tiny_model_dir))
+    assert rank0["processes"] == 2 and max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert max_difference(single["weights"], rank0["weights"]) < 2e-6
+    assert max_difference(single["weights"], parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))) > 1e-3
