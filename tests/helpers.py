@@ -100,3 +100,9 @@ def gloo_threads() -> list[str]:
         except OSError:  # a thread that ended meanwhile
             pass
     return sorted(name for name in names if "gloo" in name)
+
+
+def cpu_parameters(model) -> dict[str, torch.Tensor]:
+    """`parameters(model)` copied to the CPU: for comparing a trainer's model, on whatever device the trainer picked,
+    with a model or checkpoint loaded on the CPU (values unchanged)."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}

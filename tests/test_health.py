@@ -8,7 +8,7 @@ import os
 import datasets
 import pytest
 import torch
-from helpers import ScriptedBackend, max_difference, parameters
+from helpers import ScriptedBackend, cpu_parameters, max_difference, parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer, NonFiniteError, RewardFunctionError
@@ -232,7 +232,7 @@ def test_learning_rate_zero_and_not_warmup(tiny_model_dir, tmp_path, caplog):
 
 @pytest.fixture(scope="module")
 def clean_runs(tiny_model_dir, tmp_path_factory):
-    """Weights after 2 and after 4 steps of a run without any fault."""
+    """Weights after 2 and after 4 steps of a run without any fault, on the CPU (checkpoints load there)."""
     out = {}
     for steps in (2, 4):
         trainer = GRPOTrainer(
@@ -242,12 +242,12 @@ def clean_runs(tiny_model_dir, tmp_path_factory):
             args=make_config(tmp_path_factory.mktemp(f"clean{steps}"), max_steps=steps),
         )
         trainer.train()
-        out[steps] = parameters(trainer.model)
+        out[steps] = cpu_parameters(trainer.model)
     return out
 
 
 def checkpoint_weights(path):
-    return parameters(AutoModelForCausalLM.from_pretrained(path))  # loadable with from_pretrained
+    return parameters(AutoModelForCausalLM.from_pretrained(path))  # loadable with from_pretrained (on the CPU)
 
 
 def test_nan_reward_on_step_3_stops_with_function_name_and_checkpoint_2(tiny_model_dir, tmp_path, clean_runs):
@@ -269,7 +269,7 @@ def test_nan_reward_on_step_3_stops_with_function_name_and_checkpoint_2(tiny_mod
     resumed = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4
-    assert max_difference(parameters(resumed.model), clean_runs[4]) == 0.0
+    assert max_difference(cpu_parameters(resumed.model), clean_runs[4]) == 0.0
 
 
 @pytest.mark.parametrize("where", ["loss", "gradients", "advantages"])
@@ -308,7 +308,7 @@ def test_nan_stops_before_the_update_and_saves_step_2(tiny_model_dir, tmp_path, 
     }[where]
     assert expected in message
     assert "The last good state (after step 2) is saved in" in message
-    assert max_difference(parameters(model), clean_runs[2]) == 0.0  # the NaN update was never applied
+    assert max_difference(cpu_parameters(model), clean_runs[2]) == 0.0  # the NaN update was never applied
     assert max_difference(checkpoint_weights(os.path.join(config.output_dir, "checkpoint-2")), clean_runs[2]) == 0.0
 
 

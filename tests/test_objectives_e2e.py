@@ -9,7 +9,7 @@ import sys
 import datasets
 import pytest
 import torch
-from helpers import GradientRecorder, ScriptedBackend, max_difference, parameters
+from helpers import GradientRecorder, ScriptedBackend, cpu_parameters, max_difference, parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
@@ -154,10 +154,8 @@ def test_reference_of_a_model_instance_is_a_copy_taken_at_init(tiny_model_dir, t
     )
     assert trainer.ref_model is not model and not any(p.requires_grad for p in trainer.ref_model.parameters())
     trainer.train()
-    assert (
-        max_difference(parameters(trainer.ref_model), parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)))
-        == 0.0
-    )
+    initial = parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))  # loaded on the CPU: compare there
+    assert max_difference(cpu_parameters(trainer.ref_model), initial) == 0.0
 
 
 def test_sync_ref_model_mixes_the_policy_into_the_reference(tiny_model_dir, tmp_path):
@@ -263,7 +261,7 @@ def test_lora_save_model_writes_the_adapter(tiny_model_dir, tmp_path):
     loaded = peft.PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(tmp_path / "adapter")
     )
-    trained = {k: v for k, v in parameters(trainer.model).items() if "lora_" in k}
+    trained = {k: v for k, v in cpu_parameters(trainer.model).items() if "lora_" in k}  # `loaded` is on the CPU
     assert max_difference(trained, {k: v for k, v in parameters(loaded).items() if k in trained}) == 0.0
 
 
@@ -493,7 +491,8 @@ def test_cast_lm_head_to_fp32(tiny_model_dir, tmp_path, dtype):
         trainer.model.lm_head.weight.dtype == torch.float32 and trainer.ref_model.lm_head.weight.dtype == torch.float32
     )
     assert trainer.ref_model.lm_head.forward.__self__ is trainer.ref_model.lm_head  # the copy patched its own head
-    ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.bool)
+    device = trainer.accelerator.device  # where the trainer put the model
+    ids, mask = torch.tensor([[5, 6, 7]], device=device), torch.ones(1, 3, dtype=torch.bool, device=device)
     with trainer.accelerator.autocast():
         logits = trainer.model(input_ids=ids, attention_mask=mask).logits
     assert logits.dtype == torch.float32
@@ -630,7 +629,7 @@ def one_step(model_dir, tmp_path, loss_type, optimizer="sgd", **overrides):
         generation_backend=scripted(tokenizer),
     )
     trainer.train()
-    return parameters(trainer.model), trainer, opt
+    return cpu_parameters(trainer.model), trainer, opt  # on the CPU, as the models the callers compare it with
 
 
 INVARIANT = {  # bnpo's token mean is per micro-batch by definition, so it is not split-invariant

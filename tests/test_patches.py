@@ -103,6 +103,8 @@ def recording_reward(calls):
 
 
 def test_train_and_evaluate_patch_inside_and_leave_nothing_behind(tiny_model_dir, tmp_path, fast_paths):
+    """A CPU run on any machine (use_cpu=True): the weight-major products serve CPU decoding only, and the fast engine
+    (shared-prefix attention) is generation_engine='auto''s choice on the CPU only."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert model.config._attn_implementation == "sdpa"
     before = snapshot(model)
@@ -115,6 +117,7 @@ def test_train_and_evaluate_patch_inside_and_leave_nothing_behind(tiny_model_dir
         learning_rate=0.1,
         bf16=False,
         num_iterations=2,
+        use_cpu=True,
     )
     trainer = GRPOTrainer(
         model,

@@ -45,6 +45,10 @@ def model(tiny_model_dir):
     return m
 
 
+def _plain_logprobs(model, *rows):
+    return completion_logprobs(model, *rows, temperature=1.0, pack_prompts=False).logprobs
+
+
 def _run(model, rows, pack: bool, **kwargs):
     """Forward and backward inside grouprl_patches, as in training (checkpointing
     recomputes through packed_attention)."""
@@ -64,6 +68,10 @@ def test_values_and_gradients_match_the_plain_pass(model, checkpointing, rows_pe
     """Also: packed_attention (visible pairs only) serves every packed layer call,
     and checkpointing recomputes through it."""
     rows = _rows(model.config.vocab_size)
+    # The one-time probe (prompt_packing._probe: a packed pass without gradient, so never recomputed) runs at this
+    # model's first packed pass, in whichever case a process runs first (pytest-xdist deals the cases out in any
+    # order). Settled here, before the counting, so the counts below are those of the passes under test alone.
+    assert prompt_packing.packing_head(model, _plain_logprobs) is not None, "the probe refused the tiny model"
     if checkpointing:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}

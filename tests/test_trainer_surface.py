@@ -514,7 +514,7 @@ def test_overridden_get_off_policy_mask_is_used(tiny_model_dir, tmp_path):
         @staticmethod
         def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
             shapes.append((tuple(advantages.shape), off_policy_threshold))
-            return torch.zeros(advantages.shape[0], 1, dtype=mask.dtype)
+            return torch.zeros(advantages.shape[0], 1, dtype=mask.dtype, device=mask.device)  # the model's device
 
     config = make_config(
         tmp_path, off_policy_mask_threshold=0.5, num_iterations=2, max_steps=2

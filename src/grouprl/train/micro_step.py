@@ -169,7 +169,10 @@ def micro_batch_loss(
             token_keep = hooks.get_high_entropy_mask(
                 out.entropy.detach(), b.loss_mask, 1.0 - objective.top_entropy_quantile
             )
-            token_keep = _checked_mask(token_keep, b.loss_mask.shape, "get_high_entropy_mask").bool() & b.loss_mask
+            token_keep = (
+                _checked_mask(token_keep, b.loss_mask.shape, "get_high_entropy_mask", b.loss_mask.device).bool()
+                & b.loss_mask
+            )
         sequence_keep = None
         if objective.off_policy_mask_threshold is not None:
             behaviour = b.sampler_logprobs if b.sampler_logprobs is not None else b.old_logprobs
@@ -177,7 +180,9 @@ def micro_batch_loss(
                 sequence_keep = hooks.get_off_policy_mask(
                     b.advantages.unsqueeze(1), out.logprobs, behaviour, b.loss_mask, objective.off_policy_mask_threshold
                 )
-                sequence_keep = _checked_mask(sequence_keep, (len(b), 1), "get_off_policy_mask").to(out.logprobs.dtype)
+                sequence_keep = _checked_mask(
+                    sequence_keep, (len(b), 1), "get_off_policy_mask", out.logprobs.device
+                ).to(out.logprobs.dtype)
         sampler_weights, sampler_stats = b.is_weights, {}
         if objective.sampler_correction is not None and b.sampler_logprobs is not None and b.is_weights is None:
             sampler_weights, sampler_stats = weights_from_forward(out.logprobs, b, objective.sampler_correction)
@@ -258,8 +263,9 @@ def weights_from_forward(
     return rho.expand_as(logprobs).to(logprobs.dtype), stats
 
 
-def _checked_mask(mask: Any, shape: tuple, method: str) -> torch.Tensor:
+def _checked_mask(mask: Any, shape: tuple, method: str, device: torch.device) -> torch.Tensor:
+    """A user override's mask, checked for shape and moved to the loss's device (a mask built on the CPU is common)."""
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
         got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"GRPOTrainer.{method} must return a tensor of shape {tuple(shape)} (as TRL's), got {got}.")
-    return mask
+    return mask.to(device)
