@@ -98,19 +98,23 @@ def test_serve_help():
     assert exit_info.value.code == 0
 
 
-def test_fsdp_asked_for_on_a_cpu_launch_is_named_as_ddp(monkeypatch):
-    """accelerate turns a multi-process CPU launch into DDP (MULTI_CPU) even under an FSDP config; grouprl says so."""
+def test_sharding_asked_for_on_a_cpu_launch_is_named_as_ddp(monkeypatch):
+    """accelerate turns a multi-process CPU launch into DDP (MULTI_CPU) even under an FSDP or DeepSpeed config;
+    grouprl says so instead of letting it pass as sharded."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
-    from grouprl.compat.accelerator_setup import fsdp_asked_but_not_sharded
+    from grouprl.compat.accelerator_setup import sharding_asked_but_not_run
 
     cpu_launch = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)
     sharded = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    plain = SimpleNamespace(fsdp_plugin_args=None, deepspeed_plugin=None)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp2.yaml` sets
-    assert fsdp_asked_but_not_sharded(cpu_launch, SimpleNamespace(fsdp_plugin_args=None))
-    assert not fsdp_asked_but_not_sharded(sharded, SimpleNamespace(fsdp_plugin_args=None))
+    assert sharding_asked_but_not_run(cpu_launch, plain) == "FSDP"
+    assert sharding_asked_but_not_run(sharded, plain) is None
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
-    assert not fsdp_asked_but_not_sharded(cpu_launch, SimpleNamespace(fsdp_plugin_args=None))  # plain DDP asked
-    assert fsdp_asked_but_not_sharded(cpu_launch, SimpleNamespace(fsdp_plugin_args={"fsdp_version": 2}))
+    assert sharding_asked_but_not_run(cpu_launch, plain) is None  # plain DDP was asked for
+    assert sharding_asked_but_not_run(cpu_launch, SimpleNamespace(fsdp_plugin_args={"fsdp_version": 2})) == "FSDP"
+    deepspeed = SimpleNamespace(fsdp_plugin_args=None, deepspeed_plugin=object())
+    assert sharding_asked_but_not_run(cpu_launch, deepspeed) == "DeepSpeed"

@@ -73,20 +73,26 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
         deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
-    if fsdp_asked_but_not_sharded(accelerator, args) and accelerator.is_main_process:
+    asked = sharding_asked_but_not_run(accelerator, args)
+    if asked and accelerator.is_main_process:
         logger.warning(
-            "grouprl: FSDP was asked for (fsdp / fsdp_config, or accelerate's FSDP config), but accelerate shards "
-            "only on accelerators (GPU, XPU, NPU, ...): this CPU launch trains with DDP over gloo instead, every "
-            "process holding the whole model. The updates are the same; the memory is not sharded."
+            f"grouprl: {asked} was asked for, but on a machine without an accelerator accelerate runs it as DDP over "
+            "gloo: every process holds the whole model and optimizer state. The updates are DDP's; nothing is sharded."
         )
     return accelerator
 
 
-def fsdp_asked_but_not_sharded(accelerator: Accelerator, args: "GRPOConfig") -> bool:
-    """True when a multi-process CPU launch asked for FSDP and accelerate chose DDP (it does FSDP on accelerators
-    only: its MULTI_CPU type never becomes FSDP, measured with accelerate 1.15 and the bundled fsdp2 config)."""
-    asked = bool(args.fsdp_plugin_args) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    return asked and accelerator.distributed_type == DistributedType.MULTI_CPU
+def sharding_asked_but_not_run(accelerator: Accelerator, args: "GRPOConfig") -> str | None:
+    """ "FSDP" or "DeepSpeed" when a multi-process CPU launch asked for it and accelerate chose DDP (its MULTI_CPU type
+    never becomes FSDP, nor DeepSpeed when told cpu=True, which a CPU launch needs to join its processes; measured with
+    accelerate 1.15 and the bundled fsdp2 / zero2 configs), else None."""
+    if accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return None
+    if args.fsdp_plugin_args or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "FSDP"
+    if args.deepspeed_plugin is not None:  # GRPOConfig.deepspeed, or an accelerate DeepSpeed config
+        return "DeepSpeed"
+    return None
 
 
 def forget_single_process_accelerator_state() -> None:
