@@ -83,9 +83,9 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
 
 
 def sharding_asked_but_not_run(accelerator: Accelerator, args: "GRPOConfig") -> str | None:
-    """ "FSDP" or "DeepSpeed" when a multi-process CPU launch asked for it and accelerate chose DDP (its MULTI_CPU type
-    never becomes FSDP, nor DeepSpeed when told cpu=True, which a CPU launch needs to join its processes; measured with
-    accelerate 1.15 and the bundled fsdp2 / zero2 configs), else None."""
+    """The sharding ("FSDP" or "DeepSpeed") a multi-process CPU launch asked for when accelerate chose DDP instead (its
+    MULTI_CPU type never becomes FSDP, nor DeepSpeed when told cpu=True, which a CPU launch needs to join its
+    processes; measured with accelerate 1.15 and the bundled fsdp2 / zero2 configs), else None."""
     if accelerator.distributed_type != DistributedType.MULTI_CPU:
         return None
     if args.fsdp_plugin_args or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
