@@ -1,9 +1,9 @@
 """vLLM backends: the clear error without vLLM (always), and the backends themselves where vLLM is importable.
 
 The suite's own venv has no vLLM (it pins its own torch), so the second group is skipped there; .ci/run runs this file
-again in its vLLM venv (vLLM's CPU build), where colocate training is tests/test_vllm_cpu.py. The protocol the server backend shares
-with grouprl's own server (requests, responses, dispatch, weight naming) is tested in test_server.py and
-test_weights.py.
+again in its vLLM venv (vLLM's CPU build), where colocate training is tests/test_vllm_cpu.py. The protocol the server
+backend shares with grouprl's own server (requests, responses, dispatch, weight naming) is tested in test_server.py
+and test_weights.py.
 """
 
 import importlib.util
