@@ -141,8 +141,10 @@ class VLLMColocateGenerator:
             self.weights_asleep = True
 
     def _worker_reloads_in_place(self) -> bool:
-        from vllm.v1.worker.gpu_worker import Worker
-
+        try:
+            from vllm.v1.worker.gpu_worker import Worker
+        except ImportError:  # a vLLM without the v1 worker module: TRL's way
+            return False
         return callable(getattr(Worker, "reload_weights", None))
 
     def sync_weights(self, model: torch.nn.Module) -> None:
