@@ -45,6 +45,19 @@ def test_colocate_without_vllm_says_what_to_install(tiny_model_dir, tmp_path):
 
 
 @needs_vllm
+def test_server_mode_refuses_a_vllm_whose_weight_transfer_it_does_not_speak():
+    """Checked before any request: the first weight sync would otherwise fail after the first generation."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    from grouprl.generation.vllm import VLLMServerGenerator
+
+    if callable(getattr(NCCLWeightTransferEngine, "trainer_init", None)):
+        pytest.skip("this vLLM has the trainer_init API grouprl's server mode speaks")
+    with pytest.raises(NotImplementedError, match=r"moved the trainer side .*0\.22-0\.31.*colocate"):
+        VLLMServerGenerator("http://127.0.0.1:9", tokenizer=None, timeout=1, retries=0, group_port=51216)
+
+
+@needs_vllm
 def test_vllm_sampling_params_mirror_the_config():
     import vllm
 

@@ -194,6 +194,25 @@ class VLLMColocateGenerator:
         return completions
 
 
+def check_trainer_weight_transfer(vllm: Any) -> None:
+    """Refuse, before training starts, a vLLM whose trainer side of the NCCL weight transfer grouprl does not speak.
+
+    grouprl sends weights with `NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights` (the API of the vLLM
+    versions TRL 1.16 supports). vLLM 0.32 moved the trainer side to `WeightTransferTrainerFactory.trainer_init(
+    init_info, client=..., source=...)`: against it the first sync failed with an AttributeError after the first
+    generation."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    if not callable(getattr(NCCLWeightTransferEngine, "trainer_init", None)):
+        version = getattr(vllm, "__version__", "?")
+        raise NotImplementedError(
+            f"use_vllm=True, vllm_mode='server': vLLM {version} moved the trainer side of its "
+            "NCCL weight transfer (NCCLWeightTransferEngine.trainer_init is gone), and grouprl does not speak the new "
+            "API yet. In the trainer's environment install a vLLM that TRL 1.16 supports (0.22-0.31), use "
+            "vllm_mode='colocate', or sample with grouprl's own server (`grouprl serve`, generation_engine='server')."
+        )
+
+
 class VLLMServerGenerator(RemoteGenerator):
     """Upstream `vllm serve`: sampling over its OpenAI API, weights over vLLM's NCCL weight-transfer engine."""
 
@@ -207,7 +226,8 @@ class VLLMServerGenerator(RemoteGenerator):
         group_port: int,
         regex: Optional[str] = None,
     ):
-        require_vllm("use_vllm=True, vllm_mode='server' against `vllm serve` (its NCCL weight transfer)")
+        vllm = require_vllm("use_vllm=True, vllm_mode='server' against `vllm serve` (its NCCL weight transfer)")
+        check_trainer_weight_transfer(vllm)
         super().__init__(base_url, tokenizer=tokenizer, timeout=timeout, retries=retries, group_port=group_port)
         self.regex = regex
         self.model_name = run_on_main(lambda: self.request("GET", "/v1/models")["data"][0]["id"])
