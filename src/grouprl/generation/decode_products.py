@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
-from grouprl.core.cpu_capabilities import onednn_runs_bf16
+from grouprl.core.cpu_capabilities import isa_limits, onednn_runs_bf16
 from grouprl.model.forward import describe, is_unsupported
 
 logger = logging.get_logger("grouprl")
@@ -87,7 +86,7 @@ def packed_bf16_runs() -> bool:
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         reason = "this torch build has no oneDNN weight packing"
     elif not onednn_runs_bf16():
-        limit = os.environ.get("ONEDNN_MAX_CPU_ISA")
+        limit = isa_limits().get("ONEDNN_MAX_CPU_ISA")
         held = f"ONEDNN_MAX_CPU_ISA={limit}" if limit else "it needs AVX512BW/VL/DQ or AVX-NE-CONVERT"
         reason = f"oneDNN runs no bf16 products on this CPU ({held})"
     else:

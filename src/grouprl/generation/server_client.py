@@ -131,6 +131,13 @@ def own_address(base_url: str) -> str:
         return probe.getsockname()[0]
 
 
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS's choice)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def server_base_url(base_url: Optional[str], host: str, port: int) -> str:
     """TRL's rule: vllm_server_base_url wins over host / port."""
     if base_url:

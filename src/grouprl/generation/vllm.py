@@ -21,7 +21,6 @@ class's NCCL weight transfer needs GPUs and has not run (docs/scaling.md); what 
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Optional
 
 import torch
@@ -30,7 +29,7 @@ from accelerate import PartialState
 from grouprl.core.distributed import run_on_main
 from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation.remote import RemoteGenerator
-from grouprl.generation.server_client import own_address
+from grouprl.generation.server_client import free_local_port, own_address
 from grouprl.generation.weights import inference_weights
 
 INSTALL_HINT = (
@@ -79,9 +78,7 @@ def describe_process_to_vllm(state: PartialState) -> None:
     os.environ.setdefault("WORLD_SIZE", str(state.num_processes))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_local_port())
 
 
 def refresh_tied_head(worker: Any) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from grouprl.generation.server_client import ServerClient
+from grouprl.generation.server_client import ServerClient, free_local_port
 from grouprl.generation.weights import inference_weights
 
 
@@ -80,7 +79,7 @@ class LocalWorker:
     def start(self, version: int) -> str:
         """Start the server with the written weights named `version`; wait until it answers; return its URL."""
         self.version = version
-        port = self.port = self.port or _free_port()  # a restart keeps the address the clients know
+        port = self.port = self.port or free_local_port()  # a restart keeps the address the clients know
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "grouprl.cli", "serve", "--model", self.directory, "--host", "127.0.0.1"]
         command += ["--port", str(port), "--dtype", self.dtype, "--device", self.device]
@@ -169,9 +168,3 @@ def write_policy(model: torch.nn.Module, tokenizer: Any, directory: str) -> None
         tokenizer.save_pretrained(directory)
     weights = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in inference_weights(model)}
     save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
