@@ -154,7 +154,13 @@ class ModelAndSamplingFields:
 
     # ---- vLLM (TRL §1.4) ----
     use_vllm: bool = field(default=False, metadata=_meta("Generate with vLLM."))
-    vllm_mode: str = field(default="colocate", metadata=_meta("colocate or server."))
+    vllm_mode: str = field(
+        default="colocate",
+        metadata=_meta(
+            "colocate or server. Server mode sends weights with the NCCL transfer of vLLM 0.22-0.31 (TRL 1.16's "
+            "range); a newer vLLM is refused when the trainer is built (docs/scaling.md)."
+        ),
+    )
     vllm_model_impl: str = field(default="vllm", metadata=_meta("vllm or transformers."))
     vllm_enable_sleep_mode: bool = field(default=False, metadata=_meta("Colocate: sleep between generations."))
     vllm_structured_outputs_regex: Optional[str] = field(default=None, metadata=_meta("Regex-constrained decoding."))
