@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
 from grouprl.core.types import Completion
+from grouprl.model.full_state import fsdp_sharded
 
 NUM_GENERATIONS = 4
 # scenario -> (loss_type, main process samples for everyone (server-style dispatch;
@@ -50,7 +51,16 @@ SCENARIOS = {
     # GFPO keeping the first 2 samples of each group: with 2 processes process 0 keeps 4 rows (group 0's and both kept
     # rows of the cut group 1) and process 1 keeps 2, so the kept rows are gathered and dealt out again, 3 each
     "gfpo": ("grpo", False, {"num_remains_in_group": 2, "gradient_accumulation_steps": 1}),
+    # launched with the bundled fsdp2 config (the weights sharded over the processes); with a reference model
+    "fsdp2": ("grpo", False, {"beta": 0.1}),
+    # AdamW's state in the checkpoint; the final model saved with save_model
+    "fsdp2_resume": (
+        "dapo",
+        False,
+        {"gradient_accumulation_steps": 1, "steps_per_generation": 2, "resume": True, "optimizer": "adamw"},
+    ),
 }
+SHARDED = ("fsdp2", "fsdp2_resume")  # launched with the fsdp2 config, not the multi_gpu one
 
 
 def first_two(group_completions, group_rewards, **kwargs):
@@ -99,6 +109,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     loss_type, main_only, extra = SCENARIOS[scenario]
     extra = dict(extra)
     resume = extra.pop("resume", False)
+    adamw = extra.pop("optimizer", None) == "adamw"
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     accumulation = extra.pop("gradient_accumulation_steps", 2)
@@ -132,7 +143,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
 
     def build() -> GRPOTrainer:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
-        sgd = torch.optim.SGD(model.parameters(), lr=config.learning_rate)  # update = gradient, so a gradient bug shows
+        # SGD: update = gradient, so a gradient bug shows; AdamW: its state must survive a checkpoint
+        optimizer = (torch.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=config.learning_rate)
         backend = None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling)
         trainer = (GFPOTrainer if gfpo else GRPOTrainer)(
             model=model,
@@ -140,7 +152,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
-            optimizers=(sgd, None),
+            optimizers=(optimizer, None),
             generation_backend=backend,
             **({"group_filter_func": first_two} if gfpo else {}),
         )
@@ -162,9 +174,9 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         return trainer
 
     def weights(trainer: GRPOTrainer) -> dict:
-        return {
-            n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.run.model).named_parameters()
-        }
+        """The full parameters (FSDP2's shards gathered: every process takes part)."""
+        named = trainer.accelerator.unwrap_model(trainer.run.model).named_parameters()
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in named}
 
     trainer = build()
     trainer.train()
@@ -174,6 +186,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         "processes": processes,
         "weights": weights(trainer),
         "log_history": trainer.state.log_history,
+        "distributed_type": str(accelerator.distributed_type),
+        "sharded": fsdp_sharded(accelerator.unwrap_model(trainer.run.model)),
     }
     if (
         resume
@@ -181,6 +195,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         resumed = build()
         resumed.train(resume_from_checkpoint=os.path.join(config.output_dir, "checkpoint-1"))
         result["resumed_weights"] = weights(resumed)
+        result["saved_model"] = os.path.join(config.output_dir, "saved")
+        resumed.save_model(result["saved_model"])
     torch.save(result, os.path.join(out_dir, f"{scenario}-{processes}p-rank{accelerator.process_index}.pt"))
     return result
 

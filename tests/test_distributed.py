@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from conftest import free_port
-from distributed_worker import SCENARIOS, run
+from distributed_worker import SCENARIOS, SHARDED, run
 from helpers import max_difference, parameters
 from transformers import AutoModelForCausalLM
 
@@ -23,7 +23,7 @@ from grouprl.launch import resolve_accelerate_config
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
-RUNNABLE = [name for name in SCENARIOS if HAS_SERVER_LIBRARIES or name != "grpo_server"]
+RUNNABLE = [name for name in SCENARIOS if (HAS_SERVER_LIBRARIES or name != "grpo_server") and name not in SHARDED]
 
 
 LAUNCH_ENV = {
@@ -106,6 +106,55 @@ def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path
     for one, two in zip(logged, logged2):
         for name in ("loss", "reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", "num_tokens"):
             assert one[name] == pytest.approx(two[name], abs=1e-5), name
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tiny_model_dir, tmp_path_factory):
+    """The sharded scenarios on 2 CPU processes, launched with grouprl's bundled fsdp2 config."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    config = resolve_accelerate_config("fsdp2")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2"]
+    command += ["--mixed_precision", "no", "--main_process_port", str(free_port())]
+    command += [WORKER, str(out), str(tiny_model_dir), *SHARDED]
+    result = subprocess.run(command, env={**os.environ, **LAUNCH_ENV}, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return {name: [torch.load(out / f"{name}-2p-rank{r}.pt", weights_only=False) for r in range(2)] for name in SHARDED}
+
+
+def test_fsdp2_on_two_processes_trains_like_one(fsdp2_runs, tiny_model_dir, tmp_path):
+    """accelerate's FSDP2 (the bundled fsdp2 config) over gloo: the weights really are sharded, and 2 steps with a
+    reference model (beta 0.1) give the 1-process run's weights and logged statistics."""
+    single = run("fsdp2", str(tmp_path), str(tiny_model_dir))
+    rank0, rank1 = fsdp2_runs["fsdp2"]
+    assert rank0["distributed_type"] == "DistributedType.FSDP" and rank0["sharded"] and rank1["sharded"]
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert max_difference(single["weights"], rank0["weights"]) < 2e-6
+    assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
+    logged = [e for e in single["log_history"] if "loss" in e]
+    logged2 = [e for e in rank0["log_history"] if "loss" in e]
+    assert len(logged) == len(logged2) == 2
+    # not kl nor entropy: TRL logs the mean over processes of each process's token mean, which depends on the split;
+    # the reference model's part in the update shows in the weights
+    for one, two in zip(logged, logged2):
+        for name in ("loss", "reward", "grad_norm"):
+            assert one[name] == pytest.approx(two[name], abs=1e-5), name
+
+
+def test_fsdp2_checkpoint_resumes_and_saves_a_whole_model(fsdp2_runs):
+    """A checkpoint of sharded weights holds the whole model and AdamW's whole state: resuming from it on 2 processes
+    gives the weights of not stopping, on each process; checkpoint and save_model load with from_pretrained."""
+    rank0, rank1 = fsdp2_runs["fsdp2_resume"]
+    assert rank0["sharded"] and rank1["sharded"]
+    for result in (rank0, rank1):
+        assert max_difference(result["weights"], result["resumed_weights"]) == 0.0
+    saved = parameters(AutoModelForCausalLM.from_pretrained(rank0["saved_model"]))
+    assert max_difference(saved, rank0["weights"]) == 0.0
+    checkpoint = os.path.join(os.path.dirname(rank0["saved_model"]), "checkpoint-1")
+    at_step_1 = parameters(AutoModelForCausalLM.from_pretrained(checkpoint))
+    assert max_difference(at_step_1, rank0["weights"]) > 1e-3
+    state = torch.load(os.path.join(checkpoint, "training_state.pt"), weights_only=False)
+    assert state["optimizer_keys"] == "names"
+    assert set(state["optimizer"]["state"]) == set(saved) - {"lm_head.weight"}  # every parameter's, whole
 
 
 def test_the_steps_change_the_weights(two_process_runs, tiny_model_dir):

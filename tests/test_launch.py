@@ -98,23 +98,28 @@ def test_serve_help():
     assert exit_info.value.code == 0
 
 
-def test_sharding_asked_for_on_a_cpu_launch_is_named_as_ddp(monkeypatch):
-    """accelerate turns a multi-process CPU launch into DDP (MULTI_CPU) even under an FSDP or DeepSpeed config;
-    grouprl says so instead of letting it pass as sharded."""
+def test_sharding_asked_for_on_a_cpu_launch_is_run_or_named_as_ddp(monkeypatch):
+    """accelerate turns a multi-process CPU launch into DDP (MULTI_CPU) even under an FSDP or DeepSpeed config:
+    grouprl switches FSDP2 on (test_distributed.py runs it) and names what it cannot switch on instead of letting
+    it pass as sharded."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
-    from grouprl.compat.accelerator_setup import sharding_asked_but_not_run
+    from grouprl.compat.accelerator_setup import fsdp2_asked_on_cpu, sharding_asked_but_not_run
 
     cpu_launch = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)
     sharded = SimpleNamespace(distributed_type=DistributedType.FSDP)
     plain = SimpleNamespace(fsdp_plugin_args=None, deepspeed_plugin=None)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp2.yaml` sets
-    assert sharding_asked_but_not_run(cpu_launch, plain) == "FSDP"
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert fsdp2_asked_on_cpu(cpu_launch, plain) and not fsdp2_asked_on_cpu(sharded, plain)
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    assert not fsdp2_asked_on_cpu(cpu_launch, plain)
+    assert sharding_asked_but_not_run(cpu_launch, plain) == "FSDP version 1"
     assert sharding_asked_but_not_run(sharded, plain) is None
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert sharding_asked_but_not_run(cpu_launch, plain) is None  # plain DDP was asked for
-    assert sharding_asked_but_not_run(cpu_launch, SimpleNamespace(fsdp_plugin_args={"fsdp_version": 2})) == "FSDP"
+    assert fsdp2_asked_on_cpu(cpu_launch, SimpleNamespace(fsdp_plugin_args={"fsdp_version": 2}))
     deepspeed = SimpleNamespace(fsdp_plugin_args=None, deepspeed_plugin=object())
     assert sharding_asked_but_not_run(cpu_launch, deepspeed) == "DeepSpeed"

@@ -18,8 +18,8 @@ model_dir, output_dir, pause_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 write_weights = checkpoint.save_pretrained
 
 
-def pausing_save_pretrained(model, path):
-    write_weights(model, path)
+def pausing_save_pretrained(model, path, weights=None):
+    write_weights(model, path, weights)
     if os.path.basename(path) == f"{checkpoint.STAGING_PREFIX}{pause_at}":
         open(os.path.join(output_dir, "saving"), "w").close()
         time.sleep(600)

@@ -73,6 +73,8 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
         deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
+    if fsdp2_asked_on_cpu(accelerator, args):
+        shard_with_fsdp2(accelerator, args)
     asked = sharding_asked_but_not_run(accelerator, args)
     if asked and accelerator.is_main_process:
         logger.warning(
@@ -82,14 +84,51 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
     return accelerator
 
 
+def fsdp_asked(args: "GRPOConfig") -> bool:
+    """GRPOConfig.fsdp, or an accelerate FSDP config (accelerate launch sets ACCELERATE_USE_FSDP)."""
+    return bool(args.fsdp_plugin_args) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def fsdp_plugin_of(args: "GRPOConfig") -> FullyShardedDataParallelPlugin:
+    """The FSDP plugin asked for: GRPOConfig's FSDP options, else the launch's (the plugin reads accelerate's
+    FSDP_* variables)."""
+    return FullyShardedDataParallelPlugin(**(args.fsdp_plugin_args or {}))
+
+
+def fsdp2_asked_on_cpu(accelerator: Accelerator, args: "GRPOConfig") -> bool:
+    return (
+        accelerator.distributed_type == DistributedType.MULTI_CPU
+        and fsdp_asked(args)
+        and (fsdp_plugin_of(args).fsdp_version == 2)
+    )
+
+
+def shard_with_fsdp2(accelerator: Accelerator, args: "GRPOConfig") -> None:
+    """Run accelerate's FSDP2 (fully_shard) over gloo on a CPU launch that asked for it.
+
+    accelerate turns a launch into FSDP only on accelerators: on CPUs its type stays MULTI_CPU (DDP) with the
+    plugin dropped (accelerate 1.15). FSDP2 itself runs on CPU over gloo, and accelerate's FSDP2 preparation,
+    gradient clipping and state-dict gathering do too; switching the shared accelerator state to FSDP with the
+    plugin is all it takes, so a CPU launch runs the same code as a GPU one. Both shared states: every
+    AcceleratorState() copies the process state's type over its own.
+    """
+    plugin = fsdp_plugin_of(args)
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
 def sharding_asked_but_not_run(accelerator: Accelerator, args: "GRPOConfig") -> str | None:
-    """The sharding ("FSDP" or "DeepSpeed") a multi-process CPU launch asked for when accelerate chose DDP instead (its
-    MULTI_CPU type never becomes FSDP, nor DeepSpeed when told cpu=True, which a CPU launch needs to join its
-    processes; measured with accelerate 1.15 and the bundled fsdp2 / zero2 configs), else None."""
+    """The sharding ("FSDP version 1" or "DeepSpeed") a multi-process CPU launch asked for when accelerate chose DDP
+    instead (its MULTI_CPU type never becomes FSDP, nor DeepSpeed when told cpu=True, which a CPU launch needs to
+    join its processes; measured with accelerate 1.15 and the bundled fsdp2 / zero2 configs; FSDP2 is switched on
+    by shard_with_fsdp2), else None."""
     if accelerator.distributed_type != DistributedType.MULTI_CPU:
         return None
-    if args.fsdp_plugin_args or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return "FSDP"
+    if fsdp_asked(args):
+        return "FSDP version 1"
     if args.deepspeed_plugin is not None:  # GRPOConfig.deepspeed, or an accelerate DeepSpeed config
         return "DeepSpeed"
     return None

@@ -13,7 +13,8 @@ from transformers.utils import logging
 
 from grouprl.core.metrics import JsonlWriter
 from grouprl.model.adapters import save_pretrained
-from grouprl.train.checkpoint import load_policy_weights, load_training_state, restore_rng_state
+from grouprl.model.full_state import fsdp_sharded, gather_full_state
+from grouprl.train.checkpoint import load_optimizer_state, load_policy_weights, load_training_state, restore_rng_state
 
 logger = logging.get_logger("grouprl")
 
@@ -26,10 +27,10 @@ class TrainerSaving:
         """Write the model and tokenizer (`from_pretrained`-loadable) to output_dir (default: args.output_dir)."""
         output_dir = output_dir or self.args.output_dir
         self.accelerator.wait_for_everyone()
+        model = self.accelerator.unwrap_model(self.run.model)
+        weights = gather_full_state(model)[0] if fsdp_sharded(model) else None  # a collective: every process
         if self.accelerator.is_main_process:
-            save_pretrained(
-                self.accelerator.unwrap_model(self.run.model), output_dir
-            )  # a LoRA policy: the adapter only
+            save_pretrained(model, output_dir, weights)  # a LoRA policy: the adapter only
             self.processing_class.save_pretrained(output_dir)
 
     def push_to_hub(self, commit_message: str = "End of training", **kwargs: Any) -> Any:
@@ -63,8 +64,9 @@ class TrainerSaving:
 
     def _load_checkpoint(self, path: str) -> None:
         training, loop_state = load_training_state(path)
-        load_policy_weights(self.accelerator.unwrap_model(self.run.model), path)
-        self.run.optimizer.load_state_dict(training["optimizer"])
+        model = self.accelerator.unwrap_model(self.run.model)
+        load_policy_weights(model, path)
+        load_optimizer_state(model, self.run.optimizer, training)
         self.run.scheduler.load_state_dict(training["scheduler"])
         restore_rng_state(training["rng"])
         self.run.load_loop_state(loop_state)

@@ -101,12 +101,15 @@ def reference_mode(model: Any, adapter: Optional[str]) -> Iterator[None]:
         _freeze_reference(model)
 
 
-def save_pretrained(model: Any, path: str) -> None:
-    """save_pretrained; a PeftModel writes only its trained adapter (adapter_config.json + weights)."""
+def save_pretrained(model: Any, path: str, weights: Optional[dict] = None) -> None:
+    """save_pretrained; a PeftModel writes only its trained adapter (adapter_config.json + weights). `weights`: the
+    full weights of a sharded model (full_state.gather_full_state), written instead of the model's shards."""
     if is_peft_model(model):
-        model.save_pretrained(path, safe_serialization=True, selected_adapters=[active_adapter(model)])
+        model.save_pretrained(
+            path, safe_serialization=True, selected_adapters=[active_adapter(model)], state_dict=weights
+        )
     else:
-        model.save_pretrained(path, safe_serialization=True)
+        model.save_pretrained(path, safe_serialization=True, state_dict=weights)
 
 
 def load_adapter_weights(model: Any, path: str) -> None:

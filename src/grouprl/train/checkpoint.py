@@ -25,6 +25,12 @@ import torch
 from transformers.utils import logging
 
 from grouprl.model.adapters import is_peft_model, load_adapter_weights, save_pretrained
+from grouprl.model.full_state import (
+    OPTIMIZER_KEYED_BY_NAME,
+    fsdp_sharded,
+    load_full_optimizer_state,
+    load_full_weights,
+)
 
 logger = logging.get_logger("grouprl")
 
@@ -103,13 +109,15 @@ def save_checkpoint(
     rng: Optional[dict[str, Any]] = None,
     model_only: bool = False,
     keep: Optional[str] = None,
+    full_state: Optional[tuple[dict[str, Any], Optional[dict[str, Any]]]] = None,
 ) -> str:
     """Write checkpoint-{step} atomically and rotate old ones; return its path.
 
     `rng`: the RNG states to store (default: the current ones); the last-good-state save after a
     NaN passes those from the start of the failed step. `model_only` (save_only_model): the model,
     tokenizer and trainer state only, which cannot be resumed. `keep`: a checkpoint rotation spares
-    (the best one, with load_best_model_at_end).
+    (the best one, with load_best_model_at_end). `full_state`: the gathered (weights, optimizer state) of a
+    sharded policy (full_state.gather_full_state), written instead of the model's and optimizer's shards.
     """
     final = os.path.join(output_dir, f"checkpoint-{step}")
     staging = os.path.join(output_dir, f"{STAGING_PREFIX}{step}")
@@ -118,13 +126,15 @@ def save_checkpoint(
         if name.startswith((STAGING_PREFIX, DELETING_PREFIX)):
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     os.makedirs(staging)
-    save_pretrained(model, staging)  # a LoRA policy writes its adapter only
+    weights, optimizer_state = full_state or (None, None)
+    save_pretrained(model, staging, weights)  # a LoRA policy writes its adapter only
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
     if not model_only:
         torch.save(
             {
-                "optimizer": optimizer.state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                "optimizer_keys": "positions" if optimizer_state is None else OPTIMIZER_KEYED_BY_NAME,
                 "scheduler": scheduler.state_dict(),
                 "rng": rng if rng is not None else rng_state(),
             },
@@ -165,6 +175,9 @@ def load_model_weights(model: torch.nn.Module, path: str) -> None:
     bf16 or fp32 (an fp32 LM head), is copied into the model exactly.
     """
     saved = type(model).from_pretrained(path, dtype=torch.float32)
+    if fsdp_sharded(model):
+        load_full_weights(model, saved.state_dict())
+        return
     missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
     if missing or unexpected:
         raise ValueError(
@@ -178,6 +191,15 @@ def load_policy_weights(model: torch.nn.Module, path: str) -> None:
         load_adapter_weights(model, path)
     else:
         load_model_weights(model, path)
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, training: dict[str, Any]) -> None:
+    """A checkpoint's optimizer state: keyed by parameter position (`optimizer.state_dict()`), or by name when a
+    sharded policy's was gathered."""
+    if training.get("optimizer_keys") == OPTIMIZER_KEYED_BY_NAME:
+        load_full_optimizer_state(model, optimizer, training["optimizer"])
+    else:
+        optimizer.load_state_dict(training["optimizer"])
 
 
 def load_training_state(path: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -60,7 +60,7 @@ from grouprl.train.optimizer_step import (
     end_of_step_updates,
     reduce_statistics,
 )
-from grouprl.train.run_checkpoints import save, should_save, write_checkpoint
+from grouprl.train.run_checkpoints import gathered_policy_state, save, should_save, write_checkpoint
 from grouprl.train.training_run import TrainingRun
 
 
@@ -70,13 +70,16 @@ def train(run: TrainingRun) -> dict[str, float]:
     try:
         return train_steps(run)
     except (NonFiniteError, RewardFunctionError) as err:
+        # every process raises the same NonFiniteError, so a sharded policy can be gathered; a reward error may
+        # stop one process only
+        full_state = gathered_policy_state(run) if isinstance(err, NonFiniteError) else None
         note = save_last_good(
             run.health.last_good,
             step=run.state.global_step,
             loop_state=run.loop_state,
             output_dir=run.config.output_dir,
             writes=run.accelerator.is_main_process,
-            write=lambda step, loop_state, rng: write_checkpoint(run, step, loop_state, rng),
+            write=lambda step, loop_state, rng: write_checkpoint(run, step, loop_state, rng, full_state),
         )
         err.args = (f"{err.args[0] if err.args else err}\n{note}", *err.args[1:])
         raise

@@ -63,6 +63,8 @@ def clip_gradients(run: TrainingRun) -> torch.Tensor:
     params = [p for p in run.model.parameters() if p.requires_grad]
     max_norm = run.config.max_grad_norm if run.config.max_grad_norm > 0 else float("inf")
     norm = run.accelerator.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a replicated DTensor
+        norm = norm.full_tensor()
     return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm))
 
 

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from grouprl.config.grpo_config import GRPOConfig, interval_due
 from grouprl.core.distributed import gather_objects
+from grouprl.model.full_state import fsdp_sharded, gather_full_state
 from grouprl.train.checkpoint import rng_state, save_checkpoint
 from grouprl.train.training_run import TrainingRun
 
@@ -35,6 +36,7 @@ def save(run: TrainingRun) -> Optional[str]:
         else None
     )
     run.store_flos()
+    full_state = gathered_policy_state(run, with_optimizer=not run.config.save_only_model)
     if run.state.best_global_step == run.state.global_step and run.state.best_metric is not None:
         run.state.best_model_checkpoint = os.path.join(run.config.output_dir, f"checkpoint-{run.state.global_step}")
     if run.accelerator.is_main_process:
@@ -50,15 +52,36 @@ def save(run: TrainingRun) -> Optional[str]:
             save_total_limit=run.config.save_total_limit,
             model_only=run.config.save_only_model,
             keep=run.state.best_model_checkpoint,
+            full_state=full_state,
         )
     run.accelerator.wait_for_everyone()
     run.fire("on_save")
     return path
 
 
-def write_checkpoint(run: TrainingRun, step: int, loop_state: dict[str, Any], rng: Optional[dict[str, Any]]) -> None:
+def gathered_policy_state(run: TrainingRun, with_optimizer: bool = True) -> Optional[tuple[dict, Optional[dict]]]:
+    """The full (weights, optimizer state) of a policy that FSDP shards, on the main process (a collective: every
+    process calls it); None for a policy every process holds whole."""
+    model = run.accelerator.unwrap_model(run.model)
+    if not fsdp_sharded(model):
+        return None
+    return gather_full_state(model, run.optimizer if with_optimizer else None)
+
+
+def write_checkpoint(
+    run: TrainingRun,
+    step: int,
+    loop_state: dict[str, Any],
+    rng: Optional[dict[str, Any]],
+    full_state: Optional[tuple[dict, Optional[dict]]] = None,
+) -> None:
     """Write a checkpoint of the run at `step` with the given loop state and RNG (the last good state after a
-    failure)."""
+    failure). `full_state`: gathered_policy_state's, which a sharded policy needs."""
+    if full_state is None and fsdp_sharded(run.accelerator.unwrap_model(run.model)):
+        raise RuntimeError(
+            "the policy's weights are sharded over the processes and only this process stopped, so they cannot be "
+            "gathered; the latest scheduled checkpoint stands"
+        )
     save_checkpoint(
         run.config.output_dir,
         step,
@@ -70,4 +93,5 @@ def write_checkpoint(run: TrainingRun, step: int, loop_state: dict[str, Any], rn
         loop_state=loop_state,
         save_total_limit=run.config.save_total_limit,
         rng=rng,
+        full_state=full_state,
     )
