@@ -27,7 +27,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
 from grouprl.core.types import Completion
-from grouprl.model.full_state import fsdp_sharded
 
 NUM_GENERATIONS = 4
 # scenario -> (loss_type, main process samples for everyone (server-style dispatch;
@@ -60,7 +59,10 @@ SCENARIOS = {
         {"gradient_accumulation_steps": 1, "steps_per_generation": 2, "resume": True, "optimizer": "adamw"},
     ),
 }
-SHARDED = ("fsdp2", "fsdp2_resume")  # launched with the fsdp2 config, not the multi_gpu one
+# the scenarios launched with a sharding config (zero2 / zero3: DeepSpeed's CPU accelerator over gloo), by config
+SHARDED = {name: (name, f"{name}_resume") for name in ("fsdp2", "zero2", "zero3")}
+for _name in ("zero2", "zero3"):
+    SCENARIOS[_name], SCENARIOS[f"{_name}_resume"] = SCENARIOS["fsdp2"], SCENARIOS["fsdp2_resume"]
 
 
 def first_two(group_completions, group_rewards, **kwargs):
@@ -99,6 +101,17 @@ class GroupScript:
                 finish = "stop" if tokens[-1] == self.eos else "length"
                 out.append(Completion(p, tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), finish))
         return out
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    if hasattr(param, "full_tensor"):  # FSDP2
+        return param.full_tensor().detach().clone()
+    if hasattr(param, "ds_id"):  # DeepSpeed ZeRO-3
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.detach().clone()
+    return param.detach().clone()
 
 
 def distinct_tokens(completion_ids, **kwargs):
@@ -174,9 +187,9 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         return trainer
 
     def weights(trainer: GRPOTrainer) -> dict:
-        """The full parameters (FSDP2's shards gathered: every process takes part)."""
+        """The full parameters (FSDP2's and ZeRO-3's shards gathered: every process takes part)."""
         named = trainer.accelerator.unwrap_model(trainer.run.model).named_parameters()
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in named}
+        return {n: whole(p) for n, p in named}
 
     trainer = build()
     trainer.train()
@@ -187,7 +200,10 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         "weights": weights(trainer),
         "log_history": trainer.state.log_history,
         "distributed_type": str(accelerator.distributed_type),
-        "sharded": fsdp_sharded(accelerator.unwrap_model(trainer.run.model)),
+        "sharded": any(
+            hasattr(p, "full_tensor") or hasattr(p, "ds_id")
+            for p in accelerator.unwrap_model(trainer.run.model).parameters()
+        ),
     }
     if (
         resume

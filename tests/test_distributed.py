@@ -23,7 +23,10 @@ from grouprl.launch import resolve_accelerate_config
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
-RUNNABLE = [name for name in SCENARIOS if (HAS_SERVER_LIBRARIES or name != "grpo_server") and name not in SHARDED]
+LAUNCHED_SHARDED = {name for names in SHARDED.values() for name in names}
+RUNNABLE = [
+    name for name in SCENARIOS if (HAS_SERVER_LIBRARIES or name != "grpo_server") and name not in LAUNCHED_SHARDED
+]
 
 
 LAUNCH_ENV = {
@@ -76,7 +79,7 @@ def test_gloo_threads_are_stopped_at_exit(two_process_runs):
     assert two_process_runs["at_exit"] == [{"group_initialized": False, "gloo_threads": []}] * 2
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", [name for name in SCENARIOS if name not in LAUNCHED_SHARDED])
 def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path, scenario):
     """Weights after 2 steps, advantages, completions and logged metrics: 2 processes == 1 process."""
     if scenario not in RUNNABLE:
@@ -108,25 +111,60 @@ def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path
             assert one[name] == pytest.approx(two[name], abs=1e-5), name
 
 
+def deepspeed_path() -> str | None:
+    """Where DeepSpeed is importable from: GROUPRL_DEEPSPEED_PATH (CI installs it there with --target, apart from
+    the main environment), '' when it is installed here, None when it is not."""
+    path = os.environ.get("GROUPRL_DEEPSPEED_PATH")
+    if path and os.path.isdir(os.path.join(path, "deepspeed")):
+        return path
+    return "" if importlib.util.find_spec("deepspeed") is not None else None
+
+
+NO_DEEPSPEED = "DeepSpeed is not installed (CI installs deepspeed==0.19.8 and names it in GROUPRL_DEEPSPEED_PATH)"
+SHARDING = [
+    pytest.param(name, marks=pytest.mark.skipif(name != "fsdp2" and deepspeed_path() is None, reason=NO_DEEPSPEED))
+    for name in SHARDED
+]
+
+
 @pytest.fixture(scope="module")
-def fsdp2_runs(tiny_model_dir, tmp_path_factory):
-    """The sharded scenarios on 2 CPU processes, launched with grouprl's bundled fsdp2 config."""
-    out = tmp_path_factory.mktemp("fsdp2")
-    config = resolve_accelerate_config("fsdp2")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2"]
-    command += ["--mixed_precision", "no", "--main_process_port", str(free_port())]
-    command += [WORKER, str(out), str(tiny_model_dir), *SHARDED]
-    result = subprocess.run(command, env={**os.environ, **LAUNCH_ENV}, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return {name: [torch.load(out / f"{name}-2p-rank{r}.pt", weights_only=False) for r in range(2)] for name in SHARDED}
+def sharded_runs(tiny_model_dir, tmp_path_factory):
+    """A sharding config's scenarios on 2 CPU processes, launched with grouprl's bundled config of that name (fsdp2,
+    zero2, zero3), each launch once."""
+    done = {}
+
+    def launched(config_name: str) -> dict:
+        if config_name not in done:
+            out = tmp_path_factory.mktemp(config_name)
+            command = [sys.executable, "-m", "accelerate.commands.launch"]
+            command += ["--config_file", resolve_accelerate_config(config_name), "--num_processes", "2"]
+            command += ["--mixed_precision", "no", "--main_process_port", str(free_port())]
+            command += [WORKER, str(out), str(tiny_model_dir), *SHARDED[config_name]]
+            env = {**os.environ, **LAUNCH_ENV}
+            if config_name.startswith("zero") and deepspeed_path():
+                env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], deepspeed_path()])
+            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+            done[config_name] = {
+                name: [torch.load(out / f"{name}-2p-rank{r}.pt", weights_only=False) for r in range(2)]
+                for name in SHARDED[config_name]
+            }
+        return done[config_name]
+
+    return launched
 
 
-def test_fsdp2_on_two_processes_trains_like_one(fsdp2_runs, tiny_model_dir, tmp_path):
-    """accelerate's FSDP2 (the bundled fsdp2 config) over gloo: the weights really are sharded, and 2 steps with a
-    reference model (beta 0.1) give the 1-process run's weights and logged statistics."""
-    single = run("fsdp2", str(tmp_path), str(tiny_model_dir))
-    rank0, rank1 = fsdp2_runs["fsdp2"]
-    assert rank0["distributed_type"] == "DistributedType.FSDP" and rank0["sharded"] and rank1["sharded"]
+@pytest.mark.parametrize("config_name", SHARDING)
+def test_sharded_two_processes_train_like_one(sharded_runs, config_name, tiny_model_dir, tmp_path):
+    """accelerate's FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 (grouprl's bundled configs) over gloo: each really runs
+    (the weights sharded, except ZeRO-2's), and 2 steps with a reference model (beta 0.1; under ZeRO-3 in its own
+    inference engine) give the 1-process run's weights and logged statistics. GA is 2: the accumulation boundary
+    that grouprl drives."""
+    single = run(config_name, str(tmp_path), str(tiny_model_dir))
+    rank0, rank1 = sharded_runs(config_name)[config_name]
+    expected = "DistributedType.FSDP" if config_name == "fsdp2" else "DistributedType.DEEPSPEED"
+    assert rank0["distributed_type"] == rank1["distributed_type"] == expected
+    assert rank0["sharded"] == rank1["sharded"] == (config_name != "zero2")  # ZeRO-2 shards the optimizer only
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
     assert max_difference(single["weights"], rank0["weights"]) < 2e-6
     assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
@@ -140,11 +178,13 @@ def test_fsdp2_on_two_processes_trains_like_one(fsdp2_runs, tiny_model_dir, tmp_
             assert one[name] == pytest.approx(two[name], abs=1e-5), name
 
 
-def test_fsdp2_checkpoint_resumes_and_saves_a_whole_model(fsdp2_runs):
-    """A checkpoint of sharded weights holds the whole model and AdamW's whole state: resuming from it on 2 processes
-    gives the weights of not stopping, on each process; checkpoint and save_model load with from_pretrained."""
-    rank0, rank1 = fsdp2_runs["fsdp2_resume"]
-    assert rank0["sharded"] and rank1["sharded"]
+@pytest.mark.parametrize("config_name", SHARDING)
+def test_sharded_checkpoint_resumes_and_saves_a_whole_model(sharded_runs, config_name):
+    """A checkpoint of a sharded run holds the whole model (from_pretrained-loadable) and AdamW's whole state (FSDP2:
+    gathered, keyed by name; DeepSpeed: its own per-process shards in deepspeed/): resuming from it on 2 processes
+    gives the weights of not stopping, on each process; save_model writes the whole model."""
+    rank0, rank1 = sharded_runs(config_name)[f"{config_name}_resume"]
+    assert rank0["sharded"] == rank1["sharded"] == (config_name != "zero2")
     for result in (rank0, rank1):
         assert max_difference(result["weights"], result["resumed_weights"]) == 0.0
     saved = parameters(AutoModelForCausalLM.from_pretrained(rank0["saved_model"]))
@@ -153,8 +193,13 @@ def test_fsdp2_checkpoint_resumes_and_saves_a_whole_model(fsdp2_runs):
     at_step_1 = parameters(AutoModelForCausalLM.from_pretrained(checkpoint))
     assert max_difference(at_step_1, rank0["weights"]) > 1e-3
     state = torch.load(os.path.join(checkpoint, "training_state.pt"), weights_only=False)
-    assert state["optimizer_keys"] == "names"
-    assert set(state["optimizer"]["state"]) == set(saved) - {"lm_head.weight"}  # every parameter's, whole
+    if config_name == "fsdp2":
+        assert state["optimizer_keys"] == "names"
+        assert set(state["optimizer"]["state"]) == set(saved) - {"lm_head.weight"}  # every parameter's, whole
+    else:
+        assert state["optimizer_keys"] == "deepspeed" and state["optimizer"] is None
+        shards = os.listdir(os.path.join(checkpoint, "deepspeed", "deepspeed"))
+        assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)} <= set(shards)
 
 
 def test_the_steps_change_the_weights(two_process_runs, tiny_model_dir):

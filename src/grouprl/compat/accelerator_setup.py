@@ -16,6 +16,7 @@ from accelerate.utils import (
     FullyShardedDataParallelPlugin,
     InitProcessGroupKwargs,
 )
+from transformers.integrations.deepspeed import propagate_args_to_deepspeed
 from transformers.utils import logging
 
 from grouprl.config.grpo_config import no_accelerator
@@ -49,30 +50,39 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
     if (AcceleratorState._shared_state or PartialState._shared_state) and PartialState().num_processes == 1:
         forget_single_process_accelerator_state()
     # accelerate joins a multi-process launch on a machine without an accelerator only when told
-    # cpu=True; otherwise every process would silently train alone.
+    # cpu=True; otherwise every process would silently train alone. DeepSpeed is the exception: told cpu=True,
+    # accelerate drops it for DDP, so a DeepSpeed launch there joins over gloo with DeepSpeed's CPU accelerator.
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    deepspeed_on_cpu = launched and no_accelerator() and not args.use_cpu and deepspeed_asked(args)
+    if deepspeed_on_cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is first imported
     ddp = {
         "find_unused_parameters": args.ddp_find_unused_parameters,
         "bucket_cap_mb": args.ddp_bucket_cap_mb,
         "broadcast_buffers": args.ddp_broadcast_buffers,
         "static_graph": args.ddp_static_graph,
     }
+    backend = args.ddp_backend or ("gloo" if deepspeed_on_cpu else None)
     handlers = [
-        InitProcessGroupKwargs(
-            timeout=timedelta(seconds=args.ddp_timeout), **({"backend": args.ddp_backend} if args.ddp_backend else {})
-        )
+        InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout), **({"backend": backend} if backend else {}))
     ]
     if any(value is not None for value in ddp.values()):
         handlers.append(DistributedDataParallelKwargs(**{k: v for k, v in ddp.items() if v is not None}))
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
-        cpu=args.use_cpu or (launched and no_accelerator()),
+        cpu=args.use_cpu or (launched and no_accelerator() and not deepspeed_on_cpu),
         log_with=args.report_to or None,
         project_dir=args.logging_dir or os.path.join(args.output_dir, "runs"),
         kwargs_handlers=handlers,
-        deepspeed_plugin=args.deepspeed_plugin,  # built by TrainingArguments from args.deepspeed
+        # built by TrainingArguments from args.deepspeed or the launch's; a later trainer in the process keeps the
+        # first one's (accelerate refuses a second plugin)
+        deepspeed_plugin=None if deepspeed_state_exists() else args.deepspeed_plugin,
         fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None,
     )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # the config's "auto" values from the arguments (batch sizes, accumulation steps, clipping, precision,
+        # optimizer settings), as transformers' Trainer fills them
+        propagate_args_to_deepspeed(accelerator, args)
     if fsdp2_asked_on_cpu(accelerator, args):
         shard_with_fsdp2(accelerator, args)
     asked = sharding_asked_but_not_run(accelerator, args)
@@ -82,6 +92,15 @@ def make_accelerator(args: "GRPOConfig") -> Accelerator:
             "gloo: every process holds the whole model and optimizer state. The updates are DDP's; nothing is sharded."
         )
     return accelerator
+
+
+def deepspeed_state_exists() -> bool:
+    return bool(AcceleratorState._shared_state) and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
+
+
+def deepspeed_asked(args: "GRPOConfig") -> bool:
+    """GRPOConfig.deepspeed, or an accelerate DeepSpeed config (accelerate launch sets ACCELERATE_USE_DEEPSPEED)."""
+    return args.deepspeed_plugin is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def fsdp_asked(args: "GRPOConfig") -> bool:
@@ -122,14 +141,13 @@ def shard_with_fsdp2(accelerator: Accelerator, args: "GRPOConfig") -> None:
 
 def sharding_asked_but_not_run(accelerator: Accelerator, args: "GRPOConfig") -> str | None:
     """The sharding ("FSDP version 1" or "DeepSpeed") a multi-process CPU launch asked for when accelerate chose DDP
-    instead (its MULTI_CPU type never becomes FSDP, nor DeepSpeed when told cpu=True, which a CPU launch needs to
-    join its processes; measured with accelerate 1.15 and the bundled fsdp2 / zero2 configs; FSDP2 is switched on
-    by shard_with_fsdp2), else None."""
+    instead (its MULTI_CPU type never becomes FSDP; measured with accelerate 1.15 and the bundled configs; FSDP2 is
+    switched on by shard_with_fsdp2, DeepSpeed by not telling accelerate cpu=True), else None."""
     if accelerator.distributed_type != DistributedType.MULTI_CPU:
         return None
     if fsdp_asked(args):
         return "FSDP version 1"
-    if args.deepspeed_plugin is not None:  # GRPOConfig.deepspeed, or an accelerate DeepSpeed config
+    if deepspeed_asked(args):  # e.g. use_cpu=True with a DeepSpeed config
         return "DeepSpeed"
     return None
 
@@ -143,3 +161,22 @@ def forget_single_process_accelerator_state() -> None:
     attribute is written by grouprl itself), made only in a single process, where nothing else shares that state.
     """
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def zero3_reference(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Module:
+    """The reference model under DeepSpeed ZeRO-3: in an inference engine of its own with the policy's ZeRO-3
+    config, so that its weights are sharded like the policy's and gathered layer by layer in its forward (loaded
+    under ZeRO-3, its parameters are empty shells outside an engine). Any other setup: the model as it is."""
+    state = accelerator.state
+    if state.distributed_type != DistributedType.DEEPSPEED or state.deepspeed_plugin.zero_stage != 3:
+        return model
+    import deepspeed
+
+    config = {
+        key: value
+        for key, value in state.deepspeed_plugin.deepspeed_config.items()
+        if key not in ("optimizer", "scheduler")  # never trained
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine

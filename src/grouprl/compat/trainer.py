@@ -20,7 +20,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from grouprl.agents import AgentSpec
-from grouprl.compat.accelerator_setup import make_accelerator
+from grouprl.compat.accelerator_setup import make_accelerator, zero3_reference
 from grouprl.compat.gloo_exit import stop_gloo_at_exit
 from grouprl.compat.trainer_attributes import TrainerAttributes, mirror_trl_settings
 from grouprl.compat.trainer_dataloaders import TrainerDataloaders
@@ -202,6 +202,8 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
             environments_own_prompts=environments_own_prompts,
         )
         self.state = make_trainer_state(args, total_steps, self.accelerator)
+        if reference_model is not None:
+            reference_model = zero3_reference(reference_model, self.accelerator)
         reference, self.ref_model = build_reference(args, reference_model, reference_adapter, self.accelerator.device)
         entropy_controller = build_entropy_controller(args)
         self.run = TrainingRun(

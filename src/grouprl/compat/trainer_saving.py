@@ -14,7 +14,14 @@ from transformers.utils import logging
 from grouprl.core.metrics import JsonlWriter
 from grouprl.model.adapters import save_pretrained
 from grouprl.model.full_state import fsdp_sharded, gather_full_state
-from grouprl.train.checkpoint import load_optimizer_state, load_policy_weights, load_training_state, restore_rng_state
+from grouprl.train.checkpoint import (
+    ENGINE_STATE,
+    load_optimizer_state,
+    load_policy_weights,
+    load_training_state,
+    restore_rng_state,
+)
+from grouprl.train.optimizer_step import deepspeed_engine
 
 logger = logging.get_logger("grouprl")
 
@@ -28,7 +35,10 @@ class TrainerSaving:
         output_dir = output_dir or self.args.output_dir
         self.accelerator.wait_for_everyone()
         model = self.accelerator.unwrap_model(self.run.model)
-        weights = gather_full_state(model)[0] if fsdp_sharded(model) else None  # a collective: every process
+        if deepspeed_engine(self.accelerator) is not None:  # ZeRO-3 gathers: every process takes part
+            weights = self.accelerator.get_state_dict(self.run.model)
+        else:
+            weights = gather_full_state(model)[0] if fsdp_sharded(model) else None  # a collective: every process
         if self.accelerator.is_main_process:
             save_pretrained(model, output_dir, weights)  # a LoRA policy: the adapter only
             self.processing_class.save_pretrained(output_dir)
@@ -65,8 +75,13 @@ class TrainerSaving:
     def _load_checkpoint(self, path: str) -> None:
         training, loop_state = load_training_state(path)
         model = self.accelerator.unwrap_model(self.run.model)
-        load_policy_weights(model, path)
-        load_optimizer_state(model, self.run.optimizer, training)
+        engine = deepspeed_engine(self.accelerator)
+        if engine is not None and training.get("optimizer_keys") == ENGINE_STATE:
+            # each process its shards of the weights and the optimizer state (the schedule is grouprl's)
+            engine.load_checkpoint(os.path.join(path, ENGINE_STATE), tag=ENGINE_STATE, load_lr_scheduler_states=False)
+        else:
+            load_policy_weights(model, path)
+            load_optimizer_state(model, self.run.optimizer, training)
         self.run.scheduler.load_state_dict(training["scheduler"])
         restore_rng_state(training["rng"])
         self.run.load_loop_state(loop_state)

@@ -47,9 +47,21 @@ class Reference:
             self.model.load_state_dict(state)
 
 
+def whole_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of the model with its whole weights. A model loaded under DeepSpeed ZeRO-3 holds only its shards
+    (parameters with a ds_id, empty outside a gather): it is copied inside a gather, else the copy would be empty."""
+    partitioned = [param for param in model.parameters() if hasattr(param, "ds_id")]
+    if not partitioned:
+        return copy.deepcopy(model)
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        return copy.deepcopy(model)
+
+
 def separate_reference_model(model_arg: Any, policy: torch.nn.Module, load: Any) -> torch.nn.Module:
     """A frozen, eval-mode reference model: `load(model_arg)` for an id / path, else a deep copy of `policy`."""
-    reference = load(model_arg) if isinstance(model_arg, str) else copy.deepcopy(policy)
+    reference = load(model_arg) if isinstance(model_arg, str) else whole_copy(policy)
     reference.requires_grad_(False)
     reference.eval()
     return reference

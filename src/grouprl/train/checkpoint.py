@@ -41,6 +41,8 @@ TRAINER_STATE = "trainer_state.json"
 COMPLETE_MARKER = "checkpoint_complete"
 STAGING_PREFIX = ".tmp-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
+ENGINE_STATE = "deepspeed"  # DeepSpeed's own checkpoint of its shards, inside a grouprl checkpoint
+ENGINE_STAGING_PREFIX = ".deepspeed-checkpoint-"
 
 
 def rng_state() -> dict[str, Any]:
@@ -110,6 +112,7 @@ def save_checkpoint(
     model_only: bool = False,
     keep: Optional[str] = None,
     full_state: Optional[tuple[dict[str, Any], Optional[dict[str, Any]]]] = None,
+    engine_state: Optional[str] = None,
 ) -> str:
     """Write checkpoint-{step} atomically and rotate old ones; return its path.
 
@@ -118,23 +121,35 @@ def save_checkpoint(
     tokenizer and trainer state only, which cannot be resumed. `keep`: a checkpoint rotation spares
     (the best one, with load_best_model_at_end). `full_state`: the gathered (weights, optimizer state) of a
     sharded policy (full_state.gather_full_state), written instead of the model's and optimizer's shards.
+    `engine_state`: a directory where DeepSpeed wrote its checkpoint (every process its shards of the optimizer
+    state), moved into this one as `deepspeed/`; the optimizer's state is then only there.
     """
     final = os.path.join(output_dir, f"checkpoint-{step}")
     staging = os.path.join(output_dir, f"{STAGING_PREFIX}{step}")
     os.makedirs(output_dir, exist_ok=True)
     for name in os.listdir(output_dir):  # one writer: any staging / deleting directory is a killed save's leftover
-        if name.startswith((STAGING_PREFIX, DELETING_PREFIX)):
+        if name.startswith((STAGING_PREFIX, DELETING_PREFIX, ENGINE_STAGING_PREFIX)) and not (
+            engine_state and os.path.samefile(os.path.join(output_dir, name), engine_state)
+        ):
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     os.makedirs(staging)
     weights, optimizer_state = full_state or (None, None)
     save_pretrained(model, staging, weights)  # a LoRA policy writes its adapter only
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
+    if engine_state is not None:
+        os.rename(engine_state, os.path.join(staging, ENGINE_STATE))
     if not model_only:
+        if engine_state is not None:
+            optimizer_state, keys = None, ENGINE_STATE
+        elif optimizer_state is not None:
+            keys = OPTIMIZER_KEYED_BY_NAME
+        else:
+            optimizer_state, keys = optimizer.state_dict(), "positions"
         torch.save(
             {
-                "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
-                "optimizer_keys": "positions" if optimizer_state is None else OPTIMIZER_KEYED_BY_NAME,
+                "optimizer": optimizer_state,
+                "optimizer_keys": keys,
                 "scheduler": scheduler.state_dict(),
                 "rng": rng if rng is not None else rng_state(),
             },
@@ -195,7 +210,12 @@ def load_policy_weights(model: torch.nn.Module, path: str) -> None:
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, training: dict[str, Any]) -> None:
     """A checkpoint's optimizer state: keyed by parameter position (`optimizer.state_dict()`), or by name when a
-    sharded policy's was gathered."""
+    sharded policy's was gathered. (DeepSpeed's is in its own checkpoint: trainer_saving loads it.)"""
+    if training.get("optimizer_keys") == ENGINE_STATE:
+        raise ValueError(
+            "This checkpoint was written under DeepSpeed: its optimizer state is in DeepSpeed's shards (deepspeed/); "
+            "resume it under DeepSpeed with the same number of processes."
+        )
     if training.get("optimizer_keys") == OPTIMIZER_KEYED_BY_NAME:
         load_full_optimizer_state(model, optimizer, training["optimizer"])
     else:

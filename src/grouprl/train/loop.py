@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -54,11 +53,13 @@ from grouprl.train.last_good_state import save_last_good
 from grouprl.train.non_finite import NonFiniteError
 from grouprl.train.optimizer_step import (
     StepStats,
+    accumulating,
     apply_update,
     as_loss,
     clip_gradients,
     end_of_step_updates,
     reduce_statistics,
+    update_norm,
 )
 from grouprl.train.run_checkpoints import gathered_policy_state, save, should_save, write_checkpoint
 from grouprl.train.training_run import TrainingRun
@@ -121,7 +122,7 @@ def train_steps(run: TrainingRun) -> dict[str, float]:
         for k in range(ga):
             if not run.pending:  # the next generation batch (TRL's dataloader batch)
                 run.inputs = run.rollouts.draw_prompts()
-            with nullcontext() if k == ga - 1 else accelerator.no_sync(run.model):
+            with accumulating(run, last=k == ga - 1):
                 # training_step -> _prepare_inputs (generation: experience.py) -> compute_loss (objective.py)
                 # -> backward; the stages' statistics go to run.ledger
                 step_loss = step_loss + as_loss(
@@ -136,6 +137,7 @@ def train_steps(run: TrainingRun) -> dict[str, float]:
             checked_norm = grad_norm if accelerator.scaler is None else None  # fp16 scaling skips inf steps by itself
             reduced = reduce_statistics(run, StepStats(loss=step_loss, grad_norm=checked_norm))
             learning_rate = apply_update(run)
+            grad_norm = update_norm(run, grad_norm)
         state.global_step += 1
         if config.torch_empty_cache_steps and state.global_step % config.torch_empty_cache_steps == 0:
             clear_device_cache()
@@ -148,7 +150,7 @@ def train_steps(run: TrainingRun) -> dict[str, float]:
         run.window.add_all(
             {
                 "loss": loss,
-                "grad_norm": float(grad_norm),
+                "grad_norm": grad_norm,
                 "learning_rate": learning_rate,
                 "step_time": time.perf_counter() - step_started,
             }

@@ -11,8 +11,9 @@ Nothing here reads the host value of a tensor before `reduce_statistics`: one sy
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -45,10 +46,35 @@ def train_micro_batch(run: TrainingRun, micro: Any) -> torch.Tensor:
             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
         )
     run.before_backward()
+    engine = deepspeed_engine(run.accelerator)
     with run.timer.phase("backward"):
-        run.accelerator.backward(loss)
+        if engine is None:
+            run.accelerator.backward(loss)
+        else:  # the loss is already divided by the accumulation steps; accelerate's wrapper would step every time
+            engine.backward(loss, scale_wrt_gas=False)
     run.count_flos(micro)
     return loss.detach().reshape(())
+
+
+def deepspeed_engine(accelerator: Any) -> Any:
+    """The DeepSpeed engine accelerate wrapped the model in, or None."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return None if wrapped is None else wrapped.engine
+
+
+@contextmanager
+def accumulating(run: TrainingRun, last: bool) -> Iterator[None]:
+    """The scope of one micro-batch of the step. grouprl accumulates gradients itself (accelerate's accumulation is
+    1 step): DDP all-reduces them only in the last micro-batch; DeepSpeed is told whether it is the boundary."""
+    engine = deepspeed_engine(run.accelerator)
+    if engine is not None:
+        engine.set_gradient_accumulation_boundary(last)
+        yield
+    elif last:
+        yield
+    else:
+        with run.accelerator.no_sync(run.model):
+            yield
 
 
 def as_loss(value: Any, device: torch.device) -> torch.Tensor:
@@ -58,8 +84,12 @@ def as_loss(value: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(value), device=device)
 
 
-def clip_gradients(run: TrainingRun) -> torch.Tensor:
-    """Clip to max_grad_norm; returns the norm before clipping (a tensor: read once the step is reduced)."""
+def clip_gradients(run: TrainingRun) -> Optional[torch.Tensor]:
+    """Clip to max_grad_norm; returns the norm before clipping (a tensor: read once the step is reduced). None under
+    DeepSpeed, which clips inside its step (the config's gradient_clipping, max_grad_norm by default): its norm is
+    read after the update (update_norm)."""
+    if deepspeed_engine(run.accelerator) is not None:
+        return None
     params = [p for p in run.model.parameters() if p.requires_grad]
     max_norm = run.config.max_grad_norm if run.config.max_grad_norm > 0 else float("inf")
     norm = run.accelerator.clip_grad_norm_(params, max_norm)
@@ -89,11 +119,23 @@ def apply_update(run: TrainingRun) -> float:
     """Optimizer step, then schedule; returns the learning rate used."""
     learning_rate = run.scheduler.get_last_lr()[0]
     run.fire("on_pre_optimizer_step")
-    run.optimizer.step()
+    engine = deepspeed_engine(run.accelerator)
+    if engine is None:
+        run.optimizer.step()
+    else:  # reduces the accumulated gradients, clips, steps and zeroes them
+        engine.step()
     run.fire("on_optimizer_step")
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return learning_rate
+
+
+def update_norm(run: TrainingRun, clipped_norm: Optional[torch.Tensor]) -> float:
+    """The step's gradient norm before clipping: clip_gradients', or DeepSpeed's from its step."""
+    if clipped_norm is not None:
+        return float(clipped_norm)
+    norm = deepspeed_engine(run.accelerator).get_global_grad_norm()
+    return float("nan") if norm is None else float(norm)
 
 
 def end_of_step_updates(run: TrainingRun, reduced: list[Any]) -> None:

@@ -13,7 +13,8 @@ from typing import Any, Optional
 from grouprl.config.grpo_config import GRPOConfig, interval_due
 from grouprl.core.distributed import gather_objects
 from grouprl.model.full_state import fsdp_sharded, gather_full_state
-from grouprl.train.checkpoint import rng_state, save_checkpoint
+from grouprl.train.checkpoint import ENGINE_STAGING_PREFIX, ENGINE_STATE, rng_state, save_checkpoint
+from grouprl.train.optimizer_step import deepspeed_engine
 from grouprl.train.training_run import TrainingRun
 
 
@@ -37,6 +38,12 @@ def save(run: TrainingRun) -> Optional[str]:
     )
     run.store_flos()
     full_state = gathered_policy_state(run, with_optimizer=not run.config.save_only_model)
+    engine_state = None
+    engine = deepspeed_engine(run.accelerator)
+    if engine is not None and not run.config.save_only_model:  # a collective: every process writes its shards
+        engine_state = os.path.join(run.config.output_dir, f"{ENGINE_STAGING_PREFIX}{run.state.global_step}")
+        engine.save_checkpoint(engine_state, tag=ENGINE_STATE, save_latest=False)
+        run.accelerator.wait_for_everyone()
     if run.state.best_global_step == run.state.global_step and run.state.best_metric is not None:
         run.state.best_model_checkpoint = os.path.join(run.config.output_dir, f"checkpoint-{run.state.global_step}")
     if run.accelerator.is_main_process:
@@ -53,6 +60,7 @@ def save(run: TrainingRun) -> Optional[str]:
             model_only=run.config.save_only_model,
             keep=run.state.best_model_checkpoint,
             full_state=full_state,
+            engine_state=engine_state,
         )
     run.accelerator.wait_for_everyone()
     run.fire("on_save")
@@ -61,7 +69,10 @@ def save(run: TrainingRun) -> Optional[str]:
 
 def gathered_policy_state(run: TrainingRun, with_optimizer: bool = True) -> Optional[tuple[dict, Optional[dict]]]:
     """The full (weights, optimizer state) of a policy that FSDP shards, on the main process (a collective: every
-    process calls it); None for a policy every process holds whole."""
+    process calls it); under DeepSpeed the full weights (gathered under ZeRO-3) and no optimizer state (DeepSpeed
+    writes its shards itself); None for a policy every process holds whole."""
+    if deepspeed_engine(run.accelerator) is not None:
+        return run.accelerator.get_state_dict(run.model), None
     model = run.accelerator.unwrap_model(run.model)
     if not fsdp_sharded(model):
         return None
@@ -77,6 +88,11 @@ def write_checkpoint(
 ) -> None:
     """Write a checkpoint of the run at `step` with the given loop state and RNG (the last good state after a
     failure). `full_state`: gathered_policy_state's, which a sharded policy needs."""
+    if deepspeed_engine(run.accelerator) is not None:
+        raise RuntimeError(
+            "DeepSpeed writes its optimizer state collectively at a scheduled checkpoint only; the latest scheduled "
+            "checkpoint stands"
+        )
     if full_state is None and fsdp_sharded(run.accelerator.unwrap_model(run.model)):
         raise RuntimeError(
             "the policy's weights are sharded over the processes and only this process stopped, so they cannot be "
