@@ -86,7 +86,9 @@ def _check_choices(config: "GRPOConfig") -> None:
     check_choice("save_strategy", config.save_strategy, SAVE_STRATEGIES)
     check_choice("eval_strategy", config.eval_strategy, EVAL_STRATEGIES)
     check_choice("vllm_mode", config.vllm_mode, ("colocate", "server"))
-    check_choice("generation_engine", config.generation_engine, ("auto", "engine", "transformers", "server"))
+    check_choice(
+        "generation_engine", config.generation_engine, ("auto", "engine", "captured", "transformers", "server")
+    )
     check_choice("generation_server_weight_transfer", config.generation_server_weight_transfer, ("http", "broadcast"))
     if config.generation_server_retries < 0 or config.vllm_server_timeout <= 0:
         raise ValueError("GRPOConfig: generation_server_retries must be >= 0 and vllm_server_timeout > 0 (seconds).")

@@ -5,10 +5,13 @@ use_vllm=True, vllm_mode="server"    the server at vllm_server_base_url (or host
 use_vllm=True, vllm_mode="colocate"  vLLM inside each training process
 generation_engine="server"           a grouprl server, named the grouprl way
 generation_engine="engine"           the fast in-process engine (FastGenerator)
+generation_engine="captured"         the static decode loop, one CUDA graph replayed per step on CUDA
+                                     (static_decode.py, CapturedGenerator)
 generation_engine="auto"             on a CPU: the engine where it applies, while model.generate is
                                      transformers' own (overrides.py); on any other device:
                                      transformers `generate` (the engine is tuned and measured on
-                                     CPUs only; see `auto_engine_measured_on`)
+                                     CPUs only, the captured loop not yet measured on a GPU; see
+                                     `auto_engine_measured_on`)
 generation_engine="transformers"     transformers `generate`
 """
 
@@ -25,6 +28,7 @@ from grouprl.generation.overrides import EngineUnlessGenerateOverridden
 from grouprl.generation.protocol import GenerationBackend
 from grouprl.generation.remote import RemoteGenerator
 from grouprl.generation.server_client import server_base_url
+from grouprl.generation.static_decode import CapturedGenerator, captured_supports
 from grouprl.model.multimodal import image_token_ids
 
 
@@ -37,6 +41,17 @@ def build_backend(
         return VLLMColocateGenerator(model.config._name_or_path, tokenizer, args, max_num_seqs=max_num_seqs)
     if args.use_vllm or args.generation_engine == "server":
         return connect_server(tokenizer, args)
+    if args.generation_engine == "captured":
+        reason = captured_supports(model, args.generation_kwargs or {}, args.cache_implementation)
+        if reason:
+            raise ValueError(
+                f"GRPOConfig.generation_engine='captured' cannot be used: {reason}. Use 'auto' or 'transformers'."
+            )
+        backend = EngineUnlessGenerateOverridden(
+            CapturedGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id), fallback=None, name="captured"
+        )
+        backend.check()
+        return backend
     reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
     if args.generation_engine == "engine" and reason:
         raise ValueError(

@@ -79,8 +79,9 @@ def _linear_weight(proj: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-def structure_reason(model: torch.nn.Module) -> str | None:
-    """None if `model` looks like a Llama-family decoder FusedDecoder can run, else what differs."""
+def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | None:
+    """None if `model` looks like a Llama-family decoder FusedDecoder can run, else what differs. `check_dtype`:
+    require fp32 weights, the ones its probe can check (fused_decode_probe.py)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     config = getattr(model, "config", None)
@@ -116,7 +117,7 @@ def structure_reason(model: torch.nn.Module) -> str | None:
         if any(n is None or _norm_eps(n) is None for n in norms):
             return "its layer norms are not RMSNorms with an eps"
     weights = model.get_input_embeddings().weight
-    if weights.dtype != torch.float32:
+    if check_dtype and weights.dtype != torch.float32:
         return f"its weights are {weights.dtype} (the probe checks fp32 weights only)"
     return None
 

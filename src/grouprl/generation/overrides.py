@@ -9,7 +9,7 @@ silently would train on different completions than the script asked for, so:
 * generation_engine='auto' samples with the engine while `generate` is transformers' own and
   with transformers `generate` (hf.py) whenever it is not; this is checked at every generation,
   because a patch may be applied after the trainer is built;
-* generation_engine='engine' refuses, naming what replaced `generate`.
+* generation_engine='engine' or 'captured' refuses, naming what replaced `generate`.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class EngineUnlessGenerateOverridden:
 
     needs_importance_correction = False  # both sample from the training weights in this process
 
-    def __init__(self, engine: FastGenerator, fallback: Optional[TransformersGenerator]):
-        self.engine = engine
+    def __init__(self, engine: FastGenerator, fallback: Optional[TransformersGenerator], name: str = "engine"):
+        self.engine, self.name = engine, name  # name: the generation_engine value that chose it
         self.fallback = fallback
         self._announced: Optional[str] = None
 
@@ -75,8 +75,8 @@ class EngineUnlessGenerateOverridden:
         reason = generate_override(self.engine.model)
         if reason is not None and self.fallback is None:
             raise ValueError(
-                f"GRPOConfig.generation_engine='engine' samples without calling model.generate, but {reason}, so that "
-                "code would never run. Use generation_engine='auto' (it then samples with model.generate) or "
+                f"GRPOConfig.generation_engine={self.name!r} samples without calling model.generate, but {reason}, so "
+                "that code would never run. Use generation_engine='auto' (it then samples with model.generate) or "
                 "'transformers'."
             )
         return reason

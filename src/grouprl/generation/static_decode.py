@@ -1,0 +1,318 @@
+"""A decode loop whose every step has the same shapes and tensor addresses, captured once as a CUDA graph.
+
+On a GPU a decode step of a small model is bound by launching its few hundred kernels from Python, not by
+the card (measured on an H200 for the Qwen2.5-0.5B shape: 27.5 ms a step through transformers' dynamic
+cache; reading the weights once takes ~0.2 ms). A step that never changes shape can be recorded once and
+replayed as one graph launch. This loop makes every step alike:
+
+- the prompts are left-padded to a multiple of `prompt_bucket` tokens, so calls with prompts of similar
+  length share shapes;
+- the keys and values of every layer live in buffers allocated once per call for prompt + new tokens
+  (`StaticKVCache`, the prompt's part copied in from one prefill per prompt); the column a step writes is a
+  device tensor that the step advances itself, and a (rows, columns) mask says which columns are real;
+- a step (fused_decode.FusedDecoder, the training weights read in place where their dtype is the
+  products') computes the logits, samples with TRL's fields (sampling.py: repetition penalty,
+  temperature, top-k, top-p, min-p), records the token and its logprob under the processed distribution,
+  and marks rows that emitted an EOS as finished; finished rows keep stepping and record padding;
+- the host reads only whether every row has finished, every `CHECK_EVERY` steps.
+
+On CUDA the first `WARMUP_STEPS` steps run eagerly (on a side stream, as capturing requires), the next is
+captured (`torch.cuda.CUDAGraph`) and replayed for the rest; the graph is recorded again each call, since
+the call's buffers are new. Elsewhere the same step runs eagerly, which is how the CPU tests check it.
+
+Models: the Llama family that FusedDecoder runs (fused_decode.structure_reason); fp32 weights also pass its
+probe against the model's forward, lower-precision ones must be of a family whose forward it is known to
+match (`KNOWN_FAMILIES`), since there a probe cannot tell rounding from a different computation. LoRA
+adapters are merged into the decode weights for the call (a copy of the adapted projections); a quantized
+(QLoRA) layer is refused by the structure check.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.engine import engine_supports
+from grouprl.generation.fused_decode import FusedDecoder, structure_reason
+from grouprl.generation.fused_decode_probe import _base, fuses
+from grouprl.generation.protocol import cut_at_eos, left_pad
+from grouprl.generation.sampling import SAMPLING_METHODS, process_logits, sample_tokens
+from grouprl.model.logprobs import position_ids_from_mask
+from grouprl.model.patches import grouprl_patches
+
+PROMPT_BUCKET = 64
+CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
+WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
+KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # whose cos/sin never depend on the batch's largest position
+
+
+def captured_supports(
+    model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]
+) -> Optional[str]:
+    """None if CapturedGenerator can serve this model and options, else the reason it cannot."""
+    reason = engine_supports(model, generation_kwargs, cache_implementation)
+    if reason:
+        return reason
+    base = _base(model)
+    reason = structure_reason(base, check_dtype=False)
+    if reason:
+        return reason
+    rope = getattr(base.model.rotary_emb, "rope_type", "default")
+    if rope not in STATIC_ROPE_TYPES:
+        return f"its RoPE ({rope!r}) recomputes cos/sin from the batch's positions"
+    if base.get_input_embeddings().weight.dtype == torch.float32:
+        return None if fuses(model) else "the fused decode step's probe did not match its forward"
+    family = getattr(base.config, "model_type", None)
+    if family not in KNOWN_FAMILIES:
+        return f"its weights are not fp32 and its family ({family!r}) is not one the decode step is known to match"
+    return None
+
+
+def bucketed(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+class StaticKVCache:
+    """Every layer's keys and values, (rows, kv_heads, columns, head_dim), allocated once; the FusedDecoder cache
+    interface (`update`, `attend`) over them.
+
+    `column` (a 1-element device tensor) is where the next token's keys and values go; `valid` (rows, columns)
+    marks the prompt's real tokens and every token decoded so far.
+    """
+
+    def __init__(self, prefill: DynamicCache, prompt_mask: torch.Tensor, repeats: int, new_tokens: int):
+        prompt_keys = [layer.keys for layer in prefill.layers]
+        rows, columns = prompt_mask.shape[0] * repeats, prompt_mask.shape[1] + new_tokens
+        _, kv_heads, prompt_length, head_dim = prompt_keys[0].shape
+        dtype, device = prompt_keys[0].dtype, prompt_mask.device
+        self.keys = [torch.zeros(rows, kv_heads, columns, head_dim, dtype=dtype, device=device) for _ in prompt_keys]
+        self.values = [torch.zeros_like(self.keys[0]) for _ in prompt_keys]
+        for layer, source in enumerate(prefill.layers):
+            self.keys[layer][:, :, :prompt_length] = source.keys.repeat_interleave(repeats, 0)
+            self.values[layer][:, :, :prompt_length] = source.values.repeat_interleave(repeats, 0)
+        self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
+        self.valid[:, :prompt_length] = prompt_mask.bool().repeat_interleave(repeats, 0)
+        self.column = torch.full((1,), prompt_length, dtype=torch.long, device=device)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
+        """key, value (rows, kv_heads, 1, head_dim) into column `column`."""
+        self.keys[layer].index_copy_(2, self.column, key.to(self.keys[layer].dtype))
+        self.values[layer].index_copy_(2, self.column, value.to(self.values[layer].dtype))
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim) over the valid columns.
+
+        The heads sharing a key/value head are that head's queries (a (rows, kv_heads, heads / kv_heads, dim)
+        query), so grouped-query attention needs neither repeated keys nor enable_gqa."""
+        rows, heads, _, dim = query.shape
+        keys, values = self.keys[layer], self.values[layer]
+        grouped = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dim).to(keys.dtype)
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=self.valid[:, None, None, :], scale=scaling
+        )  # (rows, kv_heads, group, dim)
+        return out.reshape(rows, 1, heads, dim).to(query.dtype)
+
+
+class DecodeLoop:
+    """The state of one call's decode steps, all on the device and updated in place by `step` (module doc)."""
+
+    def __init__(
+        self,
+        decoder: FusedDecoder,
+        cache: StaticKVCache,
+        prompt_tokens: torch.Tensor,  # (rows, prompt columns), left-padded
+        first: torch.Tensor,  # (rows,) the tokens sampled from the prefill's logits
+        first_logprobs: torch.Tensor,
+        positions: torch.Tensor,  # (rows,) the position of `first`
+        params: SamplingParams,
+        eos: torch.Tensor,
+        pad_token_id: int,
+        sampling_method: str,
+    ):
+        self.decoder, self.cache, self.params, self.eos = decoder, cache, params, eos
+        self.pad_token_id, self.sampling_method = pad_token_id, sampling_method
+        self.min_new_tokens = int(params.extra.get("min_new_tokens", 0))
+        rows, new_tokens, device = first.shape[0], params.max_new_tokens, first.device
+        self.tokens, self.positions = first.clone(), positions.clone()
+        self.done = is_eos(first, eos)
+        self.step_index = torch.ones(1, dtype=torch.long, device=device)  # the new token this step samples
+        self.out_tokens = torch.full((rows, new_tokens), pad_token_id, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros(rows, new_tokens, device=device)
+        self.out_tokens[:, 0], self.out_logprobs[:, 0] = first, first_logprobs
+        self.history = torch.full_like(cache.valid, pad_token_id, dtype=torch.long)  # the token of each column
+        self.history[:, : prompt_tokens.shape[1]] = prompt_tokens
+
+    def step(self) -> None:
+        """Feed the last sampled tokens, sample the next ones; no host sync."""
+        cache = self.cache
+        cache.valid.index_fill_(1, cache.column, True)
+        self.history.index_copy_(1, cache.column, self.tokens[:, None])
+        logits = self.decoder.step(self.tokens, self.positions, cache)
+        if self.min_new_tokens:
+            blocked = logits.index_fill(1, self.eos, -float("inf"))
+            logits = torch.where(self.step_index < self.min_new_tokens, blocked, logits)
+        tokens, logprobs = sample_next(logits, self.params, self.history, cache.valid, self.sampling_method)
+        tokens = torch.where(self.done, self.pad_token_id, tokens)
+        self.out_tokens.index_copy_(1, self.step_index, tokens[:, None])
+        self.out_logprobs.index_copy_(1, self.step_index, logprobs[:, None].float())
+        self.done |= is_eos(tokens, self.eos)
+        self.tokens.copy_(tokens)
+        self.positions.add_(1)
+        self.step_index.add_(1)
+        cache.column.add_(1)
+
+
+def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    return (tokens[:, None] == eos[None, :]).any(dim=1)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: Optional[torch.Tensor],
+    history_mask: Optional[torch.Tensor],
+    method: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    processed = process_logits(
+        logits,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        history=history,
+        history_mask=history_mask,
+    )
+    return sample_tokens(processed, method=method)
+
+
+def run_steps(loop: DecodeLoop, steps: int, capture: bool) -> int:
+    """Run `steps` decode steps (fewer once every row has finished); returns how many ran. With `capture`, the
+    steps after the warm-up replay one recorded CUDA graph."""
+    ran = 0
+    step = loop.step
+    if capture and steps > WARMUP_STEPS:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                loop.step()
+        torch.cuda.current_stream().wait_stream(side)
+        ran = WARMUP_STEPS
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records without running
+            loop.step()
+        step = graph.replay
+    while ran < steps:
+        if ran % CHECK_EVERY == 0 and bool(loop.done.all()):
+            break
+        step()
+        ran += 1
+    return ran
+
+
+class CapturedGenerator:
+    """A `GenerationBackend` that samples from the training model in this process through the static decode loop
+    (module doc): replayed as a CUDA graph on CUDA, eager elsewhere."""
+
+    needs_importance_correction = False  # samples come from the trained weights themselves
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        *,
+        prompt_bucket: int = PROMPT_BUCKET,
+        capture: Optional[bool] = None,
+        sampling_method: str = "inverse_cdf",
+    ):
+        if sampling_method not in SAMPLING_METHODS:
+            raise ValueError(
+                f"CapturedGenerator: sampling_method must be one of {SAMPLING_METHODS}, got {sampling_method!r}."
+            )
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
+        self.prompt_bucket, self.capture, self.sampling_method = prompt_bucket, capture, sampling_method
+        self.last_decode = (0, 0.0)  # (decode steps, seconds) of the last call, for benchmarks
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
+        unsupported = set(params.extra) - {"min_new_tokens"}
+        if unsupported:
+            raise ValueError(
+                f"CapturedGenerator does not support generation_kwargs {sorted(unsupported)}; use "
+                "generation_engine='transformers'."
+            )
+        if not prompt_ids:
+            return []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with grouprl_patches(self.model):
+                tokens, logprobs = self._sample(prompt_ids, num_samples, params)
+        finally:
+            self.model.train(was_training)
+        eos = set(self.eos_token_ids)
+        completions = []
+        for row, (ids, lps) in enumerate(zip(tokens, logprobs)):
+            ids, finish = cut_at_eos(ids, eos)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            completions.append(Completion(row // num_samples, ids, text, finish, lps[: len(ids)]))
+        return completions
+
+    def _sample(
+        self, prompt_ids: list[list[int]], g: int, params: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        base = _base(self.model)
+        device = base.get_input_embeddings().weight.device
+        ids, mask = left_pad(prompt_ids, self.pad_token_id)
+        width = bucketed(ids.shape[1], self.prompt_bucket)
+        ids = F.pad(ids, (width - ids.shape[1], 0), value=self.pad_token_id).to(device)
+        mask = F.pad(mask, (width - mask.shape[1], 0), value=0).to(device)
+        prefill = DynamicCache(config=base.config)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            past_key_values=prefill,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        cache = StaticKVCache(prefill, mask, g, params.max_new_tokens)
+        del prefill
+        eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
+        logits = logits.repeat_interleave(g, 0)
+        if params.extra.get("min_new_tokens", 0) > 0:
+            logits = logits.index_fill(1, eos, -float("inf"))
+        prompt_tokens = ids.repeat_interleave(g, 0)
+        first, first_logprobs = sample_next(logits, params, prompt_tokens, cache.valid[:, :width], self.sampling_method)
+        positions = mask.sum(dim=1).repeat_interleave(g, 0)
+        loop = DecodeLoop(
+            FusedDecoder(base),  # the weights as they are now; in place where no cast is needed
+            cache,
+            prompt_tokens,
+            first,
+            first_logprobs,
+            positions,
+            params,
+            eos,
+            self.pad_token_id,
+            self.sampling_method,
+        )
+        capture = device.type == "cuda" if self.capture is None else self.capture
+        started = time.perf_counter()
+        ran = run_steps(loop, params.max_new_tokens - 1, capture)
+        tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
+        self.last_decode = (ran, time.perf_counter() - started)
+        return tokens, logprobs

@@ -1,0 +1,222 @@
+"""The static decode loop (generation_engine="captured") run eagerly, on whatever device is here: against
+transformers generate token for token, a separate forward pass, the model's distribution, and itself.
+
+On CUDA the same steps replay a captured graph; tests/test_gpu.py checks that path against these eager ones."""
+
+import pytest
+import torch
+from chi_square import chi_square_rejects
+from helpers import distinct_tokens, numbered_prompts, quiet_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grouprl.core.types import SamplingParams
+from grouprl.generation.static_decode import CapturedGenerator, StaticKVCache, captured_supports
+from grouprl.model.logprobs import completion_logprobs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(DEVICE)
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def prompts_of(tokenizer):
+    """Three prompts of different lengths: left padding and the prompt bucket both matter."""
+    return [tokenizer(text)["input_ids"] for text in ("12+7=", "3+4=", "what is 123 + 456 + 789 =")]
+
+
+def generator(model, tokenizer, eos, **kwargs):
+    return CapturedGenerator(model, tokenizer, eos, tokenizer.pad_token_id, capture=False, **kwargs)
+
+
+def transformers_generate(model, tokenizer, prompts, g, **sampling):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts], device=DEVICE)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, num_return_sequences=g, pad_token_id=tokenizer.pad_token_id, **sampling
+    )
+    return out[:, width:].tolist()
+
+
+@pytest.mark.parametrize("bucket", [1, 64])
+def test_seeded_samples_equal_transformers_generate(model_and_tokenizer, bucket):
+    """No EOS, transformers' multinomial draw: the random stream is consumed as generate consumes it, so the same
+    seed gives the same tokens, with temperature, top-k and top-p, and prompts padded to a bucket or not."""
+    model, tokenizer = model_and_tokenizer
+    prompts = prompts_of(tokenizer)
+    ours = generator(model, tokenizer, [], prompt_bucket=bucket, sampling_method="multinomial")
+    sampling = {"temperature": 0.9, "top_k": 50, "top_p": 0.95}
+    torch.manual_seed(0)
+    got = ours.generate(prompts, 4, SamplingParams(max_new_tokens=10, **sampling))
+    torch.manual_seed(0)
+    want = transformers_generate(
+        model, tokenizer, prompts, 4, do_sample=True, max_new_tokens=10, min_new_tokens=10, **sampling
+    )
+    assert [c.token_ids for c in got] == want
+    assert [c.prompt_index for c in got] == [0] * 4 + [1] * 4 + [2] * 4
+    assert ours.last_decode[0] == 9  # every step after the prefill's token ran
+
+
+def test_greedy_with_repetition_penalty_equals_transformers_generate(model_and_tokenizer):
+    """The penalty reads the history buffer (prompt and decoded tokens by cache column); prompts of one length,
+    since transformers also penalises the padding of shorter ones (sampling.py)."""
+    model, tokenizer = model_and_tokenizer
+    prompts = [tokenizer("12+7=")["input_ids"], tokenizer("13+8=")["input_ids"]]
+    assert len(prompts[0]) == len(prompts[1])
+    got = generator(model, tokenizer, []).generate(
+        prompts, 1, SamplingParams(max_new_tokens=16, top_k=1, repetition_penalty=1.5)
+    )
+    want = transformers_generate(
+        model, tokenizer, prompts, 1, do_sample=False, max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.5
+    )
+    assert [c.token_ids for c in got] == want
+    unpenalised = generator(model, tokenizer, []).generate(prompts, 1, SamplingParams(max_new_tokens=16, top_k=1))
+    assert [c.token_ids for c in unpenalised] != want  # the penalty changed the tokens: the test can tell
+
+
+@pytest.mark.parametrize("rows_finish", [False, True])
+def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer, rows_finish):
+    """Each returned logprob is the sampled token's under the processed (temperature 0.7) distribution of a
+    fresh forward over prompt + completion; with a quarter of the vocabulary as EOS rows finish at many steps,
+    record nothing after their EOS and stop with finish_reason 'stop'."""
+    model, tokenizer = model_and_tokenizer
+    prompts = prompts_of(tokenizer)
+    eos = list(range(0, 60)) if rows_finish else []
+    torch.manual_seed(1)
+    completions = generator(model, tokenizer, eos, prompt_bucket=8).generate(
+        prompts, 6, SamplingParams(max_new_tokens=12, temperature=0.7)
+    )
+    lengths = {len(c.token_ids) for c in completions}
+    assert (len(lengths) > 3) if rows_finish else (lengths == {12})
+    for c in completions:
+        ended = [i for i, t in enumerate(c.token_ids) if t in eos]
+        assert ended in ([], [len(c.token_ids) - 1]) and (c.finish_reason == "stop") == bool(ended)
+        prompt = torch.tensor([prompts[c.prompt_index]], device=DEVICE)
+        ids = torch.tensor([c.token_ids], device=DEVICE)
+        logps = completion_logprobs(
+            model,
+            prompt,
+            torch.ones_like(prompt, dtype=torch.bool),
+            ids,
+            torch.ones_like(ids, dtype=torch.bool),
+            temperature=0.7,
+        ).logprobs
+        assert torch.allclose(logps[0].cpu(), torch.tensor(c.sampler_logprobs), atol=1e-4)
+
+
+def test_decode_steps_follow_the_models_distribution(model_and_tokenizer):
+    """The inverse-CDF draw through a decode step (not only the prefill's): among 8000 samples, those whose first
+    token is the most common one; their second tokens against softmax of the model's logits after that token
+    (chi-square, p < 1e-3 rejects; seeded, so deterministic)."""
+    model, tokenizer = model_and_tokenizer
+    prompt = tokenizer("12+7=")["input_ids"]
+    torch.manual_seed(0)
+    completions = generator(model, tokenizer, []).generate(
+        [prompt], 8000, SamplingParams(max_new_tokens=2, temperature=0.1)
+    )
+    firsts = torch.tensor([c.token_ids[0] for c in completions])
+    first = int(firsts.mode().values)
+    seconds = torch.tensor([c.token_ids[1] for c in completions if c.token_ids[0] == first])
+    assert len(seconds) > 500
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + [first]], device=DEVICE)).logits[0, -1].double().cpu()
+    counts = torch.bincount(seconds, minlength=logits.numel()).double()
+    assert not chi_square_rejects(counts, (logits / 0.1).softmax(-1))
+    assert chi_square_rejects(counts, (logits / 0.11).softmax(-1))  # a 10% wrong temperature is noticed
+
+
+def test_min_new_tokens_holds_eos_back(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    eos = list(range(0, 60))
+    torch.manual_seed(2)
+    completions = generator(model, tokenizer, eos).generate(
+        prompts_of(tokenizer), 8, SamplingParams(max_new_tokens=12, extra={"min_new_tokens": 5})
+    )
+    assert all(len(c.token_ids) >= 5 for c in completions)
+    assert any(c.finish_reason == "stop" for c in completions)
+
+
+def test_the_loop_stops_once_every_row_finished(model_and_tokenizer):
+    """Finished rows keep stepping (static shapes) until the host's periodic check sees every row done."""
+    model, tokenizer = model_and_tokenizer
+    eos = list(range(0, 200))  # most of the vocabulary: every row ends within a few steps
+    torch.manual_seed(3)
+    ours = generator(model, tokenizer, eos)
+    completions = ours.generate(prompts_of(tokenizer), 4, SamplingParams(max_new_tokens=200))
+    assert all(c.finish_reason == "stop" for c in completions)
+    steps = ours.last_decode[0]
+    assert steps < 199 and steps % 16 == 0  # stopped at a check, long before max_new_tokens
+
+
+def test_static_cache_attention_equals_repeated_heads():
+    """Grouped-query attention over the static buffers (query heads grouped by key/value head) against the plain
+    computation with each key/value head repeated for its queries, masked columns excluded."""
+    torch.manual_seed(0)
+    rows, kv_heads, heads, columns, dim = 3, 2, 6, 10, 8
+    cache = StaticKVCache.__new__(StaticKVCache)
+    cache.keys, cache.values = [torch.randn(rows, kv_heads, columns, dim)], [torch.randn(rows, kv_heads, columns, dim)]
+    cache.valid = torch.rand(rows, columns) > 0.3
+    cache.valid[:, 0] = True
+    query = torch.randn(rows, heads, 1, dim)
+    got = cache.attend(0, query, 0.5)
+    keys = cache.keys[0].repeat_interleave(heads // kv_heads, 1)
+    values = cache.values[0].repeat_interleave(heads // kv_heads, 1)
+    scores = (query @ keys.transpose(-1, -2)) * 0.5
+    scores = scores.masked_fill(~cache.valid[:, None, None, :], -float("inf"))
+    want = (scores.softmax(-1) @ values).transpose(1, 2)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_lora_policy_samples_with_its_adapter(model_and_tokenizer):
+    """A peft LoRA policy: the decode step reads base + adapter (merged for the call), as the model's forward."""
+    peft = pytest.importorskip("peft")
+    model, tokenizer = model_and_tokenizer
+    policy = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model.config._name_or_path).to(DEVICE),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False),
+    )
+    assert captured_supports(policy, {}, None) is None
+    prompts = prompts_of(tokenizer)
+    got = generator(policy, tokenizer, []).generate(prompts, 1, SamplingParams(max_new_tokens=8, top_k=1))
+    want = transformers_generate(policy, tokenizer, prompts, 1, do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    assert [c.token_ids for c in got] == want
+    with policy.disable_adapter():
+        base = transformers_generate(policy, tokenizer, prompts, 1, do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    assert base != want  # the adapter changes the samples: the test can tell
+
+
+def test_declines_what_it_cannot_run(model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    assert captured_supports(model, {}, None) is None
+    assert "generation_kwargs" in captured_supports(model, {"num_beams": 2}, None)
+    assert "cache_implementation" in captured_supports(model, {}, "static")
+    bf16 = AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=torch.bfloat16)
+    assert captured_supports(bf16, {}, None) is None  # a known family: lower-precision weights run
+    bf16.config.model_type = "gemma"  # Llama's module names, another computation: no probe can tell in bf16
+    assert "family" in captured_supports(bf16, {}, None)
+
+
+def test_training_with_the_captured_engine_learns(tmp_path, tiny_model_dir):
+    """generation_engine='captured' end to end: the trainer samples through it and the weights move."""
+    from grouprl import GRPOTrainer
+
+    config = quiet_config(
+        tmp_path,
+        generation_engine="captured",
+        max_steps=2,
+        per_device_train_batch_size=6,
+        max_completion_length=8,
+        learning_rate=0.1,
+        bf16=False,
+    )
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts()
+    )
+    assert type(trainer.generation_backend.engine).__name__ == "CapturedGenerator"
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
