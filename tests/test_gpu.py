@@ -15,7 +15,7 @@ from grouprl.model.logprobs import completion_logprobs
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("engine", ["auto", "engine", "transformers"])
+@pytest.mark.parametrize("engine", ["auto", "engine", "captured", "transformers"])
 def test_bf16_training_runs_on_the_gpu_with_every_engine(tiny_model_dir, tmp_path, engine):
     config = quiet_config(
         tmp_path,
@@ -56,3 +56,45 @@ def test_training_logprobs_on_the_gpu_equal_the_cpu_ones(tiny_model_dir):
 
     on_cpu = logprobs("cpu")
     torch.testing.assert_close(logprobs("cuda"), on_cpu, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_captured_graph_decodes_as_the_eager_loop(tiny_model_dir, dtype):
+    """The static decode loop replaying its CUDA graph against the same loop run eagerly (tests/test_static_decode.py
+    checks the eager loop against transformers): greedy tokens equal; sampled tokens' logprobs equal a separate
+    forward's (fp32); rows finish (a quarter of the vocabulary is EOS) and stop at their EOS."""
+    from transformers import AutoTokenizer
+
+    from grouprl.core.types import SamplingParams
+    from grouprl.generation.static_decode import CapturedGenerator
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).cuda().eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tokenizer(text)["input_ids"] for text in ("12+7=", "3+4=", "what is 123 + 456 =")]
+    greedy = SamplingParams(max_new_tokens=40, top_k=1)
+    runs = {}
+    for capture in (True, False):
+        engine = CapturedGenerator(model, tokenizer, [], tokenizer.pad_token_id, capture=capture)
+        runs[capture] = [c.token_ids for c in engine.generate(prompts, 2, greedy)]
+        assert engine.last_decode[0] == 39
+    assert runs[True] == runs[False]
+    if dtype != torch.float32:
+        return
+    eos = list(range(0, 60))
+    engine = CapturedGenerator(model, tokenizer, eos, tokenizer.pad_token_id, capture=True)
+    torch.manual_seed(0)
+    completions = engine.generate(prompts, 8, SamplingParams(max_new_tokens=24, temperature=0.7))
+    assert any(c.finish_reason == "stop" for c in completions) and len({len(c.token_ids) for c in completions}) > 2
+    for c in completions:
+        prompt = torch.tensor([prompts[c.prompt_index]], device="cuda")
+        ids = torch.tensor([c.token_ids], device="cuda")
+        with torch.no_grad():
+            logps = completion_logprobs(
+                model,
+                prompt,
+                torch.ones_like(prompt, dtype=torch.bool),
+                ids,
+                torch.ones_like(ids, dtype=torch.bool),
+                temperature=0.7,
+            ).logprobs
+        torch.testing.assert_close(logps[0].cpu(), torch.tensor(c.sampler_logprobs), rtol=1e-3, atol=1e-3)

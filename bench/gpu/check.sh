@@ -36,7 +36,7 @@ FILES=(
     tests/test_shared_prefix_probe.py tests/test_evaluation.py tests/test_gfpo.py tests/test_learning.py
     tests/test_checkpoint.py tests/test_weights.py tests/test_qlora.py tests/test_sampling.py tests/test_losses.py
     tests/test_combinations.py tests/test_reward_models.py tests/test_callbacks.py tests/test_trainer_surface.py
-    tests/test_cpu_capabilities.py tests/test_decode_products.py
+    tests/test_cpu_capabilities.py tests/test_decode_products.py tests/test_static_decode.py
 )
 start=$(date +%s)
 timeout 450 python3 -m pytest -n "${WORKERS:-14}" -p no:cacheprovider --timeout 300 -m "not slow" -q -rfEs \

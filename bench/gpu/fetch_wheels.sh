@@ -12,6 +12,7 @@ PACKAGES=(
     gguf==0.19.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
     typing-inspection==0.4.5 uvicorn==0.54.0 bitsandbytes==0.50.2
+    trl==1.16.0  # bench/gpu/bench_generation.py runs TRL beside grouprl; the package never imports it
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \

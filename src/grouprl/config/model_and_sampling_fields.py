@@ -113,8 +113,10 @@ class ModelAndSamplingFields:
         default="auto",
         metadata=_meta(
             "grouprl: 'engine' (fast in-process sampler: one prefill per prompt, finished rows leave the batch), "
+            "'captured' (a static decode loop, Llama-family models: KV buffers allocated once, sampling inside the "
+            "step, replayed as one CUDA graph per step on CUDA, eager elsewhere; docs/benchmarks-gpu.md), "
             "'transformers' (model.generate), 'auto' (on a CPU: the engine when the model and options allow it; on a "
-            "GPU or other accelerator: transformers generate, as the engine is measured on CPUs only; use_vllm=True "
+            "GPU or other accelerator: transformers generate, until the engines are measured there; use_vllm=True "
             "picks vLLM), or 'server' (a `grouprl serve` server at vllm_server_base_url / "
             "vllm_server_host:vllm_server_port)."
         ),

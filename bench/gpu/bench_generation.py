@@ -1,0 +1,342 @@
+"""GRPO steps on one GPU, TRL 1.16 against grouprl's generation engines, and the decode step alone.
+
+    python3 bench/gpu/bench_generation.py                 # the default plan, inside ~8 minutes on an H100/H200
+    python3 bench/gpu/bench_generation.py --tiny --device cpu   # a dry run of the same code with tiny shapes
+
+Models are built here with random weights (no hub): the Qwen2.5-0.5B shape (24 layers, hidden 896, 14 / 2
+heads, vocabulary 151,936, tied embeddings) and the Qwen2.5-1.5B shape (28 layers, hidden 1536, 12 / 2 heads),
+bf16, with a word-level tokenizer of that vocabulary. Random weights practically never emit the EOS, so every
+completion runs to max_completion_length in every library alike.
+
+Per case and library/engine: seconds per optimizer step (the first step not counted), generated tokens per
+second, peak GPU memory; per engine the decode step alone (one generation of the case's rows, time / new
+tokens); for grouprl the training pass's model FLOPs utilisation (6 x non-embedding parameters x tokens over
+the logged forward + backward time, against the card's dense bf16 peak). Prints a table and writes JSON to
+$OUT/bench_generation.json (or --out). A run that fails is reported with its error, and the plan stops
+starting runs once --budget seconds have passed. Results: docs/benchmarks-gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+DENSE_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # FLOP/s, dense (no sparsity)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+
+SHAPES = {
+    "0.5B": Shape("0.5B", 896, 24, 14, 2, 4864, 151_936),
+    "1.5B": Shape("1.5B", 1536, 28, 12, 2, 8960, 151_936),
+    "tiny": Shape("tiny", 64, 2, 4, 2, 128, 512),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    shape: str
+    prompts: int
+    generations: int
+    prompt_tokens: int
+    shared_prefix: int  # tokens of one prompt prefix every prompt shares (0: none)
+    new_tokens: int
+    steps: int
+    runs: tuple[str, ...]  # "trl" and grouprl's engines
+
+
+ENGINES = ("transformers", "engine", "captured")
+PLAN = (
+    Case("0.5B, 48-token prompts", "0.5B", 8, 8, 48, 0, 256, 3, ("trl", *ENGINES)),
+    Case("0.5B, 1024-token shared prompt + 48", "0.5B", 8, 8, 48, 1024, 256, 3, ("trl", *ENGINES)),
+    Case("1.5B, 48-token prompts, 1024 new tokens", "1.5B", 8, 8, 48, 0, 1024, 2, ("trl", "captured")),
+)
+TINY_PLAN = (
+    Case("tiny, 12-token prompts", "tiny", 2, 4, 12, 0, 16, 2, ("trl", *ENGINES)),
+    Case("tiny, 40-token shared prompt + 12", "tiny", 2, 4, 12, 40, 16, 2, ("trl", *ENGINES)),
+)
+
+
+def build_model(shape: Shape, device: str, dtype: torch.dtype, directory: str) -> str:
+    """A random-weight Qwen2 of `shape` and a word-level tokenizer of its vocabulary, saved to `directory`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    words = {f"w{i}": i for i in range(shape.vocab - 2)}
+    words.update({"<pad>": shape.vocab - 2, "<eos>": shape.vocab - 1})
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+    config = Qwen2Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=shape.vocab - 1,
+        pad_token_id=shape.vocab - 2,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = shape.vocab - 1, shape.vocab - 2
+    model.save_pretrained(directory)
+    fast.save_pretrained(directory)
+    return directory
+
+
+def load_tokenizer(model_dir: str):
+    """The word-level tokenizer as saved (AutoTokenizer would pick the model type's own tokenizer class)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def prompts_of(case: Case, vocab: int) -> list[str]:
+    generator = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, vocab - 2, (case.shared_prefix,), generator=generator).tolist()
+    rows = []
+    for _ in range(case.prompts * 4):  # enough prompts for every step
+        own = torch.randint(0, vocab - 2, (case.prompt_tokens,), generator=generator).tolist()
+        rows.append(" ".join(f"w{t}" for t in shared + own))
+    return rows
+
+
+def config_kwargs(case: Case, output_dir: str, bf16: bool) -> dict:
+    rows = case.prompts * case.generations
+    return dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=1,
+        num_generations=case.generations,
+        max_completion_length=case.new_tokens,
+        max_steps=case.steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        bf16=bf16,
+        gradient_checkpointing=True,
+        seed=0,
+    )
+
+
+def one_token_reward(completions, **kwargs) -> list[float]:
+    return [float(len(str(c))) % 7 for c in completions]
+
+
+def train_run(library: str, engine: str | None, case: Case, model_dir: str, bf16: bool, device: str) -> dict:
+    """Train `case.steps` steps; s/step (first step not counted), tokens/s, peak memory, the trainer's logs."""
+    import datasets
+
+    if library == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+    else:
+        from grouprl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.ends.append(time.perf_counter())
+
+    extra = {"generation_engine": engine} if library == "grouprl" else {}
+    if device == "cpu":
+        extra["use_cpu"] = True
+    config = GRPOConfig(**config_kwargs(case, f"/tmp/bench-gpu/{library}-{engine}", bf16), **extra)
+    dataset = datasets.Dataset.from_dict({"prompt": prompts_of(case, SHAPES[case.shape].vocab)})
+    clock = Clock()
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=one_token_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=load_tokenizer(model_dir),
+        callbacks=[clock],
+    )
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    trainer.train()
+    steps = [b - a for a, b in zip([started, *clock.ends[:-1]], clock.ends)][1:]
+    per_step = sum(steps) / len(steps)
+    tokens = case.prompts * case.generations * case.new_tokens
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    result = {
+        "s_per_step": per_step,
+        "generated_tokens_per_s": tokens / per_step,
+        "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+        "logged_mean_length": logs[-1].get("completions/mean_length") if logs else None,
+    }
+    if library == "grouprl" and logs:
+        train_seconds = logs[-1].get("time/forward", 0.0) + logs[-1].get("time/backward", 0.0)
+        result["train_pass_s"] = train_seconds
+        result["train_mfu"] = training_mfu(trainer.model, case, train_seconds, device)
+    del trainer
+    return result
+
+
+def training_mfu(model: torch.nn.Module, case: Case, seconds: float, device: str) -> float | None:
+    peak = next((v for k, v in DENSE_BF16_PEAK.items() if device == "cuda" and k in torch.cuda.get_device_name()), None)
+    if not peak or not seconds:
+        return None
+    parameters = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    tokens = case.prompts * case.generations * (case.shared_prefix + case.prompt_tokens + case.new_tokens)
+    return 6 * parameters * tokens / seconds / peak
+
+
+def decode_run(engine: str, case: Case, model_dir: str, dtype: torch.dtype, device: str) -> dict:
+    """One generation of the case's rows through `engine` alone (warmed up once): ms per decode step."""
+    from transformers import AutoModelForCausalLM
+
+    from grouprl.core.types import SamplingParams
+    from grouprl.generation.engine import FastGenerator
+    from grouprl.generation.hf import TransformersGenerator
+    from grouprl.generation.static_decode import CapturedGenerator
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    tokenizer = load_tokenizer(model_dir)
+    eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
+    backend_class = {"transformers": TransformersGenerator, "engine": FastGenerator, "captured": CapturedGenerator}
+    backend = backend_class[engine](model, tokenizer, eos, pad)
+    prompts = [tokenizer(text)["input_ids"] for text in prompts_of(case, SHAPES[case.shape].vocab)[: case.prompts]]
+    params = SamplingParams(max_new_tokens=case.new_tokens, temperature=1.0)
+    backend.generate(prompts, case.generations, SamplingParams(max_new_tokens=8, temperature=1.0))  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    completions = backend.generate(prompts, case.generations, params)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    steps = max(len(c.token_ids) for c in completions)
+    result = {"generation_s": seconds, "decode_ms_per_step": 1000 * seconds / steps, "new_tokens": steps}
+    if engine == "captured":
+        ran, decode_seconds = backend.last_decode
+        result["decode_ms_per_step_loop_only"] = 1000 * decode_seconds / max(ran, 1)
+    del model, backend
+    return result
+
+
+def environment(device: str) -> dict:
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    try:
+        import trl
+
+        info["trl"] = trl.__version__
+    except ImportError as err:
+        info["trl"] = f"missing ({err})"
+    if device == "cuda":
+        info["device"] = torch.cuda.get_device_name()
+    else:
+        from grouprl.core.cpu_capabilities import summary
+
+        info["device"] = summary()
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run of the script)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds after which no new run starts")
+    parser.add_argument("--only", default="", help="comma-separated runs to keep (trl, transformers, engine, captured)")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_generation.json"))
+    args = parser.parse_args()
+    device, bf16 = args.device, args.device == "cuda"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    keep = set(filter(None, args.only.split(",")))
+    started, results = time.perf_counter(), {"environment": environment(device), "runs": []}
+    print(json.dumps(results["environment"]))
+    for case in TINY_PLAN if args.tiny else PLAN:
+        model_dir = build_model(SHAPES[case.shape], device, dtype, f"/tmp/bench-gpu/model-{case.shape}")
+        for run in case.runs:
+            if keep and run not in keep:
+                continue
+            for kind in ("train", "decode"):
+                if kind == "decode" and run == "trl":
+                    continue  # TRL generates with transformers generate: the "transformers" decode row
+                entry = {"case": case.name, "run": run, "kind": kind}
+                if time.perf_counter() - started > args.budget:
+                    entry["error"] = "not run: the time budget was spent"
+                else:
+                    try:
+                        if kind == "train":
+                            library, engine = ("trl", None) if run == "trl" else ("grouprl", run)
+                            entry.update(train_run(library, engine, case, model_dir, bf16, device))
+                        else:
+                            entry.update(decode_run(run, case, model_dir, dtype, device))
+                    except Exception as err:  # noqa: BLE001 - a failed run is a result too
+                        entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    gc.collect()
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                results["runs"].append(entry)
+                print(json.dumps(entry), flush=True)
+    results["wall_s"] = time.perf_counter() - started
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(results, handle, indent=1)
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    """Per case: s/step and its ratio to TRL's, tokens/s, peak memory, decode ms/step, training MFU."""
+    runs = results["runs"]
+    for case in dict.fromkeys(r["case"] for r in runs):
+        print(f"\n{case}")
+        trl = next((r for r in runs if r["case"] == case and r["run"] == "trl" and "s_per_step" in r), None)
+        for r in (r for r in runs if r["case"] == case):
+            if "error" in r:
+                print(f"  {r['run']:12s} {r['kind']:6s} {r['error']}")
+            elif r["kind"] == "train":
+                ratio = f" ({trl['s_per_step'] / r['s_per_step']:.2f}x TRL)" if trl else ""
+                memory = f", peak {r['peak_gpu_memory_gb']:.1f} GB" if r["peak_gpu_memory_gb"] else ""
+                mfu = f", train MFU {r['train_mfu']:.1%}" if r.get("train_mfu") else ""
+                print(
+                    f"  {r['run']:12s} train  {r['s_per_step']:.2f} s/step{ratio}, "
+                    f"{r['generated_tokens_per_s']:.0f} tok/s{memory}{mfu}"
+                )
+            else:
+                print(f"  {r['run']:12s} decode {r['decode_ms_per_step']:.2f} ms/step ({r['generation_s']:.2f} s)")
+    print(f"\nwall {results['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
