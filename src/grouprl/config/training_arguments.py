@@ -107,6 +107,10 @@ INERT: dict[str, str] = {
         "so there is nothing to filter"
     ),
     "skip_memory_metrics": "transformers' default (True) skips them too; grouprl's run report records peak memory",
+    "enable_jit_checkpoint": (
+        "grouprl always checkpoints when SIGTERM or Ctrl-C (SIGINT) stops a run, at the end of the step in flight, "
+        "and exits with 143 / 130 (docs/trustworthy_runs.md)"
+    ),
 }
 
 REFUSED: dict[str, str] = {
@@ -150,9 +154,6 @@ REFUSED: dict[str, str] = {
     ),
     "batch_eval_metrics": "GRPO evaluation has no compute_metrics",
     "save_on_each_node": "checkpoints are written by the main process to one shared output_dir",
-    "enable_jit_checkpoint": (
-        "grouprl saves the last good state itself when a run stops on an error; use save_steps for regular checkpoints"
-    ),
     "hub_strategy": (
         "grouprl pushes the final model only (push_to_hub() after training, hub_strategy='end'); checkpoints are not "
         "pushed during training"

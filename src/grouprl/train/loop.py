@@ -35,6 +35,7 @@ fall. Everything needed to continue exactly (sampler position, buffered micro-ba
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Optional
 
@@ -62,14 +63,17 @@ from grouprl.train.optimizer_step import (
     update_norm,
 )
 from grouprl.train.run_checkpoints import gathered_policy_state, save, should_save, write_checkpoint
+from grouprl.train.stop_signals import StopSignals, exit_code, resume_hint
 from grouprl.train.training_run import TrainingRun
 
 
 def train(run: TrainingRun) -> dict[str, float]:
     """Train to max_steps; on NaN / inf or a failing reward function, save the last good state, then re-raise
     the error with where that state is."""
+    describe = lambda: f"step {run.state.global_step + 1}"  # noqa: E731 - read when a signal arrives
     try:
-        return train_steps(run)
+        with StopSignals(describe, announce=run.accelerator.is_main_process) as stops:
+            return train_steps(run, stops)
     except (NonFiniteError, RewardFunctionError) as err:
         # every process raises the same NonFiniteError, so a sharded policy can be gathered; a reward error may
         # stop one process only
@@ -86,7 +90,7 @@ def train(run: TrainingRun) -> dict[str, float]:
         raise
 
 
-def train_steps(run: TrainingRun) -> dict[str, float]:
+def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
     config, state, accelerator = run.config, run.state, run.accelerator
     ga = run.plan.gradient_accumulation_steps
     logging_steps = resolve_steps(config.logging_steps, run.total_steps)
@@ -135,7 +139,8 @@ def train_steps(run: TrainingRun) -> dict[str, float]:
             # one reduction of every statistic of the step; NaN / inf anywhere stops every process here,
             # before the update
             checked_norm = grad_norm if accelerator.scaler is None else None  # fp16 scaling skips inf steps by itself
-            reduced = reduce_statistics(run, StepStats(loss=step_loss, grad_norm=checked_norm))
+            step_stats = StepStats(loss=step_loss, grad_norm=checked_norm, stop_signal=float(stops.received))
+            reduced = reduce_statistics(run, step_stats)
             learning_rate = apply_update(run)
             grad_norm = update_norm(run, grad_norm)
         state.global_step += 1
@@ -171,9 +176,13 @@ def train_steps(run: TrainingRun) -> dict[str, float]:
             should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate
         ):
             new_best = evaluate_and_track(run)
+        saved = None
         if should_save(config, state.global_step, save_steps, run.steps_per_epoch, new_best) or control.should_save:
-            save(run)
+            saved = save(run)
         progress.update(1)
+        if reduced[-1].stop_signal:  # a process was sent SIGINT / SIGTERM (stop_signals.py): all stop here
+            progress.close()
+            stop_on_signal(run, int(reduced[-1].stop_signal), saved)
         if postfix := progress_postfix(step_stats):
             progress.set_postfix(postfix, refresh=False)
         if (
@@ -195,6 +204,14 @@ def train_steps(run: TrainingRun) -> dict[str, float]:
     run.trainer.log(metrics_)  # as Trainer: adds epoch, and GRPO merges the metrics of steps not logged yet
     run.fire("on_train_end")
     return metrics_
+
+
+def stop_on_signal(run: TrainingRun, number: int, saved: Optional[str]) -> None:
+    """Checkpoint (unless this step just did), say how to resume, exit with 128 + the signal's number."""
+    path = saved or save(run)
+    if run.accelerator.is_main_process:
+        print(resume_hint(path, number, run.state.global_step), file=sys.stderr, flush=True)
+    raise SystemExit(exit_code(number))
 
 
 def train_summary(run: TrainingRun, runtime: float, steps_done: int) -> dict[str, float]:

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from grouprl.core.distributed import gather_objects
-from grouprl.core.stats import finite, mean
+from grouprl.core.stats import finite, largest, mean
 from grouprl.model.reference import mix_into_reference
 from grouprl.train.non_finite import non_finite_error
 from grouprl.train.step_reduction import reduce_step
@@ -32,6 +32,8 @@ class StepStats:
     loss: Any = mean("loss")  # this process's summed micro-batch losses; logged as the mean over processes
     # the clipped-over norm: NaN / inf stops every process (None under fp16 scaling)
     grad_norm: Any = finite("gradients")
+    # the number of a SIGINT / SIGTERM a process received (0: none): every process learns it (stop_signals.py)
+    stop_signal: Any = largest(None)
 
 
 def train_micro_batch(run: TrainingRun, micro: Any) -> torch.Tensor:
