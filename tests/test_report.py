@@ -120,3 +120,54 @@ def test_report_says_what_was_not_logged_and_skips_a_cut_line(tmp_path, capsys):
 def test_report_needs_a_run_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl does not exist: point grouprl report at the output_dir"):
         write_report(str(tmp_path))
+
+
+def test_a_second_run_into_the_same_output_dir_starts_its_own_record(tiny_model_dir, tmp_path, caplog):
+    """A new (not resumed) run sets the earlier run's metrics.jsonl and completions aside, saying where; its own
+    record then holds its steps only, and the report reads that one run."""
+    prompts = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(12)]})
+
+    def train(steps):
+        config = GRPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=6,
+            num_generations=3,
+            max_completion_length=6,
+            max_steps=steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            log_completions=True,
+            bf16=False,
+        )
+        rewards = lambda completion_ids, **kwargs: [float(len(set(ids))) for ids in completion_ids]  # noqa: E731
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=rewards, args=config, train_dataset=prompts).train()
+
+    train(3)
+    first = (tmp_path / "metrics.jsonl").read_text()
+    with caplog.at_level("WARNING", logger="grouprl"):
+        train(2)
+    moved = tmp_path / "previous_runs" / "run-1"
+    assert (moved / "metrics.jsonl").read_text() == first  # nothing lost
+    assert (moved / "completions").is_dir()
+    assert f"it is moved to {moved} and this run starts its own" in caplog.text
+    steps = [json.loads(line).get("step") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if s is not None][:2] == [1, 2] and max(s for s in steps if s is not None) == 2
+    assert main(["report", str(tmp_path)]) == 0
+    assert "earlier runs" not in ReportPage((tmp_path / "report" / "index.html").read_text(encoding="utf-8")).text
+
+
+def test_the_report_reads_only_the_last_of_runs_appended_to_one_file(tmp_path, capsys):
+    """A metrics.jsonl holding two runs (as grouprl wrote them before it set earlier records aside): the report
+    reads the last run only, and says so."""
+    first = [{"step": s, "reward": 0.375 if s == 1 else 0.5, "loss": 0.1} for s in (1, 2, 3, 4)]
+    second = [{"step": s, "reward": 0.25 if s == 1 else 0.1875, "loss": 0.2} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in first + second))
+    from grouprl.report.run_log import read_metrics
+
+    log = read_metrics(str(tmp_path))
+    assert [e["reward"] for e in log.train] == [0.25, 0.1875] and log.earlier_runs == 1
+    assert main(["report", str(tmp_path)]) == 0
+    page = ReportPage((tmp_path / "report" / "index.html").read_text(encoding="utf-8"))
+    assert "earlier runs in metrics.jsonl 1, left out: this page shows the last run" in page.text

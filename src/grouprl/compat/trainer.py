@@ -53,6 +53,7 @@ from grouprl.train.callbacks import CallbackHandler
 from grouprl.train.checkpoint import resolve_resume_path
 from grouprl.train.log_level import apply_log_level
 from grouprl.train.micro_step import Objective
+from grouprl.train.run_record import set_earlier_record_aside
 from grouprl.train.training_run import TrainingRun
 
 logger = logging.get_logger("grouprl")
@@ -259,6 +260,8 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
         path = resolve_resume_path(resume_from_checkpoint, self.args.output_dir)
         if path is not None:
             self._load_checkpoint(path)
+            self._record_started = True  # the resumed run's record goes on
+        self._start_record()
         init_trackers(self.accelerator, self.args)
         own_backend = self.generation_backend
         try:
@@ -272,6 +275,15 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
             self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
+    def _start_record(self) -> None:
+        """This trainer's first train() / evaluate() that does not resume: an earlier run's record in output_dir is
+        set aside, never appended to (run_record.py)."""
+        if getattr(self, "_record_started", False):
+            return
+        self._record_started = True
+        if self.accelerator.is_main_process:
+            set_earlier_record_aside(self.args.output_dir)
+
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
@@ -281,6 +293,7 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
         trainer's (a Dataset or a dict name -> Dataset, reported as eval_<name>_*). `ignore_keys`
         is accepted for compatibility: it names model outputs, which evaluation does not collect.
         """
+        self._start_record()
         with grouprl_patches(self.model, self.args):  # grouprl's attention functions, for this call only (patches.py)
             return evaluation.evaluate(
                 self.run.evaluation_parts(),

@@ -17,6 +17,7 @@ class RunLog:
     evals: list[dict[str, Any]]
     final: Optional[dict[str, Any]]  # train_runtime, train_loss, ... (absent while training runs or after a crash)
     unreadable: int  # lines that are not JSON (a line cut short by a kill)
+    earlier_runs: int = 0  # runs appended before this one, left out (a new run now starts its own file: run_record.py)
 
 
 def read_metrics(output_dir: str) -> RunLog:
@@ -35,6 +36,12 @@ def read_metrics(output_dir: str) -> RunLog:
             except json.JSONDecodeError:
                 log.unreadable += 1
                 continue
+            step = entry.get("step")
+            if isinstance(step, int) and by_step and step <= min(by_step) < max(by_step):
+                # back to the first step: a new run appended to an earlier one's record (a resume goes back to a
+                # later step, whose entries replace the repeated ones below); only the last run is read
+                log.earlier_runs += 1
+                by_step, log.evals, log.final = {}, [], None
             if "train_runtime" in entry:
                 log.final = entry
             elif any(key.startswith("eval_") for key in entry):

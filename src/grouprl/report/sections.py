@@ -45,6 +45,8 @@ def summary_html(log: RunLog) -> str:
         rows.append(("finished", "no final entry: the run is still going, or it stopped early"))
     if log.unreadable:
         rows.append(("unreadable lines skipped", str(log.unreadable)))
+    if log.earlier_runs:
+        rows.append(("earlier runs in metrics.jsonl", f"{log.earlier_runs}, left out: this page shows the last run"))
     return "\n".join(f"<tr><th>{name}</th><td>{value}</td></tr>" for name, value in rows)
 
 
