@@ -109,8 +109,8 @@ def test_monitor_warns_once_then_summarises(caplog):
         )
     assert len(health_warnings(caplog)) == 2  # one per kind, not one per step
     summary = monitor.summary()
-    assert "most completions truncated (completions/clipped_ratio): 5 step(s), steps 1-5" in summary
-    assert "entropy collapsed (entropy): 2 step(s), steps 4-5" in summary
+    assert "most completions truncated (completions/clipped_ratio): in 5 of 5 steps checked (steps 1-5)" in summary
+    assert "entropy collapsed (entropy): in 2 of 5 steps checked (steps 4-5)" in summary
     assert summary.startswith("grouprl health summary (5 step(s) checked)")
 
 
@@ -135,7 +135,7 @@ def test_truncation_warned_once_with_summary(tiny_model_dir, tmp_path, caplog):
         len(warnings) == 1 and "at step 1: 100% of completions hit max_completion_length=4 before ending" in warnings[0]
     )
     assert "mask_truncated_completions=True" in warnings[0] and "[completions/clipped_ratio = 1]" in warnings[0]
-    assert "most completions truncated (completions/clipped_ratio): 3 step(s), steps 1-3" in caplog.text
+    assert "most completions truncated (completions/clipped_ratio): in 3 of 3 steps checked (steps 1-3)" in caplog.text
 
 
 def test_zero_std_groups(tiny_model_dir, tmp_path, caplog):

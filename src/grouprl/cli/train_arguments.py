@@ -112,7 +112,7 @@ class ModelArguments:
         default=False, metadata={"help": "Quantize the 4-bit scales too (double quantization)."}
     )
     bnb_4bit_quant_storage: Optional[str] = field(
-        default=None, metadata={"help": "dtype the packed 4-bit weights are stored in (default: uint8)."}
+        default=None, metadata={"help": "dtype the packed 4-bit weights are stored in (unset: bitsandbytes' uint8)."}
     )
 
     def __post_init__(self) -> None:

@@ -42,6 +42,7 @@ from grouprl.generation.protocol import left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, process_logits, sample_tokens
 from grouprl.generation.shared_prefix import SharedPrefixCache, decoding
 from grouprl.generation.shared_prefix_probe import matches_standard_attention
+from grouprl.model.forward import cache_keyword
 from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches
 
@@ -143,7 +144,7 @@ class FastGenerator:
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids_from_mask(mask),
-            past_key_values=prefill,
+            **{cache_keyword(self.model): prefill},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -216,7 +217,7 @@ class FastGenerator:
                         input_ids=next_tokens[:, None],
                         attention_mask=None if shared else mask,  # the shared-prefix cache masks the prompts itself
                         position_ids=positions[:, None],
-                        past_key_values=cache,
+                        **{cache_keyword(self.model): cache},
                         use_cache=True,
                     ).logits[:, -1]
                 positions = positions + 1

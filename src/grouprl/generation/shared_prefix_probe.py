@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from grouprl.generation.shared_prefix import SharedPrefixCache, decoding
-from grouprl.model.forward import describe, is_unsupported
+from grouprl.model.forward import cache_keyword, describe, is_unsupported
 from grouprl.model.logprobs import position_ids_from_mask
 
 logger = logging.get_logger("grouprl")
@@ -101,7 +101,7 @@ def regular_decode(
         input_ids=prompts.repeat_interleave(SAMPLES, 0),
         attention_mask=full_mask,
         position_ids=position_ids_from_mask(full_mask),
-        past_key_values=cache,
+        **{cache_keyword(model): cache},
         use_cache=True,
     )
     positions, logits = full_mask.sum(dim=1), []
@@ -111,7 +111,7 @@ def regular_decode(
             input_ids=step[:, None],
             position_ids=positions[:, None],
             attention_mask=full_mask,
-            past_key_values=cache,
+            **{cache_keyword(model): cache},
             use_cache=True,
         )
         logits.append(out.logits.float())
@@ -134,7 +134,10 @@ def shared_decode(
     for step in steps:
         with decoding(model, shared):
             out = forward(
-                input_ids=step[:, None], position_ids=positions[:, None], past_key_values=shared, use_cache=True
+                input_ids=step[:, None],
+                position_ids=positions[:, None],
+                **{cache_keyword(forward): shared},
+                use_cache=True,
             )
         logits.append(out.logits.float())
         positions = positions + 1
@@ -150,7 +153,7 @@ def shared_prefill(
         input_ids=prompts,
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
-        past_key_values=prefill,
+        **{cache_keyword(forward): prefill},
         use_cache=True,
     )
     return SharedPrefixCache(prefill, mask, samples, new_tokens)

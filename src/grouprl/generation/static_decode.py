@@ -42,6 +42,7 @@ from grouprl.generation.fused_decode import FusedDecoder, structure_reason
 from grouprl.generation.fused_decode_probe import _base, fuses
 from grouprl.generation.protocol import cut_at_eos, left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, process_logits, sample_tokens
+from grouprl.model.forward import cache_keyword
 from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches
 
@@ -285,7 +286,7 @@ class CapturedGenerator:
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids_from_mask(mask),
-            past_key_values=prefill,
+            **{cache_keyword(self.model): prefill},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]

@@ -13,6 +13,8 @@ imports the other's private helpers:
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import weakref
 from collections.abc import Iterator
 
@@ -152,3 +154,17 @@ def _head_mismatch(model: torch.nn.Module, head: torch.nn.Module) -> str | None:
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
         return f"the model post-processes the head's logits (max difference {float((got - expected).abs().max()):.3g})"
     return None
+
+
+def cache_keyword(target: object) -> str:
+    """The keyword the forward of `target` (a model, a peft wrapper, or `functools.partial(cls.forward, model)`)
+    takes its KV cache by: transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in
+    5.40); models it has not migrated, and older transformers, take `past_key_values`."""
+    model = target.args[0] if isinstance(target, functools.partial) and target.args else target
+    if callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
+    try:
+        parameters = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"

@@ -55,8 +55,8 @@ def health_html(log: RunLog) -> str:
     if not findings:
         return "<p class=ok>No silent-failure pattern found in the logged metrics.</p>"
     items = [
-        f"<li><b>{html.escape(f.title)}</b> ({html.escape(f.metric)}) in {len(steps)} of {len(log.train)} log entries "
-        f"(steps {steps[0]}&ndash;{steps[-1]}): {html.escape(f.message)}</li>"
+        f"<li><b>{html.escape(f.title)}</b> ({html.escape(f.metric)}) in {len(steps)} of {len(log.train)} logged "
+        f"steps (steps {steps[0]}&ndash;{steps[-1]}): {html.escape(f.message)}</li>"
         for f, steps in findings
     ]
     return "<ul class=warn>" + "\n".join(items) + "</ul>"

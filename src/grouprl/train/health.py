@@ -66,8 +66,8 @@ class HealthMonitor:
         lines = [f"grouprl health summary ({self.steps_checked} step(s) checked):"]
         for seen in self.seen.values():
             lines.append(
-                f"  - {seen.finding.title} ({seen.finding.metric}): {seen.steps} step(s), "
-                f"steps {seen.first_step}-{seen.last_step}"
+                f"  - {seen.finding.title} ({seen.finding.metric}): in {seen.steps} of {self.steps_checked} steps "
+                f"checked (steps {seen.first_step}-{seen.last_step})"
             )
         return "\n".join(lines)
 

@@ -70,9 +70,10 @@ def tied_groups(stats: dict[str, Any], *, threshold: float = MOST) -> list[Findi
             "frac_reward_zero_std",
             value,
             f"{value:.0%} of groups gave all their completions the same reward, so their advantages are 0 and "
-            "they teach nothing (a loss near 0 is expected then). Make the reward finer-grained (partial "
-            "credit) or the prompts closer to what the model can just solve, raise num_generations or "
-            "temperature, or set dynamic_sampling=True.",
+            "they teach nothing (a loss near 0 is expected then). Late in a run whose reward rose, these are "
+            "mostly prompts the model now always solves: progress, not a fault, though harder prompts would keep "
+            "it learning. Otherwise make the reward finer-grained (partial credit) or the prompts closer to what "
+            "the model can just solve, raise num_generations or temperature, or set dynamic_sampling=True.",
         )
     ]
 
