@@ -37,9 +37,6 @@ from grouprl.compat.trainer_loss_hooks import LossOverridePoints
 from grouprl.compat.trainer_refused_hooks import refuse_unsupported_overrides
 from grouprl.compat.trainer_step_hooks import StepOverridePoints
 
-# Methods grouprl calls only when a subclass (or a patch) replaces them; their defaults convert to TRL's lists.
-CALLED_WHEN_OVERRIDDEN = ("_generate", "_calculate_rewards", "_get_per_token_logps_and_entropies")
-
 
 class OverridePoints(StepOverridePoints, LossOverridePoints, GenerationOverridePoints):
     """GRPOTrainer's TRL override points (see the module docstring). Expects ``self.run`` (training_run.TrainingRun),

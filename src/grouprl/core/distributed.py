@@ -31,18 +31,6 @@ def global_mean(accelerator: Accelerator, value: float) -> float:
     return global_sum(accelerator, value) / accelerator.num_processes
 
 
-def gather_varlen(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
-    """Concatenate 1-D tensors of different lengths from every process (padding removed).
-
-    Values must be >= 0 (entropies): the padding is a negative sentinel that is filtered out.
-    """
-    if accelerator.num_processes == 1:
-        return values
-    padded = accelerator.pad_across_processes(values.float(), dim=0, pad_index=-1.0)
-    gathered = accelerator.gather(padded)
-    return gathered[gathered >= 0]
-
-
 def gather_objects(value: Any) -> list[Any]:
     """[value of process 0, value of process 1, ...] on every process (pickled; for small Python objects)."""
     state = PartialState()

@@ -1,10 +1,9 @@
-"""Entropy in the objective: high-entropy token selection and the (adaptive) entropy bonus.
+"""Entropy in the objective: the (adaptive) entropy bonus.
 
-- *High-entropy tokens* ("Beyond the 80/20 rule", Wang et al. 2025): train the policy term only
-  on the top-rho fraction of loss tokens by entropy. The threshold is the (1 - rho) quantile
-  (linear interpolation, as ``torch.quantile``) of the entropies of every loss token of the
-  micro-batch on every process; a token is kept if its entropy >= threshold. rho = 1 disables,
-  rho = 0 keeps only the maximum-entropy token(s).
+- *High-entropy tokens* ("Beyond the 80/20 rule", Wang et al. 2025), for reference: the policy term trains only
+  on the top-rho fraction of loss tokens by entropy, the threshold being the (1 - rho) quantile of the
+  entropies of every loss token of the micro-batch on every process. It is TRL's override point
+  `get_high_entropy_mask` (compat/trainer_loss_hooks.py), which computes it.
 - *Entropy bonus*: loss -= c * H_bar / GA, with H_bar the mean entropy over the (entropy-masked)
   loss tokens of the micro-batch; computed in `losses.policy_loss`.
 - *Adaptive coefficient* (Skywork-OR1, He et al. 2025): the bonus applied during an optimizer step
@@ -20,20 +19,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-
-def entropy_threshold(valid_entropies: torch.Tensor, top_quantile: float) -> torch.Tensor:
-    """Entropy a token needs to be among the top `top_quantile` fraction; +inf if there is no token."""
-    if valid_entropies.numel() == 0:
-        return torch.tensor(float("inf"))
-    return torch.quantile(valid_entropies.float(), 1.0 - top_quantile)
-
-
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """(n, T) bool: loss tokens whose entropy (n, T) is at least `threshold`."""
-    return (entropy.detach() >= threshold.to(entropy.device)) & mask
-
 
 @dataclass
 class EntropyController:
@@ -46,18 +31,12 @@ class EntropyController:
     coef_min: float = 0.0
     coef_max: float = 1.0
     last_entropy: float = math.inf  # global mean entropy of the previous optimizer step
-    window_sum: float = 0.0  # entropy sum and token count of this optimizer step so far (this process)
-    window_count: float = 0.0
 
     def applied_coef(self) -> float:
         """The coefficient every micro-step of the current optimizer step uses."""
         if not self.adaptive:
             return self.coef
         return self.coef if self.last_entropy <= self.target else 0.0
-
-    def observe(self, entropy_sum: float, token_count: float) -> None:
-        self.window_sum += entropy_sum
-        self.window_count += token_count
 
     def end_step(self, global_sum: float, global_count: float) -> float:
         """At an optimizer-step boundary: update from the step's global entropy; returns the new coef."""
@@ -68,7 +47,6 @@ class EntropyController:
             else:
                 self.coef = max(self.coef - self.delta, self.coef_min)
             self.last_entropy = entropy
-        self.window_sum = self.window_count = 0.0
         return self.coef
 
     def state_dict(self) -> dict[str, Any]:
