@@ -113,3 +113,20 @@ def test_registry_errors_name_the_problem():
             estimate_advantages("bad_shape", torch.ones(4, 1), torch.ones(1), group_size=2)
         finally:
             ADVANTAGE_ESTIMATORS.pop("bad_shape")
+
+
+def test_replacing_the_builtin_grpo_estimator_is_honoured():
+    """ "grpo" is an ordinary registry entry: replaced with register_advantage(..., replace=True), the replacement
+    computes the advantages (the built-in is restored afterwards)."""
+    rewards = torch.tensor([[1.0], [0.0], [3.0], [2.0]])
+    weights = torch.ones(1)
+    builtin = ADVANTAGE_ESTIMATORS["grpo"]
+    standard, _ = estimate_advantages("grpo", rewards, weights, group_size=2)
+    try:
+        register_advantage("grpo", centred_ranks, replace=True)
+        replaced, _ = estimate_advantages("grpo", rewards, weights, group_size=2)
+    finally:
+        register_advantage("grpo", builtin, replace=True)
+    assert replaced.tolist() == [0.5, -0.5, 0.5, -0.5]  # centred ranks, not group-normalised rewards
+    assert not torch.allclose(standard, replaced)
+    assert torch.equal(estimate_advantages("grpo", rewards, weights, group_size=2)[0], standard)

@@ -125,11 +125,11 @@ def estimate_advantages(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(advantages (N,), group_advantages' statistics) with the registered `estimator`."""
     settings = {"group_size": group_size, "scale_rewards": scale_rewards, "aggregation": aggregation, "eps": eps}
-    advantages, stats = group_advantages(rewards_per_function, weights, **settings)  # type: ignore[arg-type]
-    if estimator == "grpo":
-        return advantages, stats
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"Unknown advantage_estimator {estimator!r}; registered: {', '.join(ADVANTAGE_ESTIMATORS)}.")
+    advantages, stats = group_advantages(rewards_per_function, weights, **settings)  # type: ignore[arg-type]
+    if ADVANTAGE_ESTIMATORS[estimator] is _grpo:  # the built-in entry: its advantages are the ones just computed
+        return advantages, stats
     custom = ADVANTAGE_ESTIMATORS[estimator](rewards_per_function, weights, **settings)
     if not isinstance(custom, torch.Tensor) or custom.shape != advantages.shape:
         raise ValueError(
