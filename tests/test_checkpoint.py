@@ -128,3 +128,41 @@ def test_incomplete_directories_are_not_checkpoints(tmp_path):
     assert resolve_resume_path(True, str(tmp_path)) == str(tmp_path / "checkpoint-2")
     with pytest.raises(ValueError, match="checkpoint-8' is not a complete grouprl checkpoint"):
         resolve_resume_path(str(tmp_path / "checkpoint-8"), str(tmp_path))
+
+
+def truncate(path):
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) // 2)
+
+
+def test_a_damaged_checkpoint_is_named_and_resume_true_falls_back_to_the_previous_one(tiny_model_dir, tmp_path, caplog):
+    out = tmp_path / "run"
+    make_trainer(tiny_model_dir, out, max_steps=4).train()  # checkpoint-2 and checkpoint-4
+    newest = out / "checkpoint-4"
+    truncate(newest / checkpoint.TRAINING_STATE)  # a copy cut short / a full disk
+
+    # named: the checkpoint and the file, with what to do, before anything is loaded
+    with pytest.raises(checkpoint.UnreadableCheckpoint) as caught:
+        make_trainer(tiny_model_dir, out, max_steps=4).train(resume_from_checkpoint=str(newest))
+    message = str(caught.value)
+    assert f"Checkpoint {newest} cannot be loaded: its file training_state.pt cannot be read" in message
+    assert "Resume from an earlier checkpoint" in message and "restore the file" in message
+    with pytest.raises(checkpoint.UnreadableCheckpoint, match="training_state.pt"):
+        checkpoint.load_training_state(str(newest))  # the loader itself names the file too
+
+    # resume_from_checkpoint=True: the damaged newest one is skipped with a warning, the previous one is used
+    resumed = make_trainer(tiny_model_dir, out, max_steps=4)
+    resumed.train(resume_from_checkpoint=True)
+    assert f"skipping {newest}: its file training_state.pt cannot be read" in caplog.text
+    assert f"Resumed from {out / 'checkpoint-2'} at step 2" in caplog.text
+    assert resumed.state.global_step == 4
+
+    # a damaged weights file is named the same way; with nothing readable left, True says so
+    truncate(out / "checkpoint-4" / "model.safetensors")
+    truncate(out / "checkpoint-2" / checkpoint.LOOP_STATE)
+    with pytest.raises(
+        checkpoint.UnreadableCheckpoint, match=r"checkpoint-4 cannot be loaded: its file model\.safetensors"
+    ):
+        resolve_resume_path(str(out / "checkpoint-4"), str(out))
+    with pytest.raises(ValueError, match=r"no checkpoint in .* can be read: .*checkpoint-4 \(model\.safetensors.*"):
+        resolve_resume_path(True, str(out))

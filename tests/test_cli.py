@@ -237,3 +237,45 @@ def test_train_command_with_lora_flags_and_callbacks(tiny_model_dir, tmp_path, m
                 str(out),
             ]
         )
+
+
+def test_a_flag_error_is_printed_first_and_briefly(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["train", "--num_generation", "4"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "grouprl train: error: unrecognized argument --num_generation. Did you mean --num_generations?",
+        "See `grouprl train --help` for every flag.",
+    ]  # not argparse's usage of every flag (hundreds of lines) before it
+    with pytest.raises(SystemExit):
+        main(["train", "--learning_rate", "fast"])
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "grouprl train: error: argument --learning_rate/--learning-rate: invalid float value: 'fast'"
+    assert len(err) == 2
+
+
+def test_a_missing_dataset_file_is_named_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    from grouprl.cli.train_arguments import ScriptArguments
+    from grouprl.cli.train_inputs import load_train_dataset
+
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n')
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model_name_or_path", "unused", "--reward_funcs", "accuracy_reward", "--output_dir", "out"]
+    with pytest.raises(FileNotFoundError) as caught:  # the data is read before the model loads
+        main(["train", "--dataset_name", "trian.jsonl", *flags])
+    message = str(caught.value)
+    assert f"--dataset_name trian.jsonl: no such file or directory ({tmp_path / 'trian.jsonl'})" in message
+    assert "Did you mean train.jsonl?" in message and "Check the path" in message
+    with pytest.raises(FileNotFoundError, match=r"--dataset_name ./data/train: no such file or directory"):
+        load_train_dataset(ScriptArguments(dataset_name="./data/train"))
+    assert len(load_train_dataset(ScriptArguments(dataset_name="train.jsonl"))) == 1
+
+
+@pytest.mark.parametrize("flags, expected", [(["--bf16"], True), (["--bf16", "false"], False), ([], True)])
+def test_an_optional_boolean_flag_alone_means_true(tmp_path, flags, expected):
+    """bf16 is Optional[bool] (None: TRL's default, decided per machine); `--bf16` alone means true, as docs/cli.md
+    says of every boolean flag, and `--bf16 false` false."""
+    base = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path)]
+    _, config, _ = parse_train_args(base + flags)
+    assert config.bf16 is expected and config.bf16_from_default is (not flags)

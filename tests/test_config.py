@@ -295,3 +295,30 @@ def test_replace_and_dict_round_trip_keep_bf16_from_default():
     assert not dataclasses.replace(default, bf16=False).bf16_from_default  # bf16 changed: no longer the default's value
     explicit = GRPOConfig(output_dir="x", bf16=True)
     assert not explicit.bf16_from_default and not dataclasses.replace(explicit, num_generations=4).bf16_from_default
+
+
+def test_field_types_are_checked_at_construction(tmp_path, caplog, monkeypatch):
+    from grouprl.config import field_types
+
+    monkeypatch.setattr(field_types, "_warned", set())
+    # a string that is not a number: refused naming the field, the value and the type, not inside torch's Adam
+    with pytest.raises(ValueError, match=r"GRPOConfig.learning_rate='fast' must be a number \(float\), got the string"):
+        GRPOConfig(output_dir=str(tmp_path), learning_rate="fast")
+    with pytest.raises(ValueError, match=r"num_generations=2.5 must be an integer.*Pass e.g. num_generations=8"):
+        GRPOConfig(output_dir=str(tmp_path), num_generations=2.5)
+    with pytest.raises(ValueError, match=r"use_vllm='maybe' must be a bool"):
+        GRPOConfig(output_dir=str(tmp_path), use_vllm="maybe")
+    with pytest.raises(ValueError, match=r"beta=True must be a number \(float\), got bool True"):
+        GRPOConfig(output_dir=str(tmp_path), beta=True)
+    # a string that reads as a number (a YAML 1.1 "1e-5", a CLI habit): converted as the CLI does, with one warning
+    config = GRPOConfig(output_dir=str(tmp_path), beta="0.04", learning_rate="1e-5", num_generations="4", bf16="false")
+    assert (config.beta, config.learning_rate, config.num_generations, config.bf16) == (0.04, 1e-5, 4, False)
+    assert type(config.beta) is float and type(config.num_generations) is int
+    assert "GRPOConfig.beta='0.04' is a str, not a number (float); using 0.04" in caplog.text
+    assert "Pass 0.04 to silence this" in caplog.text
+    caplog.clear()
+    GRPOConfig(output_dir=str(tmp_path), beta="0.04")
+    assert "beta" not in caplog.text  # once per field
+    # every default passes unchanged
+    defaults = GRPOConfig(output_dir=str(tmp_path))
+    assert (defaults.learning_rate, defaults.beta, defaults.max_steps) == (1e-6, 0.0, -1)

@@ -4,8 +4,9 @@ import datasets
 import pytest
 
 from grouprl.core.group_layout import GroupLayout
+from grouprl.data.dataset_checks import check_dataset
 from grouprl.data.prompt_sampler import PromptSampler
-from grouprl.data.prompts import PromptTokenizer, check_dataset, local_prompt_batch
+from grouprl.data.prompts import PromptTokenizer, local_prompt_batch
 from grouprl.demo.tokenizer import build_tokenizer
 
 
@@ -53,12 +54,108 @@ def test_conversational_prompt_uses_chat_template_once(tokenizer):
     assert expected.endswith("<|im_start|>assistant\n")
 
 
-def test_prompt_longer_than_context_is_rejected_with_row(tokenizer):
-    tokenize = PromptTokenizer(tokenizer, max_context=16, max_completion_length=8)
+def test_prompt_longer_than_context_is_rejected_with_row_and_a_true_fix(tokenizer):
+    prompt = "1+1=" * 10
+    length = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert 16 < length < 100
+    # the prompt alone is longer than the model: shortening it is the fix (lowering max_completion_length is not)
+    with pytest.raises(ValueError) as alone:
+        PromptTokenizer(tokenizer, max_context=16, max_completion_length=8)(prompt, 3)
+    message = str(alone.value)
+    assert message.startswith(f"Row 3: the prompt is {length} tokens, at least the model's maximum length of 16 tokens")
+    assert "Shorten this prompt to at most 8 tokens (grouprl does not truncate prompts)" in message
+    assert "dataset.filter" in message and "max_completion_length to at most" not in message
+    # prompt + completion too long: either fix, both with true numbers
+    with pytest.raises(ValueError) as both:
+        PromptTokenizer(tokenizer, max_context=length + 4, max_completion_length=8)(prompt, 5)
+    message = str(both.value)
+    assert (
+        f"Row 5: the prompt is {length} tokens; with max_completion_length=8 it needs {length + 8} positions" in message
+    )
+    assert f"more than the model's maximum length of {length + 4} tokens" in message
+    assert f"Shorten this prompt to at most {length - 4} tokens" in message
+    assert "lower max_completion_length to at most 4." in message
+    # max_completion_length alone fills the model
     with pytest.raises(
-        ValueError, match=r"Row 3: the prompt has \d+ tokens.*context is 16.*max_completion_length to at most"
+        ValueError, match=r"max_completion_length=16 alone fills .* Lower max_completion_length below 16"
     ):
-        tokenize("1+1=" * 10, 3)
+        PromptTokenizer(tokenizer, max_context=16, max_completion_length=16)("1+1=", 0)
+    assert PromptTokenizer(tokenizer, max_context=length + 8, max_completion_length=8)(prompt, 0)  # fits exactly
+
+
+def bad_row_9(n=12):
+    prompts = [f"{i}+{i % 5}=" for i in range(n)]
+    prompts[9] = None
+    return datasets.Dataset.from_dict({"prompt": prompts, "answer": [str(i) for i in range(n)]})
+
+
+def test_every_row_is_checked_before_training_and_the_message_says_what_to_do():
+    with pytest.raises(ValueError) as err:
+        check_dataset(bad_row_9())
+    message = str(err.value)
+    assert message.startswith(
+        "Row 9: 'prompt' must be a string or a non-empty list of messages [{'role': ..., 'content': ...}], got "
+        "NoneType: None."
+    )
+    assert "Fix row 9 of train_dataset, or drop such rows before training, e.g. train_dataset = " in message
+    # the suggested fix works
+    keep = message[message.index("lambda row:") : -2]
+    fixed = bad_row_9().filter(eval(keep))
+    check_dataset(fixed)
+    assert len(fixed) == 11
+    with pytest.raises(ValueError, match=r"Row 2: 'prompt' is an empty string.*Fix row 2 of eval_dataset"):
+        check_dataset(datasets.Dataset.from_dict({"prompt": ["a", "b", ""]}), "eval_dataset")
+    chats = [[{"role": "user", "content": "hi"}], [], [{"role": None, "content": "x"}]]
+    with pytest.raises(ValueError, match=r"Row 1: 'prompt' must be .* got list: \[\]\. .*len\(row\['prompt'\]\) > 0"):
+        check_dataset(datasets.Dataset.from_dict({"prompt": chats}))
+    with pytest.raises(ValueError, match=r"Row 2: message 0 of 'prompt' has role None.*filter\(lambda row: all"):
+        check_dataset(datasets.Dataset.from_dict({"prompt": chats[:1] + chats[2:]}).select([0, 0, 1]))
+
+
+def test_rows_are_numbered_as_the_trainer_reads_them_and_large_datasets_are_checked_in_workers(monkeypatch):
+    import grouprl.data.dataset_checks as prompts_module
+
+    data = datasets.Dataset.from_dict({"prompt": [str(i) if i != 137 else None for i in range(300)]})
+    shuffled = data.shuffle(seed=1)  # an indices mapping: rows are numbered as shuffled[i] reads them
+    bad = [i for i in range(300) if shuffled[i]["prompt"] is None][0]
+    read = []
+    monkeypatch.setattr(prompts_module, "_first_bad_row", lambda prompts: read.append(len(prompts)) or None)
+    monkeypatch.setattr(prompts_module, "LARGE_DATASET", 100)
+    monkeypatch.setattr(prompts_module, "CHECK_BATCH", 64)
+    monkeypatch.setattr(prompts_module.os, "cpu_count", lambda: 2)
+    with pytest.raises(ValueError, match=f"Row {bad}: 'prompt' must be a string"):
+        check_dataset(shuffled)  # datasets' map, 2 worker processes
+    check_dataset(datasets.Dataset.from_dict({"prompt": [str(i) for i in range(300)]}))  # no bad row in any worker
+    assert read == []
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=f"Row {bad}: 'prompt' must be a string"):
+        check_dataset(shuffled)  # read in this process
+    good = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
+    check_dataset(good)
+    monkeypatch.setattr(prompts_module, "_first_bad_row", lambda prompts: read.append(len(prompts)) or None)
+    check_dataset(good)  # passed once: not read again
+    assert read == []
+
+
+def test_rows_of_a_stream_or_a_transform_are_checked_as_drawn_before_use():
+    stream = bad_row_9().to_iterable_dataset()
+    check_dataset(stream)  # a stream is not read ahead
+    sampler = PromptSampler(stream, 3, shuffle=False, seed=0)
+    assert sampler.next_generation()[0] == [0, 1, 2]
+    assert sampler.next_generation()[0] == [3, 4, 5]
+    assert sampler.next_generation()[0] == [6, 7, 8]
+    with pytest.raises(ValueError) as err:
+        sampler.next_generation()
+    message = str(err.value)
+    assert message.startswith("Row 9: 'prompt' must be a string or a non-empty list")
+    assert "train_dataset = train_dataset.filter(lambda row: row['prompt'] is not None)" in message
+    assert "train_dataset is an IterableDataset, checked row by row as drawn" in message
+    assert "Training stopped before using this row." in message
+    transformed = bad_row_9().with_transform(lambda batch: batch)  # the transform decides what a row holds
+    check_dataset(transformed)
+    sampler = PromptSampler(transformed, 12, shuffle=False, seed=0)
+    with pytest.raises(ValueError, match="Row 9: 'prompt' must be a string.*Fix row 9 of train_dataset"):
+        sampler.next_generation()
 
 
 def test_sampler_is_seeded_covers_epoch_and_resumes():
@@ -226,3 +323,48 @@ def test_bad_worker_counts_and_streams():
     with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an integer >= 0"):
         PromptSampler(data, 1, shuffle=False, seed=0, num_workers=-1)
     assert workers_for(data.to_iterable_dataset(), 4) == 0 and workers_for(data, 4) == 4
+
+
+# ---- through the trainer ---------------------------------------------------------------------------------
+
+MISSING_MODEL = "/nonexistent/model"  # reaching the model loader would raise OSError instead
+
+
+def test_trainer_refuses_a_bad_row_before_loading_anything(tmp_path):
+    from helpers import distinct_tokens, quiet_config
+
+    from grouprl import GRPOTrainer
+
+    config = quiet_config(tmp_path, per_device_train_batch_size=6, max_completion_length=8, max_steps=4)
+    with pytest.raises(ValueError, match=r"Row 9: 'prompt' must be a string .* Fix row 9 of train_dataset"):
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=distinct_tokens, args=config, train_dataset=bad_row_9())
+    eval_config = quiet_config(
+        tmp_path, per_device_train_batch_size=6, max_completion_length=8, max_steps=4, eval_strategy="steps"
+    )
+    with pytest.raises(ValueError, match=r"Row 9: 'prompt' must be a string .* Fix row 9 of eval_dataset"):
+        GRPOTrainer(
+            model=MISSING_MODEL,
+            reward_funcs=distinct_tokens,
+            args=eval_config,
+            train_dataset=bad_row_9().select(range(9)),
+            eval_dataset=bad_row_9(),
+        )
+
+
+def test_trainer_stops_on_a_bad_streamed_row_before_using_it(tiny_model_dir, tmp_path):
+    from helpers import distinct_tokens, quiet_config
+
+    from grouprl import GRPOTrainer
+
+    config = quiet_config(
+        tmp_path, per_device_train_batch_size=6, max_completion_length=8, max_steps=5, shuffle_dataset=False
+    )  # 2 prompts per step: row 9 is drawn for step 5
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=bad_row_9().to_iterable_dataset(),
+    )
+    with pytest.raises(ValueError, match=r"Row 9: 'prompt' must be a string .*checked row by row as drawn"):
+        trainer.train()
+    assert trainer.state.global_step == 4

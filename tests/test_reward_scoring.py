@@ -2,6 +2,7 @@
 
 import asyncio
 import functools
+import inspect
 import math
 import time
 
@@ -249,3 +250,159 @@ def test_row_no_function_scores_is_warned_with_its_arguments_as_trl(caplog):
             [length_reward, lambda completions, **k: [None] * 3]
         )  # one function scores every row: nothing to warn about
     assert "All reward functions returned None" not in caplog.text
+
+
+# ---- bools, the keyword contract checked when the trainer is built, all-None rewards -------------------------
+
+
+def test_bools_count_as_one_and_zero_as_in_trl():
+    import torch
+
+    out = score(
+        [
+            lambda completions, answer, **k: [c == "x" for c in completions],  # the common [c == a for ...]
+            lambda completions, **k: np.array([len(c) > 1 for c in completions]),  # numpy bools
+            lambda completions, **k: [np.bool_(True), torch.tensor(False), None],
+        ]
+    )
+    assert out[:, 0].tolist() == [1.0, 0.0, 0.0]
+    assert out[:, 1].tolist() == [0.0, 1.0, 1.0]
+    assert out[:2, 2].tolist() == [1.0, 0.0] and math.isnan(out[2, 2])
+
+
+def test_training_with_bool_rewards(tiny_model_dir, tmp_path):
+    from helpers import numbered_prompts, quiet_config
+
+    from grouprl import GRPOTrainer
+
+    def long_enough(completion_ids, **kwargs):
+        return [len(ids) > 4 for ids in completion_ids]
+
+    config = quiet_config(tmp_path, per_device_train_batch_size=6, max_completion_length=8, max_steps=2)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=long_enough, args=config, train_dataset=numbered_prompts())
+    trainer.train()
+    means = [entry["rewards/long_enough/mean"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(means) == 2 and all(0.0 <= m <= 1.0 for m in means)
+
+
+MISSING_MODEL = "/nonexistent/model"  # reaching the model loader would raise OSError instead
+
+
+def test_function_without_kwargs_is_refused_when_the_trainer_is_built(tmp_path):
+    import datasets
+    from helpers import quiet_config
+
+    from grouprl import GRPOTrainer
+
+    def exact(completions, answer):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    data = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]})
+    config = quiet_config(tmp_path, per_device_train_batch_size=6, max_completion_length=8, max_steps=1)
+    with pytest.raises(TypeError) as err:  # before any model is loaded (that would be an OSError)
+        GRPOTrainer(model=MISSING_MODEL, reward_funcs=[length_reward, exact], args=config, train_dataset=data)
+    message = str(err.value)
+    assert message.startswith(
+        "reward_funcs[1]: Reward function 'exact' does not accept the keyword argument(s) 'prompts', "
+        "'completion_ids', 'trainer_state', 'log_metric', 'log_extra', which it will be called with"
+    )
+    assert "Add **kwargs to its parameters (e.g. def exact(completions, answer, **kwargs): ...)" in message
+
+
+def test_functions_and_reward_models_that_take_every_keyword_are_accepted(tmp_path):
+    import datasets
+    import torch
+    from helpers import quiet_config
+
+    from grouprl.compat.trainer_inputs import collect_reward_sources
+
+    def spelled_out(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra):
+        return [0.0] * len(completions)
+
+    def anything(*args, **kwargs):
+        return [0.0] * len(kwargs["completions"])
+
+    def picky(completions, answer, **kwargs):
+        return [0.0] * len(completions)
+
+    def passes_on_what_it_takes(fn):  # a decorator: its own signature is the one called
+        @functools.wraps(fn)
+        def wrapper(**kwargs):
+            return fn(**{k: v for k, v in kwargs.items() if k in inspect.signature(fn).parameters})
+
+        return wrapper
+
+    @passes_on_what_it_takes
+    def decorated(completions):
+        return [0.0] * len(completions)
+
+    data = datasets.Dataset.from_dict({"prompt": ["1+1="], "answer": ["2"]})
+    config = quiet_config(tmp_path, per_device_train_batch_size=6)
+    accepted = [
+        spelled_out,
+        anything,
+        functools.partial(picky),
+        Scorer(),
+        decorated,
+        "some/reward-model",  # reward models: loaded later, called as TRL calls them
+        torch.nn.Linear(1, 1),
+    ]
+    funcs, _, weights = collect_reward_sources(config, accepted, None, None, data)
+    assert funcs == accepted and weights == [1.0] * len(accepted)
+    # remove_unused_columns=True: 'answer' is not passed, so a function need not take it
+    only_trl = quiet_config(tmp_path, per_device_train_batch_size=6, remove_unused_columns=True)
+    collect_reward_sources(
+        only_trl,
+        [lambda prompts, completions, completion_ids, trainer_state, log_metric, log_extra: []],
+        None,
+        None,
+        data,
+    )
+    renamed = data.rename_column("answer", "solution")  # a column it does not name: refused, named
+    with pytest.raises(TypeError, match=r"'spelled_out' does not accept the keyword argument\(s\) 'solution',"):
+        collect_reward_sources(config, [spelled_out], None, None, renamed)
+
+
+def test_keyword_failure_during_training_is_named_not_blamed_on_row_0():
+    def no_extras(prompts, completions, completion_ids, trainer_state, log_metric, log_extra):
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError) as err:  # 'answer' arrives, e.g. from a column only known later
+        score([no_extras])
+    message = str(err.value)
+    assert "'no_extras' does not accept the keyword argument(s) 'answer'" in message and "Add **kwargs" in message
+    assert "row 0" not in message
+
+
+def test_all_none_rewards_warn_once_naming_the_functions(tiny_model_dir, tmp_path, caplog):
+    from helpers import numbered_prompts, quiet_config
+
+    from grouprl import GRPOTrainer
+    from grouprl.train.health_detectors import detect
+
+    (finding,) = detect({"rewards/f/mean": None, "rewards/g/mean": float("nan"), "reward": None}, step=1)
+    assert finding.kind == "reward_all_none" and "Every reward function ('f', 'g') returned None" in finding.message
+
+    def needs_solution(completions, **kwargs):
+        return [None] * len(completions)
+
+    def needs_gold(completions, **kwargs):
+        return [None] * len(completions)
+
+    config = quiet_config(tmp_path, per_device_train_batch_size=6, max_completion_length=8, max_steps=3)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=[needs_solution, needs_gold], args=config, train_dataset=numbered_prompts()
+    )
+    with caplog.at_level("WARNING"):
+        output = trainer.train()
+    assert output.training_loss == 0.0
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("grouprl health warning") and "returned None" in r.getMessage()
+    ]
+    assert len(warnings) == 1, warnings  # once per run, not once per step nor once per function
+    (warning,) = warnings
+    assert "Every reward function ('needs_solution', 'needs_gold') returned None for every completion" in warning
+    assert "the model learns nothing" in warning and "make at least one function return a number" in warning
+    assert "no reward at all" in caplog.records[-1].getMessage()  # the end-of-training summary counts it

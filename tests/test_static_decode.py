@@ -10,7 +10,8 @@ from helpers import distinct_tokens, numbered_prompts, quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl.core.types import SamplingParams
-from grouprl.generation.static_decode import CapturedGenerator, StaticKVCache, captured_supports
+from grouprl.generation.static_decode import CapturedGenerator, captured_supports
+from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.logprobs import completion_logprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -353,7 +353,7 @@ def test_prompt_longer_than_context(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(
         model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=long
     )
-    with pytest.raises(ValueError, match=r"Row \d: the prompt has \d+ tokens.*context is 128"):
+    with pytest.raises(ValueError, match=r"Row \d: the prompt is \d+ tokens.*maximum length of 128 tokens"):
         trainer.train()
 
 

@@ -122,6 +122,7 @@ class ModelArguments:
 
 def build_parser() -> Any:
     from transformers import HfArgumentParser
+    from transformers.hf_argparser import string_to_bool
 
     from grouprl.config.grpo_config import GRPOConfig
 
@@ -130,13 +131,26 @@ def build_parser() -> Any:
         "accelerate YAML file) runs this command under `accelerate launch`; flags grouprl does not know "
         "(--num_processes, --num_machines, --machine_rank, --main_process_ip, ...) go to accelerate launch."
     )
-    return HfArgumentParser(
+
+    class TrainParser(HfArgumentParser):
+        def error(self, message: str) -> None:
+            """The error first and briefly: argparse would print the whole usage (every flag) before it."""
+            import sys
+
+            sys.stderr.write(f"{self.prog}: error: {message}\nSee `{self.prog} --help` for every flag.\n")
+            sys.exit(2)
+
+    parser = TrainParser(
         (ScriptArguments, GRPOConfig, ModelArguments),
         prog="grouprl train",
         description="Train a model with GRPO.",
         epilog=epilog,
         allow_abbrev=False,
     )  # a misspelt flag gets "did you mean", never a silent prefix match
+    for action in parser._actions:  # HfArgumentParser gives Optional[bool] fields (bf16, tf32) no "flag alone"
+        if action.type is string_to_bool and action.nargs is None:
+            action.nargs, action.const = "?", True
+    return parser
 
 
 def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArguments]:
@@ -161,10 +175,7 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArgume
     if remaining:
         flags = {option for action in parser._actions for option in action.option_strings}
         flag = next((r for r in remaining if r.startswith("-")), remaining[0])
-        parser.error(
-            f"unrecognized argument {flag}.{closest(flag.split('=')[0], flags)} "
-            "See grouprl train --help for every flag."
-        )
+        parser.error(f"unrecognized argument {flag}.{closest(flag.split('=')[0], flags)}")
     return script, config, model_args
 
 

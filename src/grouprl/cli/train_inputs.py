@@ -8,6 +8,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from grouprl.cli.train_arguments import ModelArguments, ScriptArguments
+from grouprl.model.loading import looks_like_local_path
 
 
 def lora_config(model_args: ModelArguments) -> Any:
@@ -105,6 +106,7 @@ def load_train_dataset(script: ScriptArguments, split: Optional[str] = None) -> 
     split = split or script.dataset_train_split
     if name is None:
         raise ValueError("grouprl train needs --dataset_name (a Hub id, a local dataset directory or a data file).")
+    check_local_dataset_exists(name)
     extension = os.path.splitext(name)[1].lstrip(".")
     single = (os.path.isfile(name) and extension in ("json", "jsonl", "csv", "parquet")) or (
         os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json"))
@@ -122,3 +124,25 @@ def load_train_dataset(script: ScriptArguments, split: Optional[str] = None) -> 
     if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
         return datasets.load_from_disk(name)
     return datasets.load_dataset(name, script.dataset_config, split=split, streaming=script.dataset_streaming)
+
+
+DATA_FILE_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet", ".txt", ".arrow")
+
+
+def check_local_dataset_exists(name: str) -> None:
+    """A --dataset_name that is a data file (by its extension) or a local path must exist: otherwise `datasets`
+    looks it up on the Hub and answers that it cannot reach it, hiding a typo in the file name."""
+    local = name.lower().endswith(DATA_FILE_EXTENSIONS) or looks_like_local_path(name)
+    if not local or os.path.exists(name):
+        return
+    folder = os.path.dirname(os.path.abspath(name))
+    hint = ""
+    if os.path.isdir(folder):
+        import difflib
+
+        close = difflib.get_close_matches(os.path.basename(name), sorted(os.listdir(folder)), n=1, cutoff=0.6)
+        hint = f" Did you mean {os.path.join(os.path.dirname(name), close[0])}?" if close else ""
+    raise FileNotFoundError(
+        f"--dataset_name {name}: no such file or directory ({os.path.abspath(name)}).{hint} Check the path (a relative "
+        f"one starts from the current directory, {os.getcwd()}); a Hub dataset id (owner/name) has no file extension."
+    )

@@ -144,7 +144,7 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
         )
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         reward_funcs, reward_processing_classes, weights = collect_reward_sources(
-            args, reward_funcs, reward_processing_classes, agents
+            args, reward_funcs, reward_processing_classes, agents, train_dataset
         )
         for message in args.dubious_combinations():
             logger.warning(message)
@@ -276,13 +276,10 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _start_record(self) -> None:
-        """This trainer's first train() / evaluate() that does not resume: an earlier run's record in output_dir is
-        set aside, never appended to (run_record.py)."""
-        if getattr(self, "_record_started", False):
-            return
-        self._record_started = True
-        if self.accelerator.is_main_process:
+        """The first train() / evaluate() sets an earlier run's record aside, unless resuming (run_record.py)."""
+        if not getattr(self, "_record_started", False) and self.accelerator.is_main_process:
             set_earlier_record_aside(self.args.output_dir)
+        self._record_started = True
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval"

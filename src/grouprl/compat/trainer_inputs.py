@@ -13,14 +13,15 @@ from transformers.utils import logging
 from grouprl.agents import AgentSpec
 from grouprl.agents.environments import environment_dataset
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig
-from grouprl.data.prompts import check_dataset
+from grouprl.data.dataset_checks import KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_dataset
 from grouprl.data.row_loading import workers_for
 from grouprl.generation.factory import sharded_weights
 from grouprl.model import quantization
 from grouprl.model.adapters import is_peft_model
-from grouprl.rewards.models import check_reward_funcs
-from grouprl.rewards.scoring import reward_name
+from grouprl.rewards.models import check_reward_funcs, is_reward_model
+from grouprl.rewards.signatures import REWARD_KEYWORDS, check_keywords, reward_name
 from grouprl.train.eval_data import check_eval_setup
+from grouprl.train.output_dir import check_output_dir
 
 logger = logging.get_logger("grouprl")
 
@@ -32,6 +33,7 @@ def default_args(model: Any, args: Optional[GRPOConfig]) -> GRPOConfig:
         args = GRPOConfig(output_dir=f"{os.path.basename(str(model_name).rstrip('/')) or 'model'}-GRPO")
     if not isinstance(args, GRPOConfig):
         raise TypeError(f"args must be a grouprl.GRPOConfig, got {type(args).__name__}.")
+    check_output_dir(args.output_dir)  # a file there, or a read-only parent: said now, not at the first save
     return args
 
 
@@ -132,10 +134,15 @@ def check_stream_dispatch(args: GRPOConfig) -> None:
 
 
 def collect_reward_sources(
-    args: GRPOConfig, reward_funcs: Any, reward_processing_classes: Any, agents: Optional[AgentSpec]
+    args: GRPOConfig,
+    reward_funcs: Any,
+    reward_processing_classes: Any,
+    agents: Optional[AgentSpec],
+    train_dataset: Any = None,
 ) -> tuple[list, list, list[float]]:
     """The reward functions / models, their tokenizers and weights, an environment's
-    get_reward() included (weight 1, as TRL)."""
+    get_reward() included (weight 1, as TRL). Each function must take the keyword arguments it will be called with
+    (those known now: TRL's, `train_dataset`'s columns, an environment's instances)."""
     environment_rewards = agents.reward_functions if agents else []
     if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
         if not environment_rewards:
@@ -146,6 +153,10 @@ def collect_reward_sources(
         reward_funcs, reward_processing_classes = [], []
     else:
         reward_funcs, reward_processing_classes = check_reward_funcs(reward_funcs, reward_processing_classes)
+        keywords = reward_keywords(args, train_dataset, agents)
+        for i, entry in enumerate(reward_funcs):
+            if not is_reward_model(entry):
+                check_keywords(entry, keywords, where=f"reward_funcs[{i}]")
     weights = args.reward_weights or [1.0] * len(reward_funcs)
     if len(weights) != len(reward_funcs):
         raise ValueError(
@@ -157,6 +168,15 @@ def collect_reward_sources(
         reward_processing_classes + [None] * len(environment_rewards),
         list(weights) + [1.0] * len(environment_rewards),
     )
+
+
+def reward_keywords(args: GRPOConfig, train_dataset: Any, agents: Optional[AgentSpec]) -> list[str]:
+    """The keyword arguments every reward function will get that are known before training: TRL's, the dataset's
+    columns (those remove_unused_columns keeps) and `environments` with an environment_factory. A rollout_func's
+    extra fields are known only once it ran."""
+    columns = getattr(train_dataset, "column_names", None) or []
+    kept = [c for c in columns if c != PROMPT_COLUMN and (not args.remove_unused_columns or c in KEPT_WHEN_REMOVING)]
+    return list(REWARD_KEYWORDS) + kept + (["environments"] if agents and agents.environments else [])
 
 
 def describe_reward(entry: Any) -> str:

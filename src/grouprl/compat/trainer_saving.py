@@ -16,11 +16,13 @@ from grouprl.model.adapters import save_pretrained
 from grouprl.model.full_state import fsdp_sharded, gather_full_state
 from grouprl.train.checkpoint import (
     ENGINE_STATE,
+    TRAINER_STATE,
     load_optimizer_state,
     load_policy_weights,
     load_training_state,
     restore_rng_state,
 )
+from grouprl.train.checkpoint_files import read_file
 from grouprl.train.optimizer_step import deepspeed_engine
 
 logger = logging.get_logger("grouprl")
@@ -103,7 +105,7 @@ class TrainerSaving:
             )
             self.run.pending.clear()
             self.run.inputs = None
-        restored = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+        restored = read_file(path, TRAINER_STATE, TrainerState.load_from_json)  # a damaged file is named
         self.state.global_step, self.state.epoch, self.state.log_history = (
             restored.global_step,
             restored.epoch,

@@ -38,6 +38,7 @@ from grouprl.config.checks import (
     unknown_field_message,
     validate_config,
 )
+from grouprl.config.field_types import coerce_field_types
 from grouprl.config.loss_and_logging_fields import LossAndLoggingFields
 from grouprl.config.model_and_sampling_fields import ModelAndSamplingFields
 from grouprl.config.training_arguments import refused_settings
@@ -92,6 +93,7 @@ class GRPOConfig(AsyncGenerationFields, LossAndLoggingFields, ModelAndSamplingFi
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        coerce_field_types(self)  # learning_rate="fast" refused here, not in the optimizer (field_types.py)
         if self.output_dir is None:
             self.output_dir = "trainer_output"
         # TRL's default; the trainer may decline it on CPUs without bf16 units. A copy (dataclasses.replace, a

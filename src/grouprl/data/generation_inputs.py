@@ -18,8 +18,9 @@ from typing import Any, Iterator, Optional
 
 from grouprl.core.group_layout import GroupLayout
 from grouprl.core.types import PromptBatch, Rollout
+from grouprl.data.dataset_checks import KEPT_WHEN_REMOVING
 from grouprl.data.prompt_sampler import PromptSampler
-from grouprl.data.prompts import KEPT_WHEN_REMOVING, local_prompt_batch
+from grouprl.data.prompts import local_prompt_batch
 
 
 class GenerationInputs(list):

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 import datasets
 import torch
 
+from grouprl.data.dataset_checks import PROMPT_COLUMN, check_prompt
 from grouprl.data.row_loading import batches_loader, stream_loader
 
 
@@ -72,8 +73,25 @@ class PromptSampler:
             # RestOfEpoch reads the position now: the loader starts where the sampler is
             self._stream = iter(self.loader)
         pairs = next(self._stream)
+        for index, row in pairs:  # checked before training too (check_dataset), unless a transform makes the rows
+            self._check(row, index)
         self.state.position += 1
         return [index for index, _ in pairs], [row for _, row in pairs]
+
+    def _check(self, row: dict, index: int) -> None:
+        """A drawn row's prompt, before it is used (rows without one are for environments: local_prompt_batch)."""
+        if PROMPT_COLUMN not in row:
+            return
+        try:
+            check_prompt(row[PROMPT_COLUMN], index, "train_dataset")
+        except ValueError as err:
+            if not self.iterable:
+                raise
+            order = ", after its seeded shuffle" if self.shuffle else ""
+            raise ValueError(
+                f"{err} (train_dataset is an IterableDataset, checked row by row as drawn: rows are numbered in the "
+                f"order read in epoch {self.state.epoch}{order}, from 0. Training stopped before using this row.)"
+            ) from None
 
     def _next_from_stream(self) -> tuple[list[int], list[dict]]:
         indices, rows = [], []
@@ -88,6 +106,7 @@ class PromptSampler:
                 self.state = SamplerState(epoch=self.state.epoch + 1, position=0)
                 self._stream, indices, rows = None, [], []  # drop the incomplete generation, as for map-style data
                 continue
+            self._check(row, self.state.position)
             indices.append(self.state.position)
             rows.append(row)
             self.state.position += 1

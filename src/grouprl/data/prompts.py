@@ -13,62 +13,9 @@ import copy
 import threading
 from typing import Any, Optional
 
-import datasets
-
 from grouprl.core.group_layout import GroupLayout
 from grouprl.core.types import PromptBatch
-
-PROMPT_COLUMN = "prompt"
-KEPT_WHEN_REMOVING = ("prompt", "image", "images")
-
-
-def check_dataset(dataset: Any, name: str = "train_dataset", *, prompt_required: bool = True) -> None:
-    """Fail early, with the field named, on a dataset the trainer cannot use.
-
-    `prompt_required=False` (an environment_factory is given): rows may lack a prompt, as in TRL; each
-    such row's prompt is then an empty user message that the environment's reset() completes.
-    """
-    if dataset is None:
-        raise ValueError(
-            f"`{name}` is required unless an `environment_factory` is provided (its reset() then supplies the "
-            "prompts): pass a datasets.Dataset or IterableDataset with a 'prompt' column, e.g. "
-            "datasets.Dataset.from_list([{'prompt': ...}, ...])."
-        )
-    if not isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
-        raise TypeError(
-            f"{name} must be a datasets.Dataset or datasets.IterableDataset, got {type(dataset).__name__}. "
-            "Build one with datasets.Dataset.from_list([{'prompt': ...}, ...])."
-        )
-    columns = dataset.column_names
-    if prompt_required and columns is not None and PROMPT_COLUMN not in columns:
-        raise ValueError(
-            f"{name} has no 'prompt' column (columns: {columns}). Rename the column that holds the prompts, "
-            "e.g. dataset.rename_column('question', 'prompt')."
-        )
-    if isinstance(dataset, datasets.Dataset):
-        if len(dataset) == 0:
-            raise ValueError(f"{name} is empty: it has no rows to sample prompts from.")
-        if PROMPT_COLUMN in dataset.column_names:
-            check_prompt(dataset[0][PROMPT_COLUMN], 0)
-
-
-def check_prompt(prompt: Any, row: int) -> None:
-    """A prompt is a string or a non-empty list of {'role': str, 'content': str | list} messages."""
-    if isinstance(prompt, str):
-        return
-    if not isinstance(prompt, list) or not prompt:
-        raise ValueError(
-            f"Row {row}: 'prompt' must be a string or a non-empty list of messages "
-            f"[{{'role': ..., 'content': ...}}], got {type(prompt).__name__}: {str(prompt)[:80]!r}."
-        )
-    for i, message in enumerate(prompt):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(
-                f"Row {row}: message {i} of 'prompt' must be a dict with 'role' and 'content' keys, "
-                f"got {str(message)[:80]!r}."
-            )
-        if not isinstance(message["role"], str):
-            raise ValueError(f"Row {row}: message {i} has role {message['role']!r}; roles are strings like 'user'.")
+from grouprl.data.dataset_checks import KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_prompt
 
 
 def is_conversational(prompt: Any) -> bool:
@@ -141,16 +88,31 @@ class PromptTokenizer:
     def check_fits(self, ids: list[int], prompt: Any, row: int) -> None:
         if not ids:
             raise ValueError(
-                f"Row {row}: the prompt {prompt!r} tokenizes to no tokens; generation needs at least one prompt token."
+                f"Row {row}: the prompt {prompt!r} tokenizes to no tokens; generation needs at least one prompt token. "
+                "Fix this row of the dataset, or drop such rows before training (dataset.filter)."
             )
-        if self.max_context is not None and len(ids) + self.max_completion_length > self.max_context:
+        context, completion, length = self.max_context, self.max_completion_length, len(ids)
+        if context is None or length + completion <= context:
+            return
+        # grouprl does not truncate prompts (it has no max_prompt_length): a prompt must fit as it is
+        where = f"Row {row}: the prompt is {length} tokens"
+        limit = f"the model's maximum length of {context} tokens (max_position_embeddings)"
+        if completion >= context:
             raise ValueError(
-                f"Row {row}: the prompt has {len(ids)} tokens; with "
-                f"max_completion_length={self.max_completion_length} that needs "
-                f"{len(ids) + self.max_completion_length} positions but the model's context is {self.max_context}. "
-                "Shorten or drop this prompt, or lower max_completion_length to at most "
-                f"{max(self.max_context - len(ids), 0)}."
+                f"{where}, but max_completion_length={completion} alone fills {limit}, so no prompt fits before a "
+                f"completion. Lower max_completion_length below {context}"
+                + (f" (to at most {context - length} for this prompt)." if length < context else ".")
             )
+        shorten = (
+            f"Shorten this prompt to at most {context - completion} tokens (grouprl does not truncate prompts), or "
+            "drop such rows before training (e.g. dataset.filter on the prompt's token count)"
+        )
+        if length >= context:
+            raise ValueError(f"{where}, at least {limit}, so no completion fits after it. {shorten}.")
+        raise ValueError(
+            f"{where}; with max_completion_length={completion} it needs {length + completion} positions, more than "
+            f"{limit}. {shorten}, or lower max_completion_length to at most {context - length}."
+        )
 
     def prompt_text(self, prompt: Any, prompt_ids: list[int]) -> str:
         """What the model was shown: the string itself, or the rendered chat template."""

@@ -42,6 +42,7 @@ from grouprl.generation.fused_decode import FusedDecoder, structure_reason
 from grouprl.generation.fused_decode_probe import _base, fuses
 from grouprl.generation.protocol import cut_at_eos, left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, process_logits, sample_tokens
+from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword
 from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches
@@ -77,47 +78,6 @@ def captured_supports(
 
 def bucketed(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
-
-
-class StaticKVCache:
-    """Every layer's keys and values, (rows, kv_heads, columns, head_dim), allocated once; the FusedDecoder cache
-    interface (`update`, `attend`) over them.
-
-    `column` (a 1-element device tensor) is where the next token's keys and values go; `valid` (rows, columns)
-    marks the prompt's real tokens and every token decoded so far.
-    """
-
-    def __init__(self, prefill: DynamicCache, prompt_mask: torch.Tensor, repeats: int, new_tokens: int):
-        prompt_keys = [layer.keys for layer in prefill.layers]
-        rows, columns = prompt_mask.shape[0] * repeats, prompt_mask.shape[1] + new_tokens
-        _, kv_heads, prompt_length, head_dim = prompt_keys[0].shape
-        dtype, device = prompt_keys[0].dtype, prompt_mask.device
-        self.keys = [torch.zeros(rows, kv_heads, columns, head_dim, dtype=dtype, device=device) for _ in prompt_keys]
-        self.values = [torch.zeros_like(self.keys[0]) for _ in prompt_keys]
-        for layer, source in enumerate(prefill.layers):
-            self.keys[layer][:, :, :prompt_length] = source.keys.repeat_interleave(repeats, 0)
-            self.values[layer][:, :, :prompt_length] = source.values.repeat_interleave(repeats, 0)
-        self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
-        self.valid[:, :prompt_length] = prompt_mask.bool().repeat_interleave(repeats, 0)
-        self.column = torch.full((1,), prompt_length, dtype=torch.long, device=device)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
-        """key, value (rows, kv_heads, 1, head_dim) into column `column`."""
-        self.keys[layer].index_copy_(2, self.column, key.to(self.keys[layer].dtype))
-        self.values[layer].index_copy_(2, self.column, value.to(self.values[layer].dtype))
-
-    def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim) over the valid columns.
-
-        The heads sharing a key/value head are that head's queries (a (rows, kv_heads, heads / kv_heads, dim)
-        query), so grouped-query attention needs neither repeated keys nor enable_gqa."""
-        rows, heads, _, dim = query.shape
-        keys, values = self.keys[layer], self.values[layer]
-        grouped = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dim).to(keys.dtype)
-        out = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=self.valid[:, None, None, :], scale=scaling
-        )  # (rows, kv_heads, group, dim)
-        return out.reshape(rows, 1, heads, dim).to(query.dtype)
 
 
 class DecodeLoop:

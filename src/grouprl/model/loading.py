@@ -8,6 +8,7 @@ AutoModelForImageTextToText and its processor with AutoProcessor.
 
 from __future__ import annotations
 
+import os
 import types
 from typing import Any, Optional
 
@@ -42,6 +43,7 @@ def load_model(model: Any, model_init_kwargs: Optional[dict], trust_remote_code:
     if kwargs.get(gguf.GGUF_KEY):
         gguf.require_gguf_package(f"model_init_kwargs[{gguf.GGUF_KEY!r}]={kwargs[gguf.GGUF_KEY]!r}")
         kwargs = gguf.dense_loading_kwargs(kwargs)
+    check_local_model_path(model)
     try:
         hub_kwargs = {
             k: kwargs[k]
@@ -52,7 +54,38 @@ def load_model(model: Any, model_init_kwargs: Optional[dict], trust_remote_code:
         auto = AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
         return gguf.as_plain_model(auto.from_pretrained(model, dtype=dtype, **kwargs))
     except OSError as err:
+        parent = os.path.dirname(model.rstrip("/"))
+        if parent and os.path.isdir(parent) and not os.path.exists(model):  # "models/tiny-qwn", with models/ here
+            raise OSError(
+                f"Could not load the model {model!r}: there is no local directory {os.path.abspath(model)} (the "
+                f"directory {parent!r} exists: check the name), and loading it as a Hub id failed too: {err}"
+            ) from err
         raise OSError(f"Could not load the model {model!r}: {err}") from err
+
+
+def looks_like_local_path(name: str) -> bool:
+    """A path rather than a Hub id: starts with ./ ../ / or ~, or has more separators than owner/name's one."""
+    starts = ("./", "../", "/", "~", "." + os.sep, ".." + os.sep, os.sep)
+    return name.startswith(starts) or name.count("/") + (name.count(os.sep) if os.sep != "/" else 0) > 1
+
+
+def check_local_model_path(model: str) -> None:
+    """A model named by a local path must be a directory there: otherwise transformers asks the Hub and answers about
+    repo ids, which hides a typo in the path."""
+    if not looks_like_local_path(model) or os.path.isdir(os.path.expanduser(model)):
+        return
+    offline = " (HF_HUB_OFFLINE is set, so the Hub is not reachable either)" if hub_offline() else ""
+    kind = "is a file, not a model directory" if os.path.exists(os.path.expanduser(model)) else "does not exist"
+    raise OSError(
+        f"The model path {model!r} looks like a local directory, but {os.path.abspath(os.path.expanduser(model))} "
+        f"{kind}{offline}. Check the path (a relative one starts from the current directory, {os.getcwd()}): it "
+        "must be a directory with config.json and the weights (save_pretrained's output); a Hub model is named "
+        "owner/name."
+    )
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def load_tokenizer(
@@ -67,6 +100,7 @@ def load_tokenizer(
         processing_class = auto.from_pretrained(
             model.config._name_or_path, trust_remote_code=trust_remote_code, **source
         )
+        check_tokenizer_loaded(text_tokenizer(processing_class), model.config._name_or_path)
     tokenizer = text_tokenizer(processing_class)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -76,6 +110,23 @@ def load_tokenizer(
             )
         tokenizer.pad_token = tokenizer.eos_token  # as TRL: padding is masked out, so reusing EOS is safe
     return processing_class
+
+
+def check_tokenizer_loaded(tokenizer: Any, source: str) -> None:
+    """transformers 5 builds an empty tokenizer, without an error, from a directory without tokenizer files; every
+    prompt would then tokenize to no tokens. Refused here, naming the cause."""
+    try:
+        ids = tokenizer("Hello world, 1+2=3", add_special_tokens=False)["input_ids"]
+    except Exception:  # a tokenizer that cannot encode plain text at all is refused below the same way
+        ids = []
+    if ids:
+        return
+    raise ValueError(
+        f"The tokenizer loaded from {source!r} is empty ({len(tokenizer)} token(s) in its vocabulary; it encodes "
+        f"text to no tokens): {source!r} has no tokenizer files (tokenizer.json, tokenizer_config.json, ...). Add "
+        "the model's tokenizer files to it (tokenizer.save_pretrained(that directory)), or pass the tokenizer: "
+        "GRPOTrainer(..., processing_class=AutoTokenizer.from_pretrained(where the tokenizer is))."
+    )
 
 
 def eos_token_ids(tokenizer: Any, model: PreTrainedModel) -> list[int]:

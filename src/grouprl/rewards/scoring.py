@@ -3,7 +3,9 @@
 Contract (TRL 1.16 §2.5): every reward function is called with keyword arguments ``prompts``,
 ``completions``, ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric`` and every
 extra dataset column, each a per-completion list, and returns one value per completion: a number,
-or ``None`` for "not applicable" (stored as NaN and left out of sums and means).
+or ``None`` for "not applicable" (stored as NaN and left out of sums and means); ``True`` / ``False`` count as
+1.0 / 0.0, as in TRL. A function that cannot take every keyword argument it will get (no ``**kwargs``) is
+refused when the trainer is built (signatures.py).
 
 Concurrency: async reward functions (coroutine functions, partials of them, objects with
 ``async __call__``) run concurrently on a background event loop; meanwhile the sync ones run
@@ -28,8 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from transformers.utils import logging
+
+from grouprl.rewards.signatures import REWARD_KEYWORDS, keywords_message, reward_name, unaccepted_keywords
 
 logger = logging.get_logger("grouprl")
 
@@ -46,13 +51,6 @@ class RewardFunction:
     name: str
     is_async: bool
     main_thread_only: bool = False  # set once the function failed in a worker thread but works in the main one
-
-
-def reward_name(fn: Any) -> str:
-    """TRL's naming: __name__, partials unwrapped, class instances by class name."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _is_async(fn: Any) -> bool:
@@ -181,7 +179,7 @@ def score_completions(
 
 
 # Arguments that are not the row's data, left out of the unscorable-row warning (as TRL does).
-NOT_ROW_DATA = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+NOT_ROW_DATA = REWARD_KEYWORDS
 
 
 def _warn_unscorable(scores: torch.Tensor, kwargs: dict[str, Any]) -> None:
@@ -230,7 +228,10 @@ def _check_output(name: str, values: Any, n: int, prompts: list[Any]) -> torch.T
             continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if isinstance(value, (bool, np.bool_)):  # TRL: True / False are 1.0 / 0.0 (e.g. [c == a for ...])
+            result[row] = float(value)
+            continue
+        if not isinstance(value, numbers.Real):
             raise RewardFunctionError(
                 f"Reward function '{name}' returned {value!r} ({type(value).__name__}) for row {row} "
                 f"(prompt: {_short(prompts[row])}); rewards must be numbers or None."
@@ -246,7 +247,11 @@ def _check_output(name: str, values: Any, n: int, prompts: list[Any]) -> torch.T
 
 
 def _locate_failure(f: RewardFunction, kwargs: dict[str, Any], n: int, err: Exception) -> RewardFunctionError:
-    """Re-run the failing function one row at a time to name the first row that raises."""
+    """Re-run the failing function one row at a time to name the first row that raises (a function that cannot take
+    its keyword arguments fails on every row: that is said instead)."""
+    missing = unaccepted_keywords(f.fn, list(kwargs), follow_wrapped=True)
+    if isinstance(err, TypeError) and missing:
+        return RewardFunctionError(f"{keywords_message(f.fn, f.name, missing)} ({type(err).__name__}: {err})")
     per_row_keys = [k for k, v in kwargs.items() if isinstance(v, list) and len(v) == n]
     for row in range(n):
         row_kwargs = {k: ([v[row]] if k in per_row_keys else v) for k, v in kwargs.items()}

@@ -31,6 +31,7 @@ from grouprl.model.full_state import (
     load_full_optimizer_state,
     load_full_weights,
 )
+from grouprl.train.checkpoint_files import UnreadableCheckpoint, check_readable, load_pickle, read_file
 
 logger = logging.get_logger("grouprl")
 
@@ -79,21 +80,37 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
 
 
 def resolve_resume_path(resume_from_checkpoint: Any, output_dir: str) -> Optional[str]:
-    """True / 'true' -> newest complete checkpoint in output_dir; a path -> that path, checked."""
+    """True / 'true' -> newest complete checkpoint in output_dir whose files can be read (an unreadable one is
+    skipped with a warning); a path -> that path, checked (UnreadableCheckpoint names a damaged file)."""
     if resume_from_checkpoint in (None, False, "", "false", "False"):
         return None
     if resume_from_checkpoint in (True, "true", "True"):
-        path = latest_checkpoint(output_dir)
-        if path is None:
+        checkpoints = list_checkpoints(output_dir)
+        if not checkpoints:
             raise ValueError(
                 f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint-* directory."
             )
-        return path
+        skipped = []
+        for path in reversed(checkpoints):
+            try:
+                check_readable(path, (TRAINING_STATE, LOOP_STATE), (TRAINER_STATE,))
+                return path
+            except UnreadableCheckpoint as err:
+                skipped.append(f"{path} ({err.name}: {err.reason})")
+                logger.warning(
+                    f"resume_from_checkpoint=True: skipping {path}: its file {err.name} cannot be read "
+                    f"({err.reason}); trying the checkpoint before it."
+                )
+        raise ValueError(
+            f"resume_from_checkpoint=True but no checkpoint in {output_dir!r} can be read: {'; '.join(skipped)}. "
+            "Restore the damaged files, or start a new run (resume_from_checkpoint=False)."
+        )
     path = str(resume_from_checkpoint)
     if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
         raise ValueError(
             f"resume_from_checkpoint={path!r} is not a complete grouprl checkpoint (no {COMPLETE_MARKER} file in it)."
         )
+    check_readable(path, (TRAINING_STATE, LOOP_STATE), (TRAINER_STATE,))
     return path
 
 
@@ -202,6 +219,7 @@ def load_model_weights(model: torch.nn.Module, path: str) -> None:
 
 def load_policy_weights(model: torch.nn.Module, path: str) -> None:
     """A checkpoint's weights into the policy: the adapter of a LoRA policy, else the whole model."""
+    check_readable(path, (), ())  # a damaged weights file is named (UnreadableCheckpoint), before any is loaded
     if is_peft_model(model):
         load_adapter_weights(model, path)
     else:
@@ -230,9 +248,7 @@ def load_training_state(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             "sampler or RNG state, so training cannot resume from it. Load its weights with from_pretrained and "
             "start a new run, or train with save_only_model=False to write resumable checkpoints."
         )
-    training = torch.load(os.path.join(path, TRAINING_STATE), map_location="cpu", weights_only=False)
-    loop = torch.load(os.path.join(path, LOOP_STATE), map_location="cpu", weights_only=False)
-    return training, loop
+    return read_file(path, TRAINING_STATE, load_pickle), read_file(path, LOOP_STATE, load_pickle)
 
 
 def _step(path: str) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from grouprl.config.grpo_config import GRPOConfig
-from grouprl.data.prompts import check_dataset
+from grouprl.data.dataset_checks import check_dataset
 from grouprl.data.row_loading import sequential_loader, workers_for
 
 

@@ -8,6 +8,7 @@ run's log entries.
     truncated completions         completions/clipped_ratio                      > 0.5
     groups without signal         frac_reward_zero_std                           > 0.5
     reward function never applies rewards/<name>/mean                            None for every row
+    no reward at all              rewards/<name>/mean of every function         None for every row
     samples masked out            sampling/importance_sampling_masked_fraction,  > 0.5
                                   off_policy_mask/dropped_fraction
     entropy collapse              entropy                                        < 0.01 nats / token
@@ -27,7 +28,7 @@ COLLAPSED_ENTROPY = 0.01  # nats per token: sampling is (almost) deterministic
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # warned once per kind ("reward_none:<function>" per reward function)
+    kind: str  # warned once per kind ("reward_none:<function>" per reward function, "reward_all_none")
     title: str  # a few words for the summary
     metric: str
     value: float
@@ -79,22 +80,36 @@ def tied_groups(stats: dict[str, Any], *, threshold: float = MOST) -> list[Findi
 
 
 def unscorable_reward_functions(stats: dict[str, Any]) -> list[Finding]:
-    findings = []
-    for name in stats:
-        if name.startswith("rewards/") and name.endswith("/mean") and _number(stats, name) is None:
-            function = name[len("rewards/") : -len("/mean")]
-            findings.append(
-                Finding(
-                    f"reward_none:{function}",
-                    f"reward function '{function}' never applies",
-                    name,
-                    math.nan,
-                    f"Reward function '{function}' returned None for every completion, so it adds nothing to "
-                    "the reward. Check the dataset columns it reads and the completion format it expects "
-                    "(conversational completions are lists of messages), or remove it from reward_funcs.",
-                )
+    means = [name for name in stats if name.startswith("rewards/") and name.endswith("/mean")]
+    unscorable = [name[len("rewards/") : -len("/mean")] for name in means if _number(stats, name) is None]
+    if means and len(unscorable) == len(means):  # no function scored anything: one louder finding, not one each
+        listed = ", ".join(f"'{function}'" for function in unscorable)
+        return [
+            Finding(
+                "reward_all_none",
+                "no reward at all: nothing is learned",
+                "reward",
+                math.nan,
+                f"Every reward function ({listed}) returned None for every completion, so no completion has a "
+                "reward: every advantage is 0, the loss is 0 and the model learns nothing, although the run goes on "
+                "(frac_reward_zero_std reads 0 only because no group has rewards to compare). Check the dataset "
+                "columns the functions read (passed as keyword arguments of the same name) and the completion "
+                "format they expect (conversational completions are lists of messages), and make at least one "
+                "function return a number for every completion (None only where it does not apply).",
             )
-    return findings
+        ]
+    return [
+        Finding(
+            f"reward_none:{function}",
+            f"reward function '{function}' never applies",
+            f"rewards/{function}/mean",
+            math.nan,
+            f"Reward function '{function}' returned None for every completion, so it adds nothing to "
+            "the reward. Check the dataset columns it reads and the completion format it expects "
+            "(conversational completions are lists of messages), or remove it from reward_funcs.",
+        )
+        for function in unscorable
+    ]
 
 
 def masked_samples(stats: dict[str, Any], *, threshold: float = MOST) -> list[Finding]:
