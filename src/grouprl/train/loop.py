@@ -139,8 +139,8 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
             # one reduction of every statistic of the step; NaN / inf anywhere stops every process here,
             # before the update
             checked_norm = grad_norm if accelerator.scaler is None else None  # fp16 scaling skips inf steps by itself
-            step_stats = StepStats(loss=step_loss, grad_norm=checked_norm, stop_signal=float(stops.received))
-            reduced = reduce_statistics(run, step_stats)
+            own = StepStats(loss=step_loss, grad_norm=checked_norm, stop_signal=float(stops.received))
+            reduced = reduce_statistics(run, own)
             learning_rate = apply_update(run)
             grad_norm = update_norm(run, grad_norm)
         state.global_step += 1
@@ -176,9 +176,9 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
             should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate
         ):
             new_best = evaluate_and_track(run)
-        saved = None
-        if should_save(config, state.global_step, save_steps, run.steps_per_epoch, new_best) or control.should_save:
-            saved = save(run)
+        saved = should_save(config, state.global_step, save_steps, run.steps_per_epoch, new_best) or control.should_save
+        if saved:
+            save(run)
         progress.update(1)
         if reduced[-1].stop_signal:  # a process was sent SIGINT / SIGTERM (stop_signals.py): all stop here
             progress.close()
@@ -206,10 +206,13 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
     return metrics_
 
 
-def stop_on_signal(run: TrainingRun, number: int, saved: Optional[str]) -> None:
-    """Checkpoint (unless this step just did), say how to resume, exit with 128 + the signal's number."""
-    path = saved or save(run)
+def stop_on_signal(run: TrainingRun, number: int, saved: bool) -> None:
+    """Checkpoint (a collective; unless this step just did), say how to resume, exit with 128 + the signal's
+    number."""
+    if not saved:
+        save(run)
     if run.accelerator.is_main_process:
+        path = os.path.join(run.config.output_dir, f"checkpoint-{run.state.global_step}")
         print(resume_hint(path, number, run.state.global_step), file=sys.stderr, flush=True)
     raise SystemExit(exit_code(number))
 
