@@ -106,3 +106,22 @@ def cpu_parameters(model) -> dict[str, torch.Tensor]:
     """`parameters(model)` copied to the CPU: for comparing a trainer's model, on whatever device the trainer picked,
     with a model or checkpoint loaded on the CPU (values unchanged)."""
     return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+
+
+def forward_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> torch.Tensor:
+    """One completion's per-token logprobs under `temperature` from a separate forward pass over prompt + completion
+    (on the model's device; returned on the CPU): what a sampler's logprobs must equal."""
+    from grouprl.model.logprobs import completion_logprobs
+
+    device = next(model.parameters()).device
+    prompt, ids = torch.tensor([prompt_ids], device=device), torch.tensor([completion_ids], device=device)
+    with torch.no_grad():
+        out = completion_logprobs(
+            model,
+            prompt,
+            torch.ones_like(prompt, dtype=torch.bool),
+            ids,
+            torch.ones_like(ids, dtype=torch.bool),
+            temperature=temperature,
+        )
+    return out.logprobs[0].cpu()

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from chi_square import chi_square_rejects
+from helpers import forward_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -16,7 +17,6 @@ from grouprl.core.types import SamplingParams
 from grouprl.generation.engine import FastGenerator, engine_supports
 from grouprl.generation.sampling import process_logits
 from grouprl.generation.shared_prefix_probe import matches_standard_attention
-from grouprl.model.logprobs import completion_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -164,12 +164,8 @@ def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer, rows_fin
     if rows_finish:
         assert len(set(engine.decode_batch_sizes)) > 3  # rows left at several different steps
     for c in completions:
-        p = torch.tensor([prompts[c.prompt_index]])
-        ids = torch.tensor([c.token_ids])
-        logps = completion_logprobs(
-            model, p, torch.ones_like(p, dtype=torch.bool), ids, torch.ones_like(ids, dtype=torch.bool), temperature=0.7
-        ).logprobs
-        assert torch.allclose(logps[0], torch.tensor(c.sampler_logprobs), atol=1e-5)
+        logps = forward_logprobs(model, prompts[c.prompt_index], c.token_ids, temperature=0.7)
+        assert torch.allclose(logps, torch.tensor(c.sampler_logprobs), atol=1e-5)
 
 
 def test_finished_rows_leave_the_batch(model_and_tokenizer):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import distinct_tokens, numbered_prompts, quiet_config
+from helpers import distinct_tokens, forward_logprobs, numbered_prompts, quiet_config
 from transformers import AutoModelForCausalLM
 
 from grouprl import GRPOTrainer
@@ -86,15 +86,5 @@ def test_the_captured_graph_decodes_as_the_eager_loop(tiny_model_dir, dtype):
     completions = engine.generate(prompts, 8, SamplingParams(max_new_tokens=24, temperature=0.7))
     assert any(c.finish_reason == "stop" for c in completions) and len({len(c.token_ids) for c in completions}) > 2
     for c in completions:
-        prompt = torch.tensor([prompts[c.prompt_index]], device="cuda")
-        ids = torch.tensor([c.token_ids], device="cuda")
-        with torch.no_grad():
-            logps = completion_logprobs(
-                model,
-                prompt,
-                torch.ones_like(prompt, dtype=torch.bool),
-                ids,
-                torch.ones_like(ids, dtype=torch.bool),
-                temperature=0.7,
-            ).logprobs
-        torch.testing.assert_close(logps[0].cpu(), torch.tensor(c.sampler_logprobs), rtol=1e-3, atol=1e-3)
+        logps = forward_logprobs(model, prompts[c.prompt_index], c.token_ids, temperature=0.7)
+        torch.testing.assert_close(logps, torch.tensor(c.sampler_logprobs), rtol=1e-3, atol=1e-3)

@@ -6,13 +6,12 @@ On CUDA the same steps replay a captured graph; tests/test_gpu.py checks that pa
 import pytest
 import torch
 from chi_square import chi_square_rejects
-from helpers import distinct_tokens, numbered_prompts, quiet_config
+from helpers import distinct_tokens, forward_logprobs, numbered_prompts, quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl.core.types import SamplingParams
 from grouprl.generation.static_decode import CapturedGenerator, captured_supports
 from grouprl.generation.static_kv_cache import StaticKVCache
-from grouprl.model.logprobs import completion_logprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -95,17 +94,8 @@ def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer, rows_fin
     for c in completions:
         ended = [i for i, t in enumerate(c.token_ids) if t in eos]
         assert ended in ([], [len(c.token_ids) - 1]) and (c.finish_reason == "stop") == bool(ended)
-        prompt = torch.tensor([prompts[c.prompt_index]], device=DEVICE)
-        ids = torch.tensor([c.token_ids], device=DEVICE)
-        logps = completion_logprobs(
-            model,
-            prompt,
-            torch.ones_like(prompt, dtype=torch.bool),
-            ids,
-            torch.ones_like(ids, dtype=torch.bool),
-            temperature=0.7,
-        ).logprobs
-        assert torch.allclose(logps[0].cpu(), torch.tensor(c.sampler_logprobs), atol=1e-4)
+        logps = forward_logprobs(model, prompts[c.prompt_index], c.token_ids, temperature=0.7)
+        assert torch.allclose(logps, torch.tensor(c.sampler_logprobs), atol=1e-4)
 
 
 def test_decode_steps_follow_the_models_distribution(model_and_tokenizer):

@@ -39,7 +39,7 @@ from grouprl.generation.decode_products import weight_major_decode
 from grouprl.generation.fused_decode_probe import fused_decoder, fuses
 from grouprl.generation.kv_buffers import preallocate
 from grouprl.generation.protocol import left_pad
-from grouprl.generation.sampling import SAMPLING_METHODS, process_logits, sample_tokens
+from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
 from grouprl.generation.shared_prefix import SharedPrefixCache, decoding
 from grouprl.generation.shared_prefix_probe import matches_standard_attention
 from grouprl.model.forward import cache_keyword
@@ -181,17 +181,9 @@ class FastGenerator:
                 self.decode_batch_sizes.append(len(active))
                 if step < min_new:
                     logits[:, eos] = -float("inf")
-                processed = process_logits(
-                    logits,
-                    temperature=params.temperature,
-                    top_k=params.top_k,
-                    top_p=params.top_p,
-                    min_p=params.min_p,
-                    repetition_penalty=params.repetition_penalty,
-                    history=history,
-                    history_mask=history_mask,
+                next_tokens, next_logprobs = sample_next(
+                    logits, params, history, history_mask, method=self.sampling_method
                 )
-                next_tokens, next_logprobs = sample_tokens(processed, method=self.sampling_method)
                 for r, t, lp in zip(active.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
                     out_tokens[r].append(t)
                     out_logprobs[r].append(lp)

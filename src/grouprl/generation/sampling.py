@@ -19,9 +19,12 @@ silently makes stopping less likely for short prompts in a padded batch.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from grouprl.core.types import SamplingParams
 
 
 def apply_repetition_penalty(
@@ -117,3 +120,24 @@ def sample_tokens(
         raise ValueError(f"sample_tokens: unknown method {method!r}; choose one of {SAMPLING_METHODS}.")
     logprobs = processed.gather(1, tokens[:, None]).squeeze(1) - processed.logsumexp(dim=-1)
     return tokens, logprobs
+
+
+def sample_next(
+    logits: torch.Tensor,
+    params: "SamplingParams",
+    history: Optional[torch.Tensor] = None,
+    history_mask: Optional[torch.Tensor] = None,
+    method: str = "inverse_cdf",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per row from `logits` (R, V) processed with a call's SamplingParams: (tokens (R,), logprobs (R,))."""
+    processed = process_logits(
+        logits,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        history=history,
+        history_mask=history_mask,
+    )
+    return sample_tokens(processed, method=method)

@@ -41,7 +41,7 @@ from grouprl.generation.engine import engine_supports
 from grouprl.generation.fused_decode import FusedDecoder, structure_reason
 from grouprl.generation.fused_decode_probe import _base, fuses
 from grouprl.generation.protocol import cut_at_eos, left_pad
-from grouprl.generation.sampling import SAMPLING_METHODS, process_logits, sample_tokens
+from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
 from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword
 from grouprl.model.logprobs import position_ids_from_mask
@@ -131,26 +131,6 @@ class DecodeLoop:
 
 def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     return (tokens[:, None] == eos[None, :]).any(dim=1)
-
-
-def sample_next(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    history: Optional[torch.Tensor],
-    history_mask: Optional[torch.Tensor],
-    method: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    processed = process_logits(
-        logits,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        history=history,
-        history_mask=history_mask,
-    )
-    return sample_tokens(processed, method=method)
 
 
 def run_steps(loop: DecodeLoop, steps: int, capture: bool) -> int:
