@@ -2,6 +2,7 @@
 
     python3 bench/gpu/bench_generation.py                 # the default plan, inside ~8 minutes on an H100/H200
     python3 bench/gpu/bench_generation.py --tiny --device cpu   # a dry run of the same code with tiny shapes
+    python3 bench/gpu/bench_generation.py --cases 1 --only trl,captured   # part of the plan
 
 Models are built here with random weights (no hub): the Qwen2.5-0.5B shape (24 layers, hidden 896, 14 / 2
 heads, vocabulary 151,936, tied embeddings) and the Qwen2.5-1.5B shape (28 layers, hidden 1536, 12 / 2 heads),
@@ -203,8 +204,9 @@ def train_run(library: str, engine: str | None, case: Case, model_dir: str, bf16
         "logged_mean_length": logs[-1].get("completions/mean_length") if logs else None,
     }
     if library == "grouprl" and logs:
-        train_seconds = logs[-1].get("time/forward", 0.0) + logs[-1].get("time/backward", 0.0)
-        result["train_pass_s"] = train_seconds
+        phases = {k[len("time/") :]: v for k, v in logs[-1].items() if k.startswith("time/")}
+        train_seconds = phases.get("forward", 0.0) + phases.get("backward", 0.0)
+        result["phases_s"], result["train_pass_s"] = phases, train_seconds
         result["train_mfu"] = training_mfu(trainer.model, case, train_seconds, device)
     del trainer
     return result
@@ -277,6 +279,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds after which no new run starts")
     parser.add_argument("--only", default="", help="comma-separated runs to keep (trl, transformers, engine, captured)")
+    parser.add_argument("--kinds", default="train,decode", help="which measurements: train, decode or both")
+    parser.add_argument("--cases", default="", help="comma-separated case numbers of the plan to run (1-based; all)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_generation.json"))
     args = parser.parse_args()
     device, bf16 = args.device, args.device == "cuda"
@@ -284,12 +288,16 @@ def main() -> None:
     keep = set(filter(None, args.only.split(",")))
     started, results = time.perf_counter(), {"environment": environment(device), "runs": []}
     print(json.dumps(results["environment"]))
-    for case in TINY_PLAN if args.tiny else PLAN:
+    plan = TINY_PLAN if args.tiny else PLAN
+    chosen = [int(n) for n in filter(None, args.cases.split(","))] or range(1, len(plan) + 1)
+    for case in (plan[n - 1] for n in chosen):
         model_dir = build_model(SHAPES[case.shape], device, dtype, f"/tmp/bench-gpu/model-{case.shape}")
         for run in case.runs:
             if keep and run not in keep:
                 continue
             for kind in ("train", "decode"):
+                if kind not in args.kinds.split(","):
+                    continue
                 if kind == "decode" and run == "trl":
                     continue  # TRL generates with transformers generate: the "transformers" decode row
                 entry = {"case": case.name, "run": run, "kind": kind}

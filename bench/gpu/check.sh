@@ -2,6 +2,7 @@
 # The suite's GPU-relevant part on a fresh H100/H200 machine without network, inside 8 minutes (bench/gpu/README.md).
 # Run from the repository's root there, with .whl/ carried (bench/gpu/fetch_wheels.sh made it here):
 #   bash bench/gpu/check.sh        # writes pytest.log, junit.xml and summary.txt under $OUT (or /tmp/grouprl-gpu)
+#   bash bench/gpu/check.sh tests/test_gpu.py    # only these files; LIMIT=seconds stops pytest sooner (450)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/grouprl-gpu}"
@@ -38,10 +39,12 @@ FILES=(
     tests/test_combinations.py tests/test_reward_models.py tests/test_callbacks.py tests/test_trainer_surface.py
     tests/test_cpu_capabilities.py tests/test_decode_products.py tests/test_static_decode.py
 )
+[ "$#" -gt 0 ] && FILES=("$@")
+LIMIT="${LIMIT:-450}"
 start=$(date +%s)
-timeout 450 python3 -m pytest -n "${WORKERS:-14}" -p no:cacheprovider --timeout 300 -m "not slow" -q -rfEs \
+timeout "$LIMIT" python3 -m pytest -n "${WORKERS:-14}" -p no:cacheprovider --timeout 300 -m "not slow" -v -rfEs \
     --junitxml "$OUT/junit.xml" "${FILES[@]}" > "$OUT/pytest.log" 2>&1
 status=$?
-echo "check.sh: pytest exit $status after $(( $(date +%s) - start )) s (124: stopped at the 450 s limit)"
+echo "check.sh: pytest exit $status after $(( $(date +%s) - start )) s (124: stopped at the $LIMIT s limit)"
 python3 bench/gpu/summarize.py "$OUT/junit.xml" "$OUT/pytest.log" | tee "$OUT/summary.txt"
 exit $status

@@ -2,7 +2,8 @@
 
     python bench/gpu/summarize.py JUNIT_XML [PYTEST_LOG]
 
-Without the JUnit file (pytest stopped at check.sh's time limit) it prints the log's last 40 lines instead.
+Without the JUnit file (pytest stopped at check.sh's time limit) it counts the verbose log's outcome lines and lists
+its failures, then prints the log's last 20 lines.
 """
 
 from __future__ import annotations
@@ -42,13 +43,19 @@ def summarize(junit_path: str) -> str:
     return "\n".join(lines)
 
 
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+
+
 def main(argv: list[str]) -> None:
     junit, log = argv[1], argv[2] if len(argv) > 2 else None
     if os.path.exists(junit):
         print(summarize(junit))
     elif log and os.path.exists(log):
-        print(f"no {junit} (pytest did not finish); the log's end:")
-        print("".join(open(log, encoding="utf-8", errors="replace").readlines()[-40:]))
+        lines = open(log, encoding="utf-8", errors="replace").readlines()
+        outcomes = collections.Counter(w for line in lines for w in line.split() if w in OUTCOMES)
+        print(f"no {junit} (pytest did not finish); so far: " + ", ".join(f"{n} {w}" for w, n in outcomes.items()))
+        print("".join(line for line in lines if " FAILED " in line or " ERROR " in line), end="")
+        print("the log's end:\n" + "".join(lines[-20:]))
     else:
         print(f"neither {junit} nor a log to summarize")
 

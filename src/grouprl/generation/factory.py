@@ -7,11 +7,10 @@ generation_engine="server"           a grouprl server, named the grouprl way
 generation_engine="engine"           the fast in-process engine (FastGenerator)
 generation_engine="captured"         the static decode loop, one CUDA graph replayed per step on CUDA
                                      (static_decode.py, CapturedGenerator)
-generation_engine="auto"             on a CPU: the engine where it applies, while model.generate is
-                                     transformers' own (overrides.py); on any other device:
-                                     transformers `generate` (the engine is tuned and measured on
-                                     CPUs only, the captured loop not yet measured on a GPU; see
-                                     `auto_engine_measured_on`)
+generation_engine="auto"             where it applies and model.generate is transformers' own
+                                     (overrides.py): on a CPU the engine, on CUDA the captured loop;
+                                     otherwise transformers `generate` (`AUTO_ENGINES`: each was
+                                     measured fastest there)
 generation_engine="transformers"     transformers `generate`
 """
 
@@ -41,22 +40,8 @@ def build_backend(
         return VLLMColocateGenerator(model.config._name_or_path, tokenizer, args, max_num_seqs=max_num_seqs)
     if args.use_vllm or args.generation_engine == "server":
         return connect_server(tokenizer, args)
-    if args.generation_engine == "captured":
-        reason = captured_supports(model, args.generation_kwargs or {}, args.cache_implementation)
-        if reason:
-            raise ValueError(
-                f"GRPOConfig.generation_engine='captured' cannot be used: {reason}. Use 'auto' or 'transformers'."
-            )
-        backend = EngineUnlessGenerateOverridden(
-            CapturedGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id), fallback=None, name="captured"
-        )
-        backend.check()
-        return backend
-    reason = engine_supports(model, args.generation_kwargs or {}, args.cache_implementation)
-    if args.generation_engine == "engine" and reason:
-        raise ValueError(
-            f"GRPOConfig.generation_engine='engine' cannot be used: {reason}. Use 'auto' or 'transformers'."
-        )
+    requested = args.generation_engine
+    engine = auto_engine(model_device(model)) if requested == "auto" else requested
     transformers = TransformersGenerator(
         model,
         tokenizer,
@@ -65,28 +50,38 @@ def build_backend(
         cache_implementation=args.cache_implementation,
         suppress_token_ids=image_token_ids(model.config),
     )
-    if args.generation_engine == "transformers" or reason:
+    if engine == "transformers":
         return transformers
-    if args.generation_engine == "auto" and not auto_engine_measured_on(model_device(model)):
+    supports, in_process = IN_PROCESS_ENGINES[engine]
+    reason = supports(model, args.generation_kwargs or {}, args.cache_implementation)
+    if reason and requested == "auto":
         return transformers
-    # The engine never calls model.generate: while the user has replaced it, 'auto' calls
-    # it and 'engine' refuses (overrides.py).
+    if reason:
+        raise ValueError(
+            f"GRPOConfig.generation_engine={engine!r} cannot be used: {reason}. Use 'auto' or 'transformers'."
+        )
+    # These engines never call model.generate: while the user has replaced it, 'auto' calls it and an
+    # explicit engine refuses (overrides.py).
     backend = EngineUnlessGenerateOverridden(
-        FastGenerator(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
-        fallback=transformers if args.generation_engine == "auto" else None,
+        in_process(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
+        fallback=transformers if requested == "auto" else None,
+        name=engine,
     )
-    backend.check()  # 'engine' with generate already replaced fails here, before training starts
+    backend.check()  # an explicit engine with generate already replaced fails here, before training starts
     return backend
 
 
-# Devices on which FastGenerator has tests and a benchmark (docs/benchmarks.md). Safe default: "auto" picks
-# it only there; elsewhere it stays an explicit opt-in (generation_engine="engine") until it is measured.
-ENGINE_MEASURED_DEVICES = ("cpu",)
+IN_PROCESS_ENGINES = {"engine": (engine_supports, FastGenerator), "captured": (captured_supports, CapturedGenerator)}
+
+# What generation_engine='auto' picks on each device type, where it was tested and measured against the others
+# (docs/benchmarks.md on CPUs; docs/benchmarks-gpu.md on an H200: 2.45 s a step against transformers generate's
+# 9.16 for the Qwen2.5-0.5B shape); on any other device, or where the pick does not apply, transformers generate.
+AUTO_ENGINES = {"cpu": "engine", "cuda": "captured"}
 
 
-def auto_engine_measured_on(device: torch.device) -> bool:
-    """True if generation_engine='auto' may pick the fast engine on `device` (it was tested and measured there)."""
-    return device.type in ENGINE_MEASURED_DEVICES
+def auto_engine(device: torch.device) -> str:
+    """The generation_engine that 'auto' means on `device` (before checking that it applies to the model)."""
+    return AUTO_ENGINES.get(device.type, "transformers")
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
