@@ -364,9 +364,14 @@ def test_environment_tools_reset_reward_and_pool(tool_model_dir, tmp_path, tok):
         0.5,
         1.0,
     ]
+    # TRL's attributes, as read-only views: the probed instance's tool methods (reset / get_reward are not tools)
+    assert trainer.tools == [made[0].increment] and trainer._env_tools == {None: [made[0].increment]}
+    assert trainer._environment_pool == {None: [made[0]]} and trainer.environments is None  # no generation yet
+    assert trainer.environment_factories == {None: factory}
     rollout = trainer.run.rollouts.sample()
     envs = [c.reward_kwargs["environments"] for c in rollout.completions]
     assert len({id(e) for e in envs}) == 6 and [e.count for e in envs] == [2, 0, 0, 2, 0, 0]
+    assert trainer.environments == envs and trainer._environment_pool[None] == made  # this generation's, in row order
     assert envs[3].resets[-1] == {"prompt": [{"role": "user", "content": "1 times 7?"}], "answer": "7"}
     # The observation is appended to the last message, and the environment's method is the tool in the prompt.
     expected_prompt = tok.apply_chat_template(
@@ -401,6 +406,10 @@ def test_environments_routed_by_column_with_their_own_tools(tool_model_dir, tmp_
         environment_factory={"counter": Counter, "echo": Echo},
         train_dataset=dataset(environment=["counter", "echo", "counter", "echo"]),
     )
+    # TRL's views: each environment's own tools; trainer.tools their union (TRL's order)
+    assert [[f.__name__ for f in tools] for tools in trainer._env_tools.values()] == [["increment"], ["shout"]]
+    assert [f.__name__ for f in trainer.tools] == ["increment", "shout"]
+    assert {name: len(pool) for name, pool in trainer._environment_pool.items()} == {"counter": 1, "echo": 1}
     rollout = trainer.run.rollouts.sample()
     envs = [c.reward_kwargs["environments"] for c in rollout.completions]
     assert [type(e).__name__ for e in envs] == ["Counter"] * 3 + ["Echo"] * 3
@@ -536,6 +545,27 @@ def test_rollout_func_output_is_trained_on_as_given(tool_model_dir, tmp_path, to
         -0.5,
     ]
     trainer.train()
+
+
+def test_trls_agent_attributes_without_environments(tool_model_dir, tmp_path, tok):
+    trainer, _ = make_trainer(tool_model_dir, tmp_path, lambda p, s: turn(tok, "x"), tok, tools=[multiply])
+    assert trainer.tools == [multiply] and trainer.environments is None and trainer.environment_factories is None
+    assert trainer.rollout_func is None
+    with pytest.raises(AttributeError, match="no environment_factory"):
+        _ = trainer._env_tools
+    with pytest.raises(AttributeError, match="tools is read-only"):
+        trainer.tools = []
+
+    def rollout_func(prompts, trainer):
+        return {"prompt_ids": [[1]] * len(prompts), "completion_ids": [[2]] * len(prompts), "logprobs": None}
+
+    def replacement(prompts, trainer):
+        return {**rollout_func(prompts, trainer), "completion_ids": [[3]] * len(prompts)}
+
+    trainer, _ = make_trainer(tool_model_dir, tmp_path / "b", None, tok, rollout_func=rollout_func)
+    assert trainer.tools == [] and trainer.rollout_func is rollout_func
+    trainer.rollout_func = replacement  # as in TRL, the sampler calls the trainer's attribute
+    assert [c.token_ids for c in trainer.run.rollouts.sample().completions] == [[3]] * 6
 
 
 def test_rollout_func_missing_keys_named(tool_model_dir, tmp_path, tok):

@@ -267,13 +267,15 @@ def test_pad_to_multiple_of_no_padding_values_are_accepted(value):
     assert GRPOConfig(pad_to_multiple_of=value).pad_to_multiple_of is None
 
 
-@pytest.mark.parametrize("value", [64, "8"])
-def test_pad_to_multiple_of_an_integer_is_refused_by_name(value):
-    # grouprl trims micro-batches to their longest row; a padding request must not be accepted and then ignored.
-    with pytest.raises(
-        NotImplementedError,
-        match=r"pad_to_multiple_of=\d+: padding .* Leave pad_to_multiple_of at its default \('auto'\)",
-    ):
+@pytest.mark.parametrize("value,expected", [(64, 64), ("8", 8)])
+def test_pad_to_multiple_of_an_integer_is_kept(value, expected):
+    # built (tests/test_padding.py): the training batch and every training forward are padded to multiples of it
+    assert GRPOConfig(pad_to_multiple_of=value).pad_to_multiple_of == expected
+
+
+@pytest.mark.parametrize("value", [0, -8, "eight"])
+def test_pad_to_multiple_of_must_be_a_positive_integer(value):
+    with pytest.raises(ValueError, match="pad_to_multiple_of=.* must be a positive integer"):
         GRPOConfig(pad_to_multiple_of=value)
 
 

@@ -8,8 +8,8 @@ process 1 rows 6-11 (the tail of group 1, group 2 whole).
 import pytest
 import torch
 
-from grouprl.core.distributed import keep_rows, whole_groups
-from grouprl.core.group_layout import GroupLayout, join_rollouts, keep_own_rows, own_rollout
+from grouprl.core.distributed import join_rollouts, keep_own_rows, keep_rows, own_rollout, whole_groups
+from grouprl.core.group_layout import GroupLayout
 from grouprl.core.types import Completion, PromptBatch, Rollout, SamplingParams
 from grouprl.generation.dispatch import sample_for_processes, sample_groups
 

@@ -14,7 +14,7 @@ from loss_reference import reference_policy_loss
 
 from grouprl.core.loss_aggregations import dapo_denominator
 from grouprl.core.loss_objectives import clipped_surrogate, gamma_weights
-from grouprl.core.losses import LOSSES, policy_loss
+from grouprl.core.losses import LOSSES, KLPenalty, LossScale, TokenTerms, policy_loss
 
 OLD = torch.zeros(2, 3)
 LOGPS = torch.log(torch.tensor([[1.0, 1.5, 0.5], [1.5, 0.5, 2.0]]))
@@ -35,6 +35,58 @@ EXPECTED = {
 }
 
 
+# The reference's flat keywords (GRPOConfig-style names) -> each loss's own hyper-parameter names.
+SETTING_NAMES = {
+    "epsilon_low": "epsilon_low",
+    "epsilon_high": "epsilon_high",
+    "delta": "delta",
+    "sapo_temperature_pos": "tau_pos",
+    "sapo_temperature_neg": "tau_neg",
+    "vespo_k_pos": "k_pos",
+    "vespo_lambda_pos": "lambda_pos",
+    "vespo_k_neg": "k_neg",
+    "vespo_lambda_neg": "lambda_neg",
+}
+
+
+def flat_policy_loss(
+    loss_type,
+    logprobs,
+    old,
+    advantages,
+    mask,
+    *,
+    grad_accum_steps,
+    max_completion_length,
+    token_denominator,
+    importance_sampling_level="token",
+    beta=0.0,
+    ref_logprobs=None,
+    use_bias_correction_kl=True,
+    sequence_keep=None,
+    token_keep=None,
+    sampler_weights=None,
+    entropy=None,
+    entropy_coef=0.0,
+    **hyper_parameters,
+):
+    """`policy_loss` called with the flat keywords of `reference_policy_loss`: each loss gets its own settings."""
+    own = LOSSES[loss_type].params if loss_type in LOSSES else {}
+    settings = {SETTING_NAMES[k]: v for k, v in hyper_parameters.items() if SETTING_NAMES[k] in own}
+    return policy_loss(
+        loss_type,
+        logprobs,
+        old,
+        advantages,
+        mask,
+        scale=LossScale(grad_accum_steps, max_completion_length, token_denominator),
+        settings=settings,
+        importance_sampling_level=importance_sampling_level,
+        kl=KLPenalty(beta, ref_logprobs, use_bias_correction_kl),
+        terms=TokenTerms(sequence_keep, token_keep, sampler_weights, entropy, entropy_coef),
+    )
+
+
 def run(loss_type, logps=LOGPS, old=OLD, adv=ADV, grad_accum_steps=1, **options):
     settings = dict(
         epsilon_low=0.2,
@@ -44,7 +96,7 @@ def run(loss_type, logps=LOGPS, old=OLD, adv=ADV, grad_accum_steps=1, **options)
         token_denominator=10.0,
     )
     settings.update(options)
-    return policy_loss(loss_type, logps, old, adv, MASK, **settings)
+    return flat_policy_loss(loss_type, logps, old, adv, MASK, **settings)
 
 
 def grad_of(loss_type, old=OLD, adv=ADV, **options):
@@ -343,18 +395,7 @@ def test_registry_names_and_unknown():
 def test_masked_rows_contribute_nothing():
     mask = torch.tensor([[True, True, True], [False, False, False]])
     for loss_type in LOSSES:
-        loss, _ = policy_loss(
-            loss_type,
-            LOGPS,
-            OLD,
-            ADV,
-            mask,
-            epsilon_low=0.2,
-            epsilon_high=0.2,
-            grad_accum_steps=1,
-            max_completion_length=4,
-            token_denominator=3.0,
-        )
+        loss, _ = policy_loss(loss_type, LOGPS, OLD, ADV, mask, scale=LossScale(1, 4, 3.0))
         assert math.isfinite(loss.item())
 
 
@@ -430,7 +471,7 @@ def test_batched_equals_per_token_reference(loss_type, option, level):
             **case["kwargs"],
         )
         results = []
-        for implementation in (policy_loss, reference_policy_loss):
+        for implementation in (flat_policy_loss, reference_policy_loss):
             logprobs = case["logprobs"].clone().requires_grad_(True)
             inputs = dict(settings)
             if "entropy" in inputs:

@@ -698,7 +698,7 @@ def test_steps_per_generation_above_grad_accum_keeps_the_gradient_scale(tiny_mod
 
 def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_model_dir, tmp_path, monkeypatch):
     """Only prompts q0, q4, q8, ... get rewards that differ; all others tie. Each batch must hold only those."""
-    import grouprl.train.optimizer_step
+    import grouprl.train.stages
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     data = datasets.Dataset.from_dict({"prompt": [f"q{i}=" for i in range(24)], "index": list(range(24))})
@@ -707,13 +707,13 @@ def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_model_dir, tmp_
         return [float(len(ids)) if i % 4 == 0 else 1.0 for ids, i in zip(completion_ids, index)]
 
     seen = []
-    original = grouprl.train.optimizer_step.train_micro_batch
+    original = grouprl.train.stages.backward
 
-    def spy(run, micro):
+    def spy(run, loss, micro):  # every micro-batch trained on
         seen.append(micro)
-        return original(run, micro)
+        return original(run, loss, micro)
 
-    monkeypatch.setattr(grouprl.train.optimizer_step, "train_micro_batch", spy)
+    monkeypatch.setattr(grouprl.train.stages, "backward", spy)
     config = make_config(
         tmp_path,
         per_device_train_batch_size=8,

@@ -1,13 +1,15 @@
 """Open registries: a loss and an advantage estimator defined here, in user code, train end to end."""
 
+import inspect
+
 import pytest
 import torch
-from helpers import distinct_tokens, numbered_prompts
+from helpers import distinct_tokens, numbered_prompts, quiet_config
 
 from grouprl import GRPOConfig, GRPOTrainer, register_advantage, register_loss
 from grouprl.core.advantages import ADVANTAGE_ESTIMATORS, estimate_advantages
 from grouprl.core.loss_aggregations import global_token_mean_aggregation
-from grouprl.core.losses import LOSSES, policy_loss
+from grouprl.core.losses import LOSSES, LossScale, LossSpec, policy_loss
 
 SEEN = {"scales": [], "advantage_calls": 0}
 
@@ -78,12 +80,8 @@ def test_registered_loss_value_follows_its_formula():
         None,
         advantages,
         mask,
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        grad_accum_steps=1,
-        max_completion_length=2,
-        token_denominator=3.0,
-        loss_params={"scale": 2.0},
+        scale=LossScale(grad_accum_steps=1, max_completion_length=2, token_denominator=3.0),
+        settings={"scale": 2.0},
     )
     # -2 * (1*-1 + 1*-2 + -2*-0.5) / 3 tokens = -2 * (-2) / 3
     assert loss.item() == pytest.approx(4.0 / 3.0)
@@ -130,3 +128,79 @@ def test_replacing_the_builtin_grpo_estimator_is_honoured():
     assert replaced.tolist() == [0.5, -0.5, 0.5, -0.5]  # centred ranks, not group-normalised rewards
     assert not torch.allclose(standard, replaced)
     assert torch.equal(estimate_advantages("grpo", rewards, weights, group_size=2)[0], standard)
+
+
+def test_policy_loss_takes_only_what_every_loss_shares():
+    """A loss's own hyper-parameters travel in `settings`; policy_loss has no keyword per loss."""
+    assert len(inspect.signature(policy_loss).parameters) <= 10
+    with pytest.raises(ValueError, match="loss_type 'sapo' has no hyper-parameter 'epsilon_low'"):
+        policy_loss(
+            "sapo",
+            torch.zeros(1, 1),
+            None,
+            torch.ones(1),
+            torch.ones(1, 1, dtype=torch.bool),
+            scale=LossScale(1, 1, 1.0),
+            settings={"epsilon_low": 0.2},
+        )
+
+
+def test_builtin_losses_are_registry_entries_filled_from_their_trl_fields():
+    """Each built-in loss is a LossSpec like a user's; its settings are the TRL fields a user sets, by their
+    TRL names, and loss_kwargs cannot set them a second way."""
+    assert all(isinstance(spec, LossSpec) for spec in LOSSES.values())
+    default = GRPOConfig()
+    assert all(LOSSES[name].settings(default) == LOSSES[name].params for name in ("grpo", "cispo", "sapo", "vespo"))
+    config = GRPOConfig(loss_type="grpo", epsilon=0.3, delta=1.5)
+    assert LOSSES["grpo"].settings(config) == {"epsilon_low": 0.3, "epsilon_high": 0.3, "delta": 1.5}
+    config = GRPOConfig(loss_type="dapo", epsilon_high=0.28)
+    assert LOSSES["dapo"].settings(config) == {"epsilon_low": 0.2, "epsilon_high": 0.28, "delta": None}
+    config = GRPOConfig(loss_type="cispo", epsilon_high=5.0)
+    assert LOSSES["cispo"].settings(config) == {"epsilon_high": 5.0}
+    config = GRPOConfig(loss_type="sapo", sapo_temperature_pos=0.7)
+    assert LOSSES["sapo"].settings(config) == {"tau_pos": 0.7, "tau_neg": 1.05}
+    config = GRPOConfig(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=0.5)
+    assert LOSSES["vespo"].settings(config) == {"k_pos": 1.5, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 0.5}
+    with pytest.raises(ValueError, match="'tau_pos' of loss_type='sapo' comes from GRPOConfig.sapo_temperature_pos"):
+        GRPOConfig(loss_type="sapo", loss_kwargs={"tau_pos": 2.0})
+    with pytest.raises(ValueError, match="'epsilon_high' of loss_type='grpo' comes from GRPOConfig.epsilon_high"):
+        GRPOConfig(loss_type="grpo", loss_kwargs={"epsilon_high": 0.3})
+
+
+def test_a_decorated_loss_with_its_own_hyper_parameter_trains(tiny_model_dir, tmp_path):
+    """One decorated function, no config field: `shift` reaches the loss through loss_kwargs and changes both the
+    logged loss (by exactly -shift at the first step, whose rollouts are the same) and the trained weights."""
+    seen = []
+    try:
+
+        @register_loss("shifted_pg", params={"shift": 0.0})
+        def shifted_pg(logprobs, log_ratio, log_weights, advantages, mask, *, shift, **_):
+            seen.append(shift)
+            return -(advantages + shift) * torch.exp(log_weights), {"shifted_pg/shift": torch.tensor(float(shift))}
+
+        runs = {}
+        for shift in (None, 1.5):
+            config = quiet_config(
+                tmp_path / str(shift),
+                per_device_train_batch_size=6,
+                max_completion_length=6,
+                learning_rate=0.05,
+                max_steps=1,
+                loss_type="shifted_pg",
+                loss_kwargs=None if shift is None else {"shift": shift},
+            )
+            trainer = GRPOTrainer(
+                tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts(12)
+            )
+            seen.clear()
+            trainer.train()
+            (logged,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+            weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            runs[shift] = (set(seen), logged, weights)
+    finally:
+        LOSSES.pop("shifted_pg", None)
+    (default_seen, default_log, default_weights), (seen_15, log_15, weights_15) = runs[None], runs[1.5]
+    assert default_seen == {0.0} and seen_15 == {1.5}  # the default, then the user's value, reached the loss
+    assert log_15["shifted_pg/shift"] == 1.5
+    assert log_15["loss"] == pytest.approx(default_log["loss"] - 1.5, abs=1e-4)
+    assert any(not torch.allclose(default_weights[n], weights_15[n]) for n in default_weights)

@@ -622,6 +622,45 @@ def test_generate_default_returns_trls_tuple_and_checks_rollout_func(tiny_model_
     )
     with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
         other._generate(["1+1="] * 3)
+    assert other.rollout_func is incomplete  # TRL's attribute
+
+
+def test_generate_with_rollout_func_needs_only_trls_attributes():
+    # TRL's own dispatch tests build the trainer with object.__new__ and set what TRL's _generate reads; with a
+    # rollout_func, grouprl's _generate needs nothing else either (no sampler: the function's output is the tuple).
+    from types import SimpleNamespace
+
+    trainer = object.__new__(GRPOTrainer)
+    trainer.tools = None  # TRL's tests set it; on a built trainer it is a read-only view (test_agents.py)
+    trainer.processing_class = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["decoded"] * len(ids))
+    trainer.rollout_func = lambda prompts, trainer: {"prompt_ids": [[1]], "completion_ids": [[2]]}
+    with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
+        trainer._generate(["prompt"])
+    seen = []
+
+    def rollout(prompts, trainer):
+        seen.append((prompts, trainer))
+        return {
+            "prompt_ids": [[1]],
+            "completion_ids": [[2, 3]],
+            "logprobs": [[-0.1, -0.2]],
+            "env_mask": [[1, 0]],
+            "answer": ["42"],
+        }
+
+    trainer.rollout_func = rollout
+    prompt = [{"role": "user", "content": "hi"}]
+    assert trainer._generate([prompt]) == (
+        [[1]],
+        [[2, 3]],
+        [[1, 0]],
+        [[{"role": "assistant", "content": "decoded"}]],
+        [[-0.1, -0.2]],
+        {"answer": ["42"]},
+        None,
+        [],
+    )
+    assert seen == [([prompt], trainer)] and seen[0][0][0] is not prompt  # a copy, as TRL passes
 
 
 def test_overridden_per_token_logps_and_log_and_training_step(tiny_model_dir, tmp_path):

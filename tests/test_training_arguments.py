@@ -329,6 +329,14 @@ def test_iterable_dataset_refuses_dispatch_batches(tiny_model_dir, tmp_path):
             train_dataset=stream,
             args=make_config(tmp_path, accelerator_config={"dispatch_batches": True}),
         )
+    # TRL's test sets no max_steps: the dispatch_batches error still comes first, as TRL raises it
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        GRPOTrainer(
+            tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            train_dataset=stream,
+            args=make_config(tmp_path, accelerator_config={"dispatch_batches": True}, max_steps=-1),
+        )
     trainer = GRPOTrainer(
         tiny_model_dir, reward_funcs=distinct_tokens, train_dataset=stream, args=make_config(tmp_path)
     )
@@ -376,3 +384,26 @@ def test_hub_settings_reach_push_to_hub(tiny_model_dir, tmp_path, monkeypatch):
         "README.md",
     )
     assert ModelCard.load(upload["path_or_fileobj"]).data.datasets == ["me/data"]
+
+
+def test_liger_kernel_is_refused_by_the_trainer_not_the_config(tiny_model_dir, tmp_path):
+    # As TRL: GRPOConfig(use_liger_kernel=True) builds; the trainer refuses it before loading the model, and names
+    # TRL's own objection (a LoRA adapter on lm_head) when the peft_config has one.
+    from peft import LoraConfig
+
+    config = make_config(tmp_path, use_liger_kernel=True)
+    assert config.use_liger_kernel is True
+    advice = r"GRPOConfig\.use_liger_kernel=True is not supported by grouprl: .+Leave use_liger_kernel at its default"
+    with pytest.raises(ValueError, match=advice) as plain:
+        GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
+    assert "lm_head" not in str(plain.value)
+    with pytest.raises(ValueError, match=advice + r".+adapter on `lm_head`"):
+        GRPOTrainer(
+            tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=config,
+            train_dataset=prompts(),
+            peft_config=LoraConfig(target_modules=["q_proj", "v_proj", "lm_head"]),
+        )
+    rows = {name: note for name, _, note in compat_table(GRPOConfig)}
+    assert "refused when GRPOTrainer is built" in rows["use_liger_kernel"]

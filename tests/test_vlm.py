@@ -136,13 +136,19 @@ def test_a_samples_logprobs_are_the_same_batched_with_shorter_or_longer_prompts(
     encoded = [encode.encode_row(row, i) for i, row in enumerate(rows)]
     completions = [[65, 66, 67, 68], [70, 71, 72, 73, 74, 75, 76], [80]]
 
-    def logprobs(indices, forward=model, bucket_by_length=False):  # False: every row in one forward, padded together
+    def logprobs(indices, forward=model, bucket_by_length=False, multiple=None):  # False: one forward, padded together
         prompt_ids, prompt_mask = left_pad([encoded[i][1] for i in indices], 0)
         completion_ids, completion_mask = left_pad(
             [completions[i] for i in indices], 0
         )  # left-pad, then flip = right-pad
         completion_ids, completion_mask = completion_ids.flip(1), completion_mask.flip(1)
         completion_ids[completion_mask.bool()] = torch.cat([torch.tensor(completions[i]) for i in indices])
+        if multiple:  # pad_to_multiple_of: more padding left of the prompts and right of the completions
+            extra_p, extra_c = -prompt_ids.shape[1] % multiple, -completion_ids.shape[1] % multiple
+            prompt_ids, prompt_mask = (torch.nn.functional.pad(t, (extra_p, 0)) for t in (prompt_ids, prompt_mask))
+            completion_ids, completion_mask = (
+                torch.nn.functional.pad(t, (0, extra_c)) for t in (completion_ids, completion_mask)
+            )
         with torch.no_grad():
             out = completion_logprobs(
                 forward,
@@ -153,6 +159,7 @@ def test_a_samples_logprobs_are_the_same_batched_with_shorter_or_longer_prompts(
                 temperature=1.0,
                 multimodal=[encoded[i][2] for i in indices],
                 bucket_by_length=bucket_by_length,
+                pad_to_multiple_of=multiple,
             )
         return out.logprobs[indices.index(0), : len(completions[0])]
 
@@ -162,6 +169,10 @@ def test_a_samples_logprobs_are_the_same_batched_with_shorter_or_longer_prompts(
     torch.testing.assert_close(
         logprobs([2, 1, 0], bucket_by_length=True), alone, atol=1e-5, rtol=1e-5
     )  # the default: length buckets
+    for bucket_by_length in (False, True):  # image tokens keep their per-token fields under extra padding (TRL's 7)
+        torch.testing.assert_close(
+            logprobs([2, 1, 0], bucket_by_length=bucket_by_length, multiple=7), alone, atol=1e-5, rtol=1e-5
+        )
     # The check can fail: the same batch with the images' positions or rows wrong gives other logprobs.
     control = Misaligned(model, "images in reverse row order" if arch == "llava" else "text positions")
     assert (logprobs([2, 1, 0], control) - alone).abs().max() > 1e-3

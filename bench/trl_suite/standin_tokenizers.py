@@ -1,7 +1,7 @@
 """Byte-level BPE tokenizers that stand in for the tokenizers of TRL's tiny test models.
 
 TRL's tests hard-code a few token ids of the real tokenizers (Qwen's ``<|endoftext|>`` = 151643,
-``<|im_end|>`` = 151645, ``<tool_call>`` = 151657, ...) and, in the tool-calling test, whole
+``<|im_end|>`` = 151645, ``<tool_call>`` = 151657, ...) and, in the tool-calling and environment tests, whole
 completions as Qwen token ids. A stand-in therefore keeps each family's vocabulary size, puts its
 special tokens at their real ids and, for Qwen, lays out the first 256 ids in the GPT-2 byte order
 Qwen uses and places the handful of word pieces those completions use at their real ids. Every
@@ -166,7 +166,7 @@ _QWEN_SPECIALS = [
 ]
 QWEN_FIRST_SPECIAL = 151643
 
-# Word pieces TRL's tool-calling test writes as raw Qwen ids (see its fake `generate`).
+# Word pieces TRL's tool-calling tests write as raw Qwen ids (see their fake `generate`).
 QWEN_PIECES = {
     4913: '{"',
     606: "name",
@@ -186,6 +186,18 @@ QWEN_PIECES = {
     894: " any",
     5392: " tool",
     17453: "Done",
+    # and those of its environment tests (environment_factory: an `increment` counter, a `shout` echo)
+    35744: "increment",
+    9520: "step",
+    450: "de",
+    13477: "crement",
+    2765: " won",
+    16252: " increment",
+    927: "sh",
+    411: "out",
+    1318: "text",
+    6023: "hi",
+    95642: '"}}\n',
 }
 
 

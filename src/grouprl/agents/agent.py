@@ -81,8 +81,10 @@ class Agent:
         generation scores a rollout after later ones were sampled)."""
         tokenizer = self.settings.tokenizer
         if self.spec.rollout_func is not None:
+            # the trainer's rollout_func attribute, as TRL reads it (the argument, unless reassigned since)
+            rollout_func = getattr(self.trainer, "rollout_func", None) or self.spec.rollout_func
             return custom_rollouts(
-                self.spec.rollout_func, prompts, self.trainer, tokenizer=tokenizer, stop_ids=self.settings.stop_ids
+                rollout_func, prompts, self.trainer, tokenizer=tokenizer, stop_ids=self.settings.stop_ids
             )
         if not is_conversational(prompts.prompts[0]):
             raise ValueError(

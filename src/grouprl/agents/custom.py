@@ -25,11 +25,9 @@ from grouprl.core.types import Completion, PromptBatch
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
-def custom_rollouts(
-    rollout_func: Callable[..., Any], prompts: PromptBatch, trainer: Any, *, tokenizer: Any, stop_ids: set[int]
-) -> list[Completion]:
-    rows = prompts.row_index()
-    output = rollout_func([copy.deepcopy(prompts.prompts[b]) for b in rows], trainer)
+def rollout_output(rollout_func: Callable[..., Any], prompts: list, trainer: Any) -> dict[str, Any]:
+    """`rollout_func(prompts, trainer)`, checked: a dict with REQUIRED_KEYS and one entry per prompt in each list."""
+    output = rollout_func(prompts, trainer)
     name = getattr(rollout_func, "__name__", "rollout_func")
     if not isinstance(output, dict):
         raise TypeError(
@@ -45,12 +43,21 @@ def custom_rollouts(
     for key, values in output.items():
         if key == "logprobs" and values is None:
             continue
-        if not isinstance(values, (list, tuple)) or len(values) != len(rows):
+        if not isinstance(values, (list, tuple)) or len(values) != len(prompts):
             got = f"{len(values)} entries" if isinstance(values, (list, tuple)) else type(values).__name__
             raise ValueError(
-                f"rollout_func {name}: '{key}' must be a list with one entry per prompt it was given ({len(rows)}), "
-                f"got {got}."
+                f"rollout_func {name}: '{key}' must be a list with one entry per prompt it was given "
+                f"({len(prompts)}), got {got}."
             )
+    return output
+
+
+def custom_rollouts(
+    rollout_func: Callable[..., Any], prompts: PromptBatch, trainer: Any, *, tokenizer: Any, stop_ids: set[int]
+) -> list[Completion]:
+    rows = prompts.row_index()
+    output = rollout_output(rollout_func, [copy.deepcopy(prompts.prompts[b]) for b in rows], trainer)
+    name = getattr(rollout_func, "__name__", "rollout_func")
     extras = [key for key in output if key not in (*REQUIRED_KEYS, "env_mask")]
     completions = []
     for r, b in enumerate(rows):

@@ -47,6 +47,7 @@ class Environments:
             Optional[str], list[Tool]
         ] = {}  # per environment: standalone tools + its methods (schemas for prompts)
         self.reward_functions: list[Callable[..., Any]] = []
+        self.latest: Optional[list[Any]] = None  # the instances of the latest checkout, in rollout order
         rewarded: list[type] = []
         for name, factory in self.factories.items():
             label = "environment_factory" if name is None else f"environment_factory[{name!r}]"
@@ -89,7 +90,8 @@ class Environments:
         instances and growing pools as needed. `fresh`: new instances, not pooled (asynchronous
         generation: earlier rollouts' instances may still wait to be scored)."""
         if fresh:
-            return [self.factories[name]() for name in names]
+            self.latest = [self.factories[name]() for name in names]
+            return self.latest
         handed: dict[Optional[str], int] = {}
         instances = []
         for name in names:
@@ -98,6 +100,7 @@ class Environments:
                 pool.append(self.factories[name]())
             handed[name] = index + 1
             instances.append(pool[index])
+        self.latest = instances
         return instances
 
 

@@ -22,7 +22,7 @@ from transformers.utils import logging
 from grouprl.agents import AgentSpec
 from grouprl.compat.accelerator_setup import make_accelerator, zero3_reference
 from grouprl.compat.gloo_exit import stop_gloo_at_exit
-from grouprl.compat.trainer_attributes import TrainerAttributes, mirror_trl_settings
+from grouprl.compat.trainer_attributes import TrainerAttributes, trl_setting_copies
 from grouprl.compat.trainer_dataloaders import TrainerDataloaders
 from grouprl.compat.trainer_hooks import OverridePoints
 from grouprl.compat.trainer_inputs import active_features, collect_reward_sources, default_args, prepare_train_dataset
@@ -47,7 +47,7 @@ from grouprl.generation.protocol import GenerationBackend
 from grouprl.model.loading import eos_token_ids, load_tokenizer
 from grouprl.model.multimodal import text_tokenizer
 from grouprl.model.patches import grouprl_patches
-from grouprl.train import evaluation, loop
+from grouprl.train import evaluation, loop, stages
 from grouprl.train.async_generation import async_generation
 from grouprl.train.callbacks import CallbackHandler
 from grouprl.train.checkpoint import resolve_resume_path
@@ -96,7 +96,8 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
 
     Subclass it as TRL's: the loop runs through TRL's override points (training_step, _prepare_inputs,
     _generate_and_score_completions, _generate, _calculate_rewards, compute_loss, _compute_loss,
-    _get_per_token_logps_and_entropies, get_high_entropy_mask, get_off_policy_mask, log; see trainer_hooks.py), and a
+    _get_per_token_logps_and_entropies, get_high_entropy_mask, get_off_policy_mask, log, evaluate; see
+    train/stages.py), and a
     subclass overriding a TRL method grouprl never calls is refused when it is defined.
     """
 
@@ -171,7 +172,10 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
                 "pixel_values keyword arguments. Remove the override, or override _compute_loss instead."
             )
         self.eos_token_ids = eos_token_ids(tokenizer, self.model)
-        load_rewards(self, args, reward_funcs, reward_processing_classes, weights)
+        rewards = load_rewards(args, reward_funcs, reward_processing_classes, weights, self.accelerator.device)
+        self.reward_functions, self.reward_funcs = rewards.reward_functions, rewards.reward_funcs  # TRL's names
+        self.reward_func_names, self.reward_weights = rewards.reward_func_names, rewards.reward_weights
+        self.reward_processing_classes = rewards.reward_processing_classes
         self.model, reference_adapter, aux_loss_coef = prepare_for_training(
             args,
             self.model,
@@ -193,14 +197,28 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
             args,
             max_num_seqs=self.plan.completions_per_process,
         )
+        if args.async_generation and self.overrides("_generate"):
+            raise NotImplementedError(
+                f"{type(self).__name__} overrides _generate, which async_generation=True cannot call: the worker "
+                "process samples the completions. Override _generate_and_score_completions or _calculate_rewards "
+                "instead, or train with async_generation=False."
+            )
+        # TRL's attribute: what _generate and the agent call (reassigning it swaps the rollout function, as in TRL)
+        self.rollout_func = agents.rollout_func if agents else None
         rollouts = build_rollouts(
-            self,
             args,
+            self.plan,
+            accelerator=self.accelerator,
             backend=self.generation_backend,
-            train_dataset=train_dataset,
+            model_config=self.model.config,
+            processing_class=self.processing_class,
             tokenizer=tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            rewards=rewards,
+            train_dataset=train_dataset,
             agents=agents,
             environments_own_prompts=environments_own_prompts,
+            rollout_func_trainer=self,
         )
         self.state = make_trainer_state(args, total_steps, self.accelerator)
         if reference_model is not None:
@@ -229,9 +247,9 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
                 optimizer=optimizer,
                 lr_scheduler=scheduler,
             ),
-            trainer=self,
         )
-        mirror_trl_settings(self, args, aux_loss_coef)  # TRL's attribute copies of the settings
+        for name, value in trl_setting_copies(args, aux_loss_coef).items():  # TRL's attribute copies of the settings
+            setattr(self, name, value)
         # scheduled, or asked for by a callback (control.should_evaluate)
         self.run.evaluates = args.eval_strategy != "no" or eval_dataset is not None
         if self.accelerator.num_processes > 1:
@@ -262,6 +280,7 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
             self._load_checkpoint(path)
             self._record_started = True  # the resumed run's record goes on
         self._start_record()
+        self._record_overrides()
         init_trackers(self.accelerator, self.args)
         own_backend = self.generation_backend
         try:
@@ -274,6 +293,14 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
             self.generation_backend = own_backend
             self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _record_overrides(self) -> None:
+        """What the stages consult (stages.py): this trainer's TRL overrides, as they are now, and the eval set."""
+        run = self.run
+        run.overrides, run.eval_dataset = self._recorded_overrides(), self.eval_dataset
+        overridden = run.overrides.get
+        run.rollouts.generate_hook = self._generate_through_override if overridden("_generate") else None
+        run.rollouts.reward_hook = self._rewards_through_override if overridden("_calculate_rewards") else None
 
     def _start_record(self) -> None:
         """The first train() / evaluate() sets an earlier run's record aside, unless resuming (run_record.py)."""
@@ -291,9 +318,10 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
         is accepted for compatibility: it names model outputs, which evaluation does not collect.
         """
         self._start_record()
+        self._record_overrides()
         with grouprl_patches(self.model, self.args):  # grouprl's attention functions, for this call only (patches.py)
             return evaluation.evaluate(
-                self.run.evaluation_parts(),
+                stages.evaluation_parts(self.run),
                 eval_dataset if eval_dataset is not None else self.eval_dataset,
                 metric_key_prefix,
             )

@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from grouprl.agents.custom import REQUIRED_KEYS, rollout_output
 from grouprl.core.distributed import gather_rows, global_sum
 from grouprl.core.types import Completion, PromptBatch, Rollout
+from grouprl.data.prompts import is_conversational
+from grouprl.model.multimodal import text_tokenizer
 from grouprl.rewards.scoring import score_completions
 from grouprl.rollout.sampler import completion_inputs, reward_columns
 
@@ -34,7 +37,10 @@ class GenerationOverridePoints:
     def _generate(self, prompts: list) -> tuple:
         """Completions for `prompts` (one entry per completion to sample, each prompt repeated consecutively for its
         completions), as TRL's tuple: (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields,
-        images, tool_images). Text prompts; images are not passed through this call."""
+        images, tool_images). Text prompts; images are not passed through this call. With a rollout_func, as in TRL,
+        its output (checked: ValueError naming missing keys) is the tuple, and nothing else is sampled."""
+        if getattr(self, "rollout_func", None) is not None:
+            return self._rollout_func_tuple(prompts)
         batch = _prompt_batch(self.run.rollouts, prompts)
         generated = self.run.rollouts.generate_default(batch)
         rollout = Rollout(batch, generated)
@@ -58,6 +64,17 @@ class GenerationOverridePoints:
             None,
             [],
         )
+
+    def _rollout_func_tuple(self, prompts: list) -> tuple:
+        """TRL's 8-tuple from `self.rollout_func(prompts, self)`: env_mask is the tool mask, the other keys extra
+        fields (reward keyword arguments); completions decoded, as messages for conversational prompts."""
+        output = rollout_output(self.rollout_func, copy.deepcopy(prompts), self)
+        completion_ids = [list(ids) for ids in output["completion_ids"]]
+        texts = text_tokenizer(self.processing_class).batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(prompts[0]) else texts
+        extra = {key: values for key, values in output.items() if key not in (*REQUIRED_KEYS, "env_mask")}
+        prompt_ids, logprobs = [list(ids) for ids in output["prompt_ids"]], output["logprobs"]
+        return prompt_ids, completion_ids, output.get("env_mask"), completions, logprobs, extra, None, []
 
     def _calculate_rewards(
         self, inputs: list, prompts: list, completions: list, completion_ids_list: list

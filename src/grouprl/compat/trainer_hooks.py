@@ -36,6 +36,7 @@ from grouprl.compat.trainer_generation_hooks import GenerationOverridePoints
 from grouprl.compat.trainer_loss_hooks import LossOverridePoints
 from grouprl.compat.trainer_refused_hooks import refuse_unsupported_overrides
 from grouprl.compat.trainer_step_hooks import StepOverridePoints
+from grouprl.core.overrides import OVERRIDE_POINTS, Overrides
 
 
 class OverridePoints(StepOverridePoints, LossOverridePoints, GenerationOverridePoints):
@@ -45,15 +46,23 @@ class OverridePoints(StepOverridePoints, LossOverridePoints, GenerationOverrideP
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if vars(cls).get("_grouprl_surface"):  # GRPOTrainer itself: its versions are the ones the loop uses
+        if vars(cls).get("_grouprl_surface"):  # GRPOTrainer itself: its versions are grouprl's own stages
+            cls._grouprl_own = {name: getattr(cls, name) for name in OVERRIDE_POINTS}
             return
         refuse_unsupported_overrides(cls)
 
     def overrides(self, name: str) -> bool:
         """Whether `name` is not grouprl's own here: defined by a subclass, or patched onto the class or the
         instance."""
-        own = getattr(OverridePoints, name)
+        surface = next(c for c in type(self).__mro__ if vars(c).get("_grouprl_surface"))  # GRPOTrainer
+        own = surface.__dict__.get("_grouprl_own", {}).get(name)
         return name in vars(self) or getattr(type(self), name) is not own
+
+    def _recorded_overrides(self) -> Overrides:
+        """Which of TRL's override points this trainer replaces, bound to it (taken when train() or evaluate()
+        starts, so a method patched onto the trainer after construction counts)."""
+        methods = {name: getattr(self, name) for name in OVERRIDE_POINTS if self.overrides(name)}
+        return Overrides(methods, owner=type(self).__name__)
 
     def _send_telemetry(self) -> None:
         """grouprl sends no telemetry (TRL pings the Hub from here); kept so an override that silences it runs."""

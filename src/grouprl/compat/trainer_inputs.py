@@ -13,11 +13,12 @@ from transformers.utils import logging
 from grouprl.agents import AgentSpec
 from grouprl.agents.environments import environment_dataset
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig
+from grouprl.config.training_arguments import refusal
 from grouprl.data.dataset_checks import KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_dataset
 from grouprl.data.row_loading import workers_for
 from grouprl.generation.factory import sharded_weights
 from grouprl.model import quantization
-from grouprl.model.adapters import is_peft_model
+from grouprl.model.adapters import config_targets_head, head_has_adapter, is_peft_model
 from grouprl.rewards.models import check_reward_funcs, is_reward_model
 from grouprl.rewards.signatures import REWARD_KEYWORDS, check_keywords, reward_name
 from grouprl.train.eval_data import check_eval_setup
@@ -50,6 +51,7 @@ def active_features(
     generation_backend: Any,
 ) -> set[str]:
     """The features of combinations.FEATURES this run uses, from the arguments as given (nothing is loaded)."""
+    check_liger_kernel(args, model, peft_config)
     columns = getattr(train_dataset, "column_names", None) or []
     own_backend = generation_backend is not None
     vllm_server = args.use_vllm and args.vllm_mode == "server"
@@ -85,6 +87,20 @@ def active_features(
     return {name for name, used in on.items() if used}
 
 
+def check_liger_kernel(args: GRPOConfig, model: Any, peft_config: Any) -> None:
+    """use_liger_kernel=True, accepted by GRPOConfig, is refused here, before any model loads: TRL raises about it
+    when its trainer is built (a PEFT adapter on lm_head, which its loss would never train), not in its config."""
+    if not args.use_liger_kernel:
+        return
+    message = refusal("use_liger_kernel", args.use_liger_kernel, False)
+    if config_targets_head(peft_config) or (is_peft_model(model) and head_has_adapter(model)):
+        message += (
+            " TRL refuses this run too, for its PEFT adapter on `lm_head`: TRL's loss multiplies by `lm_head.weight` "
+            "directly, so that adapter would never train."
+        )
+    raise ValueError(message)
+
+
 def prepare_train_dataset(
     args: GRPOConfig,
     train_dataset: Any,
@@ -103,11 +119,11 @@ def prepare_train_dataset(
     environments_own_prompts = bool(agents and agents.environments)  # rows may lack a prompt: reset() supplies it (TRL)
     check_dataset(train_dataset, "train_dataset", prompt_required=not environments_own_prompts)
     if isinstance(train_dataset, datasets.IterableDataset):
+        check_stream_dispatch(args)  # first, as TRL: its message is the one a TRL user expects
         if args.max_steps <= 0:
             raise ValueError(
                 "train_dataset is an IterableDataset (no length), so GRPOConfig.max_steps must be set (> 0)."
             )
-        check_stream_dispatch(args)
     if workers_for(train_dataset, args.dataloader_num_workers) != args.dataloader_num_workers:
         # Written back as TRL does (its tests read it): workers would interleave shards of the stream (row_loading.py).
         logger.warning(

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from grouprl.core.masks import off_policy_mask
+from grouprl.core.entropy import high_entropy_mask
+from grouprl.core.masks import off_policy_sequence_mask
 from grouprl.model.logprobs import completion_logprobs
 
 
@@ -58,17 +59,9 @@ class LossOverridePoints:
         return out.logprobs, out.entropy, out.aux_loss
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """(B, T) bool: the valid tokens (mask) whose entropy is at least the `threshold` quantile of the entropies
-        of every valid token on every process (threshold = 1 - top_entropy_quantile). No valid token: all False."""
-        local = entropies[mask.bool()].detach().float()
-        # entropies are >= 0: -1 marks padding
-        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0)
-        gathered = self.accelerator.gather(padded)
-        gathered = gathered[gathered >= 0]
-        if gathered.numel() == 0:
-            return torch.zeros_like(mask, dtype=torch.bool)
-        cutoff = torch.quantile(gathered, float(threshold))
-        return (entropies >= cutoff) & mask.bool()
+        """(B, T) bool: the valid tokens whose entropy is at least the `threshold` quantile over every process
+        (entropy.high_entropy_mask)."""
+        return high_entropy_mask(entropies, mask, threshold, self.accelerator)
 
     @staticmethod
     def get_off_policy_mask(
@@ -78,14 +71,7 @@ class LossOverridePoints:
         mask: torch.Tensor,
         off_policy_threshold: float,
     ) -> torch.Tensor:
-        """DeepSeek-V3.2's off-policy sequence mask, (B, 1) in mask's dtype: 1 keeps a sequence, 0 drops it
-        (negative advantage and a mean log-ratio log pi_behaviour - log pi_theta over its valid tokens above the
-        threshold; tokens the sampler did not score (NaN) count as 0). `advantages`: (B,) or (B, 1)."""
-        if advantages.dim() == 2 and advantages.shape[1] == 1:
-            advantages = advantages.squeeze(1)
-        if advantages.dim() != 1:
-            raise ValueError(f"get_off_policy_mask: advantages must be (B,) or (B, 1), got {tuple(advantages.shape)}.")
-        keep = off_policy_mask(
-            per_token_logps, sampling_per_token_logps, advantages, mask, threshold=off_policy_threshold
+        """DeepSeek-V3.2's off-policy sequence mask, (B, 1) (masks.off_policy_sequence_mask)."""
+        return off_policy_sequence_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
         )
-        return keep.to(mask.dtype)

@@ -19,8 +19,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 
 from grouprl._version import __version__
-from grouprl.core.metrics import TRAINER_METRICS, format_log_line
-from grouprl.train.evaluation import format_eval_line
+from grouprl.train import stages
 
 GRPO_PAPER = ("DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models", "2402.03300")
 
@@ -37,27 +36,9 @@ class TrainerReporting:
 
     def log(self, logs: dict[str, Any], start_time: Optional[float] = None) -> None:
         """Log `logs`: log_history (with epoch and step), the report_to trackers, the callbacks' on_log, metrics.jsonl
-        and a console line. While the model is in training mode (TRL's GRPO), the metrics gathered since the last
-        entry are merged in first (means, NaN left out; None when nothing valid) and the completion log is written
-        when log_completions is on. `logs` is updated in place, as Trainer's (``epoch`` added)."""
-        run = self.run
-        training = self.model.training
-        if training:
-            logs.update({name: value for name, value in run.window.summary().items() if name not in TRAINER_METRICS})
-            run.window.clear()
-        if self.state.epoch is not None:
-            logs["epoch"] = self.state.epoch
-        if start_time is not None and self.args.include_num_input_tokens_seen not in (False, "no"):
-            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
-        entry = run.publish(logs)
-        if "train_runtime" in entry:  # the end-of-training summary: metrics.jsonl only
-            line = None
-        else:
-            line = format_log_line(entry, run.total_steps) if training else format_eval_line(entry)
-        run.echo(entry, line)
-        completion_log = run.rollouts.completion_log
-        if training and completion_log is not None and "train_runtime" not in entry:
-            completion_log.write(self.state.global_step, self.accelerator)  # parquet, console table, tracker tables
+        and a console line; in training mode the metrics gathered since the last entry are merged in first
+        (stages.own_log)."""
+        stages.own_log(self.run, logs, start_time)
 
     def is_world_process_zero(self) -> bool:
         """Whether this is the main process of the whole launch."""

@@ -3,24 +3,32 @@ names (their sources were checked before any model loaded: trainer_inputs.collec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from grouprl.config.grpo_config import GRPOConfig
 from grouprl.rewards.models import load_reward_functions
-from grouprl.rewards.scoring import prepare_reward_functions
+from grouprl.rewards.scoring import RewardFunction, prepare_reward_functions
 
-if TYPE_CHECKING:
-    from grouprl.compat.trainer import GRPOTrainer
+
+@dataclass(frozen=True)
+class RewardParts:
+    """The loaded reward functions: grouprl's (what scoring calls) and TRL's attributes of them."""
+
+    reward_functions: list[RewardFunction]  # grouprl's, what scoring calls
+    reward_funcs: list[Any]  # TRL's: each function, or reward model
+    reward_func_names: list[str]
+    reward_weights: torch.Tensor  # (F,) float32
+    reward_processing_classes: list[Any]  # each reward model's tokenizer, None for a function
 
 
 def load_rewards(
-    trainer: "GRPOTrainer", args: GRPOConfig, reward_funcs: list, reward_processing_classes: Any, weights: list[float]
-) -> None:
-    """Set the trainer's ``reward_functions`` (grouprl's, what scoring calls) and TRL's ``reward_funcs``,
-    ``reward_func_names``, ``reward_weights`` and ``reward_processing_classes``."""
-    trainer.reward_functions = prepare_reward_functions(
+    args: GRPOConfig, reward_funcs: list, reward_processing_classes: Any, weights: list[float], device: torch.device
+) -> RewardParts:
+    """Load the reward functions (reward models too, on `device`) and prepare them for scoring."""
+    functions = prepare_reward_functions(
         load_reward_functions(
             reward_funcs,
             reward_processing_classes,
@@ -28,13 +36,14 @@ def load_rewards(
             trust_remote_code=args.trust_remote_code,
             chat_template_kwargs=args.chat_template_kwargs,
             batch_size=args.per_device_train_batch_size,
-            device=trainer.accelerator.device,
+            device=device,
         )
     )
-    trainer.reward_funcs = [f.fn for f in trainer.reward_functions]
-    trainer.reward_func_names = [f.name for f in trainer.reward_functions]
-    # TRL's attributes: the weights as a tensor, and each reward model's tokenizer (None for a function)
-    trainer.reward_weights = torch.tensor(weights, dtype=torch.float32)
-    trainer.reward_processing_classes = [
-        getattr(f, "tokenizer", None) if hasattr(f, "model") else None for f in trainer.reward_funcs
-    ]
+    funcs = [f.fn for f in functions]
+    return RewardParts(
+        reward_functions=functions,
+        reward_funcs=funcs,
+        reward_func_names=[f.name for f in functions],
+        reward_weights=torch.tensor(weights, dtype=torch.float32),
+        reward_processing_classes=[getattr(f, "tokenizer", None) if hasattr(f, "model") else None for f in funcs],
+    )

@@ -1,44 +1,40 @@
 """The RolloutMaker GRPOTrainer samples with: the prompt sampler, the prompt tokenizer, the agent (tools /
-environments / rollout_func), the sampling settings, the completion log, and the trainer's generation and
-reward override points as its hooks (trainer_generation_hooks.py)."""
+environments / rollout_func), the sampling settings and the completion log."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from grouprl.agents import AgentSpec
 from grouprl.agents.environments import EMPTY_PROMPT
 from grouprl.agents.multiturn import TurnSettings
-from grouprl.config.grpo_config import GRPOConfig
+from grouprl.compat.trainer_rewards import RewardParts
+from grouprl.config.grpo_config import BatchPlan, GRPOConfig
 from grouprl.core.types import SamplingParams
 from grouprl.data.multimodal_prompts import make_prompt_tokenizer
 from grouprl.data.prompt_sampler import PromptSampler
 from grouprl.rollout.completion_log import CompletionLog, RecentCompletions
 from grouprl.rollout.sampler import RolloutMaker, RolloutSettings
 
-if TYPE_CHECKING:
-    from grouprl.compat.trainer import GRPOTrainer
-
 
 def build_rollouts(
-    trainer: "GRPOTrainer",
     args: GRPOConfig,
+    plan: BatchPlan,
     *,
+    accelerator: Any,
     backend: Any,
-    train_dataset: Any,
+    model_config: Any,
+    processing_class: Any,
     tokenizer: Any,
+    eos_token_ids: list[int],
+    rewards: RewardParts,
+    train_dataset: Any,
     agents: Optional[AgentSpec],
     environments_own_prompts: bool,
+    rollout_func_trainer: Any,
 ) -> RolloutMaker:
     """The sampler of prompts, the prompt tokenizer, the agent (tools / environments / rollout_func) and the
-    RolloutMaker."""
-    plan = trainer.plan
-    if args.async_generation and trainer.overrides("_generate"):
-        raise NotImplementedError(
-            f"{type(trainer).__name__} overrides _generate, which async_generation=True cannot call: the worker "
-            "process samples the completions. Override _generate_and_score_completions or _calculate_rewards "
-            "instead, or train with async_generation=False."
-        )
+    RolloutMaker. `rollout_func_trainer` is what a rollout_func receives as its trainer argument (TRL's API)."""
     sampler = PromptSampler(
         train_dataset,
         plan.prompts_per_generation,
@@ -46,9 +42,9 @@ def build_rollouts(
         seed=args.seed if args.data_seed is None else args.data_seed,
         num_workers=args.dataloader_num_workers,
     )
-    max_context = getattr(trainer.model.config.get_text_config(), "max_position_embeddings", None)
+    max_context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
     tokenize = make_prompt_tokenizer(
-        trainer.processing_class,
+        processing_class,
         max_context=max_context,
         max_completion_length=args.max_completion_length,
         chat_template_kwargs=args.chat_template_kwargs,
@@ -59,23 +55,23 @@ def build_rollouts(
             tokenize,
             TurnSettings(
                 tokenizer=tokenizer,
-                stop_ids=set(trainer.eos_token_ids),
+                stop_ids=set(eos_token_ids),
                 max_completion_length=args.max_completion_length,
                 max_tool_calling_iterations=args.max_tool_calling_iterations,
                 chat_template_kwargs=args.chat_template_kwargs or {},
             ),
-            trainer=trainer,
+            trainer=rollout_func_trainer,
         )
         if agents
         else None
     )
     return RolloutMaker(
-        accelerator=trainer.accelerator,
+        accelerator=accelerator,
         backend=backend,
         sampler=sampler,
         tokenize=tokenize,
-        reward_functions=trainer.reward_functions,
-        reward_weights=trainer.reward_weights,
+        reward_functions=rewards.reward_functions,
+        reward_weights=rewards.reward_weights,
         sampling=SamplingParams(
             max_new_tokens=args.max_completion_length,
             temperature=args.temperature,
@@ -93,6 +89,7 @@ def build_rollouts(
             mask_truncated_completions=args.mask_truncated_completions,
             remove_unused_columns=args.remove_unused_columns,
             pad_token_id=tokenizer.pad_token_id,
+            pad_to_multiple_of=args.pad_to_multiple_of,
             default_prompt=EMPTY_PROMPT if environments_own_prompts else None,
         ),
         completion_log=CompletionLog(
@@ -102,6 +99,4 @@ def build_rollouts(
         else None,
         agent=agent,
         recent=RecentCompletions(plan.completions_per_generation, args.log_multimodal),
-        generate_hook=trainer._generate_through_override,
-        reward_hook=trainer._rewards_through_override,
-    )
+    )  # a TRL subclass's _generate / _calculate_rewards are set as its hooks when a run starts

@@ -32,13 +32,6 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
     "use_transformers_paged": (False, "transformers continuous batching"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
     "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
-    # TRL pads for AWS Neuron's fixed shapes ('auto' = 128 there, no padding elsewhere); grouprl trims every micro-batch
-    # to its longest prompt and completion instead, and does not target Neuron.
-    "pad_to_multiple_of": (
-        None,
-        "padding the training batch's sequence lengths to a multiple (grouprl trims each micro-batch "
-        "to its longest row)",
-    ),
 }
 
 
@@ -64,13 +57,20 @@ def _check_registered_names(config: "GRPOConfig") -> None:
             f"GRPOConfig.loss_type={config.loss_type!r} is not one of {', '.join(map(repr, LOSSES))}; "
             "add your own with grouprl.register_loss(name, objective, aggregate) before building the config."
         )
-    unknown = sorted(set(config.loss_kwargs or {}) - set(LOSSES[config.loss_type].params))
-    if unknown:
-        raise ValueError(
-            f"GRPOConfig.loss_kwargs: loss_type={config.loss_type!r} has no hyper-parameter {unknown[0]!r}; its "
-            f"hyper-parameters are {sorted(LOSSES[config.loss_type].params) or 'none'} (register_loss(..., "
-            "params=...))."
-        )
+    spec = LOSSES[config.loss_type]
+    own = sorted(set(spec.params) - set(spec.config_fields))  # the others come from their config fields
+    for name in sorted(config.loss_kwargs or {}):
+        if name in spec.config_fields:  # effective_epsilon_high: the epsilon_high field
+            field_name = spec.config_fields[name].removeprefix("effective_")
+            raise ValueError(
+                f"GRPOConfig.loss_kwargs: {name!r} of loss_type={config.loss_type!r} comes from GRPOConfig.{field_name}"
+                "; set that field instead."
+            )
+        if name not in own:
+            raise ValueError(
+                f"GRPOConfig.loss_kwargs: loss_type={config.loss_type!r} has no hyper-parameter {name!r}; its "
+                f"hyper-parameters are {own or 'none'} (register_loss(..., params=...))."
+            )
     if config.advantage_estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
             f"GRPOConfig.advantage_estimator={config.advantage_estimator!r} is not one of "
@@ -262,7 +262,8 @@ def normalize_scale_rewards(value: Any) -> str:
 
 
 def normalize_pad_to_multiple_of(value: Any) -> Optional[int]:
-    # "auto" means 128 on AWS Neuron in TRL, which grouprl does not target: no padding.
+    # "auto" means 128 on AWS Neuron in TRL, which grouprl does not target: no padding. An integer pads the training
+    # batch (rollout/train_batch.py) and every training forward's widths (model/logprobs.py), as TRL pads its batch.
     if value is None or (isinstance(value, str) and value.lower() in ("auto", "none", "null")):
         return None
     try:

@@ -72,8 +72,9 @@ class ModelAndSamplingFields:
     pad_to_multiple_of: Optional[str] = field(
         default="auto",
         metadata=_meta(
-            "'auto' or 'none': no padding (TRL pads only on AWS Neuron). An integer N (pad to a multiple of N) is "
-            "refused: not built."
+            "An integer N pads the training batch's prompt and completion widths, and those of every training "
+            "forward, to multiples of N (shared-prompt packing is then off; generation is not padded). 'auto' or "
+            "'none': no padding (TRL pads only on AWS Neuron)."
         ),
     )
 

@@ -180,6 +180,10 @@ REFUSED: dict[str, str] = {
     "debug": "transformers' debug options (underflow/overflow detection, TPU metrics) are not wired",
 }
 
+# Refused fields GRPOConfig accepts and GRPOTrainer refuses when it is built (`refusal`): where TRL raises about them,
+# so that a script (or TRL's own tests) building such a config first gets the error from the trainer, as with TRL.
+REFUSED_BY_TRAINER = frozenset({"use_liger_kernel"})
+
 # grouprl fields that stand in for TrainingArguments fields older transformers versions have.
 COMPAT_ALIASES = {
     "logging_dir": "tracker log directory (transformers < 5 field; default output_dir/runs)",
@@ -198,19 +202,22 @@ def refused_settings(config: Any) -> list[str]:
     messages = []
     for spec in dataclasses.fields(TrainingArguments):
         name = spec.name
-        if name in HONOURED or name in INERT or not spec.init:
+        if name in HONOURED or name in INERT or name in REFUSED_BY_TRAINER or not spec.init:
             continue
         value, default = getattr(config, name), _default(spec)
-        if _same(value, default):
-            continue
-        reason = REFUSED.get(
-            name, "grouprl does not know this TrainingArguments field (newer transformers?), so it cannot honour it"
-        )
-        messages.append(
-            f"GRPOConfig.{name}={value!r} is not supported by grouprl: {reason}. Leave {name} at its default "
-            f"({default!r})."
-        )
+        if not _same(value, default):
+            messages.append(refusal(name, value, default))
     return messages
+
+
+def refusal(name: str, value: Any, default: Any) -> str:
+    """The error for TrainingArguments field `name` set to `value`: the reason, and the default to leave it at."""
+    reason = REFUSED.get(
+        name, "grouprl does not know this TrainingArguments field (newer transformers?), so it cannot honour it"
+    )
+    return (
+        f"GRPOConfig.{name}={value!r} is not supported by grouprl: {reason}. Leave {name} at its default ({default!r})."
+    )
 
 
 def _default(spec: dataclasses.Field) -> Any:
@@ -242,7 +249,8 @@ def compat_table(config_cls: Any) -> list[tuple[str, str, str]]:
         elif name in INERT:
             rows.append((name, "accepted, no effect", INERT[name]))
         elif name in REFUSED:
-            rows.append((name, "refused unless default", REFUSED[name]))
+            when = " (refused when GRPOTrainer is built, as TRL checks it there)" if name in REFUSED_BY_TRAINER else ""
+            rows.append((name, "refused unless default", REFUSED[name] + when))
         elif name in COMPAT_ALIASES:
             rows.append((name, "honoured", COMPAT_ALIASES[name]))
         else:

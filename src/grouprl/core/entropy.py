@@ -2,8 +2,8 @@
 
 - *High-entropy tokens* ("Beyond the 80/20 rule", Wang et al. 2025), for reference: the policy term trains only
   on the top-rho fraction of loss tokens by entropy, the threshold being the (1 - rho) quantile of the
-  entropies of every loss token of the micro-batch on every process. It is TRL's override point
-  `get_high_entropy_mask` (compat/trainer_loss_hooks.py), which computes it.
+  entropies of every loss token of the micro-batch on every process (`high_entropy_mask`; TRL's override
+  point `get_high_entropy_mask` replaces it).
 - *Entropy bonus*: loss -= c * H_bar / GA, with H_bar the mean entropy over the (entropy-masked)
   loss tokens of the micro-batch; computed in `losses.policy_loss`.
 - *Adaptive coefficient* (Skywork-OR1, He et al. 2025): the bonus applied during an optimizer step
@@ -18,6 +18,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float, accelerator: Any) -> torch.Tensor:
+    """(B, T) bool: the valid tokens (mask) whose entropy is at least the `threshold` quantile of the entropies
+    of every valid token on every process (threshold = 1 - top_entropy_quantile). No valid token: all False."""
+    local = entropies[mask.bool()].detach().float()
+    # entropies are >= 0: -1 marks padding
+    padded = accelerator.pad_across_processes(local, dim=0, pad_index=-1.0)
+    gathered = accelerator.gather(padded)
+    gathered = gathered[gathered >= 0]
+    if gathered.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    cutoff = torch.quantile(gathered, float(threshold))
+    return (entropies >= cutoff) & mask.bool()
 
 
 @dataclass

@@ -19,11 +19,9 @@ in the layout (0..num_groups-1), "group id" its global id (stable across process
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import TypeVar
-
-from grouprl.core.types import Rollout
 
 T = TypeVar("T")
 
@@ -176,61 +174,3 @@ class GroupLayout:
         """Whether, after select_rows(keep), every process holds exactly its own kept rows (no row changes process)."""
         after = self.select_rows(keep)
         return all(sum(bool(keep[r]) for r in self.rows(p)) == len(after.rows(p)) for p in range(self.num_processes))
-
-
-# ---- rollouts under a layout -------------------------------------------------------------------
-
-
-def join_rollouts(layout: GroupLayout, parts: Sequence[Rollout]) -> Rollout:
-    """The whole-groups rollout from every process's share (process order): cut groups joined, rows in global order."""
-    for p, part in enumerate(parts):
-        if part.prompts.num_samples != [n for _, n in layout.pieces(p)]:
-            raise ValueError(
-                f"process {p}'s rollout holds {part.prompts.num_samples} rows per prompt; its layout share is "
-                f"{[n for _, n in layout.pieces(p)]}."
-            )
-    everything = Rollout.concat(list(parts))  # one prompt entry per piece
-    piece_group = [g for p in range(layout.num_processes) for g, _ in layout.pieces(p)]
-    first_piece = {}
-    for i, g in enumerate(piece_group):
-        first_piece.setdefault(g, i)
-    prompts = everything.prompts.subset(
-        [first_piece[g] for g in range(layout.num_groups)], list(layout.group_sizes), layout
-    )
-    prompts.prompts_given = all(part.prompts.prompts_given for part in parts)
-    row_groups = layout.row_groups()
-    return Rollout(prompts, [replace(c, prompt_index=row_groups[r]) for r, c in enumerate(everything.completions)])
-
-
-def own_rollout(layout: GroupLayout, whole: Rollout) -> Rollout:
-    """This process's share of a whole-groups rollout laid out by `layout` (its groups in layout order)."""
-    if whole.prompts.num_samples != list(layout.group_sizes):
-        raise ValueError(
-            f"own_rollout: the rollout's groups hold {whole.prompts.num_samples} rows; the layout says "
-            f"{list(layout.group_sizes)}."
-        )
-    pieces = layout.pieces()
-    prompts = whole.prompts.subset([g for g, _ in pieces], [n for _, n in pieces], layout)
-    local_index = {g: i for i, (g, _) in enumerate(pieces)}
-    row_groups = layout.row_groups()
-    completions = [
-        replace(whole.completions[r], prompt_index=local_index[row_groups[r]])
-        for r in layout.rows(layout.process_index)
-    ]
-    return Rollout(prompts, completions)
-
-
-def keep_own_rows(layout: GroupLayout, share: Rollout, keep: Sequence[bool]) -> Rollout:
-    """This process's kept rows when `keep` (global mask) moves no row to another process (keeps_rows_in_place)."""
-    after = layout.select_rows(keep)
-    local_keep = list(keep[layout.local_rows])
-    counts = [0] * len(share.prompts)
-    for b, k in zip(share.row_prompt, local_keep):
-        counts[b] += bool(k)
-    chosen = [b for b, n in enumerate(counts) if n]
-    prompts = share.prompts.subset(chosen, [counts[b] for b in chosen], after)
-    new_index = {b: i for i, b in enumerate(chosen)}
-    kept = [
-        replace(c, prompt_index=new_index[b]) for c, b, k in zip(share.completions, share.row_prompt, local_keep) if k
-    ]
-    return Rollout(prompts, kept)

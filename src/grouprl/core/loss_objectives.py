@@ -1,9 +1,10 @@
 """Per-token objectives of the GRPO family: logprobs, importance weights and advantages -> per-token loss.
 
 Shared signature: (logprobs (n, T), log_ratio (n, T) token-level log pi - log pi_old, log_weights (n, T) | (n, 1)
-at the chosen level, advantages (n, 1), mask (n, T), **scalars) -> (per-token loss (n, T) | (n, 1), stats).
-Each objective also returns its clip and ratio statistics under TRL's metric names. `losses.py` pairs
-them with an aggregation (`loss_aggregations.py`) into a loss_type.
+at the chosen level, advantages (n, 1), mask (n, T), *, sampler_weights, **its own hyper-parameters) -> (per-token
+loss (n, T) | (n, 1), stats). Each objective also returns its clip and ratio statistics under TRL's metric names.
+`losses.py` registers each with an aggregation (`loss_aggregations.py`) and its hyper-parameters' defaults and
+GRPOConfig fields as a loss_type.
 """
 
 from __future__ import annotations
@@ -107,13 +108,13 @@ def sapo_objective(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    sapo_temperature_pos: float,
-    sapo_temperature_neg: float,
+    tau_pos: float,
+    tau_neg: float,
     **_: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO: a smooth sigmoid gate instead of a hard clip; at w = 1 its gradient equals the unclipped one."""
     weights = torch.exp(log_weights)
-    tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)  # A = 0 uses tau_neg
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)  # A = 0 uses tau_neg
     per_token = -(4.0 / tau) * torch.sigmoid(tau * (weights - 1.0)) * advantages
     return per_token, _ratio_stats(weights, mask)
 
@@ -156,10 +157,10 @@ def vespo_objective(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    vespo_k_pos: float,
-    vespo_lambda_pos: float,
-    vespo_k_neg: float,
-    vespo_lambda_neg: float,
+    k_pos: float,
+    lambda_pos: float,
+    k_neg: float,
+    lambda_neg: float,
     sampler_weights: Optional[torch.Tensor] = None,
     **_: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -168,10 +169,10 @@ def vespo_objective(
         log_ratio,
         advantages,
         mask,
-        k_pos=vespo_k_pos,
-        lambda_pos=vespo_lambda_pos,
-        k_neg=vespo_k_neg,
-        lambda_neg=vespo_lambda_neg,
+        k_pos=k_pos,
+        lambda_pos=lambda_pos,
+        k_neg=k_neg,
+        lambda_neg=lambda_neg,
         sampler_weights=sampler_weights,
     )  # (n, 1)
     per_token = -phi * advantages * logprobs

@@ -37,3 +37,22 @@ def tied_groups(total_rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(groups,) bool: groups of `group_size` consecutive rows whose rewards (N,) carry no signal."""
     std = nanstd(total_rewards.float().view(-1, group_size), dim=1)  # (groups,) NaN if < 2 valid
     return torch.isnan(std) | torch.isclose(std, torch.zeros_like(std))
+
+
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    per_token_logps: torch.Tensor,
+    sampling_per_token_logps: torch.Tensor,
+    mask: torch.Tensor,
+    off_policy_threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask with TRL's arguments (get_off_policy_mask), (B, 1) in mask's dtype:
+    1 keeps a sequence, 0 drops it (negative advantage and a mean log-ratio log pi_behaviour - log pi_theta over
+    its valid tokens above the threshold; tokens the sampler did not score (NaN) count as 0). `advantages`: (B,) or
+    (B, 1)."""
+    if advantages.dim() == 2 and advantages.shape[1] == 1:
+        advantages = advantages.squeeze(1)
+    if advantages.dim() != 1:
+        raise ValueError(f"get_off_policy_mask: advantages must be (B,) or (B, 1), got {tuple(advantages.shape)}.")
+    keep = off_policy_mask(per_token_logps, sampling_per_token_logps, advantages, mask, threshold=off_policy_threshold)
+    return keep.to(mask.dtype)

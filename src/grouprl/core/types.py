@@ -204,6 +204,11 @@ TRL_KEYS = {
 }
 
 
+def padded_width(width: int, multiple: Optional[int]) -> int:
+    """`width` rounded up to a multiple of `multiple` (GRPOConfig.pad_to_multiple_of); itself when that is None."""
+    return -(-width // multiple) * multiple if multiple else width
+
+
 @dataclass
 class TrainBatch:
     """Tensors the loss needs, for n rows (a generation batch or one micro-batch of it)."""
@@ -224,6 +229,7 @@ class TrainBatch:
     multimodal: list[Any] | None = (
         None  # (n,) each row's prompt images (multimodal.PromptImages or None), collated per forward
     )
+    pad_to_multiple_of: Optional[int] = None  # GRPOConfig's: P and T (and every forward's widths) are multiples of it
 
     def __len__(self) -> int:
         """Rows (not keys: the TRL-style item access below is a view, not a full Mapping)."""
@@ -268,11 +274,15 @@ class TrainBatch:
         return picked.trimmed()
 
     def trimmed(self) -> "TrainBatch":
-        """Drop prompt columns that are padding in every row (left) and completion columns likewise (right)."""
+        """Drop prompt columns that are padding in every row (left) and completion columns likewise (right), down to
+        a multiple of pad_to_multiple_of if it is set."""
+        width = self.prompt_mask.shape[1]
         keep_prompt = self.prompt_mask.any(dim=0).nonzero()
-        start = int(keep_prompt[0]) if len(keep_prompt) else self.prompt_mask.shape[1]
+        kept = width - int(keep_prompt[0]) if len(keep_prompt) else 0
+        start = width - min(width, padded_width(kept, self.pad_to_multiple_of))
         keep_completion = self.completion_mask.any(dim=0).nonzero()
         end = int(keep_completion[-1]) + 1 if len(keep_completion) else 0
+        end = min(self.completion_mask.shape[1], padded_width(end, self.pad_to_multiple_of))
         changes: dict[str, torch.Tensor] = {
             "prompt_ids": self.prompt_ids[:, start:],
             "prompt_mask": self.prompt_mask[:, start:],

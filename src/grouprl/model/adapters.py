@@ -9,6 +9,7 @@ made at start-up and switched on for reference passes.
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -64,6 +65,16 @@ def head_has_adapter(model: Any) -> bool:
         if isinstance(module, wrappers) and any(child is head for child in module.modules()):
             return True
     return False
+
+
+def config_targets_head(peft_config: Any, head_name: str = "lm_head") -> bool:
+    """True if a PEFT config (before wrapping) puts an adapter, or a trained copy, on the LM head `head_name`."""
+    targets = getattr(peft_config, "target_modules", None)
+    if isinstance(targets, str):  # peft reads a string as a regular expression over module names
+        on_head = re.fullmatch(targets, head_name) is not None
+    else:
+        on_head = any(t == head_name or str(t).endswith(f".{head_name}") for t in targets or ())
+    return on_head or head_name in (getattr(peft_config, "modules_to_save", None) or ())
 
 
 def add_reference_adapter(model: Any) -> str:

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from grouprl.core.types import padded_width
 from grouprl.model.forward import capture_head_input, forward_keeping, separable_head
 from grouprl.model.head_logprobs import head_logprobs, logits_logprobs
 from grouprl.model.length_buckets import in_row_order, length_buckets
@@ -76,6 +77,7 @@ def completion_logprobs(
     bucket_by_length: bool = True,
     multimodal: Sequence[Any] | None = None,  # (n,) each row's multimodal.PromptImages or None (VLMs)
     pack_prompts: bool = True,  # GRPOConfig.pack_shared_prompts
+    pad_to_multiple_of: int | None = None,  # GRPOConfig's: every forward's prompt and completion widths are multiples
 ) -> TokenLogprobs:
     """Logprobs (n, T) of the completion tokens, their entropies (n, T) or None, the MoE aux loss or None.
 
@@ -83,13 +85,15 @@ def completion_logprobs(
     `bucket_by_length` is False). Positions beyond a row's completion hold 0. The entropy is detached
     unless `entropy_grad`. With `with_aux_loss` the model returns its router load-balancing loss
     (averaged over buckets). With `pack_prompts`, rows sharing a prompt run it once (`prompt_packing`).
+    With `pad_to_multiple_of`, each bucket keeps its prompt and completion widths at multiples of it (within the
+    tensors' own widths) and prompts are not packed, so the model sees those shapes only (TRL's padding).
     """
     n, completion_len = completion_ids.shape
     if completion_len == 0 or n == 0:
         empty = completion_ids.new_zeros((n, completion_len), dtype=torch.float32)
         return TokenLogprobs(empty, empty if with_entropy else None, None)
     entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
-    if pack_prompts and multimodal is None and not with_aux_loss:
+    if pack_prompts and multimodal is None and not with_aux_loss and not pad_to_multiple_of:
         packed = shared_prompt_logprobs(
             model,
             prompt_ids,
@@ -114,6 +118,9 @@ def completion_logprobs(
     for rows in buckets:
         p = max(max(prompt_lens[r] for r in rows), 1)
         t = max(max(completion_lens[r] for r in rows), 1)
+        if pad_to_multiple_of:
+            p = min(padded_width(p, pad_to_multiple_of), prompt_ids.shape[1])
+            t = min(padded_width(t, pad_to_multiple_of), completion_len)
         index = torch.tensor(rows, device=prompt_ids.device)
         images = (
             {}

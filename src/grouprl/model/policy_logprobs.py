@@ -1,4 +1,4 @@
-"""The policy's per-token log-probabilities of a batch's completions, through the trainer's TRL override point.
+"""The policy's per-token log-probabilities of a batch's completions, or a user's TRL override of them.
 
 `policy_logprobs` is what every forward pass of the policy (old logprobs, reference logprobs, the loss, evaluation)
 calls: a subclass that overrides TRL's ``_get_per_token_logps_and_entropies`` gets its version called with TRL's
@@ -11,11 +11,11 @@ from typing import Any, Optional
 
 import torch
 
+from grouprl.core.overrides import NO_OVERRIDES, Overrides
 from grouprl.model.logprobs import TokenLogprobs, completion_logprobs
 
 
 def policy_logprobs(
-    hooks: Any,
     model: torch.nn.Module,
     b: Any,
     *,
@@ -25,11 +25,12 @@ def policy_logprobs(
     entropy_grad: bool = False,
     with_aux_loss: bool = False,
     pack_prompts: bool = True,
+    overrides: Overrides = NO_OVERRIDES,
 ) -> TokenLogprobs:
-    """Logprobs (and entropy, aux loss) of a batch's completions under `model`: through the trainer's
+    """Logprobs (and entropy, aux loss) of a batch's completions under `model`: through the user's
     _get_per_token_logps_and_entropies when a subclass overrides it, else grouprl's `completion_logprobs`."""
-    trainer = hooks  # the GRPOTrainer (None: no override points)
-    if trainer is None or not trainer.overrides("_get_per_token_logps_and_entropies"):
+    override = overrides.get("_get_per_token_logps_and_entropies")
+    if override is None:
         return completion_logprobs(
             model,
             b.prompt_ids,
@@ -43,8 +44,9 @@ def policy_logprobs(
             with_aux_loss=with_aux_loss,
             multimodal=b.multimodal,
             pack_prompts=pack_prompts,
+            pad_to_multiple_of=getattr(b, "pad_to_multiple_of", None),
         )
-    name = f"{type(trainer).__name__}._get_per_token_logps_and_entropies"
+    name = overrides.qualified("_get_per_token_logps_and_entropies")
     if b.multimodal is not None:
         raise NotImplementedError(
             f"{name} is overridden, but this batch has images, which grouprl passes to the model its own way "
@@ -53,7 +55,7 @@ def policy_logprobs(
     width = b.completion_ids.shape[1]
     input_ids = torch.cat([b.prompt_ids, b.completion_ids], dim=1)
     attention_mask = torch.cat([b.prompt_mask, b.completion_mask], dim=1).long()
-    result = trainer._get_per_token_logps_and_entropies(
+    result = override(
         model,
         input_ids,
         attention_mask,

@@ -23,11 +23,11 @@ import torch
 from transformers.utils import logging
 
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig
-from grouprl.core.distributed import layout_of, whole_groups
-from grouprl.core.group_layout import own_rollout
+from grouprl.core.distributed import layout_of, own_rollout, whole_groups
 from grouprl.core.importance import sampler_importance_weights
 from grouprl.core.losses import LOSSES
 from grouprl.core.masks import tied_groups
+from grouprl.core.overrides import NO_OVERRIDES, Overrides
 from grouprl.core.stats import finite, largest, mean, smallest
 from grouprl.core.types import Rewards, Rollout, TrainBatch
 from grouprl.data.generation_inputs import GenerationInputs
@@ -89,7 +89,12 @@ class Sampling:
 
 
 def score_generation(
-    sampling: Sampling, model: torch.nn.Module, inputs: GenerationInputs, *, hooks: Any = None, reference: Any = None
+    sampling: Sampling,
+    model: torch.nn.Module,
+    inputs: GenerationInputs,
+    *,
+    overrides: Overrides = NO_OVERRIDES,
+    reference: Any = None,
 ) -> tuple[TrainBatch, ExperienceStats]:
     """One generation batch made ready to train on (GRPOTrainer._generate_and_score_completions): completions, rewards,
     advantages, and the old / reference logprobs and sampler weights it needs, built once; with its statistics."""
@@ -112,13 +117,13 @@ def score_generation(
     if plan.old_logprobs_needed or (correct_sampler and not in_forward):  # pi_old: the trainer's view of the sampler
         with timer.phase("old_logprobs"):
             old_logprobs = batch_logprobs(
-                hooks,
                 model,
                 batch,
                 accelerator,
                 plan.per_device_batch_size,
                 config.temperature,
                 config.pack_shared_prompts,
+                overrides,
             )
     if correct_sampler:
         if not LOSSES[config.loss_type].sampler_weights_in_loss and config.vllm_importance_sampling_mode.startswith(
@@ -144,13 +149,13 @@ def score_generation(
         with timer.phase("ref_logprobs"):
             with reference.scoring(model, accelerator.unwrap_model(model)) as ref_model:
                 ref_logprobs = batch_logprobs(
-                    hooks,
                     ref_model,
                     batch,
                     accelerator,
                     plan.per_device_batch_size,
                     config.temperature,
                     config.pack_shared_prompts,
+                    overrides,
                 )
     batch = replace(batch, old_logprobs=old_logprobs, is_weights=is_weights, ref_logprobs=ref_logprobs)
     return batch, ExperienceStats(advantages=batch.advantages, **sampler_stats, **counts)
@@ -170,25 +175,25 @@ def split_generation(
 
 @torch.no_grad()
 def batch_logprobs(
-    hooks: Any,
     model: torch.nn.Module,
     batch: TrainBatch,
     accelerator: Any,
     rows_per_chunk: int,
     temperature: float,
     pack_prompts: bool = True,
+    overrides: Overrides = NO_OVERRIDES,
 ) -> torch.Tensor:
     """(n, T) logprobs of the batch's completions under `model`, in chunks of one micro-batch."""
     with accelerator.autocast():
         b = batch.to(accelerator.device)
         out = policy_logprobs(
-            hooks,
             model,
             b,
             temperature=temperature,
             rows_per_chunk=rows_per_chunk,
             with_entropy=False,
             pack_prompts=pack_prompts,
+            overrides=overrides,
         )
     return out.logprobs.float().cpu()
 

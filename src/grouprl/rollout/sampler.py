@@ -42,6 +42,7 @@ class RolloutSettings:
     # The prompt of rows without one (environments own the data); None: required
     default_prompt: Optional[list[dict]] = None
     advantage_estimator: str = "grpo"  # a name in core.advantages.ADVANTAGE_ESTIMATORS
+    pad_to_multiple_of: Optional[int] = None  # GRPOConfig's: train batch widths are multiples of it (train_batch.py)
 
 
 @dataclass
@@ -245,7 +246,10 @@ class RolloutMaker:
         )
 
     def make_train_batch(self, rollout: Rollout, advantages: torch.Tensor) -> TrainBatch:
-        batch = pack_rollout(rollout, advantages, self.settings.pad_token_id, self.settings.mask_truncated_completions)
+        settings = self.settings
+        batch = pack_rollout(
+            rollout, advantages, settings.pad_token_id, settings.mask_truncated_completions, settings.pad_to_multiple_of
+        )
         # Built complete, with the loss-token count of every process
         return replace(batch, num_loss_tokens=global_sum(self.accelerator, float(batch.loss_mask.sum())))
 

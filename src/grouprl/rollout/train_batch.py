@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from grouprl.core.types import Rollout, TrainBatch
+from grouprl.core.types import Rollout, TrainBatch, padded_width
 
 
 def row_prompt_ids(rollout: Rollout) -> list[list[int]]:
@@ -15,18 +17,26 @@ def row_prompt_ids(rollout: Rollout) -> list[list[int]]:
     ]
 
 
-def pack_rollout(rollout: Rollout, advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool) -> TrainBatch:
+def pack_rollout(
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    pad_token_id: int,
+    mask_truncated: bool,
+    pad_to_multiple_of: Optional[int] = None,
+) -> TrainBatch:
     """Left-pad prompts and right-pad completions into tensors; build the masks.
 
     completion_mask covers every completion token (the attention context); loss_mask drops tool
-    output (Completion.tool_mask False) and, with mask_truncated, truncated completions.
+    output (Completion.tool_mask False) and, with mask_truncated, truncated completions. With
+    `pad_to_multiple_of` (GRPOConfig's, as TRL) both widths are rounded up to a multiple of it, and
+    the batch keeps them so through micro-batching and every forward pass (TrainBatch.trimmed).
     """
     rows = rollout.row_prompt
     prompt_ids = row_prompt_ids(rollout)
     completion_ids = [c.token_ids for c in rollout.completions]
     n = len(rows)
-    width_p = max(len(p) for p in prompt_ids)
-    width_c = max(1, max(len(c) for c in completion_ids))
+    width_p = padded_width(max(len(p) for p in prompt_ids), pad_to_multiple_of)
+    width_c = padded_width(max(1, max(len(c) for c in completion_ids)), pad_to_multiple_of)
     prompt_tensor = torch.full((n, width_p), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((n, width_p), dtype=torch.bool)
     completion_tensor = torch.full((n, width_c), pad_token_id, dtype=torch.long)
@@ -57,4 +67,5 @@ def pack_rollout(rollout: Rollout, advantages: torch.Tensor, pad_token_id: int, 
         advantages=advantages.float(),
         sampler_logprobs=sampler_logprobs,
         multimodal=None if rollout.prompts.multimodal is None else [rollout.prompts.multimodal[b] for b in rows],
+        pad_to_multiple_of=pad_to_multiple_of,
     )

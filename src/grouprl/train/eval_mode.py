@@ -14,6 +14,7 @@ import torch
 
 from grouprl.core.losses import masked_mean, policy_loss
 from grouprl.core.metrics import MetricWindow
+from grouprl.core.overrides import NO_OVERRIDES, Overrides
 from grouprl.core.stats import metrics
 from grouprl.core.types import Rollout
 from grouprl.data.generation_inputs import GenerationInputs
@@ -60,9 +61,9 @@ def eval_loss(
     objective: Objective,
     *,
     evaluation_pass: Optional[EvaluationPass],
-    hooks: Any,
     accelerator: Any,
     rows_per_chunk: int,
+    overrides: Overrides = NO_OVERRIDES,
 ) -> torch.Tensor:
     """The policy loss at ratio 1 on eval samples (GRPOTrainer._compute_loss in eval mode); eval_entropy and
     the loss's statistics, reduced over the processes in one reduction, go to the eval window."""
@@ -70,23 +71,22 @@ def eval_loss(
     b = batch.to(accelerator.device)
     with torch.no_grad(), accelerator.autocast():
         out = policy_logprobs(
-            hooks,
             model,
             b,
             temperature=objective.temperature,
             rows_per_chunk=rows_per_chunk,
             pack_prompts=objective.pack_shared_prompts,
+            overrides=overrides,
         )
-        settings = {**objective.loss_kwargs, "beta": 0.0}  # no reference pass in evaluation: the KL term is left out
-        loss, values = policy_loss(
+        loss, values = policy_loss(  # no reference pass in evaluation: no kl=, the KL term is left out
             objective.loss_type,
             out.logprobs,
             None,
             b.advantages,
             b.loss_mask,
-            **settings,
-            grad_accum_steps=1,
-            token_denominator=max(batch.num_loss_tokens, 1.0) / accelerator.num_processes,
+            scale=objective.loss_scale(1, max(batch.num_loss_tokens, 1.0) / accelerator.num_processes),
+            settings=objective.loss_settings,
+            importance_sampling_level=objective.importance_sampling_level,
         )
     tokens = b.loss_mask.sum()
     stats = LossStats(

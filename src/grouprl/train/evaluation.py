@@ -54,13 +54,16 @@ def should_evaluate(config: GRPOConfig, step: int, total_steps: int, steps_per_e
 
 @dataclass(frozen=True)
 class EvaluationParts:
-    """What an evaluation uses of the run (built by the loop's TrainingRun.evaluation_parts)."""
+    """What an evaluation uses of the run (built by stages.evaluation_parts)."""
 
     config: GRPOConfig
     accelerator: Any
     model: torch.nn.Module  # the prepared policy
     rollouts: RolloutMaker  # the training sampler: its parts are shared, its counters are not
-    hooks: Any  # the GRPOTrainer: _prepare_inputs, compute_loss and log are TRL override points
+    # the eval-mode stages, each a user's TRL override where there is one (stages.py)
+    prepare_inputs: Callable[[Any], Any]  # _prepare_inputs: a generation batch sampled and scored
+    compute_loss: Callable[[Any], Any]  # compute_loss of that batch
+    log: Callable[[dict[str, float]], None]  # log
     trainer_state: Any  # transformers.TrainerState
     fire: Callable[..., Any]  # a TrainerCallback event
     attach: Callable[[Optional[EvaluationPass]], None]  # makes the pass visible to the eval-mode override points
@@ -97,7 +100,7 @@ def evaluate(parts: EvaluationParts, eval_dataset: Any, metric_key_prefix: str =
                 f"{metric_key_prefix}_steps_per_second": batches / max(runtime, 1e-9),
             }
         )
-        parts.hooks.log(metrics)  # log_history, trackers, on_log, metrics.jsonl and an "eval at step" line
+        parts.log(metrics)  # log_history, trackers, on_log, metrics.jsonl and an "eval at step" line
     finally:
         parts.model.train(was_training)
     parts.fire("on_evaluate", metrics=metrics)
@@ -134,7 +137,7 @@ def _eval_rollouts(training: RolloutMaker, num_generations: int) -> RolloutMaker
 
 
 def _sample_and_score(parts: EvaluationParts, dataset: Any) -> tuple[MetricWindow, int, int]:
-    config, accelerator, hooks = parts.config, parts.accelerator, parts.hooks
+    config, accelerator = parts.config, parts.accelerator
     size = config.num_generations_eval or config.num_generations
     # a server samples the current weights
     parts.rollouts.sync_weights(accelerator.unwrap_model(parts.model), parts.trainer_state.global_step)
@@ -155,9 +158,9 @@ def _sample_and_score(parts: EvaluationParts, dataset: Any) -> tuple[MetricWindo
                     )
                     break
                 inputs = rollouts.prompt_inputs(indices, rows, number)
-                batch = hooks._prepare_inputs(inputs)  # eval mode: _generate_and_score_completions(inputs), as TRL
+                batch = parts.prepare_inputs(inputs)  # eval mode: _generate_and_score_completions(inputs), as TRL
                 with torch.no_grad():
-                    loss = hooks.compute_loss(parts.model, batch)
+                    loss = parts.compute_loss(batch)
                 window.add("loss", global_mean(accelerator, float(loss)))
                 batches += 1
                 completions += len(rows) * size

@@ -3,28 +3,26 @@
     until max steps:
         for each of gradient_accumulation_steps micro-batches:
             if no micro-batch is buffered: draw the next generation's prompts (the `inputs` rows)
-            trainer.training_step(model, inputs)
-                trainer._prepare_inputs(inputs): if no micro-batch is buffered:
-                    trainer._generate_and_score_completions(inputs): generate -> score ->
-                        advantages -> (old / reference logprobs, sampler IS weights)  (experience.py)
+            training_step(inputs)                                                   (stages.py)
+                prepare_inputs: if no micro-batch is buffered:
+                    generate_and_score: generate -> score -> advantages
+                        -> (old / reference logprobs, sampler IS weights)  (rollout/experience.py)
                         -> TrainBatch, ExperienceStats (recorded in run.ledger)
                     -> shuffle rows -> split into steps_per_generation micro-batches,
                        queued num_iterations times
-                trainer.compute_loss -> _compute_loss: forward -> policy loss    (objective.py)
-                    -> loss, LossStats (recorded in run.ledger)
-                -> backward
+                compute_loss: forward -> policy loss (micro_step.py) -> loss, LossStats (run.ledger)
+                -> backward (optimizer_step.py)
         clip gradients -> reduce the step's statistics over every process, once (step_reduction.py;
         a NaN / inf anywhere stops every process here) -> optimizer step -> LR step
         -> statistics into the metric window -> entropy controller / reference sync
-        -> trainer.log -> evaluate -> checkpoint
-    trainer.log(train summary) -> on_train_end
+        -> log -> evaluate -> checkpoint
+    log(train summary) -> on_train_end
     (TrainerCallback events fire at the same points as in transformers' Trainer: callbacks.py)
 
-The `trainer.*` methods are TRL's override points (compat/trainer_hooks.py): a TRL subclass's versions
-run, and their defaults are the grouprl stages named on the right. The stages get what they use (the
-model, the batch, `Objective`, `Sampling`), never the run (`TrainingRun`, training_run.py); only the
-loop and the parts of its step hold it: optimizer_step.py (backward, clipping, the step's reduction,
-the update, the per-step controllers) and run_checkpoints.py (saving the run).
+Each stage of stages.py is one of TRL's override points: where a GRPOTrainer subclass overrides it
+(run.overrides), the subclass's version runs there with TRL's arguments; otherwise grouprl's own stage runs,
+called directly. The loop and the parts of its step hold the run (`TrainingRun`, training_run.py); the
+stages below them get what they use (the model, the batch, `Objective`, `Sampling`).
 
 The buffer semantics are TRL's (§2.13): one generation feeds steps_per_generation x num_iterations
 micro-steps, replayed in the same order each iteration, independently of where optimizer steps
@@ -47,6 +45,7 @@ from grouprl.config.grpo_config import GRPOConfig, interval_due, resolve_steps
 from grouprl.core.metrics import TRAINER_METRICS, progress_postfix
 from grouprl.core.stats import metrics
 from grouprl.rewards.scoring import RewardFunctionError
+from grouprl.train import evaluation, stages
 from grouprl.train.best_checkpoint import record_evaluation
 from grouprl.train.checkpoint import load_policy_weights
 from grouprl.train.evaluation import should_evaluate
@@ -127,11 +126,9 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
             if not run.pending:  # the next generation batch (TRL's dataloader batch)
                 run.inputs = run.rollouts.draw_prompts()
             with accumulating(run, last=k == ga - 1):
-                # training_step -> _prepare_inputs (generation: experience.py) -> compute_loss (objective.py)
-                # -> backward; the stages' statistics go to run.ledger
-                step_loss = step_loss + as_loss(
-                    run.trainer.training_step(run.model, run.inputs, None), accelerator.device
-                )
+                # prepare_inputs (generation when the buffer is empty) -> compute_loss -> backward (stages.py);
+                # the stages' statistics go to run.ledger
+                step_loss = step_loss + as_loss(stages.training_step(run, run.inputs), accelerator.device)
             if k < ga - 1:
                 run.fire("on_substep_end")
         with run.timer.phase("optimizer"):
@@ -170,7 +167,7 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
         control = run.fire("on_step_end")  # a callback may ask for a log, evaluation, checkpoint or stop at this step
         if should_log(config, state.global_step, logging_steps, run.steps_per_epoch) or control.should_log:
             trainer_level = {k: v for k, v in run.window.summary().items() if k in TRAINER_METRICS}
-            run.trainer.log(trainer_level)  # GRPOTrainer.log merges the GRPO metrics gathered since the last entry
+            stages.log(run, trainer_level)  # merges the GRPO metrics gathered since the last entry
         new_best = False
         if run.evaluates and (
             should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate
@@ -201,7 +198,7 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
 
     run.store_flos()
     metrics_ = train_summary(run, time.time() - started, state.global_step - first_step)
-    run.trainer.log(metrics_)  # as Trainer: adds epoch, and GRPO merges the metrics of steps not logged yet
+    stages.log(run, metrics_)  # as Trainer: adds epoch, and GRPO merges the metrics of steps not logged yet
     run.fire("on_train_end")
     return metrics_
 
@@ -237,5 +234,6 @@ def should_log(config: GRPOConfig, step: int, logging_steps: int, steps_per_epoc
 
 def evaluate_and_track(run: TrainingRun) -> bool:
     """Evaluate (logged by the evaluation itself); True when metric_for_best_model reached a new best."""
-    metrics = run.trainer.evaluate()  # a TRL override point
+    override = run.overrides.get("evaluate")  # a TRL override point
+    metrics = override() if override else evaluation.evaluate(stages.evaluation_parts(run), run.eval_dataset)
     return record_evaluation(run.config, run.state, metrics or {})

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional
+from typing import Any, Optional
 
 import torch
 
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig
+from grouprl.core.entropy import high_entropy_mask
 from grouprl.core.importance import sampler_importance_weights
 from grouprl.core.loss_aggregations import dapo_denominator, masked_mean
-from grouprl.core.losses import policy_loss
+from grouprl.core.losses import LOSSES, KLPenalty, LossScale, TokenTerms, policy_loss
+from grouprl.core.masks import off_policy_sequence_mask
+from grouprl.core.overrides import NO_OVERRIDES, Overrides
 from grouprl.core.stats import MAX, MEAN, MIN, Stat, finite, local, mean, open_set, total
 from grouprl.model.policy_logprobs import policy_logprobs
 
@@ -37,7 +40,11 @@ class Objective:
     """Everything the GRPO loss of a micro-batch takes from the config and the batch plan, built once per run."""
 
     loss_type: str
-    loss_kwargs: dict[str, Any]  # the scalar keyword arguments of `policy_loss` (epsilons, delta, beta, ...)
+    loss_settings: dict[str, Any]  # the loss's own hyper-parameters (LossSpec.settings: its config fields, loss_kwargs)
+    importance_sampling_level: str  # "token" or "sequence" (GSPO)
+    max_completion_length: int
+    beta: float  # the KL penalty's weight (0 = off)
+    use_bias_correction_kl: bool
     temperature: float
     pack_shared_prompts: bool  # run a prompt shared by several rows once (model/prompt_packing.py)
     top_entropy_quantile: float
@@ -53,22 +60,11 @@ class Objective:
     def from_config(cls, config: GRPOConfig, plan: BatchPlan, aux_loss_coef: float = 0.0) -> "Objective":
         return cls(
             loss_type=config.loss_type,
-            loss_kwargs=dict(
-                epsilon_low=config.epsilon,
-                epsilon_high=config.effective_epsilon_high,
-                delta=config.delta,
-                importance_sampling_level=config.importance_sampling_level,
-                max_completion_length=config.max_completion_length,
-                sapo_temperature_pos=config.sapo_temperature_pos,
-                sapo_temperature_neg=config.sapo_temperature_neg,
-                vespo_k_pos=config.vespo_k_pos,
-                vespo_lambda_pos=config.vespo_lambda_pos,
-                vespo_k_neg=config.vespo_k_neg,
-                vespo_lambda_neg=config.vespo_lambda_neg,
-                beta=config.beta,
-                use_bias_correction_kl=config.use_bias_correction_kl,
-                loss_params=config.loss_kwargs or {},
-            ),
+            loss_settings=LOSSES[config.loss_type].settings(config),
+            importance_sampling_level=config.importance_sampling_level,
+            max_completion_length=config.max_completion_length,
+            beta=config.beta,
+            use_bias_correction_kl=config.use_bias_correction_kl,
             temperature=config.temperature,
             pack_shared_prompts=config.pack_shared_prompts,
             top_entropy_quantile=config.top_entropy_quantile,
@@ -88,7 +84,10 @@ class Objective:
 
     @property
     def sequence_level(self) -> bool:
-        return self.loss_kwargs["importance_sampling_level"] == "sequence"
+        return self.importance_sampling_level == "sequence"
+
+    def loss_scale(self, grad_accum_steps: int, token_denominator: float) -> LossScale:
+        return LossScale(grad_accum_steps, self.max_completion_length, token_denominator)
 
 
 @dataclass(frozen=True)
@@ -141,33 +140,37 @@ def micro_batch_loss(
     micro: Any,
     objective: Objective,
     *,
-    hooks: Any,
-    device: Any,
-    autocast: Optional[ContextManager] = None,
+    accelerator: Any,
+    overrides: Overrides = NO_OVERRIDES,
     timer: Any = None,
     entropy_coef: Optional[float] = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss of one micro-batch (GA-scaled, with gradient) and its statistics (GRPOTrainer._compute_loss).
 
-    `hooks`: the trainer (its TRL override points); `entropy_coef`: the entropy bonus's coefficient (None: off).
+    `overrides`: the user's versions of the forward and the two masks, if any; `entropy_coef`: the entropy bonus's
+    coefficient (None: off).
     """
     ga = objective.grad_accum_steps
-    b = micro.to(device)
+    b = micro.to(accelerator.device)
     bonus = entropy_coef is not None
-    with timer.phase("forward") if timer is not None else nullcontext(), autocast or nullcontext():
+    with timer.phase("forward") if timer is not None else nullcontext(), accelerator.autocast():
         out = policy_logprobs(
-            hooks,
             model,
             b,
             temperature=objective.temperature,
             pack_prompts=objective.pack_shared_prompts,
             entropy_grad=bonus,
             with_aux_loss=objective.aux_loss_coef != 0.0,
+            overrides=overrides,
         )
         token_keep = None
         if objective.top_entropy_quantile < 1.0:
-            token_keep = hooks.get_high_entropy_mask(
-                out.entropy.detach(), b.loss_mask, 1.0 - objective.top_entropy_quantile
+            threshold = 1.0 - objective.top_entropy_quantile
+            override = overrides.get("get_high_entropy_mask")
+            token_keep = (
+                override(out.entropy.detach(), b.loss_mask, threshold)
+                if override
+                else high_entropy_mask(out.entropy.detach(), b.loss_mask, threshold, accelerator)
             )
             token_keep = (
                 _checked_mask(token_keep, b.loss_mask.shape, "get_high_entropy_mask", b.loss_mask.device).bool()
@@ -177,7 +180,7 @@ def micro_batch_loss(
         if objective.off_policy_mask_threshold is not None:
             behaviour = b.sampler_logprobs if b.sampler_logprobs is not None else b.old_logprobs
             if behaviour is not None:  # on-policy without sampler logprobs: nothing drifted, nothing to drop
-                sequence_keep = hooks.get_off_policy_mask(
+                sequence_keep = (overrides.get("get_off_policy_mask") or off_policy_sequence_mask)(
                     b.advantages.unsqueeze(1), out.logprobs, behaviour, b.loss_mask, objective.off_policy_mask_threshold
                 )
                 sequence_keep = _checked_mask(
@@ -192,20 +195,25 @@ def micro_batch_loss(
             b.old_logprobs,
             b.advantages,
             b.loss_mask,
-            **objective.loss_kwargs,
-            grad_accum_steps=ga,
-            token_denominator=dapo_denominator(
-                micro.num_loss_tokens,
-                num_processes=objective.num_processes,
-                grad_accum_steps=ga,
-                steps_per_generation=objective.steps_per_generation,
+            scale=objective.loss_scale(
+                ga,
+                dapo_denominator(
+                    micro.num_loss_tokens,
+                    num_processes=objective.num_processes,
+                    grad_accum_steps=ga,
+                    steps_per_generation=objective.steps_per_generation,
+                ),
             ),
-            ref_logprobs=b.ref_logprobs,
-            sequence_keep=sequence_keep,
-            token_keep=token_keep,
-            sampler_weights=sampler_weights,
-            entropy=out.entropy if bonus else None,
-            entropy_coef=entropy_coef if bonus else 0.0,
+            settings=objective.loss_settings,
+            importance_sampling_level=objective.importance_sampling_level,
+            kl=KLPenalty(objective.beta, b.ref_logprobs, objective.use_bias_correction_kl),
+            terms=TokenTerms(
+                sequence_keep=sequence_keep,
+                token_keep=token_keep,
+                sampler_weights=sampler_weights,
+                entropy=out.entropy if bonus else None,
+                entropy_coef=entropy_coef if bonus else 0.0,
+            ),
         )
         if out.aux_loss is not None:
             loss = loss + objective.aux_loss_coef * out.aux_loss / ga

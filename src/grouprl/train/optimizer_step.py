@@ -1,6 +1,6 @@
 """The parts of one optimizer step, in the order the loop (loop.py) runs them.
 
-    train_micro_batch       per micro-batch: trainer.compute_loss -> backward (called by trainer.training_step)
+    backward                per micro-batch, after its loss (stages.py)
     clip_gradients          max_grad_norm; the norm before clipping
     reduce_statistics       every statistic of the step over every process, once; NaN / inf anywhere stops all
     apply_update            optimizer step, then the LR schedule
@@ -36,17 +36,8 @@ class StepStats:
     stop_signal: Any = largest(None)
 
 
-def train_micro_batch(run: TrainingRun, micro: Any) -> torch.Tensor:
-    """Loss (trainer.compute_loss) and backward of one micro-batch; returns the (GA-scaled) loss, detached
-    (no host sync)."""
-    if len(micro) == 0:  # dynamic sampling kept fewer rows than micro-steps
-        return torch.zeros((), device=run.accelerator.device)
-    loss = run.trainer.compute_loss(run.model, micro)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(
-            f"{type(run.trainer).__name__}.compute_loss must return the loss as a one-element tensor, got "
-            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
-        )
+def backward(run: TrainingRun, loss: torch.Tensor, micro: Any) -> None:
+    """Backward of one micro-batch's (GA-scaled) loss; counts its tokens for the flos."""
     run.before_backward()
     engine = deepspeed_engine(run.accelerator)
     with run.timer.phase("backward"):
@@ -55,7 +46,6 @@ def train_micro_batch(run: TrainingRun, micro: Any) -> torch.Tensor:
         else:  # the loss is already divided by the accumulation steps; accelerate's wrapper would step every time
             engine.backward(loss, scale_wrt_gas=False)
     run.count_flos(micro)
-    return loss.detach().reshape(())
 
 
 def deepspeed_engine(accelerator: Any) -> Any:

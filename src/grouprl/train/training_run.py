@@ -21,13 +21,13 @@ from grouprl.config.grpo_config import BatchPlan, GRPOConfig
 from grouprl.core.distributed import global_sum
 from grouprl.core.entropy import EntropyController
 from grouprl.core.metrics import JsonlWriter, MetricWindow, PhaseTimer
+from grouprl.core.overrides import NO_OVERRIDES, Overrides
 from grouprl.data.generation_inputs import GenerationInputs
 from grouprl.model.host_memory import release_free_host_memory
 from grouprl.model.reference import Reference
 from grouprl.rollout.experience import Sampling
 from grouprl.rollout.sampler import RolloutMaker
 from grouprl.train.callbacks import CallbackHandler
-from grouprl.train.evaluation import EvaluationParts
 from grouprl.train.health import RunHealth
 from grouprl.train.micro_step import Objective
 from grouprl.train.step_reduction import Collectives, StepLedger
@@ -59,7 +59,8 @@ class TrainingRun:
     step_losses: list[float] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)  # detectors, last good state (health.py)
     callbacks: CallbackHandler = field(default_factory=CallbackHandler)  # the user's TrainerCallbacks
-    trainer: Any = None  # the GRPOTrainer: its TRL override points (training_step, log, ...) drive the loop
+    overrides: Overrides = NO_OVERRIDES  # a GRPOTrainer subclass's TRL override points (stages.py)
+    eval_dataset: Any = None  # what evaluation during training samples from
     inputs: Optional[GenerationInputs] = None  # the generation batch the buffered micro-batches come from
     progress: Any = None  # the tqdm bar while training (log lines are written through it)
     flos: float = 0.0  # this process's floating-point operations not yet added to state.total_flos
@@ -130,19 +131,6 @@ class TrainingRun:
 
     def __post_init__(self) -> None:
         self.collectives = Collectives.of(self.accelerator)
-
-    def evaluation_parts(self) -> EvaluationParts:
-        """What evaluation (evaluation.evaluate) uses of the run."""
-        return EvaluationParts(
-            self.config,
-            self.accelerator,
-            self.model,
-            self.rollouts,
-            self.trainer,
-            self.state,
-            self.fire,
-            attach=lambda current: setattr(self, "evaluation_pass", current),
-        )
 
     def sampling(self) -> Sampling:
         """What the generation stage (experience.score_generation) uses of the run."""
