@@ -1,16 +1,11 @@
-"""Checks of the asynchronous-generation fields (async_fields.py), run with the rest of GRPOConfig's checks."""
+"""Checks of the asynchronous-generation fields (grpo_fields.py), run with the rest of GRPOConfig's checks."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from grouprl.config.async_fields import ASYNC_WORKERS
-
-if TYPE_CHECKING:
-    from grouprl.config.grpo_config import GRPOConfig
+from grouprl.config.grpo_fields import ASYNC_WORKERS, GRPOFields
 
 
-def check_async_fields(config: "GRPOConfig") -> None:
+def check_async_fields(config: GRPOFields) -> None:
     if config.async_worker not in ASYNC_WORKERS:
         raise ValueError(
             f"GRPOConfig.async_worker={config.async_worker!r} is not one of {', '.join(map(repr, ASYNC_WORKERS))}."

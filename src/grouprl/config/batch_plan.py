@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from grouprl.config.grpo_config import GRPOConfig
+from grouprl.config.grpo_fields import GRPOFields
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ class BatchPlan:
         return "\n".join(lines)
 
 
-def plan_batches(config: "GRPOConfig", num_processes: int = 1) -> BatchPlan:
+def plan_batches(config: GRPOFields, num_processes: int = 1) -> BatchPlan:
     """Derive the batch plan exactly as TRL does (§1.3, §2.13); reject impossible combinations."""
     per_step = config.per_device_train_batch_size * num_processes
     g = config.num_generations

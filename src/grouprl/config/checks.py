@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from grouprl.config.async_checks import check_async_fields
+from grouprl.config.grpo_fields import GRPOFields
 from grouprl.core.advantages import ADVANTAGE_ESTIMATORS
 from grouprl.core.losses import LOSSES
-
-if TYPE_CHECKING:
-    from grouprl.config.grpo_config import GRPOConfig
 
 SCALE_REWARDS = ("group", "batch", "none")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
@@ -35,7 +33,7 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
 }
 
 
-def validate_config(config: "GRPOConfig") -> None:
+def validate_config(config: GRPOFields) -> None:
     """Check every field that can be checked without knowing the model or the process count."""
     for check in (
         _check_registered_names,
@@ -50,7 +48,7 @@ def validate_config(config: "GRPOConfig") -> None:
         check(config)
 
 
-def _check_registered_names(config: "GRPOConfig") -> None:
+def _check_registered_names(config: GRPOFields) -> None:
     """The loss and the advantage estimator are looked up in their registries (register_loss / register_advantage)."""
     if config.loss_type not in LOSSES:
         raise ValueError(
@@ -78,7 +76,7 @@ def _check_registered_names(config: "GRPOConfig") -> None:
         )
 
 
-def _check_choices(config: "GRPOConfig") -> None:
+def _check_choices(config: GRPOFields) -> None:
     check_choice("importance_sampling_level", config.importance_sampling_level, ("token", "sequence"))
     check_choice(
         "multi_objective_aggregation", config.multi_objective_aggregation, ("sum_then_normalize", "normalize_then_sum")
@@ -99,7 +97,7 @@ def _check_choices(config: "GRPOConfig") -> None:
     )
 
 
-def _check_sizes_and_sampling(config: "GRPOConfig") -> None:
+def _check_sizes_and_sampling(config: GRPOFields) -> None:
     if config.num_generations < 2:
         raise ValueError(
             f"GRPOConfig.num_generations={config.num_generations}: GRPO needs at least 2 completions per prompt "
@@ -133,7 +131,7 @@ def _check_sizes_and_sampling(config: "GRPOConfig") -> None:
         raise ValueError("GRPOConfig.epsilon and epsilon_high must be >= 0.")
 
 
-def _check_schedule_and_logging(config: "GRPOConfig") -> None:
+def _check_schedule_and_logging(config: GRPOFields) -> None:
     if config.num_train_epochs <= 0 and config.max_steps <= 0:
         raise ValueError("GRPOConfig: set num_train_epochs > 0 or max_steps > 0; as given, training would run 0 steps.")
     if config.bf16 and config.fp16:
@@ -148,7 +146,7 @@ def _check_schedule_and_logging(config: "GRPOConfig") -> None:
         raise ValueError("GRPOConfig.log_completions_hub_repo requires log_completions=True.")
 
 
-def _check_objective(config: "GRPOConfig") -> None:
+def _check_objective(config: GRPOFields) -> None:
     lo, hi = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
     if lo is not None and hi is not None and lo >= hi:
         raise ValueError(
@@ -183,7 +181,7 @@ def _check_objective(config: "GRPOConfig") -> None:
         raise ValueError("GRPOConfig: ref_model_sync_steps must be >= 1 and ref_model_mixup_alpha in [0, 1].")
 
 
-def _check_batching(config: "GRPOConfig") -> None:
+def _check_batching(config: GRPOFields) -> None:
     if config.max_dynamic_sampling_rounds < 0:
         raise ValueError(f"GRPOConfig.max_dynamic_sampling_rounds={config.max_dynamic_sampling_rounds} must be >= 0.")
     if config.reward_weights is not None and not all(isinstance(w, (int, float)) for w in config.reward_weights):
@@ -195,7 +193,7 @@ def _check_batching(config: "GRPOConfig") -> None:
         )
 
 
-def check_not_yet_built(config: "GRPOConfig") -> None:
+def check_not_yet_built(config: GRPOFields) -> None:
     """A field whose feature is not built is refused when set to anything but its "off" value."""
     for name, (off_value, feature) in NOT_YET_BUILT.items():
         if getattr(config, name) != off_value:
@@ -205,7 +203,7 @@ def check_not_yet_built(config: "GRPOConfig") -> None:
             )
 
 
-def dubious_combinations(config: "GRPOConfig") -> list[str]:
+def dubious_combinations(config: GRPOFields) -> list[str]:
     """Warnings for settings that run but probably do not do what was meant (TRL's, plus a few)."""
     found = []
     sequence = config.importance_sampling_level == "sequence"

@@ -14,10 +14,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from grouprl.config.async_fields import AsyncGenerationFields
 from grouprl.config.grpo_config import NOT_YET_BUILT, GRPOConfig
-from grouprl.config.loss_and_logging_fields import LossAndLoggingFields
-from grouprl.config.model_and_sampling_fields import ModelAndSamplingFields
+from grouprl.config.grpo_fields import AsyncGenerationFields, LossAndLoggingFields, ModelAndSamplingFields
 from grouprl.config.training_arguments import compat_table
 
 

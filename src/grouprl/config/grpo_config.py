@@ -9,9 +9,8 @@ Nothing is silently ignored: an inherited field grouprl does not honour is refus
 (``training_arguments.py``), and a GRPO field whose feature is not built yet raises
 NotImplementedError when set (``NOT_YET_BUILT``). As TRL, ``generation_batch_size`` and
 ``steps_per_generation`` are resolved for this launch's process count; ``BatchPlan`` holds every
-derived size. The fields themselves, with their help texts, are declared in
-``model_and_sampling_fields.py``, ``loss_and_logging_fields.py`` and ``async_fields.py``; this module adds
-what happens when a config is built.
+derived size. The fields themselves, with their help texts, are declared in ``grpo_fields.py``; this module
+adds what happens when a config is built.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from typing import Any
 from transformers import TrainingArguments
 
 # The checks and the batch plan live in their own modules; re-exported here, where the rest of grouprl imports them.
-from grouprl.config.async_fields import AsyncGenerationFields
 from grouprl.config.batch_plan import BatchPlan, interval_due, plan_batches, resolve_steps
 from grouprl.config.checks import (
     EVAL_STRATEGIES,
@@ -39,8 +37,7 @@ from grouprl.config.checks import (
     validate_config,
 )
 from grouprl.config.field_types import coerce_field_types
-from grouprl.config.loss_and_logging_fields import LossAndLoggingFields
-from grouprl.config.model_and_sampling_fields import ModelAndSamplingFields
+from grouprl.config.grpo_fields import GRPOFields
 from grouprl.config.training_arguments import refused_settings
 
 __all__ = [
@@ -69,10 +66,8 @@ DICT_FIELDS = (
 )
 
 
-# A dataclass collects fields from its last base to its first, so the mixins are listed last section first:
-# the order of the fields (and of --help and docs/trl-compat.md) is TrainingArguments', then TRL's, then async's.
 @dataclass
-class GRPOConfig(AsyncGenerationFields, LossAndLoggingFields, ModelAndSamplingFields, TrainingArguments):
+class GRPOConfig(GRPOFields):
     """Configuration of a GRPO run: ``transformers.TrainingArguments`` plus TRL 1.16's GRPO fields.
 
     Field names, meanings and defaults follow TRL 1.16 (its overrides of TrainingArguments included).
