@@ -1,7 +1,9 @@
-"""TRL 1.16's override points on GRPOTrainer: the loop runs through them, so a subclass's versions take effect.
+"""TRL 1.16's override points on GRPOTrainer, and the record of which ones a subclass replaces.
 
-A TRL user subclasses ``GRPOTrainer`` and overrides methods of TRL's trainer. grouprl calls the same
-methods, with TRL's arguments, at the same points of a step, and uses what they return:
+A TRL user subclasses ``GRPOTrainer`` and overrides methods of TRL's trainer. When a run starts, the trainer
+records which of these are not its own (``_recorded_overrides``, core/overrides.py); the step's stages
+(train/stages.py) call those with TRL's arguments at the same points of a step and use what they return, and
+run grouprl's own stages everywhere else:
 
     training_step(model, inputs, num_items_in_batch)        every micro-step; `inputs` = the generation batch (rows)
       _prepare_inputs(generation_batch) -> micro-batch      buffers a generation's micro-batches (eval: one batch)
@@ -13,10 +15,11 @@ methods, with TRL's arguments, at the same points of a step, and uses what they 
         get_high_entropy_mask(entropies, mask, threshold)   (top_entropy_quantile < 1)
         get_off_policy_mask(advantages, logps, behaviour_logps, mask, threshold)  (off_policy_mask_threshold set)
     log(logs, start_time)                                   every log entry (training, evaluation, end of training)
+    evaluate()                                              scheduled evaluations during training
 
 They are grouped by where they act: one micro-step (trainer_step_hooks.py), inside the loss
 (trainer_loss_hooks.py), generation and rewards (trainer_generation_hooks.py); ``log`` is in
-trainer_reporting.py. `OverridePoints` combines them.
+trainer_reporting.py, ``evaluate`` in trainer.py. `OverridePoints` combines them.
 
 Batches are grouprl ``TrainBatch`` objects, which also answer TRL's dict keys (``batch["advantages"]``,
 ``batch["old_per_token_logps"] = ...``; see ``types.TRL_KEYS``). The three "when overridden" methods have
