@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from grouprl.model import packed_attention
-from grouprl.model.pack_building import build_pack
 from grouprl.model.packed_attention import LAYOUT_KWARG, sdpa_or_packed
+from grouprl.model.prompt_packing import build_pack
 
 
 def _pack(concatenate: bool = False):

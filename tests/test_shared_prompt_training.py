@@ -8,9 +8,15 @@ from transformers import AutoModelForCausalLM
 
 from grouprl.model import packed_attention, prompt_packing
 from grouprl.model.logprobs import completion_logprobs, length_buckets
-from grouprl.model.pack_building import build_pack
-from grouprl.model.pack_planning import PromptGroups, group_by_prompt, pack_cost, pairs_per_token, split_for_cost
 from grouprl.model.patches import grouprl_patches
+from grouprl.model.prompt_packing import (
+    PromptGroups,
+    build_pack,
+    group_by_prompt,
+    pack_cost,
+    pairs_per_token,
+    split_for_cost,
+)
 
 PAD = 0
 

@@ -1,6 +1,6 @@
 """Attention for prompt-packed sequences that only scores the pairs the mask allows.
 
-A pack (pack_building.py) is [prompt, completion_1, ..., completion_k]; a completion token sees the
+A pack (prompt_packing.py) is [prompt, completion_1, ..., completion_k]; a completion token sees the
 prompt and, causally, its own completion. With a dense 4D mask the attention still scores every
 (query, key) pair of the packed length L, most of them masked: for W2 (a 333-token prompt and 8
 completions of 128 tokens, L = 1,357) 1.84M pairs per head and layer where 0.58M are visible. Here

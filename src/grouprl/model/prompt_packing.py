@@ -16,7 +16,7 @@ causally, each completion against [prompt, itself]), and the packs of a micro-ba
 another in a single row (`concatenated_rows`): no padding, one forward. The pack also carries the same
 visibility as an ordinary (rows, 1, L, L) mask, which eager models use directly (dense: all L^2 pairs;
 there each pack gets a row of its own, rows of similar length batched together).
-`split_for_cost` (pack_planning.py) estimates the cost of a pack and packs a prompt's rows into as many
+`split_for_cost` (below) estimates the cost of a pack and packs a prompt's rows into as many
 sequences as is cheapest; where that saves under 10% the plain pass runs.
 
 Used only where it reproduces the plain pass: the model's own attention takes custom 4D masks
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from transformers.utils import logging
@@ -38,10 +39,188 @@ from grouprl.model.forward import capture_head_input, describe, forward_keeping,
 from grouprl.model.head_logprobs import head_logprobs
 from grouprl.model.length_buckets import in_row_order, length_buckets
 from grouprl.model.loading import recomputes_layers
-from grouprl.model.pack_building import Pack, build_pack
-from grouprl.model.pack_planning import group_by_prompt, pack_cost, pairs_per_token, split_for_cost
-from grouprl.model.packed_attention import LAYOUT_KWARG
+from grouprl.model.packed_attention import LAYOUT_KWARG, PackLayout, build_layout
 from grouprl.model.patches import grouprl_patches, patches_active
+
+# ---- planning: which rows share a prompt, and into how many packs each group is cut ----------------------
+# The cost model counts token passes: a pack's tokens plus the attention pairs it scores, converted at
+# `pairs_per_token` (what one token through a layer's weights costs, in attention pairs). Pure arithmetic on
+# lengths and the model's shapes.
+
+
+class PromptGroups(NamedTuple):
+    rows: list[list[int]]  # row indices sharing one prompt, in row order, at most the row cap each
+    prompt_lens: list[int]  # real prompt tokens of each group
+
+
+def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_rows: int | None) -> PromptGroups:
+    """Group rows whose prompts (real tokens only) are identical; groups larger than `max_rows` are split."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for row, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
+        by_prompt.setdefault(tuple(i for i, m in zip(ids, mask) if m), []).append(row)
+    cap = max_rows or prompt_ids.shape[0]
+    groups, lens = [], []
+    for prompt, rows in by_prompt.items():
+        for start in range(0, len(rows), cap):
+            groups.append(rows[start : start + cap])
+            lens.append(len(prompt))
+    return PromptGroups(groups, lens)
+
+
+def pack_cost(prompt_len: int, completion_lens: list[int], pairs_per_token: float, dense: bool = False) -> float:
+    """Estimated cost, in token passes, of one packed sequence: its tokens plus the attention pairs scored.
+
+    Dense (a 4D mask, and the plain pass): all L^2 pairs of the packed length. Otherwise
+    (packed_attention): the prompt's P^2 and, for each completion, its C x (P + C) padded to the longest.
+    """
+    length = prompt_len + sum(completion_lens)
+    if dense:
+        return length + length * length / pairs_per_token
+    longest = max(completion_lens, default=0)
+    pairs = prompt_len * prompt_len + len(completion_lens) * longest * (prompt_len + longest)
+    return length + pairs / pairs_per_token
+
+
+def split_for_cost(
+    groups: PromptGroups, completion_lens: list[int], pairs_per_token: float, dense: bool = False
+) -> PromptGroups:
+    """Split each group into the number of packs (1 .. its rows) with the lowest `pack_cost`.
+
+    One pack runs the prompt once; with a dense mask its attention grows with the square of the packed
+    length, so short prompts with long completions gain little from sharing, lose to the larger
+    attention and end up split. One pack per row is the plain pass.
+    """
+    rows_out, lens_out = [], []
+    for rows, p in zip(groups.rows, groups.prompt_lens):
+        splits = [_even_parts(rows, s) for s in range(1, len(rows) + 1)]
+        best = min(
+            splits,
+            key=lambda parts, p=p: sum(
+                pack_cost(p, [completion_lens[r] for r in part], pairs_per_token, dense) for part in parts
+            ),
+        )
+        rows_out.extend(best)
+        lens_out.extend([p] * len(best))
+    return PromptGroups(rows_out, lens_out)
+
+
+def _even_parts(items: list[int], parts: int) -> list[list[int]]:
+    """`items` cut into `parts` contiguous runs whose sizes differ by at most one (as torch.tensor_split)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + size + (1 if k < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def pairs_per_token(model: torch.nn.Module) -> float:
+    """How many attention (query, key) pairs cost as much as one token through a layer's weights.
+
+    Per layer a token costs ~2 FLOPs per weight, a pair ~4 per attention channel (QK^T and AV).
+    On W1's model this predicts 3072 where timing plain vs packed passes gave ~2800.
+    """
+    inner = getattr(model, "module", model)  # DDP / accelerate wrappers
+    config = inner.config
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not layers or not heads:
+        return 0.0
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    embeddings = {
+        id(p)
+        for m in (inner.get_input_embeddings(), inner.get_output_embeddings())
+        if m is not None
+        for p in m.parameters()
+    }
+    per_layer = sum(p.numel() for p in inner.parameters() if id(p) not in embeddings) / layers
+    return per_layer / (2 * width)
+
+
+# ---- building a pack: prompts and their completions as sequences, with what each token sees -------------
+# A pack is [prompt, completion_1, ..., completion_k] with positions 0..P-1 for the prompt and
+# P..P+T_j-1 for each completion; a completion token sees the prompt and, causally, its own
+# completion only. Packs sit either one per row of a (packs, L) batch, padded to the longest
+# (`concatenate=False`), or one after another in a single row (`concatenate=True`): no padding and one
+# forward for all of them, which only packed_attention can serve (it attends within each pack by
+# index). The visibility comes both as a dense (rows, 1, L, L) mask (eager models, and any call
+# outside `grouprl_patches`) and as packed_attention's index layout (sdpa models inside it). Which rows
+# go into which pack is planned above; the pass itself is below.
+
+
+class Pack(NamedTuple):
+    input_ids: torch.Tensor  # (rows, L)
+    position_ids: torch.Tensor  # (rows, L)
+    attention_mask: torch.Tensor  # (rows, 1, L, L) True where a query (dim 2) may attend a key (dim 3)
+    source: torch.Tensor  # (completions, T) flat index into (rows * L) of the state predicting each completion token
+    keep: int  # positions at the end of each row whose states are needed (`logits_to_keep`)
+    layout: PackLayout  # the same visibility as index tensors, for packed_attention
+
+
+def build_pack(
+    prompts: list[list[int]],
+    completions: list[list[list[int]]],
+    completion_len: int,
+    device: torch.device,
+    *,
+    concatenate: bool = False,
+) -> Pack:
+    """Pack each prompt with its completions (token lists); completions come out in the order given.
+
+    `source[r, t]` is where the state predicting completion token t of completion r sits: the prompt's last
+    position for t = 0, the completion's position t - 1 after that; beyond the completion's length it
+    points at the prompt's last position (a real state whose result is then masked out).
+    """
+    sizes = [len(p) + sum(len(c) for c in cs) for p, cs in zip(prompts, completions)]
+    length = sum(sizes) if concatenate else max(sizes)
+    rows = 1 if concatenate else len(prompts)
+    # Built as lists, turned into tensors once (cheap for many rows). owner: the pack of each token (-1: padding);
+    # part: 0 for its prompt, j >= 1 for its completion j.
+    ids, positions, owner, part = ([[] for _ in range(rows)] for _ in range(4))
+    source, spans, prompt_starts = [], [], []
+    for b, (prompt, pack_rows) in enumerate(zip(prompts, completions)):
+        row = 0 if concatenate else b
+        base, p = row * length + len(ids[row]), len(prompt)  # flat (rows * L) index of the prompt's first token
+        prompt_starts.append(base)
+        ids[row] += prompt
+        positions[row] += range(p)
+        owner[row] += [b] * p
+        part[row] += [0] * p
+        spans.append([])
+        for j, tokens in enumerate(pack_rows, start=1):
+            t, start = len(tokens), row * length + len(ids[row])
+            spans[-1].append((start, t))
+            ids[row] += tokens
+            positions[row] += range(p, p + t)
+            owner[row] += [b] * t
+            part[row] += [j] * t
+            last_prompt = base + p - 1
+            source.append(
+                [last_prompt] + [start + i for i in range(t - 1)] + [last_prompt] * (completion_len - max(t, 1))
+            )
+    for row in range(rows):
+        pad = length - len(ids[row])
+        ids[row] += [0] * pad
+        positions[row] += [0] * pad
+        owner[row] += [-1] * pad
+        part[row] += [-1] * pad
+    ids, positions, owner, part = (torch.tensor(x) for x in (ids, positions, owner, part))
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    owner_q, owner_k, part_q, part_k = owner[:, :, None], owner[:, None, :], part[:, :, None], part[:, None, :]
+    visible = causal & (owner_k >= 0) & (owner_k == owner_q) & ((part_k == 0) | (part_k == part_q))
+    visible |= torch.eye(length, dtype=torch.bool)  # padding queries see themselves: no empty softmax
+    earliest = min(start % length + len(p) - 1 for start, p in zip(prompt_starts, prompts))
+    layout = build_layout(prompt_starts, [len(p) for p in prompts], spans, device)
+    return Pack(
+        ids.to(device),
+        positions.to(device),
+        visible[:, None].to(device),
+        torch.tensor(source).to(device),
+        length - earliest,
+        layout,
+    )
+
 
 logger = logging.get_logger("grouprl")
 

@@ -16,7 +16,15 @@ from accelerate import Accelerator
 
 from grouprl.agents import Agent, tool_call_stats
 from grouprl.core.advantages import estimate_advantages
-from grouprl.core.distributed import gather_rows, global_sum, keep_row_values, keep_rows, layout_of
+from grouprl.core.distributed import (
+    gather_objects,
+    gather_rows,
+    global_sum,
+    keep_row_values,
+    keep_rows,
+    layout_of,
+    run_on_main,
+)
 from grouprl.core.group_layout import GroupLayout
 from grouprl.core.metrics import MetricWindow, completion_length_stats, reward_stats
 from grouprl.core.types import Completion, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
@@ -24,10 +32,10 @@ from grouprl.data.generation_inputs import GenerationInputs
 from grouprl.data.multimodal_prompts import rows_images
 from grouprl.data.prompt_sampler import PromptSampler
 from grouprl.data.prompts import PromptTokenizer, is_conversational, local_prompt_batch
+from grouprl.generation.dispatch import sample_for_processes, sample_groups
 from grouprl.generation.protocol import GenerationBackend
 from grouprl.rewards.scoring import RewardFunction, score_completions
 from grouprl.rollout.completion_log import CompletionLog, RecentCompletions
-from grouprl.rollout.generate import generate_for
 from grouprl.rollout.train_batch import pack_rollout, row_prompt_ids
 
 
@@ -64,7 +72,7 @@ class RolloutMaker:
     synced_step: Optional[int] = None  # optimizer step whose weights the backend samples from
     agent: Optional[Agent] = None  # multi-turn rollouts (tools, environments, rollout_func); None: single-turn
     recent: Optional[RecentCompletions] = None  # TRL's trainer._logs: the latest generation batch's rows
-    # A TRL subclass's overrides (GRPOTrainer._generate / _calculate_rewards); each returns None when not overridden.
+    # A TRL subclass's _generate / _calculate_rewards, adapted (set when a run starts, only where overridden)
     generate_hook: Optional[Callable[[PromptBatch], Optional[list[Completion]]]] = None
     reward_hook: Optional[Callable[["RolloutMaker", Rollout, MetricWindow], Optional[torch.Tensor]]] = None
     # Which rows of the global batch train, given this process's rollout and the global rewards: a (N_global,) bool
@@ -274,3 +282,34 @@ def reward_columns(rollout: Rollout) -> dict[str, list[Any]]:
             for name in {k for c in completions for k in c.reward_kwargs}
         },
     }
+
+
+def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams) -> list[Completion]:
+    """Ask the backend for each prompt's num_samples completions; return them in row order.
+
+    Prompts on a process usually all need G samples; a group cut by a process boundary needs fewer
+    (dispatch.sample_groups sends one call per distinct count). A backend that only the main process
+    may use (`main_process_only`: a server) samples whole groups there for every process.
+    """
+    if getattr(backend, "main_process_only", False):
+        return generate_on_main_process(backend, prompts, params)
+    per_prompt = sample_groups(backend, prompts.prompt_ids, prompts.num_samples, params, prompts.multimodal)
+    return [replace(c, prompt_index=b) for b, completions in enumerate(per_prompt) for c in completions]
+
+
+def generate_on_main_process(
+    backend: GenerationBackend, prompts: PromptBatch, params: SamplingParams
+) -> list[Completion]:
+    """This process's completions (row order of `prompts`), sampled as whole groups by the main process for everyone.
+
+    An exception there is raised on every process (run_on_main), so no process waits in a collective for ever.
+    """
+    if prompts.multimodal is not None:
+        raise NotImplementedError(
+            f"{type(backend).__name__} samples text prompts only; prompts with images need an in-process "
+            "backend (generation_engine='auto' or 'transformers')."
+        )
+    layout = layout_of(prompts)
+    group_prompts = layout.join(gather_objects(prompts.prompt_ids))  # the main process needs every group's prompt
+    shares = run_on_main(lambda: sample_for_processes(backend, layout, group_prompts, params))
+    return [replace(c, prompt_index=b) for c, b in zip(shares[layout.process_index], prompts.row_index())]
