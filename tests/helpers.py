@@ -125,3 +125,17 @@ def forward_logprobs(model, prompt_ids: list[int], completion_ids: list[int], te
             temperature=temperature,
         )
     return out.logprobs[0].cpu()
+
+
+def scripted_backend(model_dir) -> ScriptedBackend:
+    """Completions of 1-6 tokens, some ending with EOS, depending on the prompt and the sample index."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = tokenizer.eos_token_id
+
+    def script(prompt_ids, sample):
+        body = [(prompt_ids[-1] + 7 * sample + k) % 200 + 3 for k in range(1 + (sample * 3 + len(prompt_ids)) % 6)]
+        return body + ([eos] if sample % 3 else [])
+
+    return ScriptedBackend(script, eos, tokenizer)

@@ -3,9 +3,9 @@ forward's, are multiples of it; the values and the loss are those of the unpadde
 
 import pytest
 import torch
-from helpers import GradientRecorder, ScriptedBackend, distinct_tokens, quiet_config
+from helpers import GradientRecorder, distinct_tokens, quiet_config, scripted_backend
 from helpers import numbered_prompts as prompts
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from grouprl import GRPOTrainer
 from grouprl.core.types import Completion, PromptBatch, Rollout
@@ -93,17 +93,6 @@ def test_every_forward_is_padded_and_the_logprobs_do_not_change(tiny_model_dir):
     )
 
 
-def scripted(tiny_model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    eos = tokenizer.eos_token_id
-
-    def script(prompt_ids, sample):
-        body = [(prompt_ids[-1] + 7 * sample + k) % 200 + 3 for k in range(1 + (sample * 3 + len(prompt_ids)) % 6)]
-        return body + ([eos] if sample % 3 else [])
-
-    return ScriptedBackend(script, eos, tokenizer)
-
-
 def train_one_step(tiny_model_dir, tmp_path, **overrides):
     shapes = []
 
@@ -131,7 +120,7 @@ def train_one_step(tiny_model_dir, tmp_path, **overrides):
         reward_funcs=distinct_tokens,
         args=config,
         train_dataset=prompts(),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
         optimizers=(recorder, None),
     )
     trainer.train()

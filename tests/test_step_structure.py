@@ -65,7 +65,7 @@ class TraceSecondStep(TrainerCallback):
             sys.setprofile(None)
 
 
-def train_two_steps(model_dir, tmp_path, trainer_class=GRPOTrainer, callbacks=(), **overrides):
+def train_two_steps(model_dir, tmp_path, trainer_class=GRPOTrainer, callbacks=(), eval_dataset=None, **overrides):
     config = quiet_config(
         tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=2, **overrides
     )
@@ -74,6 +74,7 @@ def train_two_steps(model_dir, tmp_path, trainer_class=GRPOTrainer, callbacks=()
         reward_funcs=distinct_tokens,
         args=config,
         train_dataset=numbered_prompts(),
+        eval_dataset=eval_dataset,
         callbacks=list(callbacks),
     )
     trainer.train()
@@ -126,21 +127,8 @@ def test_each_override_point_runs_its_subclass_version_which_reaches_super(tiny_
         settings.update(off_policy_mask_threshold=0.5, num_iterations=2)
     if name == "evaluate":
         settings.update(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
-    spy = _spy(name, calls)
-    if name in ("_generate", "_calculate_rewards", "evaluate"):
-        config = quiet_config(
-            tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=2, **settings
-        )
-        trainer = spy(
-            model=tiny_model_dir,
-            reward_funcs=distinct_tokens,
-            args=config,
-            train_dataset=numbered_prompts(),
-            eval_dataset=numbered_prompts() if name == "evaluate" else None,
-        )
-        trainer.train()
-    else:
-        trainer = train_two_steps(tiny_model_dir, tmp_path, trainer_class=spy, **settings)
+    eval_dataset = numbered_prompts() if name == "evaluate" else None
+    trainer = train_two_steps(tiny_model_dir, tmp_path, _spy(name, calls), eval_dataset=eval_dataset, **settings)
     assert calls and set(calls) == {name}, f"{name} was not called through the subclass"
     assert trainer.state.global_step == 2
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

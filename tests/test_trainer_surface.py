@@ -11,7 +11,7 @@ import datasets
 import pytest
 import torch
 from accelerate.tracking import GeneralTracker
-from helpers import ScriptedBackend, parameters, quiet_config
+from helpers import parameters, quiet_config, scripted_backend
 from huggingface_hub import ModelCard
 from transformers import AutoTokenizer, TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_utils import TrainOutput
@@ -40,18 +40,6 @@ def prompts(n=12):
 
 def distinct_tokens(completion_ids, **kwargs):
     return [float(len(set(ids))) for ids in completion_ids]
-
-
-def scripted(tiny_model_dir):
-    """Completions of 1-6 tokens, some ending with EOS, depending on the prompt and the sample index."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    eos = tokenizer.eos_token_id
-
-    def script(prompt_ids, sample):
-        body = [(prompt_ids[-1] + 7 * sample + k) % 200 + 3 for k in range(1 + (sample * 3 + len(prompt_ids)) % 6)]
-        return body + ([eos] if sample % 3 else [])
-
-    return ScriptedBackend(script, eos, tokenizer)
 
 
 # ---- get_high_entropy_mask / get_off_policy_mask: hand-computed values --------------------------------------
@@ -162,7 +150,7 @@ def test_train_returns_train_output_and_the_summary_merges_unlogged_steps(tiny_m
         reward_funcs=rewards_by_step(),
         args=config,
         train_dataset=prompts(),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     output = trainer.train()
     assert isinstance(output, TrainOutput) and output.global_step == 3
@@ -203,7 +191,7 @@ def test_summary_has_no_step_metrics_when_the_last_step_was_logged(tiny_model_di
         reward_funcs=distinct_tokens,
         args=make_config(tmp_path),
         train_dataset=prompts(),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     trainer.train()
     assert (
@@ -230,7 +218,7 @@ def test_adaptive_entropy_coef_follows_the_controller(tiny_model_dir, tmp_path):
         reward_funcs=distinct_tokens,
         args=config,
         train_dataset=prompts(),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     assert trainer.entropy_coef == 0.01 and trainer._last_world_entropy == math.inf
     trainer.train()
@@ -248,7 +236,7 @@ def test_log_metrics_save_metrics_save_state(tiny_model_dir, tmp_path, capsys):
         reward_funcs=distinct_tokens,
         args=make_config(tmp_path, max_steps=1),
         train_dataset=prompts(),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     metrics = trainer.train().metrics
     trainer.log_metrics("train", metrics)
@@ -380,7 +368,7 @@ def test_logs_buffer_and_trackers_and_end(tiny_model_dir, tmp_path):
         reward_funcs=tagged,
         args=make_config(tmp_path),
         train_dataset=prompts(),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     trainer._logs["images"] = deque(maxlen=0)  # what scripts do to keep images out; the trainer keeps using the dict
     tracker = Tracker()
@@ -422,7 +410,7 @@ def test_training_step_gets_the_generation_batch_rows_like_trl(tiny_model_dir, t
         reward_funcs=distinct_tokens,
         args=config,
         train_dataset=data,
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     rows = [dict(row) for row in data]
     first = [row for row in rows[:6] for _ in range(4)]
@@ -462,7 +450,7 @@ def test_overridden_calculate_rewards_is_used_for_training_and_evaluation(tiny_m
         args=config,
         train_dataset=prompts(),
         eval_dataset=prompts(2),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     trainer.train()
     inputs, given_prompts, completions, completion_ids = calls[0]
@@ -491,7 +479,7 @@ def test_overridden_get_high_entropy_mask_is_used(tiny_model_dir, tmp_path):
             reward_funcs=distinct_tokens,
             args=config,
             train_dataset=prompts(),
-            generation_backend=scripted(tiny_model_dir),
+            generation_backend=scripted_backend(tiny_model_dir),
         )
     )
     config = make_config(tmp_path / "b", top_entropy_quantile=0.5, max_steps=1)
@@ -501,7 +489,7 @@ def test_overridden_get_high_entropy_mask_is_used(tiny_model_dir, tmp_path):
             reward_funcs=distinct_tokens,
             args=config,
             train_dataset=prompts(),
-            generation_backend=scripted(tiny_model_dir),
+            generation_backend=scripted_backend(tiny_model_dir),
         )
     )
     assert moved > 1e-4 and still == 0.0 and thresholds == [0.5]
@@ -524,7 +512,7 @@ def test_overridden_get_off_policy_mask_is_used(tiny_model_dir, tmp_path):
         reward_funcs=distinct_tokens,
         args=config,
         train_dataset=prompts(),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     trainer.train()
     assert shapes and shapes[0] == ((6, 1), 0.5)
@@ -550,7 +538,7 @@ def test_overridden_generate_and_score_completions_and_compute_loss(tiny_model_d
             reward_funcs=distinct_tokens,
             args=config,
             train_dataset=prompts(),
-            generation_backend=scripted(tiny_model_dir),
+            generation_backend=scripted_backend(tiny_model_dir),
         )
         assert train_and_diff(trainer) == 0.0, trainer_class.__name__
 
@@ -584,7 +572,7 @@ def test_overridden_generate_replaces_generation(tiny_model_dir, tmp_path):
         reward_funcs=reward,
         args=make_config(tmp_path, max_steps=1),
         train_dataset=prompts(),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     trainer.train()
     assert seen == [([fixed] * 6, ["override"] * 6)]
@@ -598,7 +586,7 @@ def test_generate_default_returns_trls_tuple_and_checks_rollout_func(tiny_model_
         reward_funcs=distinct_tokens,
         args=make_config(tmp_path),
         train_dataset=prompts(),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = trainer._generate(
         ["1+1="] * 3 + ["2+2="] * 3
@@ -701,7 +689,7 @@ def test_overridden_per_token_logps_and_log_and_training_step(tiny_model_dir, tm
         args=config,
         train_dataset=prompts(),
         eval_dataset=prompts(2),
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     trainer.train()
     assert calls["steps"] == 4 and all(entropy for _, entropy in calls["logps"]) and len(calls["logps"]) == 4
@@ -787,7 +775,7 @@ def test_callbacks_see_control_through_the_trainer(tiny_model_dir, tmp_path):
         args=make_config(tmp_path, max_steps=3),
         train_dataset=prompts(),
         callbacks=[Stop()],
-        generation_backend=scripted(tiny_model_dir),
+        generation_backend=scripted_backend(tiny_model_dir),
     )
     trainer.train()
     assert trainer.state.global_step == 1 and trainer.control.should_training_stop

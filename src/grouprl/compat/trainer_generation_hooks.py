@@ -13,7 +13,7 @@ through ``super()``).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -97,10 +97,8 @@ class GenerationOverridePoints:
         )
         return gather_rows(self.accelerator, local)
 
-    def _generate_through_override(self, prompts: PromptBatch) -> Optional[list[Completion]]:
-        """RolloutMaker.generate_hook: an overridden _generate's output as Completions (None: not overridden)."""
-        if not self.overrides("_generate"):
-            return None
+    def _generate_through_override(self, prompts: PromptBatch) -> list[Completion]:
+        """RolloutMaker.generate_hook (set only when _generate is overridden): its output as Completions."""
         rows = prompts.row_index()
         output = self._generate([copy.deepcopy(prompts.prompts[b]) for b in rows])
         name = f"{type(self).__name__}._generate"
@@ -149,11 +147,9 @@ class GenerationOverridePoints:
 
     def _rewards_through_override(
         self, maker: "RolloutMaker", rollout: Rollout, window: "MetricWindow"
-    ) -> Optional[torch.Tensor]:
-        """RolloutMaker.reward_hook: an overridden _calculate_rewards called with TRL's arguments (None: not
-        overridden)."""
-        if not self.overrides("_calculate_rewards"):
-            return None
+    ) -> torch.Tensor:
+        """RolloutMaker.reward_hook (set only when _calculate_rewards is overridden): it, called with TRL's
+        arguments."""
         columns = reward_columns(rollout)
         prompts = [rollout.prompts.prompts[b] for b in rollout.row_prompt]
         inputs = [

@@ -63,15 +63,5 @@ class LossOverridePoints:
         (entropy.high_entropy_mask)."""
         return high_entropy_mask(entropies, mask, threshold, self.accelerator)
 
-    @staticmethod
-    def get_off_policy_mask(
-        advantages: torch.Tensor,
-        per_token_logps: torch.Tensor,
-        sampling_per_token_logps: torch.Tensor,
-        mask: torch.Tensor,
-        off_policy_threshold: float,
-    ) -> torch.Tensor:
-        """DeepSeek-V3.2's off-policy sequence mask, (B, 1) (masks.off_policy_sequence_mask)."""
-        return off_policy_sequence_mask(
-            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
-        )
+    # DeepSeek-V3.2's off-policy sequence mask with TRL's arguments, static as TRL's: (B, 1) in mask's dtype
+    get_off_policy_mask = staticmethod(off_policy_sequence_mask)
