@@ -2,7 +2,7 @@
 
 import torch
 
-from grouprl.rollout.batching import length_grouped, regrouping_is_exact
+from grouprl.rollout.train_batch import length_grouped, regrouping_is_exact
 
 
 def test_rows_are_sorted_by_length_within_each_optimizer_step_only():
@@ -29,7 +29,7 @@ def test_long_shared_prompts_keep_their_rows_together():
     """Prompts longer than completions: the key orders by prompt (longest first), then completion length,
     so one prompt's rows are adjacent; short prompts: by total length."""
     from grouprl.core.types import TrainBatch
-    from grouprl.rollout.batching import row_order_key
+    from grouprl.rollout.train_batch import row_order_key
 
     def batch(prompts, completion_lengths):
         width, t = max(len(p) for p in prompts), max(completion_lengths)

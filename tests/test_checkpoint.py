@@ -166,3 +166,36 @@ def test_a_damaged_checkpoint_is_named_and_resume_true_falls_back_to_the_previou
         resolve_resume_path(str(out / "checkpoint-4"), str(out))
     with pytest.raises(ValueError, match=r"no checkpoint in .* can be read: .*checkpoint-4 \(model\.safetensors.*"):
         resolve_resume_path(True, str(out))
+
+
+
+def _moved_class_values():
+    from grouprl.core.types import GroupLayout
+    from grouprl.data.prompt_sampler import GenerationInputs
+
+    return [
+        ("grouprl.data.generation_inputs", GenerationInputs, lambda: GenerationInputs([{"prompt": "1+1="}])),
+        ("grouprl.core.group_layout", GroupLayout, lambda: GroupLayout.uncut([[2, 3]])),
+    ]
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_checkpoint_naming_a_class_by_its_former_module_still_loads(tmp_path, monkeypatch, index):
+    """loop_state.pt pickles classes by module path; one written before GenerationInputs and GroupLayout moved
+    (modules merged by job) loads into today's classes."""
+    import types
+
+    from grouprl.train.checkpoint_files import MOVED_MODULES, load_pickle
+
+    old, cls, make = _moved_class_values()[index]
+    assert MOVED_MODULES[old] == cls.__module__
+    value = make()
+    former = types.ModuleType(old)
+    setattr(former, cls.__name__, cls)
+    with monkeypatch.context() as patch:  # pickle the class as an earlier grouprl named it
+        patch.setitem(sys.modules, old, former)
+        patch.setattr(cls, "__module__", old)
+        torch.save({"inputs": value}, tmp_path / "loop_state.pt")
+    assert old.encode() in (tmp_path / "loop_state.pt").read_bytes()
+    loaded = load_pickle(str(tmp_path / "loop_state.pt"))["inputs"]
+    assert type(loaded) is cls and loaded == value

@@ -9,7 +9,7 @@ import pytest
 from helpers import distinct_tokens, numbered_prompts, quiet_config
 from PIL import Image
 
-import grouprl.compat.trainer_inputs
+import grouprl.compat.trainer_parts
 from grouprl import GFPOConfig, GFPOTrainer, GRPOTrainer
 from grouprl.compat.gfpo import shortest_k_filter
 from grouprl.config.combinations import (
@@ -136,7 +136,7 @@ def build(tmp_path, monkeypatch, features):
         more_kwargs, more_overrides = RECIPES[name]()
         kwargs.update(more_kwargs)
         overrides.update(more_overrides)
-    monkeypatch.setattr(grouprl.compat.trainer_inputs, "sharded_weights", lambda: "sharded" in features)
+    monkeypatch.setattr(grouprl.compat.trainer_parts, "sharded_weights", lambda: "sharded" in features)
     args = quiet_config(
         tmp_path, overrides, per_device_train_batch_size=3, max_completion_length=4, max_steps=1, bf16=False
     )

@@ -224,6 +224,27 @@ def test_plan_description_mentions_sizes():
     assert "20 prompts -> 10 optimizer steps" in text
 
 
+def test_an_epochs_last_step_takes_the_micro_batches_left():
+    """TRL's test_prepare_input_called_with_correct_data: 17 prompts, 6 per generation -> 2 generations of 4 x 2
+    micro-batches = 16 per epoch; GA 3 -> 6 steps of 3, 3, 3, 3, 3, 1 (transformers' epoch remainder)."""
+    plan = plan_batches(
+        GRPOConfig(
+            per_device_train_batch_size=6,
+            num_generations=4,
+            steps_per_generation=4,
+            num_iterations=2,
+            gradient_accumulation_steps=3,
+        )
+    )
+    micro = plan.micro_steps_per_epoch(17)
+    assert micro == 16 and plan.optimizer_steps_per_epoch(17) == 6
+    assert [plan.micro_batches_in_step(step, micro) for step in range(12)] == [3, 3, 3, 3, 3, 1] * 2
+    assert plan.micro_batches_in_step(5, None) == 3  # a stream has no epochs
+    assert "17 prompts -> 6 optimizer steps (the last takes the 1 micro-batch(es) left)" in plan.describe(17)
+    # a whole number of steps per epoch: every step takes GA
+    assert {plan.micro_batches_in_step(step, plan.micro_steps_per_epoch(18)) for step in range(16)} == {3}
+
+
 @pytest.mark.parametrize(
     "kwargs,fragment",
     [

@@ -3,10 +3,9 @@
 import datasets
 import pytest
 
-from grouprl.core.group_layout import GroupLayout
-from grouprl.data.dataset_checks import check_dataset
+from grouprl.core.types import GroupLayout
 from grouprl.data.prompt_sampler import PromptSampler
-from grouprl.data.prompts import PromptTokenizer, local_prompt_batch
+from grouprl.data.prompts import PromptTokenizer, check_dataset, local_prompt_batch
 from grouprl.demo.tokenizer import build_tokenizer
 
 
@@ -113,7 +112,7 @@ def test_every_row_is_checked_before_training_and_the_message_says_what_to_do():
 
 
 def test_rows_are_numbered_as_the_trainer_reads_them_and_large_datasets_are_checked_in_workers(monkeypatch):
-    import grouprl.data.dataset_checks as prompts_module
+    import grouprl.data.prompts as prompts_module
 
     data = datasets.Dataset.from_dict({"prompt": [str(i) if i != 137 else None for i in range(300)]})
     shuffled = data.shuffle(seed=1)  # an indices mapping: rows are numbered as shuffled[i] reads them
@@ -317,7 +316,7 @@ def test_starting_a_loader_leaves_the_global_rng_alone():
 
 
 def test_bad_worker_counts_and_streams():
-    from grouprl.data.row_loading import workers_for
+    from grouprl.data.prompt_sampler import workers_for
 
     data = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
     with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an integer >= 0"):

@@ -96,7 +96,7 @@ def test_trl_compat_names_every_config_field_and_trainer_method():
 
 def health_findings() -> list[tuple[str, str]]:
     """(kind, title) of every Finding the detectors build; for an f-string, its text before the first value."""
-    import grouprl.train.health_detectors as detectors
+    import grouprl.train.health as detectors
 
     def literal(node: ast.expr) -> str:
         if isinstance(node, ast.Constant):

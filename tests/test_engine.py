@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 from grouprl.core.types import SamplingParams
 from grouprl.generation.engine import FastGenerator, engine_supports
 from grouprl.generation.sampling import process_logits
-from grouprl.generation.shared_prefix_probe import matches_standard_attention
+from grouprl.generation.shared_prefix import matches_standard_attention
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_engine_declines_what_it_cannot_do(model_and_tokenizer):
 
 
 def test_chunked_logprobs_equal_naive_in_value_and_gradient(monkeypatch):
-    import grouprl.model.head_logprobs as lp
+    import grouprl.model.forward as lp
 
     torch.manual_seed(0)
     logits = (torch.randn(3, 5, 40) * 2).requires_grad_()

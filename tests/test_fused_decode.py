@@ -22,11 +22,9 @@ from transformers import (
 
 from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
-from grouprl.generation import FastGenerator, fused_decode, fused_decode_probe
-from grouprl.generation.decode_products import packs_weights
-from grouprl.generation.fused_decode import FusedDecoder, structure_reason
-from grouprl.generation.fused_decode_probe import _fused_decode, fuses, probe
-from grouprl.generation.shared_prefix_probe import shared_decode
+from grouprl.generation import FastGenerator, fused_decode
+from grouprl.generation.fused_decode import FusedDecoder, _fused_decode, fuses, packs_weights, probe, structure_reason
+from grouprl.generation.shared_prefix import shared_decode
 
 SIZES = dict(
     vocab_size=96,
@@ -173,7 +171,7 @@ def test_generation_samples_the_same_tokens_with_and_without_fused_steps(tiny_mo
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 3?", "Count: 1 2", "x")]
     plain = _generate(model, tokenizer, False, prompts)
     fused = _generate(model, tokenizer, True, prompts)
-    assert fuses(model) and fused_decode_probe._VERDICTS[model] is None
+    assert fuses(model) and fused_decode._VERDICTS[model] is None
     assert [c.token_ids for c in fused] == [c.token_ids for c in plain]
     for a, b in zip(fused, plain):
         fused_logprobs, plain_logprobs = torch.tensor(a.sampler_logprobs), torch.tensor(b.sampler_logprobs)
@@ -187,7 +185,7 @@ def test_a_refused_model_still_generates_through_its_forward(tiny_model_dir, tok
     mlp.forward = lambda x: plain(mlp, x) * 1.5
     prompts = [tokenizer("What is 2 + 3?")["input_ids"]]
     out = _generate(model, tokenizer, True, prompts)
-    assert not fuses(model) and "differ from its forward" in fused_decode_probe._VERDICTS[model]
+    assert not fuses(model) and "differ from its forward" in fused_decode._VERDICTS[model]
     assert len(out) == 4 and all(c.token_ids for c in out)
 
 
@@ -222,4 +220,4 @@ def test_training_generates_with_fused_steps(tiny_model_dir, tmp_path):
     config = quiet_config(tmp_path, per_device_train_batch_size=6, max_completion_length=8, max_steps=1)
     trainer = GRPOTrainer(model=model, reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts())
     trainer.train()
-    assert fused_decode_probe._VERDICTS.get(trainer.model, "never asked") is None
+    assert fused_decode._VERDICTS.get(trainer.model, "never asked") is None

@@ -12,9 +12,8 @@ from transformers.generation.utils import GenerationMixin
 
 from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
-from grouprl.generation.engine import FastGenerator
+from grouprl.generation.engine import EngineUnlessGenerateOverridden, FastGenerator, generate_override
 from grouprl.generation.hf import TransformersGenerator
-from grouprl.generation.overrides import EngineUnlessGenerateOverridden, generate_override
 from grouprl.generation.static_decode import CapturedGenerator
 
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from grouprl.core.distributed import join_rollouts, keep_own_rows, keep_rows, own_rollout, whole_groups
-from grouprl.core.group_layout import GroupLayout
-from grouprl.core.types import Completion, PromptBatch, Rollout, SamplingParams
-from grouprl.generation.dispatch import sample_for_processes, sample_groups
+from grouprl.core.types import Completion, GroupLayout, PromptBatch, Rollout, SamplingParams
+from grouprl.generation.protocol import sample_for_processes, sample_groups
 
 
 def layouts(**kwargs):

@@ -12,8 +12,7 @@ from helpers import ScriptedBackend, cpu_parameters, max_difference, parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer, NonFiniteError, RewardFunctionError
-from grouprl.train.health import HealthMonitor
-from grouprl.train.health_detectors import detect
+from grouprl.train.health import HealthMonitor, detect
 
 
 def distinct_tokens(completion_ids, **kwargs):

@@ -5,7 +5,7 @@ import resource
 import pytest
 import torch
 
-from grouprl.model.host_memory import reuse_freed_host_memory
+from grouprl.model.patches import reuse_freed_host_memory
 
 
 @pytest.mark.parametrize("opted_in", [False, True])
@@ -30,7 +30,7 @@ def test_malloc_is_tuned_only_when_the_config_asks_and_only_for_a_cpu_model(monk
 
 _FAULTS_SCRIPT = """
 import ctypes, resource, torch
-from grouprl.model import host_memory
+from grouprl.model import patches
 
 def faults():
     start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -38,14 +38,14 @@ def faults():
         torch.ones(2_000_000)  # 8 MB
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
 
-if not host_memory.reuse_freed_host_memory():
+if not patches.reuse_freed_host_memory():
     print("not glibc")
     raise SystemExit
 libc = ctypes.CDLL("libc.so.6")
-libc.mallopt(host_memory.M_MMAP_THRESHOLD, 128 * 1024)  # glibc's starting thresholds, held fixed
-libc.mallopt(host_memory.M_TRIM_THRESHOLD, 128 * 1024)
+libc.mallopt(patches.M_MMAP_THRESHOLD, 128 * 1024)  # glibc's starting thresholds, held fixed
+libc.mallopt(patches.M_TRIM_THRESHOLD, 128 * 1024)
 untuned = faults()
-assert host_memory.reuse_freed_host_memory()
+assert patches.reuse_freed_host_memory()
 faults()  # the heap grows once
 print(untuned, faults())
 """
@@ -73,25 +73,25 @@ def _resident_bytes() -> int:
 def test_free_heap_pages_go_back_to_the_os_only_when_enough_are_free(monkeypatch):
     """release_free_host_memory trims the heap's free pages (held there by blocks still alive between them),
     and leaves the heap alone while less than RELEASE_THRESHOLD is free."""
-    from grouprl.model import host_memory
+    from grouprl.model import patches
 
-    if not reuse_freed_host_memory() or host_memory.free_heap_bytes() is None:  # blocks up to 32 MiB on the heap
+    if not reuse_freed_host_memory() or patches.free_heap_bytes() is None:  # blocks up to 32 MiB on the heap
         pytest.skip("not glibc >= 2.33")
-    host_memory.release_free_host_memory()  # what earlier tests left free is no longer resident
+    patches.release_free_host_memory()  # what earlier tests left free is no longer resident
     # the test process's heap already has free blocks: the threshold sits 200 MB above them
-    monkeypatch.setattr(host_memory, "RELEASE_THRESHOLD", host_memory.free_heap_bytes() + 200_000_000)
+    monkeypatch.setattr(patches, "RELEASE_THRESHOLD", patches.free_heap_bytes() + 200_000_000)
     block = 2_000_000  # 8 MB of float32
     few = [torch.ones(block) for _ in range(20)]
     kept_few = few[1::2]
     del few  # 80 MB more free: below the threshold, kept for reuse
     resident = _resident_bytes()
-    host_memory.release_free_host_memory()
+    patches.release_free_host_memory()
     assert abs(resident - _resident_bytes()) < 20e6
     blocks = [torch.ones(block) for _ in range(80)]
     kept = blocks[1::2]  # alive between the freed ones: the heap cannot shrink from its top
     del blocks  # 320 MB more free
     resident = _resident_bytes()
-    host_memory.release_free_host_memory()
+    patches.release_free_host_memory()
     released = resident - _resident_bytes()
     assert released > 250e6, released
     assert len(kept) == 40 and len(kept_few) == 10

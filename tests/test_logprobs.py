@@ -5,7 +5,6 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
 import grouprl.model.forward as model_forward
-import grouprl.model.head_logprobs as head_module
 import grouprl.model.logprobs as lp
 
 
@@ -55,9 +54,9 @@ def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypa
     head = model.get_output_embeddings()
     if head_path == "hand-written backward":  # the head is a plain nn.Linear: _LinearHeadLogprobs
         seen = []
-        real_logits = head_module._ChunkBuffers.scaled_logits
+        real_logits = model_forward._ChunkBuffers.scaled_logits
         monkeypatch.setattr(  # the positions of each chunk's head product
-            head_module._ChunkBuffers,
+            model_forward._ChunkBuffers,
             "scaled_logits",
             lambda self, x, *a: seen.append(x.shape[0]) or real_logits(self, x, *a),
         )
@@ -65,8 +64,8 @@ def test_chunked_head_logprobs_equal_naive_in_value_and_gradient(model, monkeypa
         seen = []
         real_forward = head.forward
         monkeypatch.setattr(head, "forward", lambda x: seen.append(x.shape[0]) or real_forward(x))
-    monkeypatch.setattr(head_module, "CHUNK_ELEMENTS", model.config.vocab_size * 4)  # 4 positions per chunk
-    monkeypatch.setattr(head_module, "MIN_CHUNK_POSITIONS", 1)
+    monkeypatch.setattr(model_forward, "CHUNK_ELEMENTS", model.config.vocab_size * 4)  # 4 positions per chunk
+    monkeypatch.setattr(model_forward, "MIN_CHUNK_POSITIONS", 1)
     model_forward._SEPARABLE.clear()
     out = lp.completion_logprobs(model, *batch, temperature=0.7, entropy_grad=True, bucket_by_length=bucket_by_length)
     assert lp.separable_head(model) is head
@@ -87,9 +86,9 @@ def test_hand_written_head_backward_equals_autograd(monkeypatch, entropy, temper
     """_LinearHeadLogprobs against log_softmax over full logits in float64: values, and the gradients of hidden
     states, weight and bias for an arbitrary upstream gradient of both outputs, over several chunks."""
     monkeypatch.setattr(
-        head_module, "CHUNK_ELEMENTS", 50 * 3
+        model_forward, "CHUNK_ELEMENTS", 50 * 3
     )  # vocab 50: 3 positions per chunk, 11 positions -> 4 chunks
-    monkeypatch.setattr(head_module, "MIN_CHUNK_POSITIONS", 1)
+    monkeypatch.setattr(model_forward, "MIN_CHUNK_POSITIONS", 1)
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=bias)
     hidden = torch.randn(1, 11, 8, generator=g, requires_grad=True)

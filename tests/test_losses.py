@@ -12,9 +12,16 @@ import pytest
 import torch
 from loss_reference import reference_policy_loss
 
-from grouprl.core.loss_aggregations import dapo_denominator
-from grouprl.core.loss_objectives import clipped_surrogate, gamma_weights
-from grouprl.core.losses import LOSSES, KLPenalty, LossScale, TokenTerms, policy_loss
+from grouprl.core.losses import (
+    LOSSES,
+    KLPenalty,
+    LossScale,
+    TokenTerms,
+    clipped_surrogate,
+    dapo_denominator,
+    gamma_weights,
+    policy_loss,
+)
 
 OLD = torch.zeros(2, 3)
 LOGPS = torch.log(torch.tensor([[1.0, 1.5, 0.5], [1.5, 0.5, 2.0]]))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from grouprl.core.entropy import EntropyController
-from grouprl.core.importance import log_importance_weights, sampler_importance_weights
 from grouprl.core.kl import k3_kl
+from grouprl.core.losses import log_importance_weights, sampler_importance_weights
 from grouprl.core.masks import off_policy_mask, tied_groups
 
 NAN = float("nan")

@@ -23,7 +23,7 @@ import grouprl.generation.engine as engine
 import grouprl.model.forward as model_forward
 from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
-from grouprl.generation import decode_products, shared_prefix, shared_prefix_probe
+from grouprl.generation import fused_decode, shared_prefix
 from grouprl.generation.engine import FastGenerator
 from grouprl.model import packed_attention, prompt_packing
 from grouprl.model.logprobs import completion_logprobs
@@ -72,7 +72,7 @@ def fast_paths(monkeypatch):
     real_packed, real_attend, real_linear = (
         packed_attention.packed_attention,
         shared_prefix.SharedPrefixCache.attend,
-        decode_products.weight_major_linear,
+        fused_decode.weight_major_linear,
     )
 
     def packed(*args, **kwargs):
@@ -90,7 +90,7 @@ def fast_paths(monkeypatch):
 
     monkeypatch.setattr(packed_attention, "packed_attention", packed)
     monkeypatch.setattr(shared_prefix.SharedPrefixCache, "attend", attend)
-    monkeypatch.setattr(decode_products, "weight_major_linear", linear)
+    monkeypatch.setattr(fused_decode, "weight_major_linear", linear)
     return calls
 
 
@@ -303,7 +303,7 @@ def test_head_and_shared_prefix_probes_log_once_why_a_model_is_not_served(caplog
     caplog.set_level(logging.INFO, logger="grouprl")
     for _ in range(2):
         assert model_forward.separable_head(model) is None
-        assert not shared_prefix_probe.matches_standard_attention(model)
+        assert not shared_prefix.matches_standard_attention(model)
     head = _verdicts(caplog, "LM head")
     assert len(head) == 1 and "not separable" in head[0] and "post-processes" in head[0]
     decode = _verdicts(caplog, "shared-prefix decoding is")

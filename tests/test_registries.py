@@ -8,8 +8,7 @@ from helpers import distinct_tokens, numbered_prompts, quiet_config
 
 from grouprl import GRPOConfig, GRPOTrainer, register_advantage, register_loss
 from grouprl.core.advantages import ADVANTAGE_ESTIMATORS, estimate_advantages
-from grouprl.core.loss_aggregations import global_token_mean_aggregation
-from grouprl.core.losses import LOSSES, LossScale, LossSpec, policy_loss
+from grouprl.core.losses import LOSSES, LossScale, LossSpec, global_token_mean_aggregation, policy_loss
 
 SEEN = {"scales": [], "advantage_calls": 0}
 

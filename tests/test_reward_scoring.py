@@ -314,7 +314,7 @@ def test_functions_and_reward_models_that_take_every_keyword_are_accepted(tmp_pa
     import torch
     from helpers import quiet_config
 
-    from grouprl.compat.trainer_inputs import collect_reward_sources
+    from grouprl.compat.trainer_parts import collect_reward_sources
 
     def spelled_out(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra):
         return [0.0] * len(completions)
@@ -378,7 +378,7 @@ def test_all_none_rewards_warn_once_naming_the_functions(tiny_model_dir, tmp_pat
     from helpers import numbered_prompts, quiet_config
 
     from grouprl import GRPOTrainer
-    from grouprl.train.health_detectors import detect
+    from grouprl.train.health import detect
 
     (finding,) = detect({"rewards/f/mean": None, "rewards/g/mean": float("nan"), "reward": None}, step=1)
     assert finding.kind == "reward_all_none" and "Every reward function ('f', 'g') returned None" in finding.message

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grouprl.generation import shared_prefix
-from grouprl.generation.shared_prefix_probe import logit_tolerance, probe
+from grouprl.generation.shared_prefix import logit_tolerance, probe
 
 
 @pytest.fixture

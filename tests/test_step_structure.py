@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = str(ROOT / "src" / "grouprl") + os.sep
 # Files of the package one optimizer step (with its generation) enters, the speed machinery included. The
 # target of issue 34 is 35; this ceiling only keeps the count from growing while modules are merged by job.
-MAX_STEP_FILES = 53
+MAX_STEP_FILES = 35
 
 
 def layer_ranks() -> dict[str, int]:

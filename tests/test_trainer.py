@@ -504,3 +504,45 @@ def test_iterable_eval_keeps_map_style_train_workers(tiny_model_dir, tmp_path):
     batches = [[index for index, _ in batch] for batch in trainer.get_eval_dataloader(prompts(5))]
     assert batches == [[0, 1], [2, 3], [4]]  # dataset order, one eval batch of prompts (6 completions / G=3) at a time
     assert trainer.evaluate()["eval_reward"] > 0
+
+
+def test_an_epochs_leftover_micro_batches_make_a_last_shorter_step(tiny_model_dir, tmp_path):
+    """TRL's test_prepare_input_called_with_correct_data, on the tiny model: 17 prompts, 6 per generation, each
+    generation fed to 4 x 2 micro-batches -> 16 per epoch. With GA 3 each epoch is 6 optimizer steps, the last
+    with the 1 micro-batch left (as transformers' Trainer), so 3 epochs call training_step 48 times (not 45), each
+    generation batch 8 times in dataset order, and the loss divides by the step's own micro-batch count."""
+    prompts = [f"{i}+{i % 5}=" for i in range(17)]
+    seen = []
+
+    class Spy(GRPOTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append((list(inputs), self.current_gradient_accumulation_steps))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    config = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=6,
+        num_generations=4,
+        steps_per_generation=4,
+        num_iterations=2,
+        gradient_accumulation_steps=3,
+        num_train_epochs=3,
+        max_completion_length=4,
+        shuffle_dataset=False,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = Spy(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+    )
+    trainer.train()
+    assert len(seen) == 48 and trainer.state.global_step == 18
+    first = [{"prompt": p} for p in prompts[0:6] for _ in range(4)]
+    second = [{"prompt": p} for p in prompts[6:12] for _ in range(4)]
+    assert all(inputs == first for inputs, _ in seen[0:8]) and all(inputs == second for inputs, _ in seen[8:16])
+    assert [ga for _, ga in seen] == ([3] * 15 + [1]) * 3
+    assert trainer.state.epoch == pytest.approx(3.0)

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, TrainerCallback, TrainerControl, Trainer
 from transformers.trainer_utils import TrainOutput
 
 from grouprl import GRPOTrainer
-from grouprl.data.generation_inputs import GenerationInputs
+from grouprl.data.prompt_sampler import GenerationInputs
 
 
 def make_config(tmp_path, **overrides):

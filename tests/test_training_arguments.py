@@ -13,7 +13,7 @@ from helpers import numbered_prompts as prompts
 from transformers import AutoModelForCausalLM, EarlyStoppingCallback, HfArgumentParser, TrainingArguments
 
 import grouprl.compat.trainer
-import grouprl.compat.trainer_models
+import grouprl.compat.trainer_parts
 import grouprl.train.loop
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.config.training_arguments import HONOURED, INERT, REFUSED, compat_table
@@ -304,7 +304,7 @@ def test_log_level_sets_the_loggers(tiny_model_dir, tmp_path):
 def test_empty_cache_steps_and_full_determinism(tiny_model_dir, tmp_path, monkeypatch):
     cleared, determinism = [], []
     monkeypatch.setattr(grouprl.train.loop, "clear_device_cache", lambda: cleared.append(1))
-    monkeypatch.setattr(grouprl.compat.trainer_models, "enable_full_determinism", lambda seed: determinism.append(seed))
+    monkeypatch.setattr(grouprl.compat.trainer_parts, "enable_full_determinism", lambda seed: determinism.append(seed))
     config = make_config(tmp_path, max_steps=4, torch_empty_cache_steps=2, full_determinism=True, seed=7)
     GRPOTrainer(tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts()).train()
     assert len(cleared) == 2 and determinism == [7]

@@ -263,3 +263,56 @@ def gemma(template: str, vocab_size: int = 256000, extra: dict[int, str] | None 
         add_bos=True,
         chat_template=template,
     )
+
+
+# Gemma 3's vision tokens, as its tokenizer_config names them (Gemma3Processor reads these attributes).
+GEMMA3_IMAGE_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+
+
+def gemma3(template: str, vocab_size: int) -> TokenizerSpec:
+    """Gemma 3's tokenizer: Gemma's specials with its turn markers at 105/106 (Gemma 2: 106/107) and the
+    three image tokens as the last ids of a compact vocabulary (real: 255999, 256000, 262144 of 262208)."""
+    specials = {
+        0: "<pad>",
+        1: "<eos>",
+        2: "<bos>",
+        3: "<unk>",
+        4: "<mask>",
+        105: "<start_of_turn>",
+        106: "<end_of_turn>",
+    }
+    for offset, token in enumerate(GEMMA3_IMAGE_TOKENS.values()):
+        specials[vocab_size - 3 + offset] = token
+    return TokenizerSpec(
+        vocab_size=vocab_size,
+        specials=specials,
+        bytes_at=300,
+        bos="<bos>",
+        eos="<eos>",
+        pad="<pad>",
+        unk="<unk>",
+        add_bos=True,
+        chat_template=template,
+        extra_config={**GEMMA3_IMAGE_TOKENS, "processor_class": "Gemma3Processor"},
+    )
+
+
+def llava_next_mistral(template: str, vocab_size: int) -> TokenizerSpec:
+    """The tokenizer of LLaVA-NeXT (Mistral 7B): Llama's <unk>/<s>/</s> at 0-2, bos added, <image> as the last id
+    of a compact vocabulary (real: 32000 of 32064)."""
+    return TokenizerSpec(
+        vocab_size=vocab_size,
+        specials={0: "<unk>", 1: "<s>", 2: "</s>", vocab_size - 1: "<image>"},
+        bytes_at=3,
+        bos="<s>",
+        eos="</s>",
+        pad="<unk>",
+        unk="<unk>",
+        add_bos=True,
+        chat_template=template,
+        extra_config={"image_token": "<image>", "processor_class": "LlavaNextProcessor"},
+    )

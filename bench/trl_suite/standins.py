@@ -8,10 +8,12 @@ with ``HF_HOME=<root>`` and ``HF_HUB_OFFLINE=1`` the tests' own ids (``"trl-inte
 Models are randomly initialised with the tiny sizes TRL's own tiny checkpoints use (hidden size 8,
 two layers) and the real vocabulary sizes; tokenizers come from ``standin_tokenizers``. The zen
 datasets are the Zen of Python split into prompt / completion as TRL's are (the order of the first
-12 prompts is asserted by a test).
+12 prompts is asserted by a test). Vision-language models (``build_vlm_models``) are saved with their
+real processor class (image processor, tokenizer with the architecture's image tokens, chat template).
 
 Run with the Python of the environment that has ``trl`` installed (its chat templates are read):
-``python -m bench.trl_suite.standins <root>`` (or let ``run_suite.py`` do it).
+``python -m bench.trl_suite.standins <root>`` (or let ``run_suite.py`` do it). Parts already listed in
+``<root>/standins.json`` are kept; only missing ones are built.
 """
 
 from __future__ import annotations
@@ -202,6 +204,169 @@ def build_text_models(root: Path) -> list[str]:
     return built
 
 
+# --- vision-language models -----------------------------------------------------------------------
+
+# Gemma 3: a 2-layer SigLIP tower on 16x16 images (4x4-pixel patches: a 4x4 grid, average-pooled 2x2 to
+# mm_tokens_per_image=4 image tokens) and a 2-layer Gemma 3 text model over a 16384-token vocabulary
+# (about 0.3M parameters, most of them the embeddings). TRL's tiny checkpoint has 224x224 images, 256
+# image tokens and the real 262k vocabulary; only the sizes differ, the layout of a prompt does not.
+GEMMA3_VOCAB = 16384
+GEMMA3_IMAGE_SIZE = 16
+GEMMA3_IMAGE_TOKENS = 4
+
+
+def _save_vlm(path: Path, model, spec: tok.TokenizerSpec, generation_eos: list[int]) -> None:
+    from transformers import GenerationConfig
+
+    model.save_pretrained(path, safe_serialization=True)
+    ids = _token_ids(spec)
+    GenerationConfig(
+        bos_token_id=ids["bos_token_id"], eos_token_id=generation_eos, pad_token_id=ids["pad_token_id"]
+    ).save_pretrained(path)
+
+
+def _save_processor(path: Path, processor) -> None:
+    """Saves the processor (its tokenizer files replace those `tok.save` wrote, same content plus the processor's
+    keys), less the keys loading from a local folder adds to the tokenizer's config."""
+    processor.save_pretrained(path)
+    config_file = path / "tokenizer_config.json"
+    saved = {k: v for k, v in json.loads(config_file.read_text()).items() if k not in ("is_local", "local_files_only")}
+    config_file.write_text(json.dumps(saved, indent=2))
+
+
+def _gemma3_for_conditional_generation(root: Path) -> str:
+    import torch
+    import transformers as tf
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    repo_id = f"{ORG}/tiny-Gemma3ForConditionalGeneration"
+    spec = tok.gemma3("gemma3.jinja", GEMMA3_VOCAB)
+    path = snapshot_dir(root, repo_id)
+    tok.save(spec, path)
+    tokenizer = tf.AutoTokenizer.from_pretrained(path)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in tok.GEMMA3_IMAGE_TOKENS.items()}
+    special = _token_ids(spec)
+    config = tf.Gemma3Config(
+        text_config=tf.Gemma3TextConfig(
+            vocab_size=GEMMA3_VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=4,
+            max_position_embeddings=32768,
+            **special,
+        ),
+        vision_config=tf.SiglipVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=GEMMA3_IMAGE_SIZE,
+            patch_size=4,
+            vision_use_head=False,
+        ),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(7)
+    model = tf.Gemma3ForConditionalGeneration(config)  # projector zero-initialised, as in TRL's checkpoint
+    _save_vlm(path, model, spec, _eos_ids(spec, "<eos>", "<end_of_turn>"))
+    image_processor = Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
+    processor = tf.Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=GEMMA3_IMAGE_TOKENS,
+    )
+    _save_processor(path, processor)
+    return repo_id
+
+
+# LLaVA-NeXT (Mistral): a 2-layer CLIP tower on 16x16 crops (4x4-pixel patches, 16 features a crop after the
+# CLS is dropped) with "anyres" grid pinpoints scaled down as the crops are (real: 336-pixel crops, 14-pixel
+# patches): a 32x32 image is its 16x16 thumbnail plus a 2x2 grid of crops, 88 image tokens. Text: a 2-layer
+# Mistral over a 16384-token vocabulary. vision_feature_layer=-2 as the real model, which leaves the tower's
+# last layer and post_layernorm unused (TRL's test checks exactly that).
+LLAVA_NEXT_VOCAB = 16384
+LLAVA_NEXT_CROP = 16
+LLAVA_NEXT_PINPOINTS = [[16, 32], [32, 16], [32, 32], [48, 16], [16, 48]]
+
+
+def _llava_next_for_conditional_generation(root: Path) -> str:
+    import torch
+    import transformers as tf
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    repo_id = f"{ORG}/tiny-LlavaNextForConditionalGeneration"
+    spec = tok.llava_next_mistral("llava_next.jinja", LLAVA_NEXT_VOCAB)
+    path = snapshot_dir(root, repo_id)
+    tok.save(spec, path)
+    tokenizer = tf.AutoTokenizer.from_pretrained(path)
+    special = _token_ids(spec)
+    config = tf.LlavaNextConfig(
+        vision_config=tf.CLIPVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=LLAVA_NEXT_CROP,
+            patch_size=4,
+            projection_dim=16,
+        ),
+        text_config=tf.MistralConfig(
+            vocab_size=LLAVA_NEXT_VOCAB,
+            max_position_embeddings=32768,
+            **{**SMALL, "hidden_size": 16, "head_dim": 4},
+            **special,
+        ),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_seq_length=(LLAVA_NEXT_CROP // 4) ** 2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(8)
+    model = tf.LlavaNextForConditionalGeneration(config)
+    _save_vlm(path, model, spec, _eos_ids(spec, "</s>"))
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": LLAVA_NEXT_CROP},
+        crop_size={"height": LLAVA_NEXT_CROP, "width": LLAVA_NEXT_CROP},
+        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+    )
+    processor = tf.LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tokenizer.chat_template,
+    )
+    _save_processor(path, processor)
+    return repo_id
+
+
+VLM_BUILDERS = {
+    f"{ORG}/tiny-Gemma3ForConditionalGeneration": _gemma3_for_conditional_generation,
+    f"{ORG}/tiny-LlavaNextForConditionalGeneration": _llava_next_for_conditional_generation,
+}
+
+
+def build_vlm_models(root: Path, built: list[str] | tuple = ()) -> list[str]:
+    """Builds the vision-language stand-ins not in `built` (one by one: a cache built before one was added gets
+    just that one); returns all of them."""
+    built = list(built)
+    for repo_id, build in VLM_BUILDERS.items():
+        if repo_id not in built:
+            built.append(build(root))
+    return built
+
+
 # --- datasets -------------------------------------------------------------------------------------
 
 
@@ -298,10 +463,19 @@ STAMP = "standins.json"
 
 
 def build_all(root: Path) -> dict:
+    """Builds what the stamp does not list yet: everything the first time; on a cache built before the
+    vision-language stand-ins (or one of them) were added, just those."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    report = {"models": build_text_models(root), "datasets": build_datasets(root)}
-    (root / STAMP).write_text(json.dumps(report, indent=2))
+    stamp = root / STAMP
+    report = json.loads(stamp.read_text()) if stamp.exists() else {}
+    for part, build in (("models", build_text_models), ("datasets", build_datasets)):
+        if part not in report:
+            report[part] = build(root)
+            stamp.write_text(json.dumps(report, indent=2))
+    if set(VLM_BUILDERS) - set(report.get("vlm_models", [])):
+        report["vlm_models"] = build_vlm_models(root, report.get("vlm_models", []))
+        stamp.write_text(json.dumps(report, indent=2))
     return report
 
 

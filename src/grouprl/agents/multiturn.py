@@ -25,8 +25,7 @@ from grouprl.agents.chat import tool_suffix_ids
 from grouprl.agents.parsing import parse_turn
 from grouprl.agents.tools import Tool, execute_tool_calls
 from grouprl.core.types import Completion, SamplingParams
-from grouprl.generation.dispatch import sample_groups
-from grouprl.generation.protocol import GenerationBackend
+from grouprl.generation.protocol import GenerationBackend, sample_groups
 
 
 @dataclass

@@ -145,7 +145,7 @@ class GFPOTrainer(GRPOTrainer):
 
 
 def _check_kept_rows_split(args: GRPOConfig, k: int) -> None:
-    """The kept rows (k per group) are dealt out again over the processes (group_layout.py); every process must get
+    """The kept rows (k per group) are dealt out again over the processes (GroupLayout); every process must get
     the same number of them, in steps_per_generation equal micro-batches."""
     # the launcher's process count, read as GRPOConfig reads it (no accelerate
     # state is created before the trainer's own)

@@ -1,12 +1,12 @@
 """GRPOTrainer: TRL's constructor, train() and evaluate(), assembling grouprl's components around `loop.train`.
 
-The constructor checks its arguments (trainer_inputs.py), then composes the builders of trainer_models.py
-(policy, adapters, reference), trainer_optimization.py (steps, optimizer, scheduler, state) and
-trainer_rollouts.py (the sampler). Order of construction matters for error messages: the config, batch plan
-and feature combinations (combinations.py) are checked, then the dataset and reward functions, and only then
-is any model loaded; and for the random draws: the seed is set right before the policy is loaded.
-The rest of TRL's surface comes from the mixins: TrainerAttributes, TrainerDataloaders, TrainerReporting,
-TrainerSaving and OverridePoints (trainer_hooks.py).
+The constructor composes the builders of trainer_parts.py: it checks its arguments, then builds the policy,
+adapters and reference, the reward functions, the optimization parts (steps, optimizer, scheduler, state) and
+the sampler. Order of construction matters for error messages: the config, batch plan and feature combinations
+(combinations.py) are checked, then the dataset and reward functions, and only then is any model loaded; and for
+the random draws: the seed is set right before the policy is loaded.
+The rest of TRL's surface comes from two mixins: TrainerSurface (trainer_surface.py: attributes, dataloaders,
+logging, saving) and OverridePoints (override_points.py).
 """
 
 from __future__ import annotations
@@ -22,22 +22,24 @@ from transformers.utils import logging
 from grouprl.agents import AgentSpec
 from grouprl.compat.accelerator_setup import make_accelerator, zero3_reference
 from grouprl.compat.gloo_exit import stop_gloo_at_exit
-from grouprl.compat.trainer_attributes import TrainerAttributes, trl_setting_copies
-from grouprl.compat.trainer_dataloaders import TrainerDataloaders
-from grouprl.compat.trainer_hooks import OverridePoints
-from grouprl.compat.trainer_inputs import active_features, collect_reward_sources, default_args, prepare_train_dataset
-from grouprl.compat.trainer_models import build_reference, load_policy, prepare_for_training
-from grouprl.compat.trainer_optimization import (
+from grouprl.compat.override_points import OverridePoints
+from grouprl.compat.trainer_parts import (
+    active_features,
     build_entropy_controller,
     build_optimizer,
+    build_reference,
+    build_rollouts,
+    collect_reward_sources,
+    default_args,
+    init_trackers,
+    load_policy,
+    load_rewards,
     make_trainer_state,
     plan_steps,
+    prepare_for_training,
+    prepare_train_dataset,
 )
-from grouprl.compat.trainer_reporting import TrainerReporting
-from grouprl.compat.trainer_rewards import load_rewards
-from grouprl.compat.trainer_rollouts import build_rollouts
-from grouprl.compat.trainer_saving import TrainerSaving
-from grouprl.compat.trainer_trackers import init_trackers
+from grouprl.compat.trainer_surface import TrainerSurface, trl_setting_copies
 from grouprl.config.combinations import check_combinations
 from grouprl.config.grpo_config import GRPOConfig, plan_batches
 from grouprl.core.cpu_capabilities import native_bf16, summary
@@ -59,7 +61,7 @@ from grouprl.train.training_run import TrainingRun
 logger = logging.get_logger("grouprl")
 
 
-class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, TrainerSaving, OverridePoints):
+class GRPOTrainer(TrainerSurface, OverridePoints):
     """Train a causal LM with GRPO. Drop-in for ``trl.GRPOTrainer`` (same arguments, same config).
 
     Args:
@@ -101,7 +103,7 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
     subclass overriding a TRL method grouprl never calls is refused when it is defined.
     """
 
-    _grouprl_surface = True  # TRL's methods defined here are grouprl's own (subclasses are checked: trainer_hooks.py)
+    _grouprl_surface = True  # TRL's methods defined here are grouprl's own (subclasses are checked: override_points.py)
 
     def __init__(
         self,
@@ -186,7 +188,7 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
         )
 
         # Training: steps, optimizer, sampling, state.
-        total_steps, steps_per_epoch = plan_steps(args, self.plan, train_dataset)
+        total_steps, steps_per_epoch, micro_steps_per_epoch = plan_steps(args, self.plan, train_dataset)
         optimizer, scheduler = build_optimizer(self.model, args, optimizers, total_steps)
         prepared_model, optimizer = self.accelerator.prepare(self.model, optimizer)
         stop_gloo_at_exit(prepared_model)
@@ -237,6 +239,7 @@ class GRPOTrainer(TrainerAttributes, TrainerDataloaders, TrainerReporting, Train
             state=self.state,
             total_steps=total_steps,
             steps_per_epoch=steps_per_epoch,
+            micro_steps_per_epoch=micro_steps_per_epoch,
             objective=Objective.from_config(args, self.plan, aux_loss_coef),
             reference=reference,
             entropy_controller=entropy_controller,

@@ -49,9 +49,27 @@ class BatchPlan:
         """TRL §2.6: old logprobs are computed unless the batch is provably on-policy at its only use."""
         return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) != 0
 
+    def micro_steps_per_epoch(self, num_prompts: int) -> int:
+        """An epoch's micro-batches: each whole generation of its prompts, replayed (the rest of the prompts wait
+        for the next epoch's shuffle, as TRL's RepeatSampler drops an incomplete generation)."""
+        return num_prompts // self.prompts_per_generation * self.micro_steps_per_generation
+
     def optimizer_steps_per_epoch(self, num_prompts: int) -> int:
-        generations = num_prompts // self.prompts_per_generation
-        return max(1, generations * self.micro_steps_per_generation // self.gradient_accumulation_steps)
+        """As transformers' Trainer: an epoch's last optimizer step takes the micro-batches left over, fewer than
+        gradient_accumulation_steps when the epoch's count is not a multiple of it."""
+        return max(1, math.ceil(self.micro_steps_per_epoch(num_prompts) / self.gradient_accumulation_steps))
+
+    def micro_batches_in_step(self, step: int, micro_steps_per_epoch: Optional[int]) -> int:
+        """Micro-batches of optimizer step `step` (0-based): gradient_accumulation_steps, except an epoch's last
+        step, which takes what is left of the epoch (TRL's `current_gradient_accumulation_steps`; the loss divides
+        by it). Without epochs (an iterable dataset) every step takes gradient_accumulation_steps."""
+        ga = self.gradient_accumulation_steps
+        if not micro_steps_per_epoch:
+            return ga
+        steps_per_epoch = math.ceil(micro_steps_per_epoch / ga)
+        if step % steps_per_epoch < steps_per_epoch - 1:
+            return ga
+        return micro_steps_per_epoch - (steps_per_epoch - 1) * ga
 
     def describe(self, num_prompts: Optional[int] = None) -> str:
         ratio = self.micro_steps_per_generation / self.gradient_accumulation_steps
@@ -73,9 +91,14 @@ class BatchPlan:
             f"{'computed (samples are reused off-policy)' if self.old_logprobs_needed else 'not needed (on-policy)'}",
         ]
         if num_prompts is not None:
-            lines.append(
-                f"  epoch: {num_prompts} prompts -> {self.optimizer_steps_per_epoch(num_prompts)} optimizer steps"
+            steps, micro = self.optimizer_steps_per_epoch(num_prompts), self.micro_steps_per_epoch(num_prompts)
+            last = self.micro_batches_in_step(steps - 1, micro)
+            partial = (
+                f" (the last takes the {last} micro-batch(es) left)"
+                if micro and last != self.gradient_accumulation_steps
+                else ""
             )
+            lines.append(f"  epoch: {num_prompts} prompts -> {steps} optimizer steps{partial}")
         return "\n".join(lines)
 
 

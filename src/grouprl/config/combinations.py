@@ -7,7 +7,7 @@ Every pair of features is one of three kinds:
   instead of failing (or silently doing something else) in the middle of training;
 - untested: allowed, no test covers the pair yet (docs/combinations.md lists them).
 
-The trainer works out which features a run uses (``trainer_inputs.active_features``) and calls
+The trainer works out which features a run uses (``trainer_parts.active_features``) and calls
 ``check_combinations``; docs/combinations.md is rendered from this table (``rewrite_doc``), and a test
 keeps the two in step.
 """

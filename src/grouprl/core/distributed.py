@@ -1,5 +1,5 @@
 """Cross-process helpers. Every process holds a contiguous share of a generation batch's rows, in
-process order (group_layout.py says which), so concatenating along dim 0 restores the global
+process order (GroupLayout in types.py says which), so concatenating along dim 0 restores the global
 group-major order."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 from accelerate import Accelerator, PartialState
 
-from grouprl.core.group_layout import GroupLayout
-from grouprl.core.types import PromptBatch, Rollout
+from grouprl.core.types import GroupLayout, PromptBatch, Rollout
 
 
 def gather_rows(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:

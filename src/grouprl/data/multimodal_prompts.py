@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from grouprl.data.dataset_checks import PROMPT_COLUMN, check_prompt
-from grouprl.data.prompts import PromptTokenizer, is_conversational, row_images
+from grouprl.data.prompts import PROMPT_COLUMN, PromptTokenizer, check_prompt, is_conversational, row_images
 from grouprl.model.multimodal import PromptImages, is_processor
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")

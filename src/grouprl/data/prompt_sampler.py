@@ -1,22 +1,43 @@
-"""A seeded, resumable order of prompt rows, one generation at a time (TRL's RepeatSampler, §2.13).
+"""Which prompt rows come next, and fetching them: a seeded, resumable order of rows, one generation at a time
+(TRL's RepeatSampler, §2.13), the generation batches it makes as TRL's override points see them, and the torch
+DataLoaders that fetch the rows.
 
 Prompts are shuffled with a seeded generator (a new permutation each epoch) and cut into
 generations of U = generation_batch_size / G unique prompts (the incomplete last one is dropped);
 each prompt is later repeated G times (`prompts.local_prompt_batch`). Processes take contiguous
 slices of the G*U completions, so a group may straddle two processes; its global group id keeps it
 whole for the advantages. The sampler position is two integers, saved in checkpoints.
+
+TRL's dataloader hands ``training_step`` / ``_prepare_inputs`` / ``_generate_and_score_completions``
+this process's slice of a generation batch: one dataset row (a dict) per completion to sample, each
+prompt's row repeated for its completions, consecutively. ``GenerationInputs`` is that same list of rows,
+carrying the tokenized ``PromptBatch`` the rows came from so that generation does not tokenize them again
+(and, with asynchronous generation, the ``Rollout`` a worker already sampled for them).
+``TrainPromptBatches`` is what ``GRPOTrainer.get_train_dataloader()`` returns: the sequence of
+those lists for one epoch, in TRL's layout (each generation batch once per micro-step that trains
+on it, i.e. ``steps_per_generation x num_iterations`` times in a row).
+
+Rows are fetched through torch DataLoaders, so ``dataloader_num_workers`` processes can read them. grouprl
+decides which rows come next itself (PromptSampler; evaluation: dataset order); a loader only fetches those
+rows, in that order, in worker processes and ahead of time when asked to. Collation is the identity: rows stay
+Python dicts and are tokenized in the main process, as TRL's GRPO collator leaves them too (so pinning memory
+has nothing to pin). A stream (``datasets.IterableDataset``) is read in-process: workers would each read a
+shard of it and interleave them, which breaks the order (TRL forces 0 workers as well). Every loader gets a
+private generator: a DataLoader iterator otherwise draws its workers' base seed from the global torch RNG,
+which would shift training's sampling by whether, and when, a loader was (re)started.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import datasets
 import torch
+from torch.utils.data import DataLoader
 
-from grouprl.data.dataset_checks import PROMPT_COLUMN, check_prompt
-from grouprl.data.row_loading import batches_loader, stream_loader
+from grouprl.core.types import GroupLayout, PromptBatch, Rollout
+from grouprl.data.prompts import KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_prompt, local_prompt_batch
 
 
 @dataclass
@@ -28,7 +49,7 @@ class SamplerState:
 class PromptSampler:
     """Seeded, resumable order of prompt rows, one generation (U unique prompts) at a time.
 
-    The rows are fetched by `self.loader`, a torch DataLoader (row_loading.py): with `num_workers` > 0
+    The rows are fetched by `self.loader`, a torch DataLoader (`batches_loader`): with `num_workers` > 0
     (map-style data only) worker processes read the next generations' rows ahead of time, in the
     same order. The order and the resumable position stay the sampler's own.
     """
@@ -150,3 +171,200 @@ class RestOfEpoch:
 
     def __len__(self) -> int:
         return self.sampler.generations_per_epoch - self.sampler.state.position
+
+
+class GenerationInputs(list):
+    """This process's generation batch: a list of dataset rows, one per completion (TRL's ``inputs``).
+
+    ``prompt_batch`` is the tokenized form the rows were drawn with (None for a plain list, e.g. one
+    built by hand). A ``GenerationInputs`` compares equal to the plain list of the same rows.
+    """
+
+    def __init__(self, rows: list[dict], prompt_batch: Optional[PromptBatch] = None):
+        super().__init__(rows)
+        self.prompt_batch = prompt_batch
+        # asynchronous generation: the completions a worker already sampled for these rows (not checkpointed:
+        # the micro-batches made from them are)
+        self.sampled: Optional[Rollout] = None
+
+    @classmethod
+    def of(
+        cls, prompts: PromptBatch, rows_by_index: dict[int, dict], remove_unused_columns: bool
+    ) -> "GenerationInputs":
+        """The rows of `prompts` (each repeated for its completions on this process), as TRL's dataloader yields them:
+        with remove_unused_columns only the prompt and image columns are kept."""
+        rows = []
+        for index, count in zip(prompts.dataset_indices, prompts.num_samples):
+            row = rows_by_index[index]
+            if remove_unused_columns:
+                row = {name: value for name, value in row.items() if name in KEPT_WHEN_REMOVING}
+            rows.extend(row for _ in range(count))
+        return cls(rows, prompts)
+
+    def __reduce__(self) -> Any:  # pickled into checkpoints (the loop state) with its prompt batch
+        return (GenerationInputs, (list(self), self.prompt_batch))
+
+
+class TrainPromptBatches:
+    """One epoch of training generation batches, as ``GenerationInputs``, in TRL's dataloader layout.
+
+    Iterating walks the trainer's prompt order (``shuffle_dataset``, ``data_seed``) from the start of an epoch with a
+    sampler of its own, so training's position does not move, and tokenizes the prompts as training does.
+    ``len()`` is the number of micro-steps in an epoch (a dataset with a length only). ``loader`` and
+    ``num_workers`` are those of the DataLoader that fetches training's rows.
+    """
+
+    def __init__(
+        self,
+        sampler: PromptSampler,
+        *,
+        tokenize: Any,
+        num_generations: int,
+        repeats: int,
+        process_index: int,
+        num_processes: int,
+        remove_unused_columns: bool,
+        default_prompt: Optional[list[dict]] = None,
+    ):
+        self.sampler = sampler
+        self.tokenize = tokenize
+        self.num_generations = num_generations
+        self.repeats = repeats  # steps_per_generation x num_iterations
+        self.process_index, self.num_processes = process_index, num_processes
+        self.remove_unused_columns = remove_unused_columns
+        self.default_prompt = default_prompt
+
+    @property
+    def loader(self) -> Any:
+        return self.sampler.loader
+
+    @property
+    def num_workers(self) -> int:
+        return self.sampler.loader.num_workers
+
+    def __len__(self) -> int:
+        generations = self.sampler.generations_per_epoch
+        if generations is None:
+            raise TypeError(
+                "get_train_dataloader(): the train_dataset is an IterableDataset, which has no length; iterate it "
+                "instead."
+            )
+        return generations * self.repeats
+
+    def __iter__(self) -> Iterator[GenerationInputs]:
+        # the same order as training's sampler, read in this process (the rows are the same with or without workers)
+        sampler = PromptSampler(
+            self.sampler.dataset,
+            self.sampler.prompts_per_generation,
+            shuffle=self.sampler.shuffle,
+            seed=self.sampler.seed,
+        )
+        generations = sampler.generations_per_epoch
+        number = 0
+        while generations is None or number < generations:
+            indices, rows = sampler.next_generation()
+            if generations is None and sampler.state.epoch > 0:  # a stream: one pass
+                return
+            layout = GroupLayout.for_generation(
+                number, len(rows), self.num_generations, self.num_processes, self.process_index
+            )
+            prompts = local_prompt_batch(
+                indices,
+                rows,
+                layout,
+                tokenize=self.tokenize,
+                remove_unused_columns=self.remove_unused_columns,
+                default_prompt=self.default_prompt,
+            )
+            inputs = GenerationInputs.of(prompts, dict(zip(indices, rows)), self.remove_unused_columns)
+            for _ in range(self.repeats):
+                yield inputs
+            number += 1
+
+
+def check_num_workers(num_workers: Any) -> int:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(
+            f"GRPOConfig.dataloader_num_workers={num_workers!r} must be an integer >= 0 (0: load rows in the main "
+            "process)."
+        )
+    return num_workers
+
+
+def workers_for(dataset: Any, num_workers: int) -> int:
+    """The worker processes that may read `dataset`: as asked for map-style data, none for a stream."""
+    return 0 if isinstance(dataset, datasets.IterableDataset) else check_num_workers(num_workers)
+
+
+class IndexedRows(torch.utils.data.Dataset):
+    """A map-style dataset's rows as (index, row) pairs, so a batch says which rows it holds."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[int, dict]:
+        return index, self.dataset[index]
+
+
+class StreamRows(torch.utils.data.IterableDataset):
+    """The rows of `open_stream()`, opened anew (at the caller's current position) each time the loader starts."""
+
+    def __init__(self, open_stream: Callable[[], Iterable[Any]]):
+        self.open_stream = open_stream
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.open_stream())
+
+
+def as_is(batch: Any) -> Any:
+    """Identity collation (a module-level function: worker processes receive it pickled)."""
+    return batch
+
+
+def private_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def batches_loader(dataset: Any, batch_sampler: Iterable[list[int]], *, num_workers: int) -> DataLoader:
+    """Lists of (index, row) of a map-style dataset, one list per batch of indices `batch_sampler` yields.
+
+    Workers live as long as an iterator over the loader (not persistent): dropping the iterator stops them.
+    """
+    workers = check_num_workers(num_workers)
+    return DataLoader(
+        IndexedRows(dataset),
+        batch_sampler=batch_sampler,
+        num_workers=workers,
+        collate_fn=as_is,
+        generator=private_generator(),
+    )
+
+
+def stream_loader(open_stream: Callable[[], Iterable[Any]]) -> DataLoader:
+    """The rows of a stream one at a time, in the main process."""
+    return DataLoader(
+        StreamRows(open_stream), batch_size=None, num_workers=0, collate_fn=as_is, generator=private_generator()
+    )
+
+
+def sequential_loader(dataset: Any, rows_per_batch: int, *, num_workers: int) -> DataLoader:
+    """Lists of (index, row) in dataset order, `rows_per_batch` at a time (the last list may be shorter)."""
+    if isinstance(dataset, datasets.IterableDataset):
+        return DataLoader(
+            StreamRows(lambda: enumerate(dataset)),
+            batch_size=rows_per_batch,
+            num_workers=0,
+            collate_fn=as_is,
+            generator=private_generator(),
+        )
+    return DataLoader(
+        IndexedRows(dataset),
+        batch_size=rows_per_batch,
+        shuffle=False,
+        num_workers=check_num_workers(num_workers),
+        collate_fn=as_is,
+        generator=private_generator(),
+    )

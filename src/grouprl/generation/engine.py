@@ -1,5 +1,5 @@
 """Fast in-process sampler for GRPO: one prefill per prompt, shared by its G samples, and a decode
-batch that shrinks as sequences finish.
+batch that shrinks as sequences finish; it gives way to a `model.generate` the user replaced.
 
 transformers `generate` with ``num_return_sequences=G`` copies each prompt G times before the
 prefill, so the prompt is processed G times; it also keeps finished rows in the batch (padding
@@ -15,7 +15,7 @@ samples of the same prompt, with lengths that vary widely. This engine:
 4. writes each step's keys and values into buffers allocated once (kv_buffers.py) instead of
    growing the cache by concatenation;
 5. on CPU, computes the few-row products of a decode step with the weight as the left-hand
-   operand, which the CPU BLAS runs faster (decode_products.py);
+   operand, which the CPU BLAS runs faster (fused_decode.py);
 6. runs the decode steps of Llama-family models from their weights with fewer, larger operators
    than their forward (fused_decode.py), where a probe shows both give the same logits.
 
@@ -24,33 +24,51 @@ It works with any transformers causal LM whose cache supports `batch_repeat_inte
 distribution as `generate`. With ``sampling_method="multinomial"``, the same seed and no row dropped
 it draws exactly the tokens `generate` draws (the tests use this); the default inverse-CDF draw is
 faster and consumes the random stream differently.
+
+Honouring a `model.generate` the user replaced (`EngineUnlessGenerateOverridden`): the engine samples
+with forward passes and never calls `model.generate`, but TRL always samples through it, so TRL scripts
+that override or patch `generate` (a subclass with its own `generate`, `model.generate = ...`,
+`unittest.mock.patch` of `GenerationMixin.generate` to script completions) expect their version to run.
+Skipping it silently would train on different completions than the script asked for, so:
+
+* generation_engine='auto' samples with the engine while `generate` is transformers' own and
+  with transformers `generate` (hf.py) whenever it is not; this is checked at every generation,
+  because a patch may be applied after the trainer is built;
+* generation_engine='engine' or 'captured' refuses, naming what replaced `generate`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Optional
 
 import torch
 from transformers import DynamicCache
+from transformers.generation.utils import GenerationMixin
+from transformers.utils import logging
 
 from grouprl.core.types import Completion, SamplingParams
-from grouprl.generation.decode_products import weight_major_decode
-from grouprl.generation.fused_decode_probe import fused_decoder, fuses
+from grouprl.generation.fused_decode import fused_decoder, fuses, weight_major_decode
+from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.kv_buffers import preallocate
 from grouprl.generation.protocol import left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
-from grouprl.generation.shared_prefix import SharedPrefixCache, decoding
-from grouprl.generation.shared_prefix_probe import matches_standard_attention
+from grouprl.generation.shared_prefix import SharedPrefixCache, decoding, matches_standard_attention
 from grouprl.model.forward import cache_keyword
 from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches
+
+logger = logging.get_logger("grouprl")
 
 SUPPORTED_EXTRA = {"min_new_tokens"}
 # Decoding through the model's forward (no fused steps), below this mean prompt length the regular cache is
 # as fast (measured: equal at 13 tokens, shared 7% faster at 29, 25% at 333; W1's model, 4 prompts x 8
 # samples, docs/benchmarks.md).
 SHARED_PREFIX_MIN_TOKENS = 16
+
+# Captured when grouprl is imported, before a test or script patches the class attribute.
+STOCK_GENERATE = inspect.getattr_static(GenerationMixin, "generate")
 
 
 def engine_supports(
@@ -214,3 +232,66 @@ class FastGenerator:
                     ).logits[:, -1]
                 positions = positions + 1
         return out_tokens, out_logprobs
+
+
+def generate_override(model: torch.nn.Module) -> Optional[str]:
+    """None if `model.generate` runs transformers' GenerationMixin.generate; else what replaced it, in words."""
+    if "generate" in vars(model):
+        return f"generate is set on the {type(model).__name__} instance"
+    owner = next((c for c in type(model).__mro__ if "generate" in vars(c)), None)
+    if owner is None:
+        return None  # no generate at all: nothing the engine could bypass
+    if owner is GenerationMixin:
+        current = vars(GenerationMixin)["generate"]
+        if current is STOCK_GENERATE and getattr(current, "__module__", "").startswith("transformers."):
+            return None
+        return "transformers' GenerationMixin.generate is patched"
+    if owner.__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+        return generate_override(model.get_base_model())  # a PeftModel's generate calls its base model's
+    return f"{owner.__qualname__} overrides generate"
+
+
+class EngineUnlessGenerateOverridden:
+    """The fast engine, or, while `model.generate` is not transformers' own, transformers `generate`.
+
+    With `fallback=None` (generation_engine='engine') an overridden `generate` is an error instead.
+    """
+
+    needs_importance_correction = False  # both sample from the training weights in this process
+
+    def __init__(self, engine: FastGenerator, fallback: Optional[TransformersGenerator], name: str = "engine"):
+        self.engine, self.name = engine, name  # name: the generation_engine value that chose it
+        self.fallback = fallback
+        self._announced: Optional[str] = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.engine.sync_weights(model)
+        if self.fallback is not None:
+            self.fallback.sync_weights(model)
+
+    def check(self) -> Optional[str]:
+        """What replaced `generate` (None: nothing); raises under generation_engine='engine'."""
+        reason = generate_override(self.engine.model)
+        if reason is not None and self.fallback is None:
+            raise ValueError(
+                f"GRPOConfig.generation_engine={self.name!r} samples without calling model.generate, but {reason}, so "
+                "that code would never run. Use generation_engine='auto' (it then samples with model.generate) or "
+                "'transformers'."
+            )
+        return reason
+
+    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
+        reason = self.check()
+        if reason is None:
+            return self.engine.generate(prompt_ids, num_samples, params)
+        if reason != self._announced:
+            logger.warning(
+                f"grouprl: {reason}; sampling calls model.generate (transformers) instead of grouprl's engine, "
+                "which would bypass it."
+            )
+            self._announced = reason
+        return self.fallback.generate(prompt_ids, num_samples, params)

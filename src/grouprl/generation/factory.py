@@ -8,7 +8,7 @@ generation_engine="engine"           the fast in-process engine (FastGenerator)
 generation_engine="captured"         the static decode loop, one CUDA graph replayed per step on CUDA
                                      (static_decode.py, CapturedGenerator)
 generation_engine="auto"             where it applies and model.generate is transformers' own
-                                     (overrides.py): on a CPU the engine, on CUDA the captured loop;
+                                     (engine.py): on a CPU the engine, on CUDA the captured loop;
                                      otherwise transformers `generate` (`AUTO_ENGINES`: each was
                                      measured fastest there)
 generation_engine="transformers"     transformers `generate`
@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from grouprl.generation.engine import FastGenerator, engine_supports
+from grouprl.generation.engine import EngineUnlessGenerateOverridden, FastGenerator, engine_supports
 from grouprl.generation.hf import TransformersGenerator
-from grouprl.generation.overrides import EngineUnlessGenerateOverridden
 from grouprl.generation.protocol import GenerationBackend
 from grouprl.generation.remote import RemoteGenerator
 from grouprl.generation.server_client import server_base_url
@@ -61,7 +60,7 @@ def build_backend(
             f"GRPOConfig.generation_engine={engine!r} cannot be used: {reason}. Use 'auto' or 'transformers'."
         )
     # These engines never call model.generate: while the user has replaced it, 'auto' calls it and an
-    # explicit engine refuses (overrides.py).
+    # explicit engine refuses (engine.EngineUnlessGenerateOverridden).
     backend = EngineUnlessGenerateOverridden(
         in_process(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
         fallback=transformers if requested == "auto" else None,

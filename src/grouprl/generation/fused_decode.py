@@ -1,4 +1,6 @@
-"""A decode step of a Llama-family model computed from its weights instead of through its forward.
+"""Decode steps on few rows: a Llama-family model's step computed from its weights instead of through its
+forward (`FusedDecoder`), whether a model may use it (`fuses`), and the few-row CPU products decode steps
+run on (`weight_major_decode` for steps through the model's forward, packed bf16 weights for the fused step).
 
 A decode step pushes one token per running sequence through every layer. Its products are small
 (a few dozen rows), so on a CPU the step's cost beyond them is the operators around them: a
@@ -10,7 +12,7 @@ same arithmetic with fewer, larger operators:
 - under bf16 autocast it casts each layer's weights once per generate call, q/k/v stacked into one
   matrix and gate/up into another (one product each instead of three and two); weights already in
   the products' dtype (fp32 without autocast) are used as they are, with no copy; bf16 weights on the
-  CPU are then packed once into oneDNN's layout (decode_products.pack_weight), which `F.linear` would
+  CPU are then packed once into oneDNN's layout (`pack_weight`), which `F.linear` would
   redo at every product;
 - per step: RMSNorm (`F.rms_norm`) -> q/k/v product -> RoPE on q and k together, cos/sin once per
   step -> the shared-prefix cache's attention -> o product -> RMSNorm -> gate/up product ->
@@ -20,23 +22,71 @@ Measured (bench/bench_fused_decode.py, generation alone, 2-core AVX512-BF16 CPU,
 bf16 autocast 1.18-1.50x the tokens/s of decoding through the forward on W1-W5 (SmolLM2-135M: 1.22x),
 in fp32 0.99-1.09x: there a 32-row step is bound by streaming the fp32 weights from memory.
 
-Which models: the structure is checked by name and type here (Llama, Mistral, Qwen2 and Qwen3
+Which models: the structure is checked by name and type (Llama, Mistral, Qwen2 and Qwen3
 layers; LoRA adapters from peft are merged into the weights for the call), and, once per model, a
-probe compares the logits with the model's own forward (fused_decode_probe.py).
+probe compares the logits with the model's own forward; the verdict is logged once (`fuses`).
+
+The structure check (`structure_reason`) finds what the fused step cannot run by name and
+type; the probe finds what it would compute differently (Gemma has Llama's module names but scales
+its embeddings and norms): it decodes two left-padded prompts, 2 samples each, for 3 steps, through
+the model's forward and through FusedDecoder over the same shared-prefix cache, in fp32, and
+compares the logits (tolerance: shared_prefix.logit_tolerance with no noise, i.e. 1e-3 of the
+logits' scale). Both run the model's class forward: `accelerator.prepare` replaces a bf16 model's
+forward on the instance with one under autocast, which would make the fp32 reference a bf16 one. Only
+fp32 weights take the fused path (bf16 autocast on them included): in lower-precision weights the
+comparison cannot tell a different rounding order from a different computation. An error other than
+"this model cannot run it" propagates.
+
+Decode-step linear layers on the CPU, computed in the weight-major orientation (`few_row_linear`).
+
+A decode step multiplies a handful of rows (one token per sequence still running) by every weight
+matrix. `F.linear` computes that as x @ W^T; the same product computed as (W @ x^T)^T, the weight as
+the left-hand operand, runs faster in the CPU BLAS that PyTorch uses here, provided the number of
+rows suits its kernels: from 9 rows on, rows are padded with zeros to a multiple of 16 (31 rows, a
+W1/W2 step after one sequence finished, are much slower than 32). Median of 11 runs, 8 distinct
+weights per shape, fp32, this project's 2-core AVX2 machine, summed over W1's five weight shapes
+and 12 row counts from 2 to 31: x @ W^T 274 ms, W @ x^T unpadded 277 ms (better at 2-8 rows, worse at 15, 30, 31),
+W @ x^T with the padding 228 ms. A whole decode step of W4's model: 1.6x faster at 2-4 rows;
+W3's, with its 151,936-row head, 1.9x at 8 rows.
+
+bf16 products go through oneDNN, which `F.linear` asks to reorder the weight into its blocked
+layout at every call. `pack_weight` does that once and `packed_linear` multiplies with the packed
+weight (the results are those of `F.linear`); the fused decode step packs its weights once per
+generate call, where oneDNN runs bf16 on this CPU (`packed_bf16_runs`; not on an AVX2-only one).
+SmolLM2-135M's 30 layers and head, one decode step, median of 30, 2-core AVX512-BF16 CPU: 37.0 -> 28.4 ms
+at 32 rows, 25.1 -> 15.9 at 16, 19.8 -> 11.3 at 8.
+
+Results differ from `F.linear` by summation order only (about 1e-6 in the logits). Only float32
+inputs on the CPU without autograd take it, with 2-32 rows: GPUs' BLAS and bf16 kernels have their
+own shape heuristics and were not measured, 1 row is a matrix-vector product either way, and from
+about 128 rows x @ W^T is faster. Training passes keep `F.linear`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
 
-from grouprl.generation.decode_products import few_row_linear, pack_weight, packed_linear, packs_weights
-from grouprl.generation.shared_prefix import SharedPrefixCache
+from grouprl.core.cpu_capabilities import isa_limits, onednn_runs_bf16
+from grouprl.generation.shared_prefix import SAMPLES, SharedPrefixCache, logit_tolerance, shared_decode, shared_prefill
+from grouprl.model.forward import describe, is_unsupported
 from grouprl.model.loading import runs_head_in_fp32
 
+logger = logging.get_logger("grouprl")
+
 Product = list[tuple[torch.Tensor, torch.Tensor | None]]  # (weight, bias) pairs whose outputs are concatenated
+
+_VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
+
+FEW_ROWS = range(2, 33)
+UNPADDED_ROWS = 8  # above this, rows are padded to a multiple of 16
 
 
 class _Layer(NamedTuple):
@@ -81,7 +131,7 @@ def _linear_weight(proj: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | 
 
 def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | None:
     """None if `model` looks like a Llama-family decoder FusedDecoder can run, else what differs. `check_dtype`:
-    require fp32 weights, the ones its probe can check (fused_decode_probe.py)."""
+    require fp32 weights, the ones its probe can check (`probe`)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     config = getattr(model, "config", None)
@@ -191,7 +241,7 @@ class FusedDecoder:
         return self._packed([(torch.cat([w for w, _ in pairs]).to(self.dtype), bias)])
 
     def _packed(self, product: Product) -> Product:
-        """bf16 weights reordered once for oneDNN (decode_products.pack_weight); others as they are."""
+        """bf16 weights reordered once for oneDNN (`pack_weight`); others as they are."""
         if not self.packed:
             return product
         return [(pack_weight(w), b) if w.dtype == torch.bfloat16 else (w, b) for w, b in product]
@@ -244,3 +294,161 @@ class FusedDecoder:
             hidden = hidden + self._apply(F.silu(gate) * up, layer.down).to(self.residual_dtype)
         hidden = F.rms_norm(hidden, (width,), self.final_norm, self.final_eps)
         return self._apply(hidden, self.head).float()
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (its LoRA layers stay in place), or `model` itself."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+def fuses(model: torch.nn.Module) -> bool:
+    """Whether FusedDecoder may run `model`'s decode steps: decided once per model, the verdict logged once."""
+    target = _base(model)
+    if target not in _VERDICTS:
+        reason = structure_reason(target) or probe(target)
+        _VERDICTS[target] = reason
+        name = type(target).__name__
+        if reason is None:
+            logger.info(f"grouprl: fused decode steps are on for {name}.")
+        else:
+            logger.info(f"grouprl: fused decode steps are off for {name}: {reason}. Decode steps run its forward.")
+    return _VERDICTS[target] is None
+
+
+def fused_decoder(model: torch.nn.Module) -> FusedDecoder:
+    """A FusedDecoder with `model`'s weights as they are now (call `fuses` first)."""
+    return FusedDecoder(_base(model))
+
+
+@torch.no_grad()
+def probe(model: torch.nn.Module) -> str | None:
+    """None if FusedDecoder's steps give the model's own logits (fp32, through the same shared-prefix cache)."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = model.get_input_embeddings().weight.device
+    prompts = torch.tensor([[0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], device=device)
+    steps = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], device=device) % vocab
+    forward = functools.partial(type(model).forward, model)  # the class forward (module doc)
+    with torch.autocast(device.type, enabled=False):
+        try:
+            expected = shared_decode(model, prompts, mask, steps, forward=forward)
+            got = _fused_decode(model, prompts, mask, steps)
+        except Exception as err:
+            if not is_unsupported(err):
+                raise
+            return f"the probe's fused step failed: {describe(err)}"
+    for want, have in zip(expected, got):
+        gap, allowed = float((have - want.reshape(have.shape)).abs().max()), logit_tolerance(want, noise=0.0)
+        if gap > allowed:
+            return f"the probe's fused logits differ from its forward by up to {gap:.3g} (allowed {allowed:.3g})"
+    return None
+
+
+def _fused_decode(
+    model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor
+) -> list[torch.Tensor]:
+    """Each step's fp32 logits (rows, vocab) from FusedDecoder, `SAMPLES` per prompt over one shared-prefix cache
+    prefilled by the model's class forward (module doc)."""
+    forward = functools.partial(type(model).forward, model)
+    cache = shared_prefill(forward, model.config, prompts, mask, SAMPLES, steps.shape[0])
+    decoder = FusedDecoder(model)
+    positions = mask.repeat_interleave(SAMPLES, 0).sum(dim=1)
+    logits = []
+    for step in steps:
+        logits.append(decoder.step(step, positions, cache))
+        positions = positions + 1
+    return logits
+
+
+def weight_major_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, as (W @ x^T)^T when x has few rows (see the module doc), else `F.linear`."""
+    return few_row_linear(x, layer.weight, layer.bias)
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, as (W @ x^T)^T when x has few fp32 rows on the CPU and no autograd."""
+    features = x.shape[-1]
+    rows = x.numel() // features if features else 0
+    if (
+        rows not in FEW_ROWS
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.device.type != "cpu"
+        or torch.is_grad_enabled()
+    ):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, features)
+    if rows > UNPADDED_ROWS and rows % 16:  # zero rows up to a multiple of 16 (module doc)
+        padded = flat.new_zeros(-(-rows // 16) * 16, features)
+        padded[:rows] = flat
+        flat = padded
+    columns = flat.t()
+    if bias is None:
+        out = torch.mm(weight, columns)
+    else:
+        out = torch.addmm(bias[:, None], weight, columns)
+    return out[:, :rows].t().contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether products in `dtype` on `device` run from packed weights: bf16 on a CPU whose oneDNN runs them."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and packed_bf16_runs()
+
+
+@functools.cache
+def packed_bf16_runs() -> bool:
+    """Whether oneDNN here multiplies bf16 rows by a packed weight: asked of torch (which knows the CPU and the
+    instruction-set limits in force, core/cpu_capabilities.py), then tried once on a tiny weight. Without it (an
+    AVX2-only CPU: "bf16 path needs the cpu support ...") the products run through `F.linear`. Logged once."""
+    reason = None
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        reason = "this torch build has no oneDNN weight packing"
+    elif not onednn_runs_bf16():
+        limit = isa_limits().get("ONEDNN_MAX_CPU_ISA")
+        held = f"ONEDNN_MAX_CPU_ISA={limit}" if limit else "it needs AVX512BW/VL/DQ or AVX-NE-CONVERT"
+        reason = f"oneDNN runs no bf16 products on this CPU ({held})"
+    else:
+        try:
+            packed_linear(
+                torch.ones(2, 16, dtype=torch.bfloat16), pack_weight(torch.ones(16, 16, dtype=torch.bfloat16))
+            )
+        except Exception as err:
+            if not is_unsupported(err):
+                raise
+            reason = f"a packed product failed: {describe(err)}"
+    if reason is None:
+        logger.info("grouprl: bf16 decode products on the CPU use weights packed once for oneDNN.")
+    else:
+        logger.info(f"grouprl: bf16 decode products on the CPU use F.linear, not packed weights: {reason}.")
+    return reason is None
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in) bf16 CPU weight reordered once into oneDNN's layout, for `packed_linear` (module doc)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for (rows, in) `x`, with the weight as `pack_weight` returned it."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+@contextlib.contextmanager
+def weight_major_decode(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, the model's plain `nn.Linear` layers use `weight_major_linear`.
+
+    Subclasses (quantized layers, ...) and layers whose forward is already replaced keep their own.
+    A model whose layers are not on the CPU is left alone (no per-call check on a path that never applies).
+    """
+    layers = [
+        m
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and "forward" not in vars(m) and m.weight.device.type == "cpu"
+    ]
+    for layer in layers:
+        layer.forward = functools.partial(weight_major_linear, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward

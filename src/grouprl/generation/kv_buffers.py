@@ -3,7 +3,7 @@
 transformers' DynamicLayer appends a decode step's keys and values with `torch.cat`, which
 allocates a new (rows, kv_heads, length, head_dim) tensor and copies the whole cache, in every
 layer, at every step; on a CPU the fresh allocation of a few MB also costs a page fault per 4 KiB
-(see host_memory.py). Measured on W4's generation (alternating runs): 4.1-5.0 s with concatenation,
+(see model/patches.py). Measured on W4's generation (alternating runs): 4.1-5.0 s with concatenation,
 3.0-4.2 s with these buffers. Here each layer's keys and values live in one buffer sized for the prompt
 plus every new token; a step writes one column and the layer hands attention a view of the
 filled part. Rows that finish are compacted in place (`compact_rows`), copying only the filled

@@ -38,8 +38,7 @@ from transformers import DynamicCache
 
 from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation.engine import engine_supports
-from grouprl.generation.fused_decode import FusedDecoder, structure_reason
-from grouprl.generation.fused_decode_probe import _base, fuses
+from grouprl.generation.fused_decode import FusedDecoder, _base, fuses, structure_reason
 from grouprl.generation.protocol import cut_at_eos, left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
 from grouprl.generation.static_kv_cache import StaticKVCache

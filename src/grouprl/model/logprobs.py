@@ -1,4 +1,8 @@
-"""Per-token logprobs (and entropies) of completion tokens under the temperature-scaled policy.
+"""The policy's per-token logprobs (and entropies) of completions, temperature-scaled, or a user's TRL override.
+
+`policy_logprobs` is what every forward pass of the policy (old logprobs, reference logprobs, the loss, evaluation)
+calls: a subclass that overrides TRL's ``_get_per_token_logps_and_entropies`` gets its version called with TRL's
+arguments (text models), otherwise grouprl's `completion_logprobs` runs.
 
 GRPO's importance ratio compares the policy's probability of each *sampled* token with the
 probability it had when sampled; sampling used logits / temperature, so training must too
@@ -6,14 +10,14 @@ probability it had when sampled; sampling used logits / temperature, so training
 
 - **No (rows, tokens, vocab) logits.** The model runs up to its final hidden states; the LM head is
   applied in checkpointed chunks of positions, each chunk reduced at once to the selected
-  token's logprob (and the entropy) (`head_logprobs.py`); the forward up to the head is
-  `model_forward.py`. Models whose head cannot be applied separately
+  token's logprob (and the entropy); the forward up to the head and the chunked head are
+  `forward.py`. Models whose head cannot be applied separately
   (sharded by FSDP / ZeRO-3, or logits post-processed after the head) fall back to asking the model
   for the completion logits, still reduced in checkpointed chunks.
 - **Only completion positions** are projected (`logits_to_keep`).
 - **Length buckets.** Rows are sorted by length and run in buckets, each trimmed to its own
   longest prompt and completion, so a short completion does not pay for the longest one
-  (`length_buckets.py`).
+  (`forward.length_buckets`).
 - **A shared prompt once** (`prompt_packing.py`), unless `pack_prompts=False`
   (GRPOConfig.pack_shared_prompts).
 
@@ -25,19 +29,26 @@ Vision-language rows add their image inputs, collated per bucket (`multimodal.fo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
+from grouprl.core.overrides import NO_OVERRIDES, Overrides
 from grouprl.core.types import padded_width
-from grouprl.model.forward import capture_head_input, forward_keeping, separable_head
-from grouprl.model.head_logprobs import head_logprobs, logits_logprobs
-from grouprl.model.length_buckets import in_row_order, length_buckets
+from grouprl.model.forward import (
+    capture_head_input,
+    forward_keeping,
+    head_logprobs,
+    in_row_order,
+    length_buckets,
+    logits_logprobs,
+    separable_head,
+)
 from grouprl.model.multimodal import forward_inputs
 from grouprl.model.prompt_packing import shared_prompt_logprobs
 
-# The chunked head reductions, the buckets and the head check live in their own modules (so prompt_packing
+# The chunked head reductions, the buckets and the head check live in forward.py (so prompt_packing
 # uses them without importing this one); callers and tests keep importing them from here.
 __all__ = [
     "TokenLogprobs",
@@ -46,6 +57,7 @@ __all__ = [
     "in_row_order",
     "length_buckets",
     "logits_logprobs",
+    "policy_logprobs",
     "position_ids_from_mask",
     "separable_head",
 ]
@@ -57,9 +69,71 @@ class TokenLogprobs(NamedTuple):
     aux_loss: torch.Tensor | None  # scalar MoE router load-balancing loss, or None
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(n, L) positions counting only real tokens; padding gets position 0."""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+def policy_logprobs(
+    model: torch.nn.Module,
+    b: Any,
+    *,
+    temperature: float,
+    rows_per_chunk: Optional[int] = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    with_aux_loss: bool = False,
+    pack_prompts: bool = True,
+    overrides: Overrides = NO_OVERRIDES,
+) -> TokenLogprobs:
+    """Logprobs (and entropy, aux loss) of a batch's completions under `model`: through the user's
+    _get_per_token_logps_and_entropies when a subclass overrides it, else grouprl's `completion_logprobs`."""
+    override = overrides.get("_get_per_token_logps_and_entropies")
+    if override is None:
+        return completion_logprobs(
+            model,
+            b.prompt_ids,
+            b.prompt_mask,
+            b.completion_ids,
+            b.completion_mask,
+            temperature=temperature,
+            rows_per_chunk=rows_per_chunk,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            with_aux_loss=with_aux_loss,
+            multimodal=b.multimodal,
+            pack_prompts=pack_prompts,
+            pad_to_multiple_of=getattr(b, "pad_to_multiple_of", None),
+        )
+    name = overrides.qualified("_get_per_token_logps_and_entropies")
+    if b.multimodal is not None:
+        raise NotImplementedError(
+            f"{name} is overridden, but this batch has images, which grouprl passes to the model its own way "
+            "(not as TRL's pixel_values keyword arguments); remove the override for vision-language training."
+        )
+    width = b.completion_ids.shape[1]
+    input_ids = torch.cat([b.prompt_ids, b.completion_ids], dim=1)
+    attention_mask = torch.cat([b.prompt_mask, b.completion_mask], dim=1).long()
+    result = override(
+        model,
+        input_ids,
+        attention_mask,
+        width,
+        batch_size=rows_per_chunk,
+        compute_entropy=with_entropy,
+        compute_aux_loss=with_aux_loss,
+    )
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise TypeError(
+            f"{name} must return (per_token_logps, entropies, aux_loss) as TRL's does, got {type(result).__name__}."
+        )
+    logps, entropy, aux = result
+    for label, value in (("per_token_logps", logps), ("entropies", entropy)):
+        if value is not None and tuple(value.shape) != tuple(b.completion_ids.shape):
+            raise ValueError(
+                f"{name} returned {label} of shape {tuple(value.shape)}; expected {tuple(b.completion_ids.shape)} "
+                "(one value per completion position, logits_to_keep columns)."
+            )
+    if with_entropy and entropy is None:
+        raise ValueError(f"{name} returned no entropies although compute_entropy=True.")
+    if entropy is not None and not entropy_grad:
+        entropy = entropy.detach()
+    return TokenLogprobs(logps, entropy if with_entropy else None, aux if with_aux_loss else None)
 
 
 def completion_logprobs(
@@ -147,6 +221,11 @@ def completion_logprobs(
     logps, entropy = in_row_order(logps_parts, order), (in_row_order(entropy_parts, order) if with_entropy else None)
     aux_loss = torch.stack(aux_parts).mean() if aux_parts else None
     return TokenLogprobs(logps, entropy, aux_loss)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(n, L) positions counting only real tokens; padding gets position 0."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def _plain_logprobs(model: torch.nn.Module, *rows: torch.Tensor) -> torch.Tensor:

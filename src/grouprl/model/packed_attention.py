@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.utils import logging
 
 from grouprl.core.cpu_capabilities import bf16_emulation_reason
-from grouprl.model.head_logprobs import product_dtype
+from grouprl.model.forward import product_dtype
 
 logger = logging.get_logger("grouprl")
 

@@ -35,9 +35,16 @@ from typing import NamedTuple
 import torch
 from transformers.utils import logging
 
-from grouprl.model.forward import capture_head_input, describe, forward_keeping, is_unsupported, separable_head
-from grouprl.model.head_logprobs import head_logprobs
-from grouprl.model.length_buckets import in_row_order, length_buckets
+from grouprl.model.forward import (
+    capture_head_input,
+    describe,
+    forward_keeping,
+    head_logprobs,
+    in_row_order,
+    is_unsupported,
+    length_buckets,
+    separable_head,
+)
 from grouprl.model.loading import recomputes_layers
 from grouprl.model.packed_attention import LAYOUT_KWARG, PackLayout, build_layout
 from grouprl.model.patches import grouprl_patches, patches_active

@@ -4,7 +4,7 @@ Reads what a run leaves in its output directory: ``metrics.jsonl`` (one JSON obj
 entry under TRL's metric names; evaluation entries carry ``eval_*`` keys and the last entry
 ``train_runtime``) and, when ``log_completions`` was on, ``completions/completions_*.parquet``.
 Writes ``OUTPUT_DIR/report/index.html``: a summary, the health findings (the detectors of
-`grouprl.train.health_detectors` run over each log entry), the charts and a sample of completions. Each chart is
+`grouprl.train.health` run over each log entry), the charts and a sample of completions. Each chart is
 embedded as a base64 PNG, so the page needs no other file and no network, and is also written as
 ``OUTPUT_DIR/report/<chart>.png``. A chart whose metrics the run did not log says so instead.
 

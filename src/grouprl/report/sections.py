@@ -6,7 +6,7 @@ import html
 from typing import Any
 
 from grouprl.report.run_log import RunLog
-from grouprl.train.health_detectors import detect
+from grouprl.train.health import detect
 
 TEXT_LIMIT = 600  # characters of a prompt / completion shown
 

@@ -24,11 +24,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from grouprl.core.distributed import run_on_main
-from grouprl.core.group_layout import GroupLayout
-from grouprl.core.types import Completion, Rollout
-from grouprl.data.generation_inputs import GenerationInputs
+from grouprl.core.types import Completion, GroupLayout, Rollout
+from grouprl.data.prompt_sampler import GenerationInputs
 from grouprl.data.prompts import local_prompt_batch
-from grouprl.generation.dispatch import sample_groups
+from grouprl.generation.protocol import sample_groups
 from grouprl.generation.weights import inference_weights
 from grouprl.rollout.async_producer import Limits, Producer
 from grouprl.rollout.async_slots import Slot, SlotBook

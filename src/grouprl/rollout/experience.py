@@ -11,7 +11,7 @@ then cut into micro-batches (split_generation, called by GRPOTrainer._prepare_in
     -> one complete TrainBatch (nothing is filled in afterwards), and its statistics (the advantages,
        which must be finite, and the sampler IS statistics, reduced over every process by the loop)
     -> shuffle the rows, cut them into steps_per_generation micro-batches (rows of similar length
-       together within each optimizer step, batching.py), queued num_iterations times
+       together within each optimizer step, train_batch.py), queued num_iterations times
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from transformers.utils import logging
 
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig
 from grouprl.core.distributed import layout_of, own_rollout, whole_groups
-from grouprl.core.importance import sampler_importance_weights
-from grouprl.core.losses import LOSSES
+from grouprl.core.losses import LOSSES, sampler_importance_weights
 from grouprl.core.masks import tied_groups
 from grouprl.core.overrides import NO_OVERRIDES, Overrides
 from grouprl.core.stats import finite, largest, mean, smallest
 from grouprl.core.types import Rewards, Rollout, TrainBatch
-from grouprl.data.generation_inputs import GenerationInputs
-from grouprl.model.policy_logprobs import policy_logprobs
-from grouprl.rollout.batching import length_grouped, regrouping_is_exact, row_order_key
+from grouprl.data.prompt_sampler import GenerationInputs
+from grouprl.model.logprobs import policy_logprobs
+from grouprl.rollout.train_batch import length_grouped, regrouping_is_exact, row_order_key
 
 logger = logging.get_logger("grouprl")
 

@@ -25,15 +25,12 @@ from grouprl.core.distributed import (
     layout_of,
     run_on_main,
 )
-from grouprl.core.group_layout import GroupLayout
 from grouprl.core.metrics import MetricWindow, completion_length_stats, reward_stats
-from grouprl.core.types import Completion, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
-from grouprl.data.generation_inputs import GenerationInputs
+from grouprl.core.types import Completion, GroupLayout, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
 from grouprl.data.multimodal_prompts import rows_images
-from grouprl.data.prompt_sampler import PromptSampler
+from grouprl.data.prompt_sampler import GenerationInputs, PromptSampler
 from grouprl.data.prompts import PromptTokenizer, is_conversational, local_prompt_batch
-from grouprl.generation.dispatch import sample_for_processes, sample_groups
-from grouprl.generation.protocol import GenerationBackend
+from grouprl.generation.protocol import GenerationBackend, sample_for_processes, sample_groups
 from grouprl.rewards.scoring import RewardFunction, score_completions
 from grouprl.rollout.completion_log import CompletionLog, RecentCompletions
 from grouprl.rollout.train_batch import pack_rollout, row_prompt_ids
@@ -84,7 +81,7 @@ class RolloutMaker:
 
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
         """Hand the policy's weights to the backend before sampling, at most once per optimizer step (as TRL). An
-        asynchronous worker gets them from the loop after each optimizer step instead (optimizer_step.py)."""
+        asynchronous worker gets them from the loop after each optimizer step instead (train/loop.py)."""
         if self.source is None and self.synced_step != step:
             self.backend.sync_weights(model)
             self.synced_step = step
@@ -288,7 +285,7 @@ def generate_for(backend: GenerationBackend, prompts: PromptBatch, params: Sampl
     """Ask the backend for each prompt's num_samples completions; return them in row order.
 
     Prompts on a process usually all need G samples; a group cut by a process boundary needs fewer
-    (dispatch.sample_groups sends one call per distinct count). A backend that only the main process
+    (protocol.sample_groups sends one call per distinct count). A backend that only the main process
     may use (`main_process_only`: a server) samples whole groups there for every process.
     """
     if getattr(backend, "main_process_only", False):

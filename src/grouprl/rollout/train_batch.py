@@ -1,11 +1,25 @@
-"""A rollout as the tensors a training step takes: left-padded prompts, right-padded completions, masks."""
+"""A rollout as training micro-batches: the tensors a training step takes, and which rows share a micro-batch.
+
+`pack_rollout` left-pads prompts and right-pads completions into tensors and builds the masks.
+
+Length-aware micro-batches: rows of similar length share a micro-batch, with the same update.
+Within one optimizer step the gradient is a sum over micro-batches, so which of the step's rows go
+into which micro-batch does not change it, provided every row's weight in the loss is independent of
+its micro-batch's other rows. That holds for every loss except bnpo (its denominator is the
+micro-batch's token count) and whenever the top-entropy mask is on (its quantile is taken per
+micro-batch); the sequence-mean losses also need equal micro-batch sizes (their weight is 1/rows).
+Where it holds, sorting a step's rows by length before cutting them means each micro-batch is padded
+to a length close to its rows' own, instead of to the step's longest.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
+from grouprl.core.losses import LOSSES
 from grouprl.core.types import Rollout, TrainBatch, padded_width
 
 
@@ -69,3 +83,50 @@ def pack_rollout(
         multimodal=None if rollout.prompts.multimodal is None else [rollout.prompts.multimodal[b] for b in rows],
         pad_to_multiple_of=pad_to_multiple_of,
     )
+
+
+def regrouping_is_exact(loss_type: str, top_entropy_quantile: float, part_sizes: list[int]) -> bool:
+    """Whether moving rows between the micro-batches of one optimizer step leaves the update unchanged."""
+    if not LOSSES[loss_type].regroupable or top_entropy_quantile < 1.0:
+        return False
+    global_token_mean = not LOSSES[loss_type].divides_by_grad_accum  # dapo, cispo, vespo: weight = 1 / global tokens
+    return global_token_mean or len(set(part_sizes)) <= 1
+
+
+def row_order_key(batch: TrainBatch) -> torch.Tensor:
+    """(n,) sort key for `length_grouped`: rows with a high key go first.
+
+    Mostly-completion rows are ordered by total length (less padding). Where prompts are at least as
+    long as completions, rows sharing a prompt are kept together (prompts longest first, then by
+    completion length), so a micro-batch holds whole groups and the training pass runs each shared
+    prompt once (model/prompt_packing.py) instead of padding completions more tightly.
+    """
+    prompt_lengths, completion_lengths = batch.prompt_mask.sum(dim=1), batch.completion_mask.sum(dim=1)
+    span = int(completion_lengths.max()) + 1 if len(batch) else 1
+    if prompt_lengths.float().mean() < completion_lengths.float().mean():
+        return prompt_lengths + completion_lengths
+    _, prompt_id = torch.unique(batch.prompt_ids * batch.prompt_mask, dim=0, return_inverse=True)
+    groups = int(prompt_id.max()) + 1
+    return (prompt_lengths * groups + prompt_id) * span + completion_lengths
+
+
+def length_grouped(parts: list[torch.Tensor], lengths: torch.Tensor, *, grad_accum_steps: int) -> list[torch.Tensor]:
+    """Re-cut each optimizer step's micro-batch row indices so that rows of similar length go together.
+
+    `lengths` is any per-row sort key (`row_order_key`).
+
+    `parts` are the micro-batches of one generation, in training order; micro-batch i belongs to
+    optimizer step i // grad_accum_steps, so runs of gcd(len(parts), GA) consecutive parts always
+    share one step (also when a step spans several generations). Each run's rows are sorted longest
+    first (stable) and cut back into the same sizes, in the same order.
+    """
+    run = math.gcd(len(parts), grad_accum_steps)
+    if run == 1:  # every micro-batch is alone in its optimizer step: nothing to regroup
+        return parts
+    regrouped: list[torch.Tensor] = []
+    for start in range(0, len(parts), run):
+        group = parts[start : start + run]
+        rows = torch.cat(group)
+        rows = rows[torch.sort(lengths[rows], descending=True, stable=True).indices]
+        regrouped.extend(rows.split([len(p) for p in group]))
+    return regrouped

@@ -5,7 +5,7 @@ enter:  the main process starts the worker (a local `grouprl serve` from the pol
         process builds the source RolloutMaker.draw_prompts takes generations from (async_rollouts.py),
         a resumed run's drawn-but-untrained prompt batches first; on a CPU with a local worker the
         trainer keeps the cores the worker does not use
-during: the loop publishes the weights every weight_sync_steps optimizer steps (optimizer_step.py)
+during: the loop publishes the weights every weight_sync_steps optimizer steps (loop.py)
 exit:   (also on errors) the producer stops, the local worker is stopped, the thread count restored
 """
 

@@ -228,7 +228,7 @@ def load_policy_weights(model: torch.nn.Module, path: str) -> None:
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, training: dict[str, Any]) -> None:
     """A checkpoint's optimizer state: keyed by parameter position (`optimizer.state_dict()`), or by name when a
-    sharded policy's was gathered. (DeepSpeed's is in its own checkpoint: trainer_saving loads it.)"""
+    sharded policy's was gathered. (DeepSpeed's is in its own checkpoint: trainer_surface loads it.)"""
     if training.get("optimizer_keys") == ENGINE_STATE:
         raise ValueError(
             "This checkpoint was written under DeepSpeed: its optimizer state is in DeepSpeed's shards (deepspeed/); "

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import types
 from typing import Any, Callable, Union
 
 import torch
@@ -45,8 +47,25 @@ def read_file(path: str, name: str, read: Callable[[str], Any]) -> Any:
         raise UnreadableCheckpoint(path, name, err) from err
 
 
+# The modules a class pickled in loop_state.pt lived in before it moved (modules merged by job), and where it lives
+# now: a checkpoint written by an earlier grouprl still resumes.
+MOVED_MODULES = {
+    "grouprl.data.generation_inputs": "grouprl.data.prompt_sampler",  # GenerationInputs: the buffered inputs
+    "grouprl.core.group_layout": "grouprl.core.types",  # GroupLayout: in the asynchronous book's prompt batches
+}
+
+
+class _MovedClassesUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(MOVED_MODULES.get(module, module), name)
+
+
+_pickle_with_moves = types.ModuleType("grouprl_checkpoint_pickle")  # pickle, with the moved classes found
+_pickle_with_moves.__dict__.update({**vars(pickle), "Unpickler": _MovedClassesUnpickler})
+
+
 def load_pickle(file: str, mmap: bool = False) -> Any:
-    return torch.load(file, map_location="cpu", weights_only=False, mmap=mmap)
+    return torch.load(file, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=_pickle_with_moves)
 
 
 def load_json(file: str) -> Any:

@@ -7,8 +7,8 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from grouprl.config.grpo_config import GRPOConfig
-from grouprl.data.dataset_checks import check_dataset
-from grouprl.data.row_loading import sequential_loader, workers_for
+from grouprl.data.prompt_sampler import sequential_loader, workers_for
+from grouprl.data.prompts import check_dataset
 
 
 def check_eval_setup(
@@ -64,7 +64,7 @@ def pick_eval_dataset(default: Any, chosen: Any) -> Any:
 def eval_loader(dataset: Any, config: GRPOConfig, num_processes: int) -> DataLoader:
     """The eval prompts' rows in dataset order, one eval batch of prompts at a time, as lists of (index, row).
 
-    Map-style data is read by dataloader_num_workers worker processes; a stream in this process (row_loading.py).
+    Map-style data is read by dataloader_num_workers worker processes; a stream in this process (prompt_sampler.py).
     """
     prompts_per_batch = (
         config.per_device_eval_batch_size * num_processes // (config.num_generations_eval or config.num_generations)

@@ -17,8 +17,8 @@ from grouprl.core.metrics import MetricWindow
 from grouprl.core.overrides import NO_OVERRIDES, Overrides
 from grouprl.core.stats import metrics
 from grouprl.core.types import Rollout
-from grouprl.data.generation_inputs import GenerationInputs
-from grouprl.model.policy_logprobs import policy_logprobs
+from grouprl.data.prompt_sampler import GenerationInputs
+from grouprl.model.logprobs import policy_logprobs
 from grouprl.rollout.sampler import RolloutMaker
 from grouprl.train.micro_step import LossStats, Objective, objective_stats
 from grouprl.train.step_reduction import Collectives, reduce_step

@@ -1,7 +1,7 @@
 """The GRPO training loop, top to bottom.
 
     until max steps:
-        for each of gradient_accumulation_steps micro-batches:
+        for each micro-batch of the step (gradient_accumulation_steps; an epoch's last step takes those left):
             if no micro-batch is buffered: draw the next generation's prompts (the `inputs` rows)
             training_step(inputs)                                                   (stages.py)
                 prepare_inputs: if no micro-batch is buffered:
@@ -11,7 +11,7 @@
                     -> shuffle rows -> split into steps_per_generation micro-batches,
                        queued num_iterations times
                 compute_loss: forward -> policy loss (micro_step.py) -> loss, LossStats (run.ledger)
-                -> backward (optimizer_step.py)
+                -> backward
         clip gradients -> reduce the step's statistics over every process, once (step_reduction.py;
         a NaN / inf anywhere stops every process here) -> optimizer step -> LR step
         -> statistics into the metric window -> entropy controller / reference sync
@@ -24,6 +24,16 @@ Each stage of stages.py is one of TRL's override points: where a GRPOTrainer sub
 called directly. The loop and the parts of its step hold the run (`TrainingRun`, training_run.py); the
 stages below them get what they use (the model, the batch, `Objective`, `Sampling`).
 
+Below the loop's own functions come the parts of its optimizer step, in the order it runs them (backward, per
+micro-batch, is the last stage of training_step: stages.py):
+
+    clip_gradients          max_grad_norm; the norm before clipping
+    reduce_statistics       every statistic of the step over every process, once; NaN / inf anywhere stops all
+    apply_update            optimizer step, then the LR schedule
+    end_of_step_updates     the controllers that act once per step: entropy coefficient, TR-DPO reference sync
+
+None of them reads the host value of a tensor before `reduce_statistics`: one sync per step.
+
 The buffer semantics are TRL's (§2.13): one generation feeds steps_per_generation x num_iterations
 micro-steps, replayed in the same order each iteration, independently of where optimizer steps
 fall. Everything needed to continue exactly (sampler position, buffered micro-batches, RNG) is in
@@ -35,35 +45,30 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Optional
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 import torch
 from accelerate.utils.memory import clear_device_cache
 from tqdm.auto import tqdm
 
 from grouprl.config.grpo_config import GRPOConfig, interval_due, resolve_steps
+from grouprl.core.distributed import gather_objects
 from grouprl.core.metrics import TRAINER_METRICS, progress_postfix
-from grouprl.core.stats import metrics
+from grouprl.core.stats import finite, largest, mean, metrics
+from grouprl.model.reference import mix_into_reference
 from grouprl.rewards.scoring import RewardFunctionError
 from grouprl.train import evaluation, stages
 from grouprl.train.best_checkpoint import record_evaluation
 from grouprl.train.checkpoint import load_policy_weights
 from grouprl.train.evaluation import should_evaluate
 from grouprl.train.last_good_state import save_last_good
-from grouprl.train.non_finite import NonFiniteError
-from grouprl.train.optimizer_step import (
-    StepStats,
-    accumulating,
-    apply_update,
-    as_loss,
-    clip_gradients,
-    end_of_step_updates,
-    reduce_statistics,
-    update_norm,
-)
+from grouprl.train.non_finite import NonFiniteError, non_finite_error
 from grouprl.train.run_checkpoints import gathered_policy_state, save, should_save, write_checkpoint
+from grouprl.train.step_reduction import reduce_step
 from grouprl.train.stop_signals import StopSignals, exit_code, resume_hint
-from grouprl.train.training_run import TrainingRun
+from grouprl.train.training_run import TrainingRun, deepspeed_engine
 
 
 def train(run: TrainingRun) -> dict[str, float]:
@@ -91,7 +96,6 @@ def train(run: TrainingRun) -> dict[str, float]:
 
 def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
     config, state, accelerator = run.config, run.state, run.accelerator
-    ga = run.plan.gradient_accumulation_steps
     logging_steps = resolve_steps(config.logging_steps, run.total_steps)
     save_steps = resolve_steps(config.save_steps, run.total_steps)
     if accelerator.is_main_process:
@@ -122,6 +126,8 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
         run.callbacks.new_step()
         run.fire("on_step_begin")
         step_loss = torch.zeros((), device=accelerator.device)
+        # gradient_accumulation_steps, or what is left of the epoch in its last step (batch_plan.py)
+        ga = run.accumulation_steps = run.plan.micro_batches_in_step(state.global_step, run.micro_steps_per_epoch)
         for k in range(ga):
             if not run.pending:  # the next generation batch (TRL's dataloader batch)
                 run.inputs = run.rollouts.draw_prompts()
@@ -237,3 +243,108 @@ def evaluate_and_track(run: TrainingRun) -> bool:
     override = run.overrides.get("evaluate")  # a TRL override point
     metrics = override() if override else evaluation.evaluate(stages.evaluation_parts(run), run.eval_dataset)
     return record_evaluation(run.config, run.state, metrics or {})
+
+
+# ---- the parts of one optimizer step, in the order the loop runs them -------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """The loop's own statistics of an optimizer step."""
+
+    loss: Any = mean("loss")  # this process's summed micro-batch losses; logged as the mean over processes
+    # the clipped-over norm: NaN / inf stops every process (None under fp16 scaling)
+    grad_norm: Any = finite("gradients")
+    # the number of a SIGINT / SIGTERM a process received (0: none): every process learns it (stop_signals.py)
+    stop_signal: Any = largest(None)
+
+
+@contextmanager
+def accumulating(run: TrainingRun, last: bool) -> Iterator[None]:
+    """The scope of one micro-batch of the step. grouprl accumulates gradients itself (accelerate's accumulation is
+    1 step): DDP all-reduces them only in the last micro-batch; DeepSpeed is told whether it is the boundary."""
+    engine = deepspeed_engine(run.accelerator)
+    if engine is not None:
+        engine.set_gradient_accumulation_boundary(last)
+        yield
+    elif last:
+        yield
+    else:
+        with run.accelerator.no_sync(run.model):
+            yield
+
+
+def as_loss(value: Any, device: torch.device) -> torch.Tensor:
+    """training_step's result (TRL: a detached tensor; an override may return a number) as a 0-dim tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(value), device=device)
+
+
+def clip_gradients(run: TrainingRun) -> Optional[torch.Tensor]:
+    """Clip to max_grad_norm; returns the norm before clipping (a tensor: read once the step is reduced). None under
+    DeepSpeed, which clips inside its step (the config's gradient_clipping, max_grad_norm by default): its norm is
+    read after the update (update_norm)."""
+    if deepspeed_engine(run.accelerator) is not None:
+        return None
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    max_norm = run.config.max_grad_norm if run.config.max_grad_norm > 0 else float("inf")
+    norm = run.accelerator.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a replicated DTensor
+        norm = norm.full_tensor()
+    return norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm))
+
+
+def reduce_statistics(run: TrainingRun, step_stats: StepStats) -> list[Any]:
+    """Every statistic of this optimizer step, over every process, in one reduction; raises the same
+    NonFiniteError on every process if any process saw a NaN / inf (before the update). Returns the reduced
+    entries, step_stats last."""
+    run.ledger.record(step_stats)
+    reduced, failures = reduce_step(run.ledger.take(), run.collectives)
+    if failures:
+        raise non_finite_error(
+            failures,
+            step=run.state.global_step + 1,
+            process_index=run.accelerator.process_index,
+            num_processes=run.accelerator.num_processes,
+            gather=gather_objects,
+        )
+    return reduced
+
+
+def apply_update(run: TrainingRun) -> float:
+    """Optimizer step, then schedule; returns the learning rate used."""
+    learning_rate = run.scheduler.get_last_lr()[0]
+    run.fire("on_pre_optimizer_step")
+    engine = deepspeed_engine(run.accelerator)
+    if engine is None:
+        run.optimizer.step()
+    else:  # reduces the accumulated gradients, clips, steps and zeroes them
+        engine.step()
+    run.fire("on_optimizer_step")
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return learning_rate
+
+
+def update_norm(run: TrainingRun, clipped_norm: Optional[torch.Tensor]) -> float:
+    """The step's gradient norm before clipping: clip_gradients', or DeepSpeed's from its step."""
+    if clipped_norm is not None:
+        return float(clipped_norm)
+    norm = deepspeed_engine(run.accelerator).get_global_grad_norm()
+    return float("nan") if norm is None else float(norm)
+
+
+def end_of_step_updates(run: TrainingRun, reduced: list[Any]) -> None:
+    """Controllers that act once per optimizer step: the entropy coefficient (from the step's reduced entropy
+    sums), the TR-DPO reference sync, the weights of an asynchronous generation worker."""
+    controller, accelerator = run.entropy_controller, run.accelerator
+    source, step = run.rollouts.source, run.state.global_step
+    if source is not None and step % run.config.weight_sync_steps == 0:
+        source.publish(accelerator.unwrap_model(run.model), step)
+    if controller is not None:
+        total = sum(getattr(entry, "entropy_sum", None) or 0.0 for entry in reduced)
+        count = sum(getattr(entry, "entropy_count", None) or 0.0 for entry in reduced)
+        run.window.add("entropy_coef", controller.end_step(total, count))
+    if run.config.sync_ref_model and run.state.global_step % run.config.ref_model_sync_steps == 0:
+        mix_into_reference(run.reference.model, accelerator.unwrap_model(run.model), run.config.ref_model_mixup_alpha)

@@ -26,13 +26,20 @@ import torch
 
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig
 from grouprl.core.entropy import high_entropy_mask
-from grouprl.core.importance import sampler_importance_weights
-from grouprl.core.loss_aggregations import dapo_denominator, masked_mean
-from grouprl.core.losses import LOSSES, KLPenalty, LossScale, TokenTerms, policy_loss
+from grouprl.core.losses import (
+    LOSSES,
+    KLPenalty,
+    LossScale,
+    TokenTerms,
+    dapo_denominator,
+    masked_mean,
+    policy_loss,
+    sampler_importance_weights,
+)
 from grouprl.core.masks import off_policy_sequence_mask
 from grouprl.core.overrides import NO_OVERRIDES, Overrides
 from grouprl.core.stats import MAX, MEAN, MIN, Stat, finite, local, mean, open_set, total
-from grouprl.model.policy_logprobs import policy_logprobs
+from grouprl.model.logprobs import policy_logprobs
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,6 @@ class Objective:
     top_entropy_quantile: float
     off_policy_mask_threshold: Optional[float]
     aux_loss_coef: float  # MoE router load-balancing loss weight (0 = off)
-    grad_accum_steps: int
     num_processes: int
     steps_per_generation: int
     # (mode, clip_min, clip_max) when the sampler-mismatch weights come from the training forward (experience.py)
@@ -70,7 +76,6 @@ class Objective:
             top_entropy_quantile=config.top_entropy_quantile,
             off_policy_mask_threshold=config.off_policy_mask_threshold,
             aux_loss_coef=aux_loss_coef,
-            grad_accum_steps=plan.gradient_accumulation_steps,
             num_processes=plan.num_processes,
             steps_per_generation=plan.steps_per_generation,
             sampler_correction=(
@@ -141,16 +146,19 @@ def micro_batch_loss(
     objective: Objective,
     *,
     accelerator: Any,
+    accumulation_steps: int,
     overrides: Overrides = NO_OVERRIDES,
     timer: Any = None,
     entropy_coef: Optional[float] = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """The GRPO loss of one micro-batch (GA-scaled, with gradient) and its statistics (GRPOTrainer._compute_loss).
+    """The GRPO loss of one micro-batch (scaled to its share of the optimizer step, with gradient) and its
+    statistics (GRPOTrainer._compute_loss).
 
-    `overrides`: the user's versions of the forward and the two masks, if any; `entropy_coef`: the entropy bonus's
-    coefficient (None: off).
+    `accumulation_steps`: the micro-batches of this optimizer step (gradient_accumulation_steps, fewer in an
+    epoch's last step); `overrides`: the user's versions of the forward and the two masks, if any; `entropy_coef`:
+    the entropy bonus's coefficient (None: off).
     """
-    ga = objective.grad_accum_steps
+    ga = accumulation_steps
     b = micro.to(accelerator.device)
     bonus = entropy_coef is not None
     with timer.phase("forward") if timer is not None else nullcontext(), accelerator.autocast():

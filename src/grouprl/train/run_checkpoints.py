@@ -14,8 +14,7 @@ from grouprl.config.grpo_config import GRPOConfig, interval_due
 from grouprl.core.distributed import gather_objects
 from grouprl.model.full_state import fsdp_sharded, gather_full_state
 from grouprl.train.checkpoint import ENGINE_STAGING_PREFIX, ENGINE_STATE, rng_state, save_checkpoint
-from grouprl.train.optimizer_step import deepspeed_engine
-from grouprl.train.training_run import TrainingRun
+from grouprl.train.training_run import TrainingRun, deepspeed_engine
 
 
 def should_save(

@@ -5,7 +5,7 @@ The record of a run is `metrics.jsonl` (every log entry) and `completions/` (the
 taking one number from each). So the first `train()` or `evaluate()` of a trainer that does not resume moves an
 earlier record to `previous_runs/run-K/` (K = 1, 2, ...), with a warning saying where; nothing is deleted. A run
 resumed from a checkpoint continues its record: the log history in the checkpoint replaces the file
-(trainer_saving.py), so entries the interrupted run logged after its checkpoint do not appear twice.
+(trainer_surface.py), so entries the interrupted run logged after its checkpoint do not appear twice.
 Checkpoints stay where they are: each is complete on its own, and one of a higher step than the new run's is
 named when the new run writes its own (checkpoint.py).
 """

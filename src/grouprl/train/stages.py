@@ -8,9 +8,10 @@ GRPOTrainer subclass defines one (run.overrides, core/overrides.py), else groupr
         generate_and_score(inputs) generate -> rewards -> advantages -> old / reference logprobs
                                    (rollout/experience.py; eval mode: eval_mode.eval_batch)
       compute_loss(micro)          -> _compute_loss: the GRPO loss (micro_step.py; eval mode: eval_mode.eval_loss)
+      backward(loss)               accelerate's (DeepSpeed's) backward; counts the micro-batch's tokens for the flos
     log(logs)                      log_history, trackers, on_log, metrics.jsonl, a console line (own_log)
 
-GRPOTrainer's methods of the same names (compat/trainer_step_hooks.py) call the `own_*` stages, so a user's
+GRPOTrainer's methods of the same names (compat/override_points.py) call the `own_*` stages, so a user's
 override that calls ``super()`` continues down grouprl's chain, through the user's other overrides.
 """
 
@@ -22,12 +23,11 @@ import torch
 
 from grouprl.core.metrics import TRAINER_METRICS, format_log_line
 from grouprl.core.types import TrainBatch
-from grouprl.data.generation_inputs import GenerationInputs
+from grouprl.data.prompt_sampler import GenerationInputs
 from grouprl.rollout import experience
 from grouprl.train import eval_mode, micro_step
 from grouprl.train.evaluation import EvaluationParts, format_eval_line
-from grouprl.train.optimizer_step import backward
-from grouprl.train.training_run import TrainingRun
+from grouprl.train.training_run import TrainingRun, deepspeed_engine
 
 
 def training_step(run: TrainingRun, inputs: GenerationInputs) -> Any:
@@ -97,7 +97,7 @@ def own_generate_and_score(run: TrainingRun, inputs: GenerationInputs) -> TrainB
     batch, stats = experience.score_generation(
         run.sampling(), run.model, inputs, overrides=run.overrides, reference=run.reference
     )
-    run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (optimizer_step.py)
+    run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (loop.py)
     return batch
 
 
@@ -130,12 +130,25 @@ def own_policy_loss(run: TrainingRun, micro: Any) -> torch.Tensor:
         micro,
         run.objective,
         accelerator=run.accelerator,
+        accumulation_steps=run.accumulation_steps,
         overrides=run.overrides,
         timer=run.timer,
         entropy_coef=controller.applied_coef() if controller is not None else None,
     )
-    run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (optimizer_step.py)
+    run.ledger.record(stats)  # reduced with the rest of the optimizer step's statistics (loop.py)
     return loss
+
+
+def backward(run: TrainingRun, loss: torch.Tensor, micro: Any) -> None:
+    """Backward of one micro-batch's (GA-scaled) loss; counts its tokens for the flos."""
+    run.before_backward()
+    engine = deepspeed_engine(run.accelerator)
+    with run.timer.phase("backward"):
+        if engine is None:
+            run.accelerator.backward(loss)
+        else:  # the loss is already divided by the accumulation steps; accelerate's wrapper would step every time
+            engine.backward(loss, scale_wrt_gas=False)
+    run.count_flos(micro)
 
 
 def log(run: TrainingRun, logs: dict[str, Any]) -> None:

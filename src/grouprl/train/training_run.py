@@ -1,9 +1,11 @@
 """TrainingRun: everything one training run holds between steps, and the state that makes a resume exact.
 
-The loop (loop.py) and the step's parts (optimizer_step.py, run_checkpoints.py) work on it; the stages they
+The loop and the parts of its step (loop.py, run_checkpoints.py) work on it; the stages they
 call get only what they use of it (`evaluation_parts`, `sampling`, the model, the batch), never the run.
 `loop_state` is what a checkpoint keeps beyond the model, optimizer and scheduler: the sampler position,
 the buffered micro-batches, the metric window and the controllers' state.
+`deepspeed_engine` is the engine DeepSpeed wrapped the model in (or None), which the step and the checkpoints
+drive instead of the model where there is one.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from grouprl.core.distributed import global_sum
 from grouprl.core.entropy import EntropyController
 from grouprl.core.metrics import JsonlWriter, MetricWindow, PhaseTimer
 from grouprl.core.overrides import NO_OVERRIDES, Overrides
-from grouprl.data.generation_inputs import GenerationInputs
-from grouprl.model.host_memory import release_free_host_memory
+from grouprl.data.prompt_sampler import GenerationInputs
+from grouprl.model.patches import release_free_host_memory
 from grouprl.model.reference import Reference
 from grouprl.rollout.experience import Sampling
 from grouprl.rollout.sampler import RolloutMaker
@@ -48,12 +50,15 @@ class TrainingRun:
     state: Any  # transformers.TrainerState
     total_steps: int
     steps_per_epoch: Optional[int]
+    micro_steps_per_epoch: Optional[int]  # an epoch's micro-batches (None: a stream); its last step may take fewer
     objective: Objective  # the loss's settings, built once from the config
     reference: Optional[Reference] = None  # beta != 0
     entropy_controller: Optional[EntropyController] = None  # entropy bonus on
     window: MetricWindow = field(default_factory=MetricWindow)
     ledger: StepLedger = field(default_factory=StepLedger)  # the stages' statistics of the current optimizer step
     pending: deque = field(default_factory=deque)  # micro-batches (TrainBatch) not yet trained on
+    # micro-batches of the current optimizer step (TRL's current_gradient_accumulation_steps): the loss divides by it
+    accumulation_steps: int = field(init=False)
     # trainer.evaluate() may run during training (eval_strategy != "no" or there is an eval set)
     evaluates: bool = False
     step_losses: list[float] = field(default_factory=list)
@@ -104,7 +109,7 @@ class TrainingRun:
 
     def before_backward(self) -> None:
         """Called between a micro-batch's forward and its backward: on a CPU model the free pages of the host heap go
-        back to the OS (host_memory.release_free_host_memory), so the forward's freed temporaries do not add to the
+        back to the OS (patches.release_free_host_memory), so the forward's freed temporaries do not add to the
         step's peak, which comes in backward. Only there: pages handed back fault in again when reused (2-4 us a
         page here), and trimming also after generation and after the update cost W5 ~1.5 s a step in faults."""
         if self.accelerator.device.type == "cpu":
@@ -131,6 +136,7 @@ class TrainingRun:
 
     def __post_init__(self) -> None:
         self.collectives = Collectives.of(self.accelerator)
+        self.accumulation_steps = self.plan.gradient_accumulation_steps
 
     def sampling(self) -> Sampling:
         """What the generation stage (experience.score_generation) uses of the run."""
@@ -175,3 +181,9 @@ class TrainingRun:
             self.entropy_controller.load_state_dict(state["entropy_controller"])
         if self.reference is not None:
             self.reference.load_state_dict(state.get("reference_model"))
+
+
+def deepspeed_engine(accelerator: Any) -> Any:
+    """The DeepSpeed engine accelerate wrapped the model in, or None."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return None if wrapped is None else wrapped.engine
