@@ -168,7 +168,6 @@ def test_a_damaged_checkpoint_is_named_and_resume_true_falls_back_to_the_previou
         resolve_resume_path(True, str(out))
 
 
-
 def _moved_class_values():
     from grouprl.core.types import GroupLayout
     from grouprl.data.prompt_sampler import GenerationInputs
