@@ -241,15 +241,22 @@ def llama3(template: str) -> TokenizerSpec:
     )
 
 
-def gemma(template: str, vocab_size: int = 256000, extra: dict[int, str] | None = None) -> TokenizerSpec:
+def gemma(
+    template: str,
+    vocab_size: int = 256000,
+    extra: dict[int, str] | None = None,
+    turn_at: int = 106,
+    extra_config: dict | None = None,
+) -> TokenizerSpec:
+    """Gemma's tokenizer: <pad>/<eos>/<bos>/<unk>/<mask> at 0-4, the turn markers at `turn_at` and the next id."""
     specials = {
         0: "<pad>",
         1: "<eos>",
         2: "<bos>",
         3: "<unk>",
         4: "<mask>",
-        106: "<start_of_turn>",
-        107: "<end_of_turn>",
+        turn_at: "<start_of_turn>",
+        turn_at + 1: "<end_of_turn>",
     }
     specials.update(extra or {})
     return TokenizerSpec(
@@ -262,6 +269,7 @@ def gemma(template: str, vocab_size: int = 256000, extra: dict[int, str] | None 
         unk="<unk>",
         add_bos=True,
         chat_template=template,
+        extra_config=extra_config or {},
     )
 
 
@@ -276,27 +284,12 @@ GEMMA3_IMAGE_TOKENS = {
 def gemma3(template: str, vocab_size: int) -> TokenizerSpec:
     """Gemma 3's tokenizer: Gemma's specials with its turn markers at 105/106 (Gemma 2: 106/107) and the
     three image tokens as the last ids of a compact vocabulary (real: 255999, 256000, 262144 of 262208)."""
-    specials = {
-        0: "<pad>",
-        1: "<eos>",
-        2: "<bos>",
-        3: "<unk>",
-        4: "<mask>",
-        105: "<start_of_turn>",
-        106: "<end_of_turn>",
-    }
-    for offset, token in enumerate(GEMMA3_IMAGE_TOKENS.values()):
-        specials[vocab_size - 3 + offset] = token
-    return TokenizerSpec(
-        vocab_size=vocab_size,
-        specials=specials,
-        bytes_at=300,
-        bos="<bos>",
-        eos="<eos>",
-        pad="<pad>",
-        unk="<unk>",
-        add_bos=True,
-        chat_template=template,
+    images = {vocab_size - 3 + offset: token for offset, token in enumerate(GEMMA3_IMAGE_TOKENS.values())}
+    return gemma(
+        template,
+        vocab_size,
+        extra=images,
+        turn_at=105,
         extra_config={**GEMMA3_IMAGE_TOKENS, "processor_class": "Gemma3Processor"},
     )
 
