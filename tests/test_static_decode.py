@@ -3,6 +3,8 @@ transformers generate token for token, a separate forward pass, the model's dist
 
 On CUDA the same steps replay a captured graph; tests/test_gpu.py checks that path against these eager ones."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from chi_square import chi_square_rejects
@@ -147,16 +149,18 @@ def test_static_cache_attention_equals_repeated_heads():
     computation with each key/value head repeated for its queries, masked columns excluded."""
     torch.manual_seed(0)
     rows, kv_heads, heads, columns, dim = 3, 2, 6, 10, 8
-    cache = StaticKVCache.__new__(StaticKVCache)
-    cache.keys, cache.values = [torch.randn(rows, kv_heads, columns, dim)], [torch.randn(rows, kv_heads, columns, dim)]
-    cache.valid = torch.rand(rows, columns) > 0.3
-    cache.valid[:, 0] = True
+    keys, values = torch.randn(rows, kv_heads, columns, dim), torch.randn(rows, kv_heads, columns, dim)
+    valid = torch.rand(rows, columns) > 0.3
+    valid[:, 0] = True
+    prefill = SimpleNamespace(layers=[SimpleNamespace(keys=keys, values=values)])
+    cache = StaticKVCache(prefill, valid.long(), repeats=1, new_tokens=1)
+    assert cache.keys[0].shape[2] == 16  # 11 columns, allocated as a multiple of 16 (never valid beyond 11)
+    assert torch.equal(cache.valid[:, :columns], valid) and not cache.valid[:, columns:].any()
     query = torch.randn(rows, heads, 1, dim)
     got = cache.attend(0, query, 0.5)
-    keys = cache.keys[0].repeat_interleave(heads // kv_heads, 1)
-    values = cache.values[0].repeat_interleave(heads // kv_heads, 1)
+    keys, values = keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1)
     scores = (query @ keys.transpose(-1, -2)) * 0.5
-    scores = scores.masked_fill(~cache.valid[:, None, None, :], -float("inf"))
+    scores = scores.masked_fill(~valid[:, None, None, :], -float("inf"))
     want = (scores.softmax(-1) @ values).transpose(1, 2)
     assert torch.allclose(got, want, atol=1e-5)
 

@@ -246,12 +246,15 @@ class FusedDecoder:
             return product
         return [(pack_weight(w), b) if w.dtype == torch.bfloat16 else (w, b) for w, b in product]
 
-    def _apply(self, x: torch.Tensor, product: Product) -> torch.Tensor:
+    def _outputs(self, x: torch.Tensor, product: Product) -> list[torch.Tensor]:
         x = x.to(product[0][0].dtype)
-        outs = [
+        return [
             packed_linear(x, weight, bias) if weight.is_mkldnn else few_row_linear(x, weight, bias)
             for weight, bias in product
         ]
+
+    def _apply(self, x: torch.Tensor, product: Product) -> torch.Tensor:
+        outs = self._outputs(x, product)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     @torch.no_grad()
@@ -261,36 +264,44 @@ class FusedDecoder:
             return self._step(tokens, positions, cache)
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SharedPrefixCache) -> torch.Tensor:
+        # On a GPU a decode step costs about its kernel count (each a few microseconds, the products included), so
+        # no tensor changes dtype unless the model's forward changes it there too: RoPE runs in the residual
+        # stream's dtype, as transformers' (q in the products' dtype times cos/sin in the hidden states'), and the
+        # attention's output stays in the cache's dtype for the o product. bench/gpu counts the step's operators.
         rows, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
+        rope_dtype = self.residual_dtype
         hidden = F.embedding(tokens, self.embedding)  # (R, H), the residual stream
         cos, sin = self.rotary(hidden[:, None], positions[:, None])  # (R, 1, D) each
         half = dim // 2
-        cos = cos.float()  # (R, 1, D): broadcasts over the heads
+        cos = cos.to(rope_dtype)  # (R, 1, D): broadcasts over the heads
         # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): one cat of x, the sign folded into sin
-        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).float()
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(rope_dtype)
         q_width, k_width = heads * dim, kv_heads * dim
         width = hidden.shape[-1]
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, (width,), layer.input_norm, layer.input_eps)
-            qkv = self._apply(x, layer.qkv)
-            qk = qkv[:, : q_width + k_width].float().view(rows, heads + kv_heads, dim)
+            outs = self._outputs(x, layer.qkv)
+            if len(outs) == 3:  # q, k and v by three products (the training weights read in place)
+                qk, value = torch.cat(outs[:2], dim=-1), outs[2]
+            else:  # one stacked product
+                qk, value = outs[0][:, : q_width + k_width], outs[0][:, q_width + k_width :]
+            qk = qk.to(rope_dtype).view(rows, heads + kv_heads, dim)
             if layer.q_norm is not None:
                 qk = torch.cat(
                     [
-                        F.rms_norm(qk[:, :heads], (dim,), layer.q_norm.float(), layer.head_eps),
-                        F.rms_norm(qk[:, heads:], (dim,), layer.k_norm.float(), layer.head_eps),
+                        F.rms_norm(qk[:, :heads], (dim,), layer.q_norm.to(rope_dtype), layer.head_eps),
+                        F.rms_norm(qk[:, heads:], (dim,), layer.k_norm.to(rope_dtype), layer.head_eps),
                     ],
                     dim=1,
                 )
-            qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * signed_sin
-            value = qkv[:, q_width + k_width :].view(rows, kv_heads, 1, dim)
-            cache.update(qk[:, heads:, None], value, index)
+            qk = torch.addcmul(qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin)
+            cache.update(qk[:, heads:, None], value.view(rows, kv_heads, 1, dim), index)
             attended = cache.attend(index, qk[:, :heads, None], self.scaling)  # (R, 1, heads, D)
             out = self._apply(attended.reshape(rows, q_width), layer.o)
             hidden = hidden + out.to(self.residual_dtype)
             x = F.rms_norm(hidden, (width,), layer.post_norm, layer.post_eps)
-            gate_up = self._apply(x, layer.gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
+            outs = self._outputs(x, layer.gate_up)
+            gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
             hidden = hidden + self._apply(F.silu(gate) * up, layer.down).to(self.residual_dtype)
         hidden = F.rms_norm(hidden, (width,), self.final_norm, self.final_eps)
         return self._apply(hidden, self.head).float()

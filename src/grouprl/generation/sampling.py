@@ -87,7 +87,8 @@ def process_logits(
     logits = logits.float()
     if repetition_penalty != 1.0 and history is not None:
         logits = apply_repetition_penalty(logits, history, history_mask, repetition_penalty)
-    logits = logits / temperature
+    if temperature != 1.0:
+        logits = logits / temperature
     return filter_logits(logits, top_k=top_k, top_p=top_p, min_p=min_p)
 
 
@@ -97,7 +98,7 @@ SAMPLING_METHODS = ("inverse_cdf", "multinomial")
 def cumulative_distribution(probs: torch.Tensor) -> torch.Tensor:
     """(R, V) float64 CDF of each row. In float32, once the running sum passes 0.5 every token below half an
     ulp (3e-8) adds nothing, so after a dominant token a long tail of rare tokens could never be drawn."""
-    return probs.double().cumsum(dim=-1)
+    return probs.cumsum(dim=-1, dtype=torch.float64)
 
 
 def sample_tokens(
@@ -118,7 +119,9 @@ def sample_tokens(
         tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
     else:
         raise ValueError(f"sample_tokens: unknown method {method!r}; choose one of {SAMPLING_METHODS}.")
-    logprobs = processed.gather(1, tokens[:, None]).squeeze(1) - processed.logsumexp(dim=-1)
+    # log of the drawn token's softmax probability: a gather of the probabilities already at hand, where
+    # logits - logsumexp would take another pass over the vocabulary (several kernels on a GPU)
+    logprobs = probs.gather(1, tokens[:, None]).squeeze(1).log()
     return tokens, logprobs
 
 

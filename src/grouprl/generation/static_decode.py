@@ -111,7 +111,7 @@ class DecodeLoop:
     def step(self) -> None:
         """Feed the last sampled tokens, sample the next ones; no host sync."""
         cache = self.cache
-        cache.valid.index_fill_(1, cache.column, True)
+        cache.open_column()
         self.history.index_copy_(1, cache.column, self.tokens[:, None])
         logits = self.decoder.step(self.tokens, self.positions, cache)
         if self.min_new_tokens:

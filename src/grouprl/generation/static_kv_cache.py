@@ -1,6 +1,9 @@
 """The static decode loop's KV cache (static_decode.py): every layer's keys and values in buffers allocated once
 per generate call, written at a column the decode step advances on the device, with a mask of the real columns.
 Nothing in it changes shape or address from step to step, so a step that uses it can be captured as a CUDA graph.
+
+The columns are allocated in a multiple of `COLUMN_MULTIPLE` (the extra ones never valid): CUDA's memory-efficient
+attention kernel pads a score bias whose rows are not 16-aligned, which would be a copy in every layer of every step.
 """
 
 from __future__ import annotations
@@ -9,18 +12,23 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+COLUMN_MULTIPLE = 16
+
 
 class StaticKVCache:
     """Every layer's keys and values, (rows, kv_heads, columns, head_dim), allocated once; the FusedDecoder cache
     interface (`update`, `attend`) over them.
 
     `column` (a 1-element device tensor) is where the next token's keys and values go; `valid` (rows, columns)
-    marks the prompt's real tokens and every token decoded so far.
+    marks the prompt's real tokens and every token decoded so far, and `bias` (rows, 1, 1, columns) is the same as
+    the scores' additive bias in the keys' dtype (0 or -inf), kept once for every layer: given a boolean mask,
+    sdpa would convert it in each layer.
     """
 
     def __init__(self, prefill: DynamicCache, prompt_mask: torch.Tensor, repeats: int, new_tokens: int):
         prompt_keys = [layer.keys for layer in prefill.layers]
-        rows, columns = prompt_mask.shape[0] * repeats, prompt_mask.shape[1] + new_tokens
+        rows = prompt_mask.shape[0] * repeats
+        columns = -(-(prompt_mask.shape[1] + new_tokens) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
         _, kv_heads, prompt_length, head_dim = prompt_keys[0].shape
         dtype, device = prompt_keys[0].dtype, prompt_mask.device
         self.keys = [torch.zeros(rows, kv_heads, columns, head_dim, dtype=dtype, device=device) for _ in prompt_keys]
@@ -31,6 +39,14 @@ class StaticKVCache:
         self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
         self.valid[:, :prompt_length] = prompt_mask.bool().repeat_interleave(repeats, 0)
         self.column = torch.full((1,), prompt_length, dtype=torch.long, device=device)
+        self.bias = torch.zeros(rows, 1, 1, columns, dtype=dtype, device=device).masked_fill_(
+            ~self.valid[:, None, None, :], float("-inf")
+        )
+
+    def open_column(self) -> None:
+        """Mark column `column` valid in every row: the token a step feeds is attended from that step on."""
+        self.valid.index_fill_(1, self.column, True)
+        self.bias.index_fill_(3, self.column, 0.0)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
         """key, value (rows, kv_heads, 1, head_dim) into column `column`."""
@@ -38,7 +54,7 @@ class StaticKVCache:
         self.values[layer].index_copy_(2, self.column, value.to(self.values[layer].dtype))
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim) over the valid columns.
+        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in the keys' dtype, over the valid columns.
 
         The heads sharing a key/value head are that head's queries (a (rows, kv_heads, heads / kv_heads, dim)
         query), so grouped-query attention needs neither repeated keys nor enable_gqa."""
@@ -46,6 +62,6 @@ class StaticKVCache:
         keys, values = self.keys[layer], self.values[layer]
         grouped = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dim).to(keys.dtype)
         out = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=self.valid[:, None, None, :], scale=scaling
+            grouped, keys, values, attn_mask=self.bias, scale=scaling
         )  # (rows, kv_heads, group, dim)
-        return out.reshape(rows, 1, heads, dim).to(query.dtype)
+        return out.reshape(rows, 1, heads, dim)  # in the keys' dtype, which the o product takes as it is
