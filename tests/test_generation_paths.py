@@ -193,3 +193,30 @@ def test_auto_picks_the_engine_measured_fastest_on_the_device(
     else:  # an in-process engine; under 'auto' it falls back to model.generate once that is replaced
         assert type(backend) is EngineUnlessGenerateOverridden and type(backend.engine) is expected
         assert (backend.fallback is not None) == (engine == "auto")
+
+
+def test_compile_decode_step_needs_the_captured_loop(tiny_model_dir, tmp_path, monkeypatch):
+    """compile_decode_step compiles the captured loop's step: asked with another engine it is refused, by the config
+    when the engine is named and by the backend when 'auto' resolves to another; with the captured loop (here 'auto'
+    on a faked CUDA device) the loop is built to compile its step."""
+    from grouprl import GRPOConfig
+    from grouprl.generation import factory
+
+    with pytest.raises(ValueError, match="compile_decode_step=True.*generation_engine='transformers'"):
+        GRPOConfig(output_dir=str(tmp_path), generation_engine="transformers", compile_decode_step=True)
+    with pytest.raises(ValueError, match="compile_decode_step=True.*use_vllm=True"):
+        GRPOConfig(output_dir=str(tmp_path), use_vllm=True, compile_decode_step=True)
+
+    def build():
+        return GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=text_length,
+            args=config(tmp_path, compile_decode_step=True),
+            train_dataset=prompts(),
+        )
+
+    with pytest.raises(ValueError, match="compile_decode_step=True.*samples with 'engine' on cpu"):
+        build()
+    monkeypatch.setattr(factory, "model_device", lambda model: torch.device("cuda"))  # weights stay on the CPU
+    backend = build().generation_backend
+    assert type(backend.engine) is CapturedGenerator and backend.engine.compile_step

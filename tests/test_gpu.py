@@ -15,7 +15,7 @@ from grouprl.model.logprobs import completion_logprobs
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("engine", ["auto", "engine", "captured", "transformers"])
+@pytest.mark.parametrize("engine", ["auto", "engine", "captured", "transformers", "captured+compile"])
 def test_bf16_training_runs_on_the_gpu_with_every_engine(tiny_model_dir, tmp_path, engine):
     config = quiet_config(
         tmp_path,
@@ -23,7 +23,8 @@ def test_bf16_training_runs_on_the_gpu_with_every_engine(tiny_model_dir, tmp_pat
         max_completion_length=8,
         max_steps=3,
         bf16=True,
-        generation_engine=engine,
+        generation_engine=engine.split("+")[0],
+        compile_decode_step=engine.endswith("+compile"),
     )
     trainer = GRPOTrainer(
         model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts()
@@ -59,10 +60,12 @@ def test_training_logprobs_on_the_gpu_equal_the_cpu_ones(tiny_model_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_captured_graph_decodes_as_the_eager_loop(tiny_model_dir, dtype):
-    """The static decode loop replaying its CUDA graph against the same loop run eagerly (tests/test_static_decode.py
-    checks the eager loop against transformers): greedy tokens equal; sampled tokens' logprobs equal a separate
-    forward's (fp32); rows finish (a quarter of the vocabulary is EOS) and stop at their EOS."""
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_the_captured_graph_decodes_as_the_eager_loop(tiny_model_dir, dtype, compile_step):
+    """The static decode loop replaying its CUDA graph (of the compiled step, or of the step as written) against the
+    same loop run eagerly (tests/test_static_decode.py checks the eager loop against transformers): greedy tokens
+    equal; sampled tokens' logprobs equal a separate forward's (fp32); rows finish (a quarter of the vocabulary is
+    EOS) and stop at their EOS."""
     from transformers import AutoTokenizer
 
     from grouprl.core.types import SamplingParams
@@ -74,14 +77,16 @@ def test_the_captured_graph_decodes_as_the_eager_loop(tiny_model_dir, dtype):
     greedy = SamplingParams(max_new_tokens=40, top_k=1)
     runs = {}
     for capture in (True, False):
-        engine = CapturedGenerator(model, tokenizer, [], tokenizer.pad_token_id, capture=capture)
+        engine = CapturedGenerator(
+            model, tokenizer, [], tokenizer.pad_token_id, capture=capture, compile_step=compile_step and capture
+        )
         runs[capture] = [c.token_ids for c in engine.generate(prompts, 2, greedy)]
         assert engine.last_decode[0] == 39
     assert runs[True] == runs[False]
     if dtype != torch.float32:
         return
     eos = list(range(0, 60))
-    engine = CapturedGenerator(model, tokenizer, eos, tokenizer.pad_token_id, capture=True)
+    engine = CapturedGenerator(model, tokenizer, eos, tokenizer.pad_token_id, capture=True, compile_step=compile_step)
     torch.manual_seed(0)
     completions = engine.generate(prompts, 8, SamplingParams(max_new_tokens=24, temperature=0.7))
     assert any(c.finish_reason == "stop" for c in completions) and len({len(c.token_ids) for c in completions}) > 2

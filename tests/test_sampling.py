@@ -55,9 +55,7 @@ def test_a_draw_at_the_top_of_the_range_never_picks_a_filtered_token(monkeypatch
     """u = the largest double below 1 times the total can round up to the total;
     the trailing -inf tokens must stay out."""
     logits = torch.tensor([[0.3, 1.2, 0.1, -float("inf"), -float("inf")]])
-    monkeypatch.setattr(
-        torch, "rand", lambda *a, **k: torch.ones(a[0], a[1], dtype=torch.float64)
-    )  # the extreme draw, u = 1
+    monkeypatch.setattr(torch, "rand_like", lambda x, **k: torch.ones_like(x))  # the extreme draw, u = 1
     tokens, _ = sample_tokens(logits)
     assert tokens.tolist() == [2]
 

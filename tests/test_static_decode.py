@@ -4,6 +4,7 @@ transformers generate token for token, a separate forward pass, the model's dist
 On CUDA the same steps replay a captured graph; tests/test_gpu.py checks that path against these eager ones."""
 
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -142,6 +143,32 @@ def test_the_loop_stops_once_every_row_finished(model_and_tokenizer):
     assert all(c.finish_reason == "stop" for c in completions)
     steps = ours.last_decode[0]
     assert steps < 199 and steps % 16 == 0  # stopped at a check, long before max_new_tokens
+
+
+def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer):
+    """compile_step=True (GRPOConfig.compile_decode_step): the step traced whole by torch.compile and run by
+    inductor's kernels. Drawing its random numbers as eager code does (inductor's fallback_random), the same seed
+    gives the eager loop's tokens with every sampling field and rows that finish; the logprobs agree; a second call
+    with the same shapes compiles nothing more."""
+    import torch._inductor.config as inductor
+    from torch._dynamo.utils import counters
+
+    model, tokenizer = model_and_tokenizer
+    prompts, eos = prompts_of(tokenizer), list(range(0, 40))
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
+    runs = {}
+    with patch.object(inductor, "fallback_random", True):
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            runs[compiled] = generator(model, tokenizer, eos, compile_step=compiled).generate(prompts, 3, params)
+        graphs = counters["stats"]["unique_graphs"]
+        torch.manual_seed(1)
+        generator(model, tokenizer, eos, compile_step=True).generate(prompts, 3, params)
+        assert counters["stats"]["unique_graphs"] == graphs
+    assert [c.token_ids for c in runs[True]] == [c.token_ids for c in runs[False]]
+    assert any(c.finish_reason == "stop" for c in runs[True]) and any(c.finish_reason == "length" for c in runs[True])
+    for compiled, eager in zip(runs[True], runs[False]):
+        torch.testing.assert_close(compiled.sampler_logprobs, eager.sampler_logprobs, rtol=1e-4, atol=1e-5)
 
 
 def test_static_cache_attention_equals_repeated_heads():

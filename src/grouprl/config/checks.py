@@ -87,6 +87,12 @@ def _check_choices(config: GRPOFields) -> None:
     check_choice(
         "generation_engine", config.generation_engine, ("auto", "engine", "captured", "transformers", "server")
     )
+    if config.compile_decode_step and (config.use_vllm or config.generation_engine not in ("auto", "captured")):
+        engine = "use_vllm=True" if config.use_vllm else f"generation_engine={config.generation_engine!r}"
+        raise ValueError(
+            f"GRPOConfig.compile_decode_step=True compiles the captured decode loop's step, which {engine} does not "
+            "run; set generation_engine='captured' (or 'auto' on CUDA), or leave compile_decode_step False."
+        )
     check_choice("generation_server_weight_transfer", config.generation_server_weight_transfer, ("http", "broadcast"))
     if config.generation_server_retries < 0 or config.vllm_server_timeout <= 0:
         raise ValueError("GRPOConfig: generation_server_retries must be >= 0 and vllm_server_timeout > 0 (seconds).")

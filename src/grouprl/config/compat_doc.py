@@ -29,6 +29,7 @@ ASYNC_FIELDS = _names(AsyncGenerationFields)
 EXTENSIONS = frozenset(
     {
         "generation_engine",
+        "compile_decode_step",
         "generation_server_retries",
         "generation_server_weight_transfer",
         "pack_shared_prompts",

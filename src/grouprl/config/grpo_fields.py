@@ -138,6 +138,16 @@ class ModelAndSamplingFields:
             "vllm_server_host:vllm_server_port)."
         ),
     )
+    compile_decode_step: bool = field(
+        default=False,
+        metadata=_meta(
+            "grouprl: with the captured decode loop (generation_engine='captured', or 'auto' where it picks it), "
+            "torch.compile its step (inductor, one whole graph) before the step is captured: the norms, RoPE, casts "
+            "and sampling passes around the products in fewer kernels. The first generation compiles (on a GPU, "
+            "tens of seconds); a second prompt bucket or row count compiles once more, then no shape does. Off by "
+            "default until measured faster on a GPU (docs/benchmarks-gpu.md)."
+        ),
+    )
     generation_server_retries: int = field(
         default=3,
         metadata=_meta(

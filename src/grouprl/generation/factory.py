@@ -5,7 +5,8 @@ use_vllm=True, vllm_mode="server"    the server at vllm_server_base_url (or host
 use_vllm=True, vllm_mode="colocate"  vLLM inside each training process
 generation_engine="server"           a grouprl server, named the grouprl way
 generation_engine="engine"           the fast in-process engine (FastGenerator)
-generation_engine="captured"         the static decode loop, one CUDA graph replayed per step on CUDA
+generation_engine="captured"         the static decode loop, one CUDA graph replayed per step on CUDA,
+                                     its step compiled first with compile_decode_step=True
                                      (static_decode.py, CapturedGenerator)
 generation_engine="auto"             where it applies and model.generate is transformers' own
                                      (engine.py): on a CPU the engine, on CUDA the captured loop;
@@ -49,12 +50,24 @@ def build_backend(
         cache_implementation=args.cache_implementation,
         suppress_token_ids=image_token_ids(model.config),
     )
+    compile_step = args.compile_decode_step
+    if compile_step and engine != "captured":
+        raise ValueError(
+            f"GRPOConfig.compile_decode_step=True compiles the captured decode loop, but generation_engine="
+            f"{requested!r} samples with {engine!r} on {model_device(model).type}; set generation_engine='captured' "
+            "or leave compile_decode_step False."
+        )
     if engine == "transformers":
         return transformers
     supports, in_process = IN_PROCESS_ENGINES[engine]
     reason = supports(model, args.generation_kwargs or {}, args.cache_implementation)
-    if reason and requested == "auto":
+    if reason and requested == "auto" and not compile_step:
         return transformers
+    if reason and compile_step:
+        raise ValueError(
+            f"GRPOConfig.compile_decode_step=True needs the captured decode loop, which cannot sample here: {reason}. "
+            "Leave compile_decode_step False."
+        )
     if reason:
         raise ValueError(
             f"GRPOConfig.generation_engine={engine!r} cannot be used: {reason}. Use 'auto' or 'transformers'."
@@ -62,7 +75,9 @@ def build_backend(
     # These engines never call model.generate: while the user has replaced it, 'auto' calls it and an
     # explicit engine refuses (engine.EngineUnlessGenerateOverridden).
     backend = EngineUnlessGenerateOverridden(
-        in_process(model, tokenizer, eos_token_ids, tokenizer.pad_token_id),
+        in_process(
+            model, tokenizer, eos_token_ids, tokenizer.pad_token_id, **({"compile_step": True} if compile_step else {})
+        ),
         fallback=transformers if requested == "auto" else None,
         name=engine,
     )

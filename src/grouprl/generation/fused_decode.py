@@ -188,17 +188,18 @@ def _projection_reason(proj: torch.nn.Module | None) -> str | None:
 class FusedDecoder:
     """`step(tokens, positions, cache) -> logits`: one decode step with `model`'s current weights (module doc).
 
-    Build it once per generate call, after the prefill: it copies the weights as they are then.
+    Build it once per generate call, after the prefill: it copies the weights as they are then. `pack`: bf16 CPU
+    weights may be packed for oneDNN (`packs_weights`); a step that torch.compile traces takes plain ones.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, pack: bool = True):
         inner, config = model.model, model.config
         device = model.get_input_embeddings().weight.device
         self.device_type = device.type
         autocast = torch.is_autocast_enabled(device.type)
         self.residual_dtype = model.get_input_embeddings().weight.dtype
         self.dtype = torch.get_autocast_dtype(device.type) if autocast else self.residual_dtype
-        self.packed = packs_weights(self.dtype, device)
+        self.packed = pack and packs_weights(self.dtype, device)
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -378,6 +379,8 @@ def weight_major_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
 
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, as (W @ x^T)^T when x has few fp32 rows on the CPU and no autograd."""
+    if torch.compiler.is_compiling():  # a traced step's shapes may be symbolic; inductor picks its own kernels
+        return F.linear(x, weight, bias)
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     if (

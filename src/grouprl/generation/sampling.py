@@ -109,7 +109,11 @@ def sample_tokens(
     if method == "inverse_cdf":
         cdf = cumulative_distribution(probs)
         total = cdf[:, -1:]
-        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator) * total
+        # rand_like: the same draws as torch.rand(rows, 1), and a symbolic row count traces (a compiled step)
+        if generator is None:
+            u = torch.rand_like(total) * total
+        else:
+            u = torch.rand(total.shape, dtype=total.dtype, device=total.device, generator=generator) * total
         u = torch.minimum(
             u, torch.nextafter(total, torch.zeros_like(total))
         )  # strictly below the total, even after rounding

@@ -20,6 +20,12 @@ On CUDA the first `WARMUP_STEPS` steps run eagerly (on a side stream, as capturi
 captured (`torch.cuda.CUDAGraph`) and replayed for the rest; the graph is recorded again each call, since
 the call's buffers are new. Elsewhere the same step runs eagerly, which is how the CPU tests check it.
 
+With `compile_step` (GRPOConfig.compile_decode_step) the step is `torch.compile`d (inductor, whole graph)
+before it is captured: a replayed graph still runs one kernel per operator, a few microseconds each, and the
+compiled step fuses the norms, RoPE, casts and sampling's elementwise passes around the products. The first
+call compiles (once per process; a second prompt bucket or row count compiles once more and makes that
+dimension dynamic, after which no shape recompiles). Products then take `F.linear` (no packed CPU weights).
+
 Models: the Llama family that FusedDecoder runs (fused_decode.structure_reason); fp32 weights also pass its
 probe against the model's forward, lower-precision ones must be of a family whose forward it is known to
 match (`KNOWN_FAMILIES`), since there a probe cannot tell rounding from a different computation. LoRA
@@ -29,7 +35,9 @@ adapters are merged into the decode weights for the call (a copy of the adapted 
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -132,22 +140,29 @@ def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     return (tokens[:, None] == eos[None, :]).any(dim=1)
 
 
-def run_steps(loop: DecodeLoop, steps: int, capture: bool) -> int:
+@functools.cache
+def compiled_step() -> Callable[[DecodeLoop], None]:
+    """`DecodeLoop.step` compiled by inductor, one whole graph (module doc); shared by every call of the process,
+    so a shape compiles once."""
+    return torch.compile(DecodeLoop.step, fullgraph=True)
+
+
+def run_steps(loop: DecodeLoop, steps: int, capture: bool, compile_step: bool = False) -> int:
     """Run `steps` decode steps (fewer once every row has finished); returns how many ran. With `capture`, the
-    steps after the warm-up replay one recorded CUDA graph."""
+    steps after the warm-up replay one recorded CUDA graph; with `compile_step`, of the compiled step."""
     ran = 0
-    step = loop.step
+    step = functools.partial(compiled_step(), loop) if compile_step else loop.step
     if capture and steps > WARMUP_STEPS:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
-                loop.step()
+                step()
         torch.cuda.current_stream().wait_stream(side)
         ran = WARMUP_STEPS
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # records without running
-            loop.step()
+            step()
         step = graph.replay
     while ran < steps:
         if ran % CHECK_EVERY == 0 and bool(loop.done.all()):
@@ -173,6 +188,7 @@ class CapturedGenerator:
         prompt_bucket: int = PROMPT_BUCKET,
         capture: Optional[bool] = None,
         sampling_method: str = "inverse_cdf",
+        compile_step: bool = False,
     ):
         if sampling_method not in SAMPLING_METHODS:
             raise ValueError(
@@ -181,6 +197,7 @@ class CapturedGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.prompt_bucket, self.capture, self.sampling_method = prompt_bucket, capture, sampling_method
+        self.compile_step = compile_step
         self.last_decode = (0, 0.0)  # (decode steps, seconds) of the last call, for benchmarks
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -239,7 +256,7 @@ class CapturedGenerator:
         first, first_logprobs = sample_next(logits, params, prompt_tokens, cache.valid[:, :width], self.sampling_method)
         positions = mask.sum(dim=1).repeat_interleave(g, 0)
         loop = DecodeLoop(
-            FusedDecoder(base),  # the weights as they are now; in place where no cast is needed
+            FusedDecoder(base, pack=not self.compile_step),  # the weights as they are now; in place where no cast
             cache,
             prompt_tokens,
             first,
@@ -252,7 +269,7 @@ class CapturedGenerator:
         )
         capture = device.type == "cuda" if self.capture is None else self.capture
         started = time.perf_counter()
-        ran = run_steps(loop, params.max_new_tokens - 1, capture)
+        ran = run_steps(loop, params.max_new_tokens - 1, capture, self.compile_step)
         tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
         self.last_decode = (ran, time.perf_counter() - started)
         return tokens, logprobs
