@@ -67,7 +67,7 @@ class Case:
     runs: tuple[str, ...]  # "trl" and grouprl's engines
 
 
-ENGINES = ("transformers", "engine", "captured")
+ENGINES = ("transformers", "engine", "captured", "captured+compile")  # +compile: GRPOConfig.compile_decode_step
 PLAN = (
     Case("0.5B, 48-token prompts", "0.5B", 8, 8, 48, 0, 256, 3, ("trl", *ENGINES)),
     Case("0.5B, 1024-token shared prompt + 48", "0.5B", 8, 8, 48, 1024, 256, 3, ("trl", *ENGINES)),
@@ -175,7 +175,9 @@ def train_run(library: str, engine: str | None, case: Case, model_dir: str, bf16
                 torch.cuda.synchronize()
             self.ends.append(time.perf_counter())
 
-    extra = {"generation_engine": engine} if library == "grouprl" else {}
+    extra = {}
+    if library == "grouprl":
+        extra = {"generation_engine": engine.split("+")[0], "compile_decode_step": engine.endswith("+compile")}
     if device == "cpu":
         extra["use_cpu"] = True
     config = GRPOConfig(**config_kwargs(case, f"/tmp/bench-gpu/{library}-{engine}", bf16), **extra)
@@ -234,10 +236,13 @@ def decode_run(engine: str, case: Case, model_dir: str, dtype: torch.dtype, devi
     tokenizer = load_tokenizer(model_dir)
     eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
     backend_class = {"transformers": TransformersGenerator, "engine": FastGenerator, "captured": CapturedGenerator}
-    backend = backend_class[engine](model, tokenizer, eos, pad)
+    if engine == "captured+compile":
+        backend = CapturedGenerator(model, tokenizer, eos, pad, compile_step=True)
+    else:
+        backend = backend_class[engine](model, tokenizer, eos, pad)
     prompts = [tokenizer(text)["input_ids"] for text in prompts_of(case, SHAPES[case.shape].vocab)[: case.prompts]]
     params = SamplingParams(max_new_tokens=case.new_tokens, temperature=1.0)
-    backend.generate(prompts, case.generations, SamplingParams(max_new_tokens=8, temperature=1.0))  # warm-up
+    backend.generate(prompts, case.generations, params)  # warm-up, with the timed call's shapes (compiles, if any)
     if device == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
@@ -247,11 +252,39 @@ def decode_run(engine: str, case: Case, model_dir: str, dtype: torch.dtype, devi
     seconds = time.perf_counter() - started
     steps = max(len(c.token_ids) for c in completions)
     result = {"generation_s": seconds, "decode_ms_per_step": 1000 * seconds / steps, "new_tokens": steps}
-    if engine == "captured":
+    if engine.startswith("captured"):
         ran, decode_seconds = backend.last_decode
         result["decode_ms_per_step_loop_only"] = 1000 * decode_seconds / max(ran, 1)
+        result["kernels_per_decode_step"] = kernels_per_step(backend, prompts, case.generations, params, device)
     del model, backend
     return result
+
+
+def kernels_per_step(backend, prompts: list[list[int]], generations: int, params, device: str) -> float:
+    """GPU kernels one decode step launches (what a replayed graph runs one after another; on a CPU, the aten
+    operators called from Python, a dry run): under torch.profiler, the loop run without capture with the timed
+    call's shapes (nothing compiles again), less a call with no decode step, over its decode steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from grouprl.core.types import SamplingParams
+
+    def counted(event) -> bool:
+        if device == "cuda":
+            return event.device_type == DeviceType.CUDA
+        parent = event.cpu_parent
+        return event.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::"))
+
+    counts = []
+    backend.capture = False
+    for call in (SamplingParams(max_new_tokens=1, temperature=params.temperature), params):
+        with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
+            backend.generate(prompts, generations, call)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        counts.append(sum(map(counted, prof.events())))
+    backend.capture = None
+    return (counts[1] - counts[0]) / max(backend.last_decode[0], 1)
 
 
 def environment(device: str) -> dict:
@@ -278,7 +311,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run of the script)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds after which no new run starts")
-    parser.add_argument("--only", default="", help="comma-separated runs to keep (trl, transformers, engine, captured)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="runs to keep, comma-separated: trl, transformers, engine, captured, captured+compile",
+    )
     parser.add_argument("--kinds", default="train,decode", help="which measurements: train, decode or both")
     parser.add_argument("--cases", default="", help="comma-separated case numbers of the plan to run (1-based; all)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_generation.json"))
@@ -332,17 +369,20 @@ def print_table(results: dict) -> None:
         trl = next((r for r in runs if r["case"] == case and r["run"] == "trl" and "s_per_step" in r), None)
         for r in (r for r in runs if r["case"] == case):
             if "error" in r:
-                print(f"  {r['run']:12s} {r['kind']:6s} {r['error']}")
+                print(f"  {r['run']:16s} {r['kind']:6s} {r['error']}")
             elif r["kind"] == "train":
                 ratio = f" ({trl['s_per_step'] / r['s_per_step']:.2f}x TRL)" if trl else ""
                 memory = f", peak {r['peak_gpu_memory_gb']:.1f} GB" if r["peak_gpu_memory_gb"] else ""
                 mfu = f", train MFU {r['train_mfu']:.1%}" if r.get("train_mfu") else ""
                 print(
-                    f"  {r['run']:12s} train  {r['s_per_step']:.2f} s/step{ratio}, "
+                    f"  {r['run']:16s} train  {r['s_per_step']:.2f} s/step{ratio}, "
                     f"{r['generated_tokens_per_s']:.0f} tok/s{memory}{mfu}"
                 )
             else:
-                print(f"  {r['run']:12s} decode {r['decode_ms_per_step']:.2f} ms/step ({r['generation_s']:.2f} s)")
+                kernels = r.get("kernels_per_decode_step")
+                kernels = f", {kernels:.0f} kernels/step" if kernels else ""
+                seconds = f"{r['decode_ms_per_step']:.2f} ms/step ({r['generation_s']:.2f} s)"
+                print(f"  {r['run']:16s} decode {seconds}{kernels}")
     print(f"\nwall {results['wall_s']:.0f} s")
 
 

@@ -11,7 +11,9 @@ Allow it two minutes on an H200 for the 0.5B case: the tables are built from eve
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
 import sys
 
 import torch
@@ -35,7 +37,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--case", type=int, default=1, help="1-based case number of the plan")
-    parser.add_argument("--engine", default="captured")
+    parser.add_argument("--engine", default="captured", help="captured, captured+compile, engine or transformers")
+    parser.add_argument("--trace", action="store_true", help="also write the step's timeline, gzipped, beside --out")
     parser.add_argument("--rows", type=int, default=30, help="operators per table")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "profile_step.txt"))
     args = parser.parse_args()
@@ -65,7 +68,9 @@ def main() -> None:
 
     kwargs = config_kwargs(case, "/tmp/bench-gpu/profile", cuda)
     kwargs["max_steps"] = 2
-    config = GRPOConfig(**kwargs, generation_engine=args.engine, **({} if cuda else {"use_cpu": True}))
+    engine, compiled = args.engine.split("+")[0], args.engine.endswith("+compile")
+    extra = {} if cuda else {"use_cpu": True}
+    config = GRPOConfig(**kwargs, generation_engine=engine, compile_decode_step=compiled, **extra)
     trainer = GRPOTrainer(
         model=model_dir,
         reward_funcs=one_token_reward,
@@ -84,6 +89,13 @@ def main() -> None:
     print(text)
     with open(args.out, "w", encoding="utf-8") as handle:
         handle.write(text)
+    if args.trace:  # the step's timeline (chrome://tracing or ui.perfetto.dev): where the GPU waits for the host
+        trace = os.path.splitext(args.out)[0] + ".trace.json"
+        profiler.export_chrome_trace(trace)
+        with open(trace, "rb") as raw, gzip.open(trace + ".gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        os.remove(trace)
+        print(f"timeline: {trace}.gz")
 
 
 if __name__ == "__main__":
