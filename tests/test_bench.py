@@ -99,3 +99,35 @@ def test_the_cpu_sentence_names_an_instruction_set_limit(monkeypatch):
     sentence = run_all.cpu_sentence(rows)
     assert "**fp32**" in sentence and "bf16 is native" not in sentence  # oneDNN held to AVX2 emulates bf16
     assert "limited for both sides by `ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`" in sentence
+
+
+def test_memory_peak_lists_what_is_live_at_the_largest_total():
+    """A hand-made trace: 100 + 50 bytes live, 100 freed, then 80 + 40 allocated -> the peak is 170 (50 + 80 + 40),
+    reached at the last allocation; a free of a block allocated before recording began changes nothing; each block
+    is charged to its innermost grouprl frame."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu"))
+    import memory_peak
+
+    def frames(line: int) -> list[dict]:
+        return [
+            {"filename": "/usr/lib/python3/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": "/repo/src/grouprl/model/forward.py", "line": line, "name": "f"},
+            {"filename": "/repo/src/grouprl/train/loop.py", "line": 9, "name": "g"},
+        ]
+
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames(10)},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frames(20)},
+        {"action": "free_completed", "addr": 99, "size": 500, "frames": []},  # allocated before recording
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": []},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+        {"action": "alloc", "addr": 3, "size": 80, "frames": frames(30)},
+        {"action": "alloc", "addr": 4, "size": 40, "frames": frames(30)},
+        {"action": "free_completed", "addr": 4, "size": 40, "frames": []},
+    ]
+    peak, live = memory_peak.live_at_peak(trace)
+    assert peak == 170 and sorted(live) == [2, 3, 4]
+    text = memory_peak.report({"device_traces": [trace], "allocated_before": 3 * 2**30})
+    assert "allocated when recording began: 3.00 GiB" in text
+    assert text.index("grouprl/model/forward.py:30 f") < text.index("grouprl/model/forward.py:20 f")
+    assert "functional.py" not in text and "loop.py" not in text

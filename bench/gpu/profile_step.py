@@ -2,6 +2,7 @@
 step), on a case of bench_generation.py's plan; prints the operators by GPU time and by CPU time.
 
     python3 bench/gpu/profile_step.py --case 1 --engine captured            # on the GPU
+    python3 bench/gpu/profile_step.py --case 1 --memory --trace             # + what holds the peak, the timeline
     python3 bench/gpu/profile_step.py --tiny --device cpu                   # a dry run here
 
 Allow it two minutes on an H200 for the 0.5B case: the tables are built from every kernel of the step (a
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import pickle
 import shutil
 import sys
 
@@ -20,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory_peak  # noqa: E402
 from bench_generation import (
     PLAN,
     SHAPES,
@@ -39,6 +42,11 @@ def main() -> None:
     parser.add_argument("--case", type=int, default=1, help="1-based case number of the plan")
     parser.add_argument("--engine", default="captured", help="captured, captured+compile, engine or transformers")
     parser.add_argument("--trace", action="store_true", help="also write the step's timeline, gzipped, beside --out")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="CUDA: what holds memory at the step's peak (memory_peak.py), and its snapshot",
+    )
     parser.add_argument("--rows", type=int, default=30, help="operators per table")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "profile_step.txt"))
     args = parser.parse_args()
@@ -55,9 +63,14 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     profiler = profile(activities=activities, record_shapes=False)
 
+    memory = {}
+
     class ProfileSecondStep(TrainerCallback):
         def on_step_begin(self, args_, state, control, **kwargs):
             if state.global_step == 1:
+                if args.memory:
+                    memory["allocated_before"] = torch.cuda.memory_allocated()
+                    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
                 profiler.__enter__()
 
         def on_step_end(self, args_, state, control, **kwargs):
@@ -65,6 +78,9 @@ def main() -> None:
                 if cuda:
                     torch.cuda.synchronize()
                 profiler.__exit__(None, None, None)
+                if args.memory:
+                    memory.update(torch.cuda.memory._snapshot())
+                    torch.cuda.memory._record_memory_history(enabled=None)
 
     kwargs = config_kwargs(case, "/tmp/bench-gpu/profile", cuda)
     kwargs["max_steps"] = 2
@@ -89,6 +105,10 @@ def main() -> None:
     print(text)
     with open(args.out, "w", encoding="utf-8") as handle:
         handle.write(text)
+    if memory:  # what holds memory at the step's peak, and the snapshot for memory_peak.py / pytorch.org/memory_viz
+        print(memory_peak.report(memory))
+        with gzip.open(os.path.splitext(args.out)[0] + ".memory.pickle.gz", "wb") as handle:
+            pickle.dump(memory, handle)
     if args.trace:  # the step's timeline (chrome://tracing or ui.perfetto.dev): where the GPU waits for the host
         trace = os.path.splitext(args.out)[0] + ".trace.json"
         profiler.export_chrome_trace(trace)
