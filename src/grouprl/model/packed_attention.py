@@ -76,26 +76,27 @@ def build_layout(
             own_lens.append(t)
             completion_rows += range(n * longest, n * longest + t)
             completion_targets += range(start, start + t)
-    lens = torch.tensor(prompt_lens)
-    keys = torch.arange(width)
-    prompt_mask = torch.ones(width, width, dtype=torch.bool).tril() & (keys < lens[:, None, None])  # (prompts, P, P)
-    own = torch.tensor(own_lens)
-    prefix_visible = keys < lens[torch.tensor(owner)][:, None]  # (N, P)
-    own_visible = torch.ones(longest, longest, dtype=torch.bool).tril() & (
-        torch.arange(longest) < own[:, None, None]
-    )  # (N, C, C)
-    completion_mask = torch.cat([prefix_visible[:, None, :].expand(-1, longest, -1), own_visible], dim=2)
 
     def longs(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
+    # the masks made on the model's device, as prompt_packing.build_pack's (L, L) one
+    lens, own, keys = longs(prompt_lens), longs(own_lens), torch.arange(width, device=device)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    prompt_mask = causal & (keys < lens[:, None, None])  # (prompts, P, P)
+    owner = longs(owner)
+    prefix_visible = keys < lens[owner][:, None]  # (N, P)
+    own_visible = torch.ones(longest, longest, dtype=torch.bool, device=device).tril() & (
+        torch.arange(longest, device=device) < own[:, None, None]
+    )  # (N, C, C)
+    completion_mask = torch.cat([prefix_visible[:, None, :].expand(-1, longest, -1), own_visible], dim=2)
     return PackLayout(
         width,
         longs(prompt_index),
-        prompt_mask[:, None].to(device),
+        prompt_mask[:, None],
         longs(index),
-        longs(owner),
-        completion_mask[:, None].to(device),
+        owner,
+        completion_mask[:, None],
         longs(prompt_rows),
         longs(completion_rows),
         longs(prompt_targets + completion_targets),

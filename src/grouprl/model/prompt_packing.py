@@ -212,21 +212,16 @@ def build_pack(
         positions[row] += [0] * pad
         owner[row] += [-1] * pad
         part[row] += [-1] * pad
-    ids, positions, owner, part = (torch.tensor(x) for x in (ids, positions, owner, part))
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    ids, positions, owner, part = (torch.tensor(x, device=device) for x in (ids, positions, owner, part))
+    # The (L, L) mask is made where the model runs: on a GPU a dozen elementwise passes over it take microseconds,
+    # where made on the host and copied they took 0.14 s a 6,288-token row on a 2-core CPU (0.25 s at 8,240).
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     owner_q, owner_k, part_q, part_k = owner[:, :, None], owner[:, None, :], part[:, :, None], part[:, None, :]
     visible = causal & (owner_k >= 0) & (owner_k == owner_q) & ((part_k == 0) | (part_k == part_q))
-    visible |= torch.eye(length, dtype=torch.bool)  # padding queries see themselves: no empty softmax
+    visible |= torch.eye(length, dtype=torch.bool, device=device)  # padding queries see themselves: no empty softmax
     earliest = min(start % length + len(p) - 1 for start, p in zip(prompt_starts, prompts))
     layout = build_layout(prompt_starts, [len(p) for p in prompts], spans, device)
-    return Pack(
-        ids.to(device),
-        positions.to(device),
-        visible[:, None].to(device),
-        torch.tensor(source).to(device),
-        length - earliest,
-        layout,
-    )
+    return Pack(ids, positions, visible[:, None], torch.tensor(source, device=device), length - earliest, layout)
 
 
 logger = logging.get_logger("grouprl")
