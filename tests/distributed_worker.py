@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
 from grouprl.core.types import Completion
+from grouprl.generation.weights import inference_weights
 
 NUM_GENERATIONS = 4
 # scenario -> (loss_type, main process samples for everyone (server-style dispatch;
@@ -103,17 +104,6 @@ class GroupScript:
         return out
 
 
-def whole(param: torch.Tensor) -> torch.Tensor:
-    if hasattr(param, "full_tensor"):  # FSDP2
-        return param.full_tensor().detach().clone()
-    if hasattr(param, "ds_id"):  # DeepSpeed ZeRO-3
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param]):
-            return param.detach().clone()
-    return param.detach().clone()
-
-
 def distinct_tokens(completion_ids, **kwargs):
     return [float(len(set(ids)) + sum(ids) % 5) for ids in completion_ids]
 
@@ -187,9 +177,10 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         return trainer
 
     def weights(trainer: GRPOTrainer) -> dict:
-        """The full parameters (FSDP2's and ZeRO-3's shards gathered: every process takes part)."""
-        named = trainer.accelerator.unwrap_model(trainer.run.model).named_parameters()
-        return {n: whole(p) for n, p in named}
+        """The full parameters (FSDP2's and ZeRO-3's shards gathered: every process takes part), as an inference copy
+        loads them."""
+        model = trainer.accelerator.unwrap_model(trainer.run.model)
+        return {name: tensor.clone() for name, tensor in inference_weights(model)}
 
     trainer = build()
     trainer.train()
