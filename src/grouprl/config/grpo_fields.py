@@ -144,8 +144,9 @@ class ModelAndSamplingFields:
             "grouprl: with the captured decode loop (generation_engine='captured', or 'auto' where it picks it), "
             "torch.compile its step (inductor, one whole graph) before the step is captured: the norms, RoPE, casts "
             "and sampling passes around the products in fewer kernels. The first generation compiles (on a GPU, "
-            "tens of seconds); a second prompt bucket or row count compiles once more, then no shape does. Off by "
-            "default until measured faster on a GPU (docs/benchmarks-gpu.md)."
+            "tens of seconds), and so does a new sampling setting (evaluation's, say); a second prompt bucket or row "
+            "count compiles once more, then no shape does. Off by default until measured faster on a GPU "
+            "(docs/benchmarks-gpu.md)."
         ),
     )
     generation_server_retries: int = field(

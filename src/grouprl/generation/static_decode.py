@@ -23,8 +23,9 @@ the call's buffers are new. Elsewhere the same step runs eagerly, which is how t
 With `compile_step` (GRPOConfig.compile_decode_step) the step is `torch.compile`d (inductor, whole graph)
 before it is captured: a replayed graph still runs one kernel per operator, a few microseconds each, and the
 compiled step fuses the norms, RoPE, casts and sampling's elementwise passes around the products. The first
-call compiles (once per process; a second prompt bucket or row count compiles once more and makes that
-dimension dynamic, after which no shape recompiles). Products then take `F.linear` (no packed CPU weights).
+call compiles (once per process and sampling setting, which the graph holds as constants; a second prompt bucket
+or row count compiles once more and makes that dimension dynamic, after which no shape recompiles). Products then
+take `F.linear` (no packed CPU weights).
 
 Models: the Llama family that FusedDecoder runs (fused_decode.structure_reason); fp32 weights also pass its
 probe against the model's forward, lower-precision ones must be of a family whose forward it is known to
