@@ -171,6 +171,32 @@ def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer):
         torch.testing.assert_close(compiled.sampler_logprobs, eager.sampler_logprobs, rtol=1e-4, atol=1e-5)
 
 
+def test_a_step_that_cannot_compile_stops_with_the_way_out(model_and_tokenizer, monkeypatch):
+    """torch.compile's failure (no C++ compiler, an operator it lacks, ...) names the field that turns it off."""
+    import torch._dynamo.exc
+
+    from grouprl.generation import static_decode
+
+    def failing(fn, **kwargs):
+        def compiled(*args):
+            raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing)
+    static_decode.compiled_step.cache_clear()
+    model, tokenizer = model_and_tokenizer
+    try:
+        with pytest.raises(
+            RuntimeError, match="compile_decode_step=True.*no C.. compiler found.*compile_decode_step=False"
+        ):
+            generator(model, tokenizer, [], compile_step=True).generate(
+                prompts_of(tokenizer), 1, SamplingParams(max_new_tokens=4)
+            )
+    finally:
+        static_decode.compiled_step.cache_clear()  # the next test compiles for real
+
+
 def test_static_cache_attention_equals_repeated_heads():
     """Grouped-query attention over the static buffers (query heads grouped by key/value head) against the plain
     computation with each key/value head repeated for its queries, masked columns excluded."""

@@ -144,8 +144,20 @@ def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def compiled_step() -> Callable[[DecodeLoop], None]:
     """`DecodeLoop.step` compiled by inductor, one whole graph (module doc); shared by every call of the process,
-    so a shape compiles once."""
-    return torch.compile(DecodeLoop.step, fullgraph=True)
+    so a shape compiles once. A step torch.compile cannot compile stops the run with the reason and the way out."""
+    compiled = torch.compile(DecodeLoop.step, fullgraph=True)
+
+    def step(loop: DecodeLoop) -> None:
+        try:
+            compiled(loop)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            raise RuntimeError(
+                f"GRPOConfig.compile_decode_step=True: torch.compile could not compile the captured loop's decode "
+                f"step ({type(err).__name__}: {str(err).strip()[:500]}). Set compile_decode_step=False to run the "
+                "step as written."
+            ) from err
+
+    return step
 
 
 def run_steps(loop: DecodeLoop, steps: int, capture: bool, compile_step: bool = False) -> int:
