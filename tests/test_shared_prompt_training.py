@@ -111,6 +111,29 @@ def test_values_and_gradients_match_the_plain_pass(model, checkpointing, rows_pe
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_sparse_pass_holds_no_dense_mask_and_refuses_a_backward_outside_the_patches(model, monkeypatch):
+    """Packs that packed_attention serves carry a broadcast placeholder for the (L, L) mask (one byte, where a
+    6,288-token row's mask was 40 MB held until backward); their recomputed layers attend correctly only inside
+    grouprl_patches, so a backward outside it stops with the reason instead of recomputing through the placeholder."""
+    rows = _rows(model.config.vocab_size)
+    assert prompt_packing.packing_head(model, _plain_logprobs) is not None
+    masks = []
+    real = prompt_packing.build_pack
+    monkeypatch.setattr(prompt_packing, "build_pack", lambda *a, **k: masks.append(real(*a, **k)) or masks[-1])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    try:
+        with grouprl_patches():
+            out = completion_logprobs(model, *rows, temperature=1.0, pack_prompts=True)
+        assert masks and all(m.attention_mask.untyped_storage().nbytes() == 1 for m in masks)
+        with pytest.raises(RuntimeError, match="outside grouprl_patches.*pack_shared_prompts=False"):
+            (out.logprobs * rows[3]).sum().backward()
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+        model.zero_grad()
+
+
 def test_bf16_autocast_matches_within_bf16_rounding(model):
     rows = _rows(model.config.vocab_size)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():

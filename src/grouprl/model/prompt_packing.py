@@ -13,9 +13,9 @@ gradients are those of the plain pass up to float rounding.
 
 With sdpa models the attention scores only the visible pairs (packed_attention.py: the prompt
 causally, each completion against [prompt, itself]), and the packs of a micro-batch sit one after
-another in a single row (`concatenated_rows`): no padding, one forward. The pack also carries the same
-visibility as an ordinary (rows, 1, L, L) mask, which eager models use directly (dense: all L^2 pairs;
-there each pack gets a row of its own, rows of similar length batched together).
+another in a single row (`concatenated_rows`): no padding, one forward. Eager models take the same
+visibility as an ordinary (rows, 1, L, L) mask (dense: all L^2 pairs; there each pack gets a row of its
+own, rows of similar length batched together); sdpa packs carry a placeholder in its place.
 `split_for_cost` (below) estimates the cost of a pack and packs a prompt's rows into as many
 sequences as is cheapest; where that saves under 10% the plain pass runs.
 
@@ -159,7 +159,7 @@ def pairs_per_token(model: torch.nn.Module) -> float:
 class Pack(NamedTuple):
     input_ids: torch.Tensor  # (rows, L)
     position_ids: torch.Tensor  # (rows, L)
-    attention_mask: torch.Tensor  # (rows, 1, L, L) True where a query (dim 2) may attend a key (dim 3)
+    attention_mask: torch.Tensor  # (rows, 1, L, L) True where a query (dim 2) may attend a key (dim 3); see dense_mask
     source: torch.Tensor  # (completions, T) flat index into (rows * L) of the state predicting each completion token
     keep: int  # positions at the end of each row whose states are needed (`logits_to_keep`)
     layout: PackLayout  # the same visibility as index tensors, for packed_attention
@@ -172,8 +172,12 @@ def build_pack(
     device: torch.device,
     *,
     concatenate: bool = False,
+    dense_mask: bool = True,
 ) -> Pack:
     """Pack each prompt with its completions (token lists); completions come out in the order given.
+
+    `dense_mask=False` (packs that packed_attention serves, `_sparse_attention`): the (L, L) mask is a broadcast
+    placeholder that holds no memory; such a pass must also recompute inside grouprl_patches (`packed_logprobs`).
 
     `source[r, t]` is where the state predicting completion token t of completion r sits: the prompt's last
     position for t = 0, the completion's position t - 1 after that; beyond the completion's length it
@@ -213,12 +217,15 @@ def build_pack(
         owner[row] += [-1] * pad
         part[row] += [-1] * pad
     ids, positions, owner, part = (torch.tensor(x, device=device) for x in (ids, positions, owner, part))
-    # The (L, L) mask is made where the model runs: on a GPU a dozen elementwise passes over it take microseconds,
-    # where made on the host and copied they took 0.14 s a 6,288-token row on a 2-core CPU (0.25 s at 8,240).
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    owner_q, owner_k, part_q, part_k = owner[:, :, None], owner[:, None, :], part[:, :, None], part[:, None, :]
-    visible = causal & (owner_k >= 0) & (owner_k == owner_q) & ((part_k == 0) | (part_k == part_q))
-    visible |= torch.eye(length, dtype=torch.bool, device=device)  # padding queries see themselves: no empty softmax
+    if dense_mask:
+        # Made where the model runs: on a GPU a dozen elementwise passes over it take microseconds, where made on
+        # the host and copied they took 0.17 s a 6,288-token row on a 2-core CPU (0.36 s at 8,240).
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        owner_q, owner_k, part_q, part_k = owner[:, :, None], owner[:, None, :], part[:, :, None], part[:, None, :]
+        visible = causal & (owner_k >= 0) & (owner_k == owner_q) & ((part_k == 0) | (part_k == part_q))
+        visible |= torch.eye(length, dtype=torch.bool, device=device)  # padding queries see themselves
+    else:  # held from forward to backward by gradient checkpointing: 40 MB a 6,288-token row, 68 MB at 8,240
+        visible = torch.ones((), dtype=torch.bool, device=device).expand(rows, length, length)
     earliest = min(start % length + len(p) - 1 for start, p in zip(prompt_starts, prompts))
     layout = build_layout(prompt_starts, [len(p) for p in prompts], spans, device)
     return Pack(ids, positions, visible[:, None], torch.tensor(source, device=device), length - earliest, layout)
@@ -249,9 +256,9 @@ def _sparse_attention(model: torch.nn.Module) -> bool:
     """Whether packs attend through packed_attention (visible pairs only) rather than the dense 4D mask.
 
     That takes an sdpa model and `grouprl_patches()` active, which registers `sdpa_or_packed` as "sdpa".
-    Outside it a pack attends through the dense mask (same values), so a pass never depends on a
-    registration it did not see: gradient checkpointing recomputes a layer in backward, and a
-    backward inside the same block as its forward recomputes it the same way.
+    Outside it a pack attends through the dense mask (same values). A sparse pass carries a placeholder
+    mask instead (40-68 MB saved a pack row), so gradient checkpointing must recompute its layers inside
+    the block too: `RecomputedUnderPatches` stops a backward run outside it, with the reason.
     """
     return _unwrapped(model).config._attn_implementation == "sdpa" and patches_active()
 
@@ -286,18 +293,42 @@ def packed_logprobs(
         "position_ids": pack.position_ids,
         "use_cache": False,
     }
-    if _sparse_attention(model):
+    sparse = _sparse_attention(model)
+    if sparse:
         explicit = _scores_short_lived(model) if explicit_scores is None else explicit_scores
         kwargs[LAYOUT_KWARG] = pack.layout._replace(explicit_scores=explicit)
     with capture_head_input(head) as captured:
         forward_keeping(model, kwargs, pack.keep)
     states = captured[0]  # (packs, keep, H): the last `keep` positions
+    if sparse and states.requires_grad and recomputes_layers(_unwrapped(model)):
+        states = RecomputedUnderPatches.apply(states)
     packs, length = pack.input_ids.shape
     offset = length - states.shape[1]
     flat = states.reshape(packs * states.shape[1], states.shape[2])
     local = pack.source - offset * (pack.source // length + 1)  # rebase (packs * L) indices onto (packs * keep)
     hidden = flat[local]  # (rows, T, H)
     return head_logprobs(hidden, head.forward, completion_ids, temperature, entropy=entropy)
+
+
+class RecomputedUnderPatches(torch.autograd.Function):
+    """Identity on a packed pass's final states whose backward, the first of the pass's to run, checks that
+    grouprl_patches() is still active: the layers recomputed next attend through packed_attention only there, and
+    elsewhere would attend through the pass's placeholder mask (build_pack's `dense_mask=False`)."""
+
+    @staticmethod
+    def forward(ctx, states: torch.Tensor) -> torch.Tensor:
+        return states.view_as(states)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if not patches_active():
+            raise RuntimeError(
+                "grouprl: the backward of a packed shared-prompt pass ran outside grouprl_patches(), where its "
+                "checkpointed layers would be recomputed without packed attention. Call backward inside the block "
+                "the forward ran in (GRPOTrainer.train() holds it for the whole run), or set "
+                "pack_shared_prompts=False."
+            )
+        return grad
 
 
 # --- when to use it ------------------------------------------------------------------------------
@@ -452,7 +483,7 @@ def shared_prompt_logprobs(
         t = max(max(completion_lens[r] for r in rows), 1)
         prompts = [ids[groups.rows[g][0]][width - groups.prompt_lens[g] :] for g in bucket]
         completions = [[comp[r][: completion_lens[r]] for r in groups.rows[g]] for g in bucket]
-        pack = build_pack(prompts, completions, t, prompt_ids.device, concatenate=not dense)
+        pack = build_pack(prompts, completions, t, prompt_ids.device, concatenate=not dense, dense_mask=dense)
         index = torch.tensor(rows, device=prompt_ids.device)
         logps, entropies = packed_logprobs(model, head, pack, completion_ids[index, :t], temperature, entropy=entropy)
         valid = completion_mask[index, :t].bool()
