@@ -234,8 +234,9 @@ def build_pack(
 logger = logging.get_logger("grouprl")
 
 MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's
-# Longest row of packs placed one after another. Each such row still carries its dense (L, L) visibility mask (what a
-# call outside grouprl_patches attends with), so the cap bounds that mask: 8,192 tokens make 64 MiB.
+# Longest row of packs placed one after another: one forward, whose layers gradient checkpointing recomputes one at a
+# time in backward, so the cap bounds that recomputation's activations (an MLP's intermediate is L x its width).
+# The 8,192 were chosen when such a row also held a dense (L, L) mask (64 MiB); sparse packs now hold a placeholder.
 CONCATENATED_ROW_TOKENS = 8192
 _MASK_STYLE = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take a custom 4D mask
 
