@@ -48,7 +48,7 @@ def test_values_and_gradients_equal_dense_masked_sdpa(
     monkeypatch.setattr(packed_attention, "_explicit_products_pay_off", lambda query: True)
     calls = []
     real = packed_attention.grouped_attention
-    monkeypatch.setattr(packed_attention, "grouped_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(packed_attention, "grouped_attention", lambda *a: calls.append(a[1].shape[1]) or real(*a))
     packs, length = pack.input_ids.shape
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(packs, h, length, 8, generator=g, requires_grad=True) for h in (4, kv_heads, kv_heads))
@@ -67,7 +67,8 @@ def test_values_and_gradients_equal_dense_masked_sdpa(
     expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
     for a, b in zip(grads, expected_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert len(calls) == (2 if explicit_scores else 0)  # the prompts' attention and the completions'
+    # the prompts' attention and the completions', each with the key/value heads as they are (never repeated)
+    assert calls == ([kv_heads, kv_heads] if explicit_scores else [])
 
 
 @pytest.mark.parametrize("concatenate", [False, True], ids=["pack per row", "packs in one row"])

@@ -112,14 +112,16 @@ def packed_attention(
         raise NotImplementedError("packed attention serves full-attention layers without soft-capping or sinks only")
     rows, heads, length, d = query.shape
     groups = heads // key.shape[1]  # grouped-query attention: each key/value head serves `groups` query heads
-    # The CPU kernels take grouped key/value heads directly (enable_gqa): no copy of K/V per query head, half
-    # the gathered prompt keys below (W2's forward + backward attention 284 -> 198 ms per layer). CUDA's fused
-    # kernels fall back to the math kernel for a masked grouped call, so there the heads are repeated.
-    grouped = groups > 1 and query.device.type == "cpu" and SDPA_TAKES_GROUPED_HEADS
+    explicit = layout.explicit_scores and dropout == 0.0 and _explicit_products_pay_off(query)
+    # The explicit products and the CPU kernels take grouped key/value heads directly (enable_gqa): no copy of K/V
+    # per query head, and 1 / groups of the keys and values gathered below (W2's forward + backward attention
+    # 284 -> 198 ms per layer on the CPU; on a GPU, Qwen2.5's 14 / 2 heads gathered 7x the bytes). CUDA's fused
+    # kernels fall back to the math kernel for a masked grouped call, so there sdpa gets repeated heads.
+    grouped = groups > 1 and (explicit or (query.device.type == "cpu" and SDPA_TAKES_GROUPED_HEADS))
     if not grouped:  # (repeat_kv returns the tensors as they are when groups == 1)
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     attend = dict(dropout_p=dropout, scale=scaling, **({"enable_gqa": True} if grouped else {}))
-    if layout.explicit_scores and dropout == 0.0 and _explicit_products_pay_off(query):
+    if explicit:
         scale = scaling if scaling is not None else d**-0.5
         attend_masked = lambda q, k, v, attn_mask: grouped_attention(q, k, v, attn_mask, scale)  # noqa: E731
     else:
