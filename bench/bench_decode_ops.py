@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+from bench_generation import SHAPES  # noqa: E402  (the GPU benchmark's model shapes)
 
 VIEWS = {
     "view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze", "t", "transpose",
@@ -45,10 +50,12 @@ def step_operators(layers: int, dtype: torch.dtype, rows: int, device: str) -> C
     from grouprl.core.types import SamplingParams
     from grouprl.generation import fused_decode, static_decode
 
+    shape = SHAPES["0.5B"]
+    eos, pad = shape.vocab - 1, shape.vocab - 2
     config = Qwen2Config(
-        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096,
-        eos_token_id=151_935, pad_token_id=151_934,
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=eos, pad_token_id=pad,
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()
@@ -61,7 +68,7 @@ def step_operators(layers: int, dtype: torch.dtype, rows: int, device: str) -> C
         counted.append(mode.counts)
 
     tokenizer = type("Tokenizer", (), {"decode": lambda self, ids, **kwargs: ""})()
-    generator = static_decode.CapturedGenerator(model, tokenizer, [151_935], 151_934, capture=False)
+    generator = static_decode.CapturedGenerator(model, tokenizer, [eos], pad, capture=False)
     packs = fused_decode.packs_weights
     static_decode.DecodeLoop.step, fused_decode.packs_weights = counting_step, lambda *args: False
     try:

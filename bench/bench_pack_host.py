@@ -1,6 +1,7 @@
 """Host time to build one row of packed sequences (model/prompt_packing.build_pack), as the training pass builds it
-for the GPU benchmark's cases (bench/gpu): 8 completions of 256 tokens behind each 48-token prompt, 3 packs in a
-6,288-token row (the 0.5B case), and one pack of 1,024-token completions, 8,240 tokens (the 1.5B case).
+for the GPU benchmark's cases with 48-token prompts (bench/gpu/bench_generation.PLAN): 8 completions of 256 tokens
+behind each prompt, 3 packs in a 6,288-token row (the 0.5B case), and one pack of 1,024-token completions, 8,240
+tokens (the 1.5B case).
 
     python bench/bench_pack_host.py
 
@@ -12,34 +13,44 @@ the model is on a GPU; `meta, no dense mask`: a pack for packed attention (`dens
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from grouprl.model.prompt_packing import build_pack
+from grouprl.model.prompt_packing import CONCATENATED_ROW_TOKENS, build_pack
 
-CASES = {"6,288-token row (0.5B case)": (3, 256), "8,240-token row (1.5B case)": (1, 1024)}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+from bench_generation import PLAN  # noqa: E402  (the GPU benchmark's cases)
+
+CASES = [PLAN[0], PLAN[2]]  # the 0.5B and 1.5B cases with 48-token prompts
 
 
-def host_ms(packs: int, completion: int, device: str, dense_mask: bool) -> float:
-    prompts, completions = [list(range(48))] * packs, [[list(range(completion))] * 8] * packs
+def host_ms(case, device: str, dense_mask: bool) -> float:
+    pack = case.prompt_tokens + case.generations * case.new_tokens
+    packs = max(CONCATENATED_ROW_TOKENS // pack, 1)  # as many as one row holds (prompt_packing.concatenated_rows)
+    prompts = [list(range(case.prompt_tokens))] * packs
+    completions = [[list(range(case.new_tokens))] * case.generations] * packs
     times = []
     for _ in range(6):
         started = time.perf_counter()
-        build_pack(prompts, completions, completion, torch.device(device), concatenate=True, dense_mask=dense_mask)
+        build_pack(prompts, completions, case.new_tokens, torch.device(device), concatenate=True, dense_mask=dense_mask)
         times.append(time.perf_counter() - started)
     return 1000 * statistics.median(times[1:])
 
 
 def main() -> None:
-    for name, (packs, completion) in CASES.items():
+    for case in CASES:
+        pack = case.prompt_tokens + case.generations * case.new_tokens
+        length = max(CONCATENATED_ROW_TOKENS // pack, 1) * pack
         row = {
-            "row": name,
-            "cpu_ms": host_ms(packs, completion, "cpu", True),
-            "meta_ms": host_ms(packs, completion, "meta", True),
-            "meta_no_dense_mask_ms": host_ms(packs, completion, "meta", False),
-            "dense_mask_mb": (48 + 8 * completion) ** 2 * packs**2 / 1e6,
+            "row": f"{length:,}-token row ({case.name})",
+            "cpu_ms": host_ms(case, "cpu", True),
+            "meta_ms": host_ms(case, "meta", True),
+            "meta_no_dense_mask_ms": host_ms(case, "meta", False),
+            "dense_mask_mb": length**2 / 1e6,
         }
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}))
 
