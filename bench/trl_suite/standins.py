@@ -234,6 +234,15 @@ def _save_processor(path: Path, processor) -> None:
     config_file.write_text(json.dumps(saved, indent=2))
 
 
+def _vlm_snapshot(root: Path, repo_id: str, spec: tok.TokenizerSpec):
+    """The stand-in's folder with its tokenizer saved: (folder, that tokenizer loaded back, its special-token ids)."""
+    import transformers as tf
+
+    path = snapshot_dir(root, repo_id)
+    tok.save(spec, path)
+    return path, tf.AutoTokenizer.from_pretrained(path), _token_ids(spec)
+
+
 def _gemma3_for_conditional_generation(root: Path) -> str:
     import torch
     import transformers as tf
@@ -241,11 +250,8 @@ def _gemma3_for_conditional_generation(root: Path) -> str:
 
     repo_id = f"{ORG}/tiny-Gemma3ForConditionalGeneration"
     spec = tok.gemma3("gemma3.jinja", GEMMA3_VOCAB)
-    path = snapshot_dir(root, repo_id)
-    tok.save(spec, path)
-    tokenizer = tf.AutoTokenizer.from_pretrained(path)
+    path, tokenizer, special = _vlm_snapshot(root, repo_id, spec)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in tok.GEMMA3_IMAGE_TOKENS.items()}
-    special = _token_ids(spec)
     config = tf.Gemma3Config(
         text_config=tf.Gemma3TextConfig(
             vocab_size=GEMMA3_VOCAB,
@@ -304,10 +310,7 @@ def _llava_next_for_conditional_generation(root: Path) -> str:
 
     repo_id = f"{ORG}/tiny-LlavaNextForConditionalGeneration"
     spec = tok.llava_next_mistral("llava_next.jinja", LLAVA_NEXT_VOCAB)
-    path = snapshot_dir(root, repo_id)
-    tok.save(spec, path)
-    tokenizer = tf.AutoTokenizer.from_pretrained(path)
-    special = _token_ids(spec)
+    path, tokenizer, special = _vlm_snapshot(root, repo_id, spec)
     config = tf.LlavaNextConfig(
         vision_config=tf.CLIPVisionConfig(
             hidden_size=16,
