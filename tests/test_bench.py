@@ -131,3 +131,24 @@ def test_memory_peak_lists_what_is_live_at_the_largest_total():
     assert "allocated when recording began: 3.00 GiB" in text
     assert text.index("grouprl/model/forward.py:30 f") < text.index("grouprl/model/forward.py:20 f")
     assert "functional.py" not in text and "loop.py" not in text
+
+
+def test_the_plain_training_pass_adds_no_operators_to_a_layer():
+    """bench_train_ops: per layer, grouprl's plain pass (forward + backward, gradient checkpointing) dispatches what
+    one forward of all rows with full logits does; a packed row's layer dispatches more (its gathers), which is why a
+    GPU packs only for a large saving."""
+    import bench_train_ops
+
+    def per_layer(name: str) -> tuple[int, int]:
+        counts = []
+        for layers in (1, 2):
+            model, rows = bench_train_ops.build_model(layers, vocab=64), bench_train_ops.batch(2, 4, 6, 5, vocab=64)
+            bench_train_ops.one_pass("packed", model, rows)  # the packing probe's forwards, once per model
+            out = bench_train_ops.one_pass(name, model, rows)
+            assert out["layer_recomputations"] == out["model_forwards"]  # each forward's layers recomputed once
+            counts.append((out["forward_operators"], out["backward_operators"]))
+        return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
+
+    plain, naive, packed = per_layer("plain"), per_layer("naive"), per_layer("packed")
+    assert plain == naive
+    assert packed[0] > plain[0] and packed[1] > plain[1]

@@ -38,8 +38,16 @@ def test_bf16_training_runs_on_the_gpu_with_every_engine(tiny_model_dir, tmp_pat
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters()), "no weight moved"
 
 
-def test_training_logprobs_on_the_gpu_equal_the_cpu_ones(tiny_model_dir):
-    """fp32, same rows: the packed-prompt pass on CUDA gives the CPU's values (kernels differ: 1e-4)."""
+def test_training_logprobs_on_the_gpu_equal_the_cpu_ones(tiny_model_dir, monkeypatch):
+    """fp32, same rows: the packed-prompt pass on CUDA gives the CPU's values (kernels differ: 1e-4). The tiny model's
+    shared prompts are packed on both devices whatever the cost estimate says."""
+    from grouprl.model import prompt_packing
+
+    monkeypatch.setattr(prompt_packing, "pairs_per_token", lambda model: 1e9)
+    monkeypatch.setattr(prompt_packing, "worth_packing", lambda packed, plain, device: True)
+    packs = []
+    build_pack = prompt_packing.build_pack
+    monkeypatch.setattr(prompt_packing, "build_pack", lambda *a, **k: packs.append(a[-1]) or build_pack(*a, **k))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -57,6 +65,8 @@ def test_training_logprobs_on_the_gpu_equal_the_cpu_ones(tiny_model_dir):
 
     on_cpu = logprobs("cpu")
     torch.testing.assert_close(logprobs("cuda"), on_cpu, rtol=1e-4, atol=1e-4)
+    devices = [torch.device(d).type for d in packs]  # the first pass's packs include the one-time probe's
+    assert "cpu" in devices and devices[-1] == "cuda", devices  # both passes packed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

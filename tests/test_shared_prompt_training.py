@@ -234,6 +234,45 @@ def test_short_prompts_split_under_dense_attention_and_do_not_pack():
     assert split_for_cost(PromptGroups([[0, 1, 2, 3]], [13]), [128] * 4, 10.0, dense=True).rows == [[0], [1], [2], [3]]
 
 
+@pytest.mark.parametrize(
+    "hidden, layers, heads, kv_heads, intermediate, prompt, new, share, on_cpu, on_gpu",
+    [
+        # the GPU benchmark's cases (bench/gpu/bench_generation.py PLAN): 8 prompts x 8 completions
+        (896, 24, 14, 2, 4864, 48, 256, 0.86, True, False),  # 0.5B, 48-token prompts: packed, 1.44 s on the H200
+        (896, 24, 14, 2, 4864, 1072, 256, 0.29, True, True),  # 0.5B, 1024-token shared prompt + 48
+        (1536, 28, 12, 2, 8960, 48, 1024, 0.96, False, False),  # 1.5B: plain, 26.6% of the H200's peak
+    ],
+)
+def test_gpus_pack_only_for_a_large_saving(
+    hidden, layers, heads, kv_heads, intermediate, prompt, new, share, on_cpu, on_gpu
+):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, intermediate_size=intermediate, tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.device("meta"):
+        ratio = pairs_per_token(Qwen2ForCausalLM(config))
+    plain = 64 * pack_cost(prompt, [new], ratio, dense=True)
+    groups = split_for_cost(PromptGroups([list(range(8))], [prompt]), [new] * 8, ratio)
+    assert groups.rows == [list(range(8))]  # one pack per prompt is the cheapest split
+    packed = 8 * pack_cost(prompt, [new] * 8, ratio)
+    assert packed / plain == pytest.approx(share, abs=0.005)
+    assert prompt_packing.worth_packing(packed, plain, torch.device("cpu")) is on_cpu
+    assert prompt_packing.worth_packing(packed, plain, torch.device("cuda")) is on_gpu
+
+
+def test_shared_prompt_pass_asks_about_the_batch_device(monkeypatch, tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    asked = []
+    monkeypatch.setattr(prompt_packing, "worth_packing", lambda packed, plain, device: asked.append(device) or False)
+    with grouprl_patches():
+        out = completion_logprobs(model, *_rows(model.config.vocab_size), temperature=1.0)
+    assert asked == [torch.device("cpu")]  # and refused: the plain pass ran
+    assert out.logprobs.shape == (7, 6)
+
+
 def test_pairs_per_token_from_the_flop_count(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     c = model.config

@@ -169,8 +169,9 @@ class ModelAndSamplingFields:
         metadata=_meta(
             "grouprl: in the training and scoring passes, run a prompt shared by several rows once, as one packed "
             "sequence [prompt, completion_1, ..., completion_k] (same values and gradients as the per-row pass; used "
-            "where it is estimated to save a tenth or more of the cost and a one-time check per model agrees). False "
-            "runs every row on its own."
+            "where it is estimated to save a tenth or more of the cost on a CPU, half or more on a GPU, whose extra "
+            "kernel launches cost more than the arithmetic saved below that, and a one-time check per model agrees). "
+            "False runs every row on its own."
         ),
     )
     keep_freed_host_memory: bool = field(

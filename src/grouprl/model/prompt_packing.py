@@ -17,7 +17,7 @@ another in a single row (`concatenated_rows`): no padding, one forward. Eager mo
 visibility as an ordinary (rows, 1, L, L) mask (dense: all L^2 pairs; there each pack gets a row of its
 own, rows of similar length batched together); sdpa packs carry a placeholder in its place.
 `split_for_cost` (below) estimates the cost of a pack and packs a prompt's rows into as many
-sequences as is cheapest; where that saves under 10% the plain pass runs.
+sequences as is cheapest; where that saves under 10% (50% off CPUs: `worth_packing`) the plain pass runs.
 
 Used only where it reproduces the plain pass: the model's own attention takes custom 4D masks
 (sdpa, eager), every layer attends fully (no sliding windows), the LM head is separable, no
@@ -233,7 +233,20 @@ def build_pack(
 
 logger = logging.get_logger("grouprl")
 
-MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's
+MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's (on a CPU)
+# On a GPU each pack row's pass through a layer launches ~1.6x the kernels the plain pass launches for all its rows
+# (packed attention's gathers and their backward; bench/bench_train_ops.py), and at small sizes those launches, not the arithmetic, set the time. The H200
+# run: the 0.5B case packed (estimated 0.86 of the plain cost) took 1.44 s a training pass where the plain pass of the
+# same rows took 0.26 s; the 1.5B case, not packed (0.96), ran at 26.6% of the card's peak. So there packing waits for
+# a large saving, the long shared prompts it is for (the 1,024-token case: 0.29).
+MIN_SAVING_ACCELERATOR = 0.5
+
+
+def worth_packing(packed_cost: float, plain_cost: float, device: torch.device) -> bool:
+    """Whether the packed pass's estimated cost is a small enough share of the plain pass's on `device`."""
+    return packed_cost <= (MIN_SAVING if device.type == "cpu" else MIN_SAVING_ACCELERATOR) * plain_cost
+
+
 # Longest row of packs placed one after another: one forward, whose layers gradient checkpointing recomputes one at a
 # time in backward, so the cap bounds that recomputation's activations (an MLP's intermediate is L x its width).
 # The 8,192 were chosen when such a row also held a dense (L, L) mask (64 MiB); sparse packs now hold a placeholder.
@@ -440,7 +453,8 @@ def shared_prompt_logprobs(
     """(n, T) logprobs [and entropies] with shared prompts packed, or None where packing does not apply.
 
     Applies when some prompt is shared by several rows, sharing it is estimated to save at least
-    1 - MIN_SAVING of the cost (`split_for_cost`), masks are the usual left-padded prompt and
+    1 - MIN_SAVING of the cost on a CPU, 1 - MIN_SAVING_ACCELERATOR elsewhere (`split_for_cost`,
+    `worth_packing`), masks are the usual left-padded prompt and
     right-padded completion, and `packing_head` accepts the model. Positions beyond a row's
     completion hold 0.
     """
@@ -466,7 +480,7 @@ def shared_prompt_logprobs(
         pack_cost(p, [completion_lens[r] for r in rows], ratio, dense)
         for p, rows in zip(groups.prompt_lens, groups.rows)
     )
-    if len(groups.rows) == n or packed_cost > MIN_SAVING * plain_cost:  # nothing (worth) sharing
+    if len(groups.rows) == n or not worth_packing(packed_cost, plain_cost, prompt_ids.device):
         return None
     head = packing_head(model, plain)
     if head is None:
