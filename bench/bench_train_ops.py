@@ -1,21 +1,23 @@
-"""The aten operators one training pass (forward + backward of the policy's logprobs) dispatches, and the model
-forwards it makes: on a GPU each operator is a kernel launched from the host, so where the kernels are short (the
-0.5B case) the count, not the arithmetic, sets the pass's time.
+"""The aten operators one training pass (forward + backward of the policy's logprobs) dispatches, the model forwards
+it makes, and on a GPU its time: each operator is a kernel launched from the host, so where the kernels are short (the
+0.5B case) the count, not the arithmetic, can set the pass's time.
 
-    python bench/bench_train_ops.py                 # the GPU benchmark's first case: 8 prompts x 8 completions,
-                                                    # 48-token prompts, 256 new tokens, the 0.5B shape's 24 layers
-    python bench/bench_train_ops.py --new-tokens 64 --layers 2
+    python bench/bench_train_ops.py                 # the GPU benchmark's first case (8 prompts x 8 completions,
+                                                    # 48-token prompts, 256 new tokens), the 0.5B shape's 24 layers
+    python bench/bench_train_ops.py --cases 2 --new-tokens 64 --layers 2
+    python bench/bench_train_ops.py --width real --device cuda --cases 1,2 --repeat 3   # + seconds per pass (a GPU)
 
-The 0.5B shape's layers and heads (14 / 2) at a tiny width, with gradient checkpointing on, as the benchmark trains:
-the count does not depend on the width, and the head's chunking is held at the real vocabulary's (151,936 tokens:
-256 positions a chunk). Three passes of the same rows:
-  packed  grouprl's completion_logprobs with each prompt's rows packed (prompt_packing.py), as on a CPU: this case's
-          estimated saving (14%) is under what a GPU needs (`worth_packing`)
-  plain   grouprl's completion_logprobs, every row on its own (a GPU's pass here, and pack_shared_prompts=False)
+The 0.5B shape's layers and heads (14 / 2), at a tiny width (the default: the count does not depend on the width,
+and the head's chunking is held at the real vocabulary's, 256 positions a chunk) or the real one, gradient
+checkpointing on, as the benchmark trains. Three passes of the same rows:
+  packed  grouprl's completion_logprobs with each prompt's rows packed (prompt_packing.py), whatever the estimate
+  plain   grouprl's completion_logprobs, every row on its own (pack_shared_prompts=False)
   naive   one forward of all rows with full logits, log_softmax and a gather (what TRL 1.16 does)
-Views, which launch nothing, are not counted. Prints JSON: per pass, forward and backward operators, model
-forwards (layer recomputations by checkpointing included), CPU seconds (tiny width: mostly host work), and the
-operators that make a GPU wait for the host (`SYNCING`).
+Which of packed and plain the trainer runs is `prompt_packing.worth_packing`'s estimate. Views, which launch nothing,
+are not counted. Prints JSON: per pass, forward and backward operators, model forwards (and layer recomputations by
+checkpointing), the operators that make a GPU wait for the host (`SYNCING`), the counted run's seconds, with
+--repeat the median seconds of that many uncounted runs, and on a GPU the pass's peak memory (weights and gradients
+included).
 """
 
 from __future__ import annotations
@@ -52,30 +54,37 @@ class CountOperators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build_model(layers: int, vocab: int) -> torch.nn.Module:
+TINY_VOCAB = 512
+
+
+def build_model(layers: int, width: str = "tiny", device: str = "cpu") -> torch.nn.Module:
+    """The 0.5B shape with `layers` layers, at a tiny width (fp32) or the real one (bf16)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     shape = SHAPES["0.5B"]
+    real = width == "real"
     config = Qwen2Config(
-        vocab_size=vocab, hidden_size=2 * shape.heads * 4, intermediate_size=64, num_hidden_layers=layers,
+        vocab_size=shape.vocab if real else TINY_VOCAB, hidden_size=shape.hidden if real else 2 * shape.heads * 4,
+        intermediate_size=shape.intermediate if real else 64, num_hidden_layers=layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, tie_word_embeddings=True,
         max_position_embeddings=4096, attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config).to(device=device, dtype=torch.bfloat16 if real else torch.float32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model.train()
 
 
-def batch(prompts: int, generations: int, prompt_tokens: int, new_tokens: int, vocab: int):
+def batch(case, new_tokens: int, vocab: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """The case's rows: its prompts (a shared prefix, if any, and own tokens) each with `generations` completions."""
     generator = torch.Generator().manual_seed(1)
-    rows = prompts * generations
-    prompt_ids = torch.randint(0, vocab, (prompts, prompt_tokens), generator=generator).repeat_interleave(
-        generations, 0
-    )
-    completion_ids = torch.randint(0, vocab, (rows, new_tokens), generator=generator)
-    return prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids)
+    shared = torch.randint(0, vocab, (case.shared_prefix,), generator=generator)
+    own = torch.randint(0, vocab, (case.prompts, case.prompt_tokens), generator=generator)
+    prompt_ids = torch.cat([shared.expand(case.prompts, -1), own], 1).repeat_interleave(case.generations, 0)
+    completion_ids = torch.randint(0, vocab, (case.prompts * case.generations, new_tokens), generator=generator)
+    rows = prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids)
+    return tuple(t.to(device) for t in rows)
 
 
 def naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
@@ -85,7 +94,7 @@ def naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     return logits.float().log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
-def one_pass(name: str, model, inputs) -> dict:
+def one_pass(name: str, model, inputs, repeat: int = 0) -> dict:
     from grouprl.model import forward as forward_module
     from grouprl.model import prompt_packing
     from grouprl.model.logprobs import completion_logprobs
@@ -97,22 +106,40 @@ def one_pass(name: str, model, inputs) -> dict:
     )
     chunk_elements, worth_packing = forward_module.CHUNK_ELEMENTS, prompt_packing.worth_packing
     prompt_packing.worth_packing = lambda *args: name == "packed"
-    # the real vocabulary's chunking (256 positions) with this model's small one
+    # the real vocabulary's chunking (256 positions) with a small one
     forward_module.CHUNK_ELEMENTS = forward_module.positions_per_chunk(SHAPES["0.5B"].vocab) * model.config.vocab_size
+    on_gpu = inputs[0].device.type == "cuda"
+    synchronize = torch.cuda.synchronize if on_gpu else lambda: None
+
+    def loss() -> torch.Tensor:
+        if name == "naive":
+            logps = naive_logprobs(model, *inputs)
+        else:
+            logps = completion_logprobs(model, *inputs, temperature=1.0, with_entropy=True).logprobs
+        return (logps * inputs[3]).sum() / inputs[3].sum()
+
     try:
         with grouprl_patches():
             model.zero_grad(set_to_none=True)
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats()
+            synchronize()
             started = time.perf_counter()
             with CountOperators() as forward_ops:
-                if name == "naive":
-                    logps = naive_logprobs(model, *inputs)
-                else:
-                    logps = completion_logprobs(model, *inputs, temperature=1.0, with_entropy=True).logprobs
-                loss = (logps * inputs[3]).sum() / inputs[3].sum()
+                value = loss()
             forward_calls = forwards[0]
             with CountOperators() as backward_ops:
-                loss.backward()
-            seconds = time.perf_counter() - started
+                value.backward()
+            synchronize()
+            seconds, recomputed = time.perf_counter() - started, forwards[0] - forward_calls
+            timed = []
+            for _ in range(repeat):
+                model.zero_grad(set_to_none=True)
+                synchronize()
+                started = time.perf_counter()
+                loss().backward()
+                synchronize()
+                timed.append(time.perf_counter() - started)
     finally:
         forward_module.CHUNK_ELEMENTS, prompt_packing.worth_packing = chunk_elements, worth_packing
         hook.remove()
@@ -121,26 +148,33 @@ def one_pass(name: str, model, inputs) -> dict:
         "forward_operators": sum(forward_ops.counts.values()),
         "backward_operators": sum(backward_ops.counts.values()),
         "model_forwards": forward_calls,
-        "layer_recomputations": forwards[0] - forward_calls,
+        "layer_recomputations": recomputed,
         "syncing_operators": {k: v for k, v in both.items() if k in SYNCING},
-        "cpu_seconds": round(seconds, 3),
+        "counted_run_seconds": round(seconds, 3),
+        **({"median_seconds": round(sorted(timed)[len(timed) // 2], 4)} if timed else {}),
+        **({"peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)} if on_gpu else {}),
         "top_operators": dict(both.most_common(12)),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    case = PLAN[0]
-    parser.add_argument("--layers", type=int, default=SHAPES[case.shape].layers)
-    parser.add_argument("--new-tokens", type=int, default=case.new_tokens)
+    parser.add_argument("--cases", default="1", help="of bench/gpu/bench_generation.py's PLAN: 1, 2 or 1,2")
+    parser.add_argument("--layers", type=int, default=SHAPES["0.5B"].layers)
+    parser.add_argument("--new-tokens", type=int, help="default: the case's")
     parser.add_argument("--passes", default="packed,plain,naive")
+    parser.add_argument("--width", choices=["tiny", "real"], default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeat", type=int, default=0, help="uncounted runs timed after the counted one")
     args = parser.parse_args()
-    vocab = 512
-    model = build_model(args.layers, vocab)
-    inputs = batch(case.prompts, case.generations, case.prompt_tokens, args.new_tokens, vocab)
-    one_pass("packed", model, inputs)  # warm-up: the packing probe runs once per model
-    results = {name: one_pass(name, model, inputs) for name in args.passes.split(",")}
-    print(json.dumps({"case": case.name, "layers": args.layers, "new_tokens": args.new_tokens, **results}, indent=1))
+    model = build_model(args.layers, args.width, args.device)
+    for number in args.cases.split(","):
+        case = PLAN[int(number) - 1]
+        new_tokens = args.new_tokens or case.new_tokens
+        inputs = batch(case, new_tokens, model.config.vocab_size, args.device)
+        one_pass("packed", model, inputs)  # warm-up (the packing probe runs once per model)
+        results = {name: one_pass(name, model, inputs, args.repeat) for name in args.passes.split(",")}
+        print(json.dumps({"case": case.name, "layers": args.layers, "new_tokens": new_tokens, **results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -142,7 +143,11 @@ def test_the_plain_training_pass_adds_no_operators_to_a_layer():
     def per_layer(name: str) -> tuple[int, int]:
         counts = []
         for layers in (1, 2):
-            model, rows = bench_train_ops.build_model(layers, vocab=64), bench_train_ops.batch(2, 4, 6, 5, vocab=64)
+            case = dataclasses.replace(
+                bench_train_ops.PLAN[1], prompts=2, generations=4, prompt_tokens=3, shared_prefix=3
+            )
+            model = bench_train_ops.build_model(layers)
+            rows = bench_train_ops.batch(case, 5, model.config.vocab_size)
             bench_train_ops.one_pass("packed", model, rows)  # the packing probe's forwards, once per model
             out = bench_train_ops.one_pass(name, model, rows)
             assert out["layer_recomputations"] == out["model_forwards"]  # each forward's layers recomputed once
