@@ -128,24 +128,24 @@ def packed_attention(
         attend_masked = lambda q, k, v, attn_mask: F.scaled_dot_product_attention(  # noqa: E731
             q, k, v, attn_mask=attn_mask, **attend
         )
-    # (rows, heads, L, D) -> (rows * L, heads, D), gathered by index into (n, heads, width, D) batches
-    flat_query, flat_key, flat_value = (
-        x.transpose(1, 2).reshape(rows * length, x.shape[1], d) for x in (query, key, value)
-    )
+    # One (rows * L, H + 2 KVH, D) table of the queries, keys and values, gathered by index into the prompts' and
+    # the completions' batches: on a GPU each operator is a kernel launch, and a pass makes these per layer and pack
+    # row, so one cat and two gathers stand in for three transposed copies and six gathers (and their backward).
+    kv = key.shape[1]
+    table = torch.cat([query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)], dim=2)
+    table = table.view(rows * length, heads + 2 * kv, d)
+    # (n, width, H + 2 KVH, D) -> its queries and its keys + values; split, not sliced: a slice's backward writes a
+    # zero-filled gradient of the whole table, split's backward one cat
+    prompt_q, prompt_kv = table[layout.prompt_index].split([heads, 2 * kv], dim=2)
+    completion_q, completion_kv = table[layout.completion_index].split([heads, 2 * kv], dim=2)
+    own_kv = torch.cat([prompt_kv[layout.completion_prompt], completion_kv], dim=1)  # its prompt's, then its own
 
-    def gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return flat[index].transpose(1, 2)
+    def heads_first(*parts: torch.Tensor) -> list[torch.Tensor]:  # (n, width, heads, D) -> (n, heads, width, D)
+        return [x.transpose(1, 2) for x in parts]
 
-    prompt_keys, prompt_values = gather(flat_key, layout.prompt_index), gather(flat_value, layout.prompt_index)
-    prompt_out = attend_masked(
-        gather(flat_query, layout.prompt_index), prompt_keys, prompt_values, attn_mask=layout.prompt_mask
-    )
-    own_keys = torch.cat([prompt_keys[layout.completion_prompt], gather(flat_key, layout.completion_index)], dim=2)
-    own_values = torch.cat(
-        [prompt_values[layout.completion_prompt], gather(flat_value, layout.completion_index)], dim=2
-    )
+    prompt_out = attend_masked(*heads_first(prompt_q, *prompt_kv.split(kv, dim=2)), attn_mask=layout.prompt_mask)
     completion_out = attend_masked(
-        gather(flat_query, layout.completion_index), own_keys, own_values, attn_mask=layout.completion_mask
+        *heads_first(completion_q, *own_kv.split(kv, dim=2)), attn_mask=layout.completion_mask
     )
     out_rows = torch.cat(
         [
@@ -194,9 +194,11 @@ def grouped_attention(
     n, heads, q_len, d = query.shape
     kv_heads, s_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    scores = torch.matmul(query.reshape(n, kv_heads, groups * q_len, d), key.transpose(-1, -2)).float() * scale
-    scores = scores.view(n, kv_heads, groups, q_len, s_len).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = scores.softmax(dim=-1).to(value.dtype).view(n, kv_heads, groups * q_len, s_len)
+    # scaled on the queries (Q x D a head, the scores Q x S) and masked by a select: two passes fewer over the scores
+    query = (query * scale).reshape(n, kv_heads, groups * q_len, d)
+    scores = torch.matmul(query, key.transpose(-1, -2)).view(n, kv_heads, groups, q_len, s_len)
+    scores = torch.where(mask[:, :, None], scores, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype).view(n, kv_heads, groups * q_len, s_len)
     return torch.matmul(probs, value).view(n, heads, q_len, d)
 
 
