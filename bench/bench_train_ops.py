@@ -7,9 +7,9 @@ it makes, and on a GPU its time: each operator is a kernel launched from the hos
     python bench/bench_train_ops.py --cases 2 --new-tokens 64 --layers 2
     python bench/bench_train_ops.py --width real --device cuda --cases 1,2 --repeat 3   # + seconds per pass (a GPU)
 
-The 0.5B shape's layers and heads (14 / 2), at a tiny width (the default: the count does not depend on the width,
-and the head's chunking is held at the real vocabulary's, 256 positions a chunk) or the real one, gradient
-checkpointing on, as the benchmark trains. Three passes of the same rows:
+The 0.5B shape's layers and heads (14 / 2) in bf16, at a tiny width (the default: the count does not depend on the
+width, and the head's chunking is held at the real vocabulary's, 256 positions a chunk) or the real one, gradient
+checkpointing on, as the benchmark trains; packed attention takes its GPU path (explicit products) on a CPU too. Three passes of the same rows:
   packed  grouprl's completion_logprobs with each prompt's rows packed (prompt_packing.py), whatever the estimate
   plain   grouprl's completion_logprobs, every row on its own (pack_shared_prompts=False)
   naive   one forward of all rows with full logits, log_softmax and a gather (what TRL 1.16 does)
@@ -58,7 +58,7 @@ TINY_VOCAB = 512
 
 
 def build_model(layers: int, width: str = "tiny", device: str = "cpu") -> torch.nn.Module:
-    """The 0.5B shape with `layers` layers, at a tiny width (fp32) or the real one (bf16)."""
+    """The 0.5B shape with `layers` layers in bf16, at a tiny width or the real one."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     shape = SHAPES["0.5B"]
@@ -70,7 +70,7 @@ def build_model(layers: int, width: str = "tiny", device: str = "cpu") -> torch.
         max_position_embeddings=4096, attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(device=device, dtype=torch.bfloat16 if real else torch.float32)
+    model = Qwen2ForCausalLM(config).to(device=device, dtype=torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model.train()
@@ -96,7 +96,7 @@ def naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
 
 def one_pass(name: str, model, inputs, repeat: int = 0) -> dict:
     from grouprl.model import forward as forward_module
-    from grouprl.model import prompt_packing
+    from grouprl.model import packed_attention, prompt_packing
     from grouprl.model.logprobs import completion_logprobs
     from grouprl.model.patches import grouprl_patches
 
@@ -105,7 +105,9 @@ def one_pass(name: str, model, inputs, repeat: int = 0) -> dict:
         lambda *_: forwards.__setitem__(0, forwards[0] + 1)
     )
     chunk_elements, worth_packing = forward_module.CHUNK_ELEMENTS, prompt_packing.worth_packing
+    explicit_pays_off = packed_attention._explicit_products_pay_off
     prompt_packing.worth_packing = lambda *args: name == "packed"
+    packed_attention._explicit_products_pay_off = lambda query: True  # as on a GPU (bf16)
     # the real vocabulary's chunking (256 positions) with a small one
     forward_module.CHUNK_ELEMENTS = forward_module.positions_per_chunk(SHAPES["0.5B"].vocab) * model.config.vocab_size
     on_gpu = inputs[0].device.type == "cuda"
@@ -142,6 +144,7 @@ def one_pass(name: str, model, inputs, repeat: int = 0) -> dict:
                 timed.append(time.perf_counter() - started)
     finally:
         forward_module.CHUNK_ELEMENTS, prompt_packing.worth_packing = chunk_elements, worth_packing
+        packed_attention._explicit_products_pay_off = explicit_pays_off
         hook.remove()
     both = forward_ops.counts + backward_ops.counts
     return {

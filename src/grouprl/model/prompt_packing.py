@@ -234,7 +234,7 @@ def build_pack(
 logger = logging.get_logger("grouprl")
 
 MIN_SAVING = 0.9  # pack only where the estimated cost is at most this share of the plain pass's (on a CPU)
-# On a GPU each pack row's pass through a layer launches ~1.6x the kernels the plain pass launches for all its rows
+# On a GPU each pack row's pass through a layer launches ~1.8x the kernels the plain pass launches for all its rows
 # (packed attention's gathers and their backward; bench/bench_train_ops.py), and at small sizes those launches, not
 # the arithmetic, set the time. The H200 run: the 0.5B case packed (estimated 0.86 of the plain cost) took 1.44 s a
 # training pass where a plain forward + backward of the same rows took 0.26 s; the 1.5B case, not packed (0.96), ran
