@@ -9,7 +9,8 @@ it makes, and on a GPU its time: each operator is a kernel launched from the hos
 
 The 0.5B shape's layers and heads (14 / 2) in bf16, at a tiny width (the default: the count does not depend on the
 width, and the head's chunking is held at the real vocabulary's, 256 positions a chunk) or the real one, gradient
-checkpointing on, as the benchmark trains; packed attention takes its GPU path (explicit products) on a CPU too. Three passes of the same rows:
+checkpointing on, as the benchmark trains; packed attention takes its GPU path (explicit products) on a CPU too.
+Three passes of the same rows:
   packed  grouprl's completion_logprobs with each prompt's rows packed (prompt_packing.py), whatever the estimate
   plain   grouprl's completion_logprobs, every row on its own (pack_shared_prompts=False)
   naive   one forward of all rows with full logits, log_softmax and a gather (what TRL 1.16 does)
