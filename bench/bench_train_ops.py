@@ -6,6 +6,7 @@ it makes, and on a GPU its time: each operator is a kernel launched from the hos
                                                     # 48-token prompts, 256 new tokens), the 0.5B shape's 24 layers
     python bench/bench_train_ops.py --cases 2 --new-tokens 64 --layers 2
     python bench/bench_train_ops.py --width real --device cuda --cases 1,2 --repeat 3   # + seconds per pass (a GPU)
+    python bench/bench_train_ops.py --cases 2 --row-tokens 32768   # + the packs in rows of up to 32,768 tokens
 
 The 0.5B shape's layers and heads (14 / 2) in bf16, at a tiny width (the default: the count does not depend on the
 width, and the head's chunking is held at the real vocabulary's, 256 positions a chunk) or the real one, gradient
@@ -95,7 +96,9 @@ def naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     return logits.float().log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
-def one_pass(name: str, model, inputs, repeat: int = 0) -> dict:
+def one_pass(name: str, model, inputs, repeat: int = 0, row_tokens: int | None = None) -> dict:
+    """`name`: packed, plain or naive (module doc); `row_tokens`: packs' row cap for this pass (default
+    prompt_packing.CONCATENATED_ROW_TOKENS)."""
     from grouprl.model import forward as forward_module
     from grouprl.model import packed_attention, prompt_packing
     from grouprl.model.logprobs import completion_logprobs
@@ -108,6 +111,8 @@ def one_pass(name: str, model, inputs, repeat: int = 0) -> dict:
     chunk_elements, worth_packing = forward_module.CHUNK_ELEMENTS, prompt_packing.worth_packing
     explicit_pays_off = packed_attention._explicit_products_pay_off
     prompt_packing.worth_packing = lambda *args: name == "packed"
+    row_cap = prompt_packing.CONCATENATED_ROW_TOKENS
+    prompt_packing.CONCATENATED_ROW_TOKENS = row_tokens or row_cap
     packed_attention._explicit_products_pay_off = lambda query: True  # as on a GPU (bf16)
     # the real vocabulary's chunking (256 positions) with a small one
     forward_module.CHUNK_ELEMENTS = forward_module.positions_per_chunk(SHAPES["0.5B"].vocab) * model.config.vocab_size
@@ -146,6 +151,7 @@ def one_pass(name: str, model, inputs, repeat: int = 0) -> dict:
     finally:
         forward_module.CHUNK_ELEMENTS, prompt_packing.worth_packing = chunk_elements, worth_packing
         packed_attention._explicit_products_pay_off = explicit_pays_off
+        prompt_packing.CONCATENATED_ROW_TOKENS = row_cap
         hook.remove()
     both = forward_ops.counts + backward_ops.counts
     return {
@@ -170,6 +176,9 @@ def main() -> None:
     parser.add_argument("--width", choices=["tiny", "real"], default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=0, help="uncounted runs timed after the counted one")
+    parser.add_argument(
+        "--row-tokens", default="", help="packed passes again with these row caps (e.g. 32768: one row of all packs)"
+    )
     args = parser.parse_args()
     model = build_model(args.layers, args.width, args.device)
     for number in args.cases.split(","):
@@ -178,6 +187,8 @@ def main() -> None:
         inputs = batch(case, new_tokens, model.config.vocab_size, args.device)
         one_pass("packed", model, inputs)  # warm-up (the packing probe runs once per model)
         results = {name: one_pass(name, model, inputs, args.repeat) for name in args.passes.split(",")}
+        for cap in filter(None, args.row_tokens.split(",")):
+            results[f"packed, rows of {cap} tokens"] = one_pass("packed", model, inputs, args.repeat, int(cap))
         print(json.dumps({"case": case.name, "layers": args.layers, "new_tokens": new_tokens, **results}, indent=1))
 
 
