@@ -29,31 +29,17 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
-from bench_decode_ops import VIEWS  # noqa: E402
+from bench_decode_ops import CountOperators  # noqa: E402  (aten operators by name, views left out)
 from bench_generation import PLAN, SHAPES  # noqa: E402  (the GPU benchmark's shapes and cases)
 
 # operators whose result the host reads (a CUDA stream sync each): scalars, data-dependent shapes
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero", "item"}
-
-
-class CountOperators(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in VIEWS:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 TINY_VOCAB = 512
