@@ -172,6 +172,28 @@ def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer):
         torch.testing.assert_close(compiled.sampler_logprobs, eager.sampler_logprobs, rtol=1e-4, atol=1e-5)
 
 
+def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(model_and_tokenizer):
+    """fp32 weights under bf16 autocast, as the trainer generates with bf16=True: the decode weights are cast copies and
+    inductor rounds elementwise work differently from eager code, so the compiled step does not sample the eager
+    loop's very tokens; what matters is that its logprobs stay as close to the training forward's as the eager loop's
+    (the sampler correction's mismatch). The device's autocast dtype: bf16 (CPU, CUDA)."""
+    import torch._inductor.config as inductor
+
+    model, tokenizer = model_and_tokenizer
+    prompts, params = prompts_of(tokenizer), SamplingParams(max_new_tokens=12, temperature=0.8)
+    gaps = {}
+    with patch.object(inductor, "fx_graph_cache", False), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            completions = generator(model, tokenizer, [], compile_step=compiled).generate(prompts, 3, params)
+            forward = [forward_logprobs(model, prompts[c.prompt_index], c.token_ids, 0.8) for c in completions]
+            gaps[compiled] = torch.cat([torch.tensor(c.sampler_logprobs) - f for c, f in zip(completions, forward)])
+    gaps = {compiled: gap.abs() for compiled, gap in gaps.items()}
+    assert len(gaps[True]) == len(gaps[False]) == 9 * 12
+    assert gaps[False].max() < 0.02  # the eager loop: bf16 rounding
+    assert gaps[True].mean() <= 1.5 * gaps[False].mean() and gaps[True].max() <= 2 * gaps[False].max() + 1e-3
+
+
 def test_a_step_that_cannot_compile_stops_with_the_way_out(model_and_tokenizer, monkeypatch):
     """torch.compile's failure (no C++ compiler, an operator it lacks, ...) names the field that turns it off."""
     import torch._dynamo.exc
