@@ -7,6 +7,7 @@ it makes, and on a GPU its time: each operator is a kernel launched from the hos
     python bench/bench_train_ops.py --cases 2 --new-tokens 64 --layers 2
     python bench/bench_train_ops.py --width real --device cuda --cases 1,2 --repeat 3   # + seconds per pass (a GPU)
     python bench/bench_train_ops.py --cases 2 --row-tokens 32768   # + the packs in rows of up to 32,768 tokens
+    python bench/bench_train_ops.py --cases 2 --sdpa-kernel        # + packed attention by sdpa's kernel
 
 The 0.5B shape's layers and heads (14 / 2) in bf16, at a tiny width (the default: the count does not depend on the
 width, and the head's chunking is held at the real vocabulary's, 256 positions a chunk) or the real one, gradient
@@ -82,9 +83,12 @@ def naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     return logits.float().log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
-def one_pass(name: str, model, inputs, repeat: int = 0, row_tokens: int | None = None) -> dict:
+def one_pass(
+    name: str, model, inputs, repeat: int = 0, row_tokens: int | None = None, explicit_products: bool = True
+) -> dict:
     """`name`: packed, plain or naive (module doc); `row_tokens`: packs' row cap for this pass (default
-    prompt_packing.CONCATENATED_ROW_TOKENS)."""
+    prompt_packing.CONCATENATED_ROW_TOKENS); `explicit_products`: packed attention by explicit products (its path on
+    a GPU for layers that checkpointing recomputes) or by sdpa's kernel."""
     from grouprl.model import forward as forward_module
     from grouprl.model import packed_attention, prompt_packing
     from grouprl.model.logprobs import completion_logprobs
@@ -99,7 +103,7 @@ def one_pass(name: str, model, inputs, repeat: int = 0, row_tokens: int | None =
     prompt_packing.worth_packing = lambda *args: name == "packed"
     row_cap = prompt_packing.CONCATENATED_ROW_TOKENS
     prompt_packing.CONCATENATED_ROW_TOKENS = row_tokens or row_cap
-    packed_attention._explicit_products_pay_off = lambda query: True  # as on a GPU (bf16)
+    packed_attention._explicit_products_pay_off = lambda query: explicit_products  # True: as on a GPU (bf16)
     # the real vocabulary's chunking (256 positions) with a small one
     forward_module.CHUNK_ELEMENTS = forward_module.positions_per_chunk(SHAPES["0.5B"].vocab) * model.config.vocab_size
     on_gpu = inputs[0].device.type == "cuda"
@@ -165,6 +169,9 @@ def main() -> None:
     parser.add_argument(
         "--row-tokens", default="", help="packed passes again with these row caps (e.g. 32768: one row of all packs)"
     )
+    parser.add_argument(
+        "--sdpa-kernel", action="store_true", help="the packed pass again with packed attention by sdpa's kernel"
+    )
     args = parser.parse_args()
     model = build_model(args.layers, args.width, args.device)
     for number in args.cases.split(","):
@@ -175,6 +182,8 @@ def main() -> None:
         results = {name: one_pass(name, model, inputs, args.repeat) for name in args.passes.split(",")}
         for cap in filter(None, args.row_tokens.split(",")):
             results[f"packed, rows of {cap} tokens"] = one_pass("packed", model, inputs, args.repeat, int(cap))
+        if args.sdpa_kernel:
+            results["packed, sdpa kernel"] = one_pass("packed", model, inputs, args.repeat, explicit_products=False)
         print(json.dumps({"case": case.name, "layers": args.layers, "new_tokens": new_tokens, **results}, indent=1))
 
 
