@@ -4,9 +4,9 @@
 #   2. the 0.5B case through TRL 1.16, grouprl's captured loop and the captured loop with its step compiled:
 #      s/step, decode ms/step, kernels per decode step, peak memory (bench.sh, at most 230 s);
 #   3. the training pass alone at the 0.5B shape, both cases, packed / plain / naive, packed in one row of all packs
-#      and packed with sdpa's kernel: operators, seconds, peak memory (bench/bench_train_ops.py, at most 110 s; whether
-#      packing pays on the GPU, prompt_packing.worth_packing; whether its rows should be longer there,
-#      CONCATENATED_ROW_TOKENS; which attention it should take there, packed_attention._explicit_products_pay_off);
+#      and packed with sdpa's kernel: operators, seconds, peak memory (bench/bench_train_ops.py, at most 110 s):
+#      whether packing pays on the GPU (prompt_packing.worth_packing), whether its rows should be longer there
+#      (CONCATENATED_ROW_TOKENS), which attention it should take there (packed_attention._explicit_products_pay_off);
 #   4. one step of the captured 0.5B case under torch.profiler: kernels by GPU time, and what holds memory at its
 #      peak (profile_step.py --memory, at most 80 s).
 # Run from the repository's root there, with .whl carried (bench/gpu/fetch_wheels.sh made it here):
