@@ -28,9 +28,15 @@ from bench_generation import PLAN  # noqa: E402  (the GPU benchmark's cases)
 CASES = [PLAN[0], PLAN[2]]  # the 0.5B and 1.5B cases with 48-token prompts
 
 
-def host_ms(case, device: str, dense_mask: bool) -> float:
+def packs_in_a_row(case) -> tuple[int, int]:
+    """(packs, tokens) of one row: as many packs as it holds (prompt_packing.concatenated_rows)."""
     pack = case.prompt_tokens + case.generations * case.new_tokens
-    packs = max(CONCATENATED_ROW_TOKENS // pack, 1)  # as many as one row holds (prompt_packing.concatenated_rows)
+    packs = max(CONCATENATED_ROW_TOKENS // pack, 1)
+    return packs, packs * pack
+
+
+def host_ms(case, device: str, dense_mask: bool) -> float:
+    packs, _ = packs_in_a_row(case)
     prompts = [list(range(case.prompt_tokens))] * packs
     completions = [[list(range(case.new_tokens))] * case.generations] * packs
     times = []
@@ -43,8 +49,7 @@ def host_ms(case, device: str, dense_mask: bool) -> float:
 
 def main() -> None:
     for case in CASES:
-        pack = case.prompt_tokens + case.generations * case.new_tokens
-        length = max(CONCATENATED_ROW_TOKENS // pack, 1) * pack
+        _, length = packs_in_a_row(case)
         row = {
             "row": f"{length:,}-token row ({case.name})",
             "cpu_ms": host_ms(case, "cpu", True),

@@ -26,10 +26,12 @@ included).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from unittest.mock import patch
 
 import torch
 
@@ -98,14 +100,6 @@ def one_pass(
     hook = model.model.layers[0].self_attn.register_forward_pre_hook(
         lambda *_: forwards.__setitem__(0, forwards[0] + 1)
     )
-    chunk_elements, worth_packing = forward_module.CHUNK_ELEMENTS, prompt_packing.worth_packing
-    explicit_pays_off = packed_attention._explicit_products_pay_off
-    prompt_packing.worth_packing = lambda *args: name == "packed"
-    row_cap = prompt_packing.CONCATENATED_ROW_TOKENS
-    prompt_packing.CONCATENATED_ROW_TOKENS = row_tokens or row_cap
-    packed_attention._explicit_products_pay_off = lambda query: explicit_products  # True: as on a GPU (bf16)
-    # the real vocabulary's chunking (256 positions) with a small one
-    forward_module.CHUNK_ELEMENTS = forward_module.positions_per_chunk(SHAPES["0.5B"].vocab) * model.config.vocab_size
     on_gpu = inputs[0].device.type == "cuda"
     synchronize = torch.cuda.synchronize if on_gpu else lambda: None
 
@@ -116,33 +110,42 @@ def one_pass(
             logps = completion_logprobs(model, *inputs, temperature=1.0, with_entropy=True).logprobs
         return (logps * inputs[3]).sum() / inputs[3].sum()
 
-    try:
-        with grouprl_patches():
+    with contextlib.ExitStack() as patches:
+        for target, attribute, replacement in (
+            (prompt_packing, "worth_packing", lambda *args: name == "packed"),
+            (prompt_packing, "CONCATENATED_ROW_TOKENS", row_tokens or prompt_packing.CONCATENATED_ROW_TOKENS),
+            # True: as on a GPU (bf16)
+            (packed_attention, "_explicit_products_pay_off", lambda query: explicit_products),
+            # the real vocabulary's chunking (256 positions) with a small one
+            (
+                forward_module,
+                "CHUNK_ELEMENTS",
+                forward_module.positions_per_chunk(SHAPES["0.5B"].vocab) * model.config.vocab_size,
+            ),
+        ):
+            patches.enter_context(patch.object(target, attribute, replacement))
+        patches.callback(hook.remove)
+        patches.enter_context(grouprl_patches())
+        model.zero_grad(set_to_none=True)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        synchronize()
+        started = time.perf_counter()
+        with CountOperators() as forward_ops:
+            value = loss()
+        forward_calls = forwards[0]
+        with CountOperators() as backward_ops:
+            value.backward()
+        synchronize()
+        seconds, recomputed = time.perf_counter() - started, forwards[0] - forward_calls
+        timed = []
+        for _ in range(repeat):
             model.zero_grad(set_to_none=True)
-            if on_gpu:
-                torch.cuda.reset_peak_memory_stats()
             synchronize()
             started = time.perf_counter()
-            with CountOperators() as forward_ops:
-                value = loss()
-            forward_calls = forwards[0]
-            with CountOperators() as backward_ops:
-                value.backward()
+            loss().backward()
             synchronize()
-            seconds, recomputed = time.perf_counter() - started, forwards[0] - forward_calls
-            timed = []
-            for _ in range(repeat):
-                model.zero_grad(set_to_none=True)
-                synchronize()
-                started = time.perf_counter()
-                loss().backward()
-                synchronize()
-                timed.append(time.perf_counter() - started)
-    finally:
-        forward_module.CHUNK_ELEMENTS, prompt_packing.worth_packing = chunk_elements, worth_packing
-        packed_attention._explicit_products_pay_off = explicit_pays_off
-        prompt_packing.CONCATENATED_ROW_TOKENS = row_cap
-        hook.remove()
+            timed.append(time.perf_counter() - started)
     both = forward_ops.counts + backward_ops.counts
     return {
         "forward_operators": sum(forward_ops.counts.values()),

@@ -68,6 +68,13 @@ class Case:
 
 
 ENGINES = ("transformers", "engine", "captured", "captured+compile")  # +compile: GRPOConfig.compile_decode_step
+
+
+def engine_config(engine: str) -> dict:
+    """grouprl's GRPOConfig fields for one of ENGINES."""
+    return {"generation_engine": engine.split("+")[0], "compile_decode_step": engine.endswith("+compile")}
+
+
 PLAN = (
     Case("0.5B, 48-token prompts", "0.5B", 8, 8, 48, 0, 256, 3, ("trl", *ENGINES)),
     Case("0.5B, 1024-token shared prompt + 48", "0.5B", 8, 8, 48, 1024, 256, 3, ("trl", *ENGINES)),
@@ -175,9 +182,7 @@ def train_run(library: str, engine: str | None, case: Case, model_dir: str, bf16
                 torch.cuda.synchronize()
             self.ends.append(time.perf_counter())
 
-    extra = {}
-    if library == "grouprl":
-        extra = {"generation_engine": engine.split("+")[0], "compile_decode_step": engine.endswith("+compile")}
+    extra = engine_config(engine) if library == "grouprl" else {}
     if device == "cpu":
         extra["use_cpu"] = True
     config = GRPOConfig(**config_kwargs(case, f"/tmp/bench-gpu/{library}-{engine}", bf16), **extra)
@@ -276,14 +281,14 @@ def kernels_per_step(backend, prompts: list[list[int]], generations: int, params
         return event.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::"))
 
     counts = []
-    backend.capture = False
+    capture, backend.capture = backend.capture, False
     for call in (SamplingParams(max_new_tokens=1, temperature=params.temperature), params):
         with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
             backend.generate(prompts, generations, call)
             if device == "cuda":
                 torch.cuda.synchronize()
         counts.append(sum(map(counted, prof.events())))
-    backend.capture = None
+    backend.capture = capture
     return (counts[1] - counts[0]) / max(backend.last_decode[0], 1)
 
 

@@ -29,6 +29,7 @@ from bench_generation import (
     TINY_PLAN,
     build_model,
     config_kwargs,
+    engine_config,
     load_tokenizer,
     one_token_reward,
     prompts_of,
@@ -84,9 +85,8 @@ def main() -> None:
 
     kwargs = config_kwargs(case, "/tmp/bench-gpu/profile", cuda)
     kwargs["max_steps"] = 2
-    engine, compiled = args.engine.split("+")[0], args.engine.endswith("+compile")
     extra = {} if cuda else {"use_cpu": True}
-    config = GRPOConfig(**kwargs, generation_engine=engine, compile_decode_step=compiled, **extra)
+    config = GRPOConfig(**kwargs, **engine_config(args.engine), **extra)
     trainer = GRPOTrainer(
         model=model_dir,
         reward_funcs=one_token_reward,
