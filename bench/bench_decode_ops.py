@@ -3,6 +3,7 @@ is a kernel a replayed graph runs one after another, so their count is the step'
 
     python bench/bench_decode_ops.py                       # the Qwen2.5-0.5B shape, 24 layers, bf16, 64 rows
     python bench/bench_decode_ops.py --layers 2 --dtype fp32
+    python bench/bench_decode_ops.py --dtype fp32-autocast  # fp32 weights under bf16 autocast, as the GPU benchmark
     PYTHONPATH=/path/to/other/checkout/src python bench/bench_decode_ops.py   # another version, same count
 
 Random weights, built here. On a CPU the bf16 products are left unpacked (`F.linear`, as on CUDA), so the count is
@@ -43,8 +44,9 @@ class CountOperators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def step_operators(layers: int, dtype: torch.dtype, rows: int, device: str) -> Counter:
-    """Operators of the third decode step of one generation (rows = 8 prompts x rows / 8 samples)."""
+def step_operators(layers: int, dtype: torch.dtype, rows: int, device: str, autocast: bool = False) -> Counter:
+    """Operators of the third decode step of one generation (rows = 8 prompts x rows / 8 samples); `autocast`:
+    under bf16 autocast, as the trainer generates with `bf16=True`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from grouprl.core.types import SamplingParams
@@ -72,7 +74,8 @@ def step_operators(layers: int, dtype: torch.dtype, rows: int, device: str) -> C
     packs = fused_decode.packs_weights
     static_decode.DecodeLoop.step, fused_decode.packs_weights = counting_step, lambda *args: False
     try:
-        generator.generate([[1, 2, 3, 4, 5]] * 8, rows // 8, SamplingParams(max_new_tokens=4, temperature=1.0))
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+            generator.generate([[1, 2, 3, 4, 5]] * 8, rows // 8, SamplingParams(max_new_tokens=4, temperature=1.0))
     finally:
         static_decode.DecodeLoop.step, fused_decode.packs_weights = step, packs
     return counted[-1]
@@ -81,14 +84,18 @@ def step_operators(layers: int, dtype: torch.dtype, rows: int, device: str) -> C
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument(
+        "--dtype", choices=["bf16", "fp32", "fp32-autocast"], default="bf16",
+        help="the weights' dtype; fp32-autocast: fp32 weights under bf16 autocast (the GPU benchmark's bf16=True)",
+    )  # fmt: skip
     parser.add_argument("--rows", type=int, default=64, help="a multiple of 8")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    counts = step_operators(args.layers, dtype, args.rows, args.device)
-    one_layer = step_operators(1, dtype, args.rows, args.device)
-    two_layers = step_operators(2, dtype, args.rows, args.device)
+    autocast = args.dtype == "fp32-autocast"
+    counts = step_operators(args.layers, dtype, args.rows, args.device, autocast)
+    one_layer = step_operators(1, dtype, args.rows, args.device, autocast)
+    two_layers = step_operators(2, dtype, args.rows, args.device, autocast)
     per_layer = sum(two_layers.values()) - sum(one_layer.values())
     print(
         json.dumps(

@@ -173,10 +173,12 @@ def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer):
 
 
 def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(model_and_tokenizer):
-    """fp32 weights under bf16 autocast, as the trainer generates with bf16=True: the decode weights are cast copies and
-    inductor rounds elementwise work differently from eager code, so the compiled step does not sample the eager
-    loop's very tokens; what matters is that its logprobs stay as close to the training forward's as the eager loop's
-    (the sampler correction's mismatch). The device's autocast dtype: bf16 (CPU, CUDA)."""
+    """fp32 weights under bf16 autocast, as the trainer generates with bf16=True. The eager loop rounds where the
+    training forward's autocast rounds (the products' inputs, RoPE's output before attention, which runs in bf16, the
+    KV cache included), so its logprobs are the training forward's (measured on this model: largest gap 5e-7, where
+    an fp32 cache and attention left 0.0024). Inductor keeps elementwise work in fp32 where eager code rounds, so the
+    compiled step does not sample the eager loop's very tokens; its gap stays that of one bf16 rounding (measured:
+    mean 0.00033, largest 0.0014), the sampler correction's mismatch. The device's autocast dtype: bf16 (CPU, CUDA)."""
     import torch._inductor.config as inductor
 
     model, tokenizer = model_and_tokenizer
@@ -189,9 +191,10 @@ def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(mod
             forward = [forward_logprobs(model, prompts[c.prompt_index], c.token_ids, 0.8) for c in completions]
             gaps[compiled] = torch.cat([torch.tensor(c.sampler_logprobs) - f for c, f in zip(completions, forward)])
     gaps = {compiled: gap.abs() for compiled, gap in gaps.items()}
+    print("GAPS", {k: (float(v.mean()), float(v.max())) for k, v in gaps.items()})
     assert len(gaps[True]) == len(gaps[False]) == 9 * 12
-    assert gaps[False].max() < 0.02  # the eager loop: bf16 rounding
-    assert gaps[True].mean() <= 1.5 * gaps[False].mean() and gaps[True].max() <= 2 * gaps[False].max() + 1e-3
+    assert gaps[False].max() < 1e-5
+    assert gaps[True].mean() < 1e-3 and gaps[True].max() < 0.005
 
 
 def test_a_step_that_cannot_compile_stops_with_the_way_out(model_and_tokenizer, monkeypatch):
@@ -229,7 +232,7 @@ def test_static_cache_attention_equals_repeated_heads():
     valid = torch.rand(rows, columns) > 0.3
     valid[:, 0] = True
     prefill = SimpleNamespace(layers=[SimpleNamespace(keys=keys, values=values)])
-    cache = StaticKVCache(prefill, valid.long(), repeats=1, new_tokens=1)
+    cache = StaticKVCache(prefill, valid.long(), repeats=1, new_tokens=1, dtype=torch.float32)
     assert cache.keys[0].shape[2] == 16  # 11 columns, allocated as a multiple of 16 (never valid beyond 11)
     assert torch.equal(cache.valid[:, :columns], valid) and not cache.valid[:, columns:].any()
     query = torch.randn(rows, heads, 1, dim)

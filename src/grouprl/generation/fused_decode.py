@@ -200,6 +200,7 @@ class FusedDecoder:
         self.residual_dtype = model.get_input_embeddings().weight.dtype
         self.dtype = torch.get_autocast_dtype(device.type) if autocast else self.residual_dtype
         self.packed = pack and packs_weights(self.dtype, device)
+        self.adds_promoted = torch.promote_types(self.residual_dtype, self.dtype) == self.residual_dtype
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -258,6 +259,10 @@ class FusedDecoder:
         outs = self._outputs(x, product)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
+    def _residual(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """hidden + out in the residual stream's dtype; the add promotes a bf16 `out` itself (no cast kernel)."""
+        return hidden + (out if self.adds_promoted else out.to(self.residual_dtype))
+
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SharedPrefixCache) -> torch.Tensor:
         """tokens, positions: (R,) -> fp32 logits (R, vocab); writes the step's keys and values into `cache`."""
@@ -266,11 +271,13 @@ class FusedDecoder:
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SharedPrefixCache) -> torch.Tensor:
         # On a GPU a decode step costs about its kernel count (each a few microseconds, the products included), so
-        # no tensor changes dtype unless the model's forward changes it there too: RoPE runs in the residual
-        # stream's dtype, as transformers' (q in the products' dtype times cos/sin in the hidden states'), and the
-        # attention's output stays in the cache's dtype for the o product. bench/gpu counts the step's operators.
+        # a dtype changes only where the model's forward rounds, and inside an operator that runs anyway: RoPE
+        # computes in the residual stream's dtype, as transformers' (q in the products' dtype times cos/sin in the
+        # hidden states'), writing its output in the cache's dtype (under autocast, the bf16 sdpa's inputs); the
+        # attention's output stays in that dtype for the o product, and the residual adds promote the products'
+        # outputs. bench/bench_decode_ops.py counts the step's operators.
         rows, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
-        rope_dtype = self.residual_dtype
+        rope_dtype, attention_dtype = self.residual_dtype, cache.dtype
         hidden = F.embedding(tokens, self.embedding)  # (R, H), the residual stream
         cos, sin = self.rotary(hidden[:, None], positions[:, None])  # (R, 1, D) each
         half = dim // 2
@@ -286,8 +293,9 @@ class FusedDecoder:
                 qk, value = torch.cat(outs[:2], dim=-1), outs[2]
             else:  # one stacked product
                 qk, value = outs[0][:, : q_width + k_width], outs[0][:, q_width + k_width :]
-            qk = qk.to(rope_dtype).view(rows, heads + kv_heads, dim)
+            qk = qk.view(rows, heads + kv_heads, dim)  # `qk * cos` below computes in rope_dtype
             if layer.q_norm is not None:
+                qk = qk.to(rope_dtype)
                 qk = torch.cat(
                     [
                         F.rms_norm(qk[:, :heads], (dim,), layer.q_norm.to(rope_dtype), layer.head_eps),
@@ -295,15 +303,18 @@ class FusedDecoder:
                     ],
                     dim=1,
                 )
-            qk = torch.addcmul(qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin)
+            # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output
+            rotated = torch.empty(qk.shape, dtype=attention_dtype, device=qk.device)
+            torch.addcmul(qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin, out=rotated)
+            qk = rotated
             cache.update(qk[:, heads:, None], value.view(rows, kv_heads, 1, dim), index)
             attended = cache.attend(index, qk[:, :heads, None], self.scaling)  # (R, 1, heads, D)
             out = self._apply(attended.reshape(rows, q_width), layer.o)
-            hidden = hidden + out.to(self.residual_dtype)
+            hidden = self._residual(hidden, out)
             x = F.rms_norm(hidden, (width,), layer.post_norm, layer.post_eps)
             outs = self._outputs(x, layer.gate_up)
             gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
-            hidden = hidden + self._apply(F.silu(gate) * up, layer.down).to(self.residual_dtype)
+            hidden = self._residual(hidden, self._apply(F.silu(gate) * up, layer.down))
         hidden = F.rms_norm(hidden, (width,), self.final_norm, self.final_eps)
         return self._apply(hidden, self.head).float()
 

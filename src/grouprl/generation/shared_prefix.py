@@ -98,6 +98,11 @@ class SharedPrefixCache:
         self.lengths[layer_idx] = t + 1
         return key_states, value_states
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The keys' dtype, which FusedDecoder writes a step's keys and queries in (attention runs in fp32 at least)."""
+        return self.keys[0].dtype
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.prefix_mask.shape[1] + self.lengths[layer_idx]
 

@@ -259,7 +259,8 @@ class CapturedGenerator:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        cache = StaticKVCache(prefill, mask, g, params.max_new_tokens)
+        decoder = FusedDecoder(base, pack=not self.compile_step)  # the weights as they are now; in place where no cast
+        cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype)
         del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
         logits = logits.repeat_interleave(g, 0)
@@ -269,7 +270,7 @@ class CapturedGenerator:
         first, first_logprobs = sample_next(logits, params, prompt_tokens, cache.valid[:, :width], self.sampling_method)
         positions = mask.sum(dim=1).repeat_interleave(g, 0)
         loop = DecodeLoop(
-            FusedDecoder(base, pack=not self.compile_step),  # the weights as they are now; in place where no cast
+            decoder,
             cache,
             prompt_tokens,
             first,

@@ -19,18 +19,22 @@ class StaticKVCache:
     """Every layer's keys and values, (rows, kv_heads, columns, head_dim), allocated once; the FusedDecoder cache
     interface (`update`, `attend`) over them.
 
-    `column` (a 1-element device tensor) is where the next token's keys and values go; `valid` (rows, columns)
-    marks the prompt's real tokens and every token decoded so far, and `bias` (rows, 1, 1, columns) is the same as
-    the scores' additive bias in the keys' dtype (0 or -inf), kept once for every layer: given a boolean mask,
-    sdpa would convert it in each layer.
+    `dtype`: the attention's, which the training forward computes in (under autocast, its dtype: the prefill's
+    keys come in fp32 there, since RoPE runs in the residual stream's dtype, and are rounded here as autocast rounds
+    them before sdpa). `column` (a 1-element device tensor) is where the next token's keys and values go; `valid`
+    (rows, columns) marks the prompt's real tokens and every token decoded so far, and `bias` (rows, 1, 1, columns)
+    is the same as the scores' additive bias in `dtype` (0 or -inf), kept once for every layer: given a boolean
+    mask, sdpa would convert it in each layer.
     """
 
-    def __init__(self, prefill: DynamicCache, prompt_mask: torch.Tensor, repeats: int, new_tokens: int):
+    def __init__(
+        self, prefill: DynamicCache, prompt_mask: torch.Tensor, repeats: int, new_tokens: int, dtype: torch.dtype
+    ):
         prompt_keys = [layer.keys for layer in prefill.layers]
         rows = prompt_mask.shape[0] * repeats
         columns = -(-(prompt_mask.shape[1] + new_tokens) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
         _, kv_heads, prompt_length, head_dim = prompt_keys[0].shape
-        dtype, device = prompt_keys[0].dtype, prompt_mask.device
+        self.dtype, device = dtype, prompt_mask.device
         self.keys = [torch.zeros(rows, kv_heads, columns, head_dim, dtype=dtype, device=device) for _ in prompt_keys]
         self.values = [torch.zeros_like(self.keys[0]) for _ in prompt_keys]
         for layer, source in enumerate(prefill.layers):
@@ -50,18 +54,18 @@ class StaticKVCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
         """key, value (rows, kv_heads, 1, head_dim) into column `column`."""
-        self.keys[layer].index_copy_(2, self.column, key.to(self.keys[layer].dtype))
-        self.values[layer].index_copy_(2, self.column, value.to(self.values[layer].dtype))
+        self.keys[layer].index_copy_(2, self.column, key.to(self.dtype))
+        self.values[layer].index_copy_(2, self.column, value.to(self.dtype))
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in the keys' dtype, over the valid columns.
+        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in `dtype`, over the valid columns.
 
         The heads sharing a key/value head are that head's queries (a (rows, kv_heads, heads / kv_heads, dim)
         query), so grouped-query attention needs neither repeated keys nor enable_gqa."""
         rows, heads, _, dim = query.shape
         keys, values = self.keys[layer], self.values[layer]
-        grouped = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dim).to(keys.dtype)
+        grouped = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dim).to(self.dtype)
         out = F.scaled_dot_product_attention(
             grouped, keys, values, attn_mask=self.bias, scale=scaling
         )  # (rows, kv_heads, group, dim)
-        return out.reshape(rows, 1, heads, dim)  # in the keys' dtype, which the o product takes as it is
+        return out.reshape(rows, 1, heads, dim)  # in `dtype`, which the o product takes as it is
