@@ -44,15 +44,17 @@ class CountOperators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def step_operators(layers: int, dtype: torch.dtype, rows: int, device: str, autocast: bool = False) -> Counter:
+def step_operators(
+    layers: int, dtype: torch.dtype, rows: int, device: str, autocast: bool = False, shape: str = "0.5B"
+) -> Counter:
     """Operators of the third decode step of one generation (rows = 8 prompts x rows / 8 samples); `autocast`:
-    under bf16 autocast, as the trainer generates with `bf16=True`."""
+    under bf16 autocast, as the trainer generates with `bf16=True`; `shape`: one of the GPU benchmark's."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from grouprl.core.types import SamplingParams
     from grouprl.generation import fused_decode, static_decode
 
-    shape = SHAPES["0.5B"]
+    shape = SHAPES[shape]
     eos, pad = shape.vocab - 1, shape.vocab - 2
     config = Qwen2Config(
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,

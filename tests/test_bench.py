@@ -157,3 +157,19 @@ def test_the_plain_training_pass_adds_no_operators_to_a_layer():
     plain, naive, packed = per_layer("plain"), per_layer("naive"), per_layer("packed")
     assert plain == naive
     assert packed[0] > plain[0] and packed[1] > plain[1]
+
+
+def test_a_decode_layer_under_bf16_autocast_casts_only_the_products_inputs():
+    """bench_decode_ops: fp32 weights under bf16 autocast (bf16=True), a decode layer's only dtype changes are the two
+    normed inputs of its stacked products (qkv, gate/up); RoPE writes bf16 itself, the cache and attention are bf16
+    and the residual adds promote. Before, RoPE's input, the cache writes and both residual adds cast too (7)."""
+    import bench_decode_ops
+
+    def per_layer(autocast: bool):
+        one, two = (bench_decode_ops.step_operators(n, torch.float32, 8, "cpu", autocast, "tiny") for n in (1, 2))
+        return {op: two[op] - one[op] for op in set(one) | set(two) if two[op] != one[op]}
+
+    layer = per_layer(autocast=True)
+    assert layer["_to_copy"] == 2
+    assert layer["_scaled_dot_product_flash_attention_for_cpu"] == 1 and layer["index_copy_"] == 2
+    assert "_to_copy" not in per_layer(autocast=False)  # fp32 end to end: nothing to cast
