@@ -232,7 +232,7 @@ def test_static_cache_attention_equals_repeated_heads():
     valid = torch.rand(rows, columns) > 0.3
     valid[:, 0] = True
     prefill = SimpleNamespace(layers=[SimpleNamespace(keys=keys, values=values)])
-    cache = StaticKVCache(prefill, valid.long(), repeats=1, new_tokens=1, dtype=torch.float32)
+    cache = StaticKVCache(prefill, valid.long(), repeats=1, new_tokens=1, kv_dtype=torch.float32)
     assert cache.keys[0].shape[2] == 16  # 11 columns, allocated as a multiple of 16 (never valid beyond 11)
     assert torch.equal(cache.valid[:, :columns], valid) and not cache.valid[:, columns:].any()
     query = torch.randn(rows, heads, 1, dim)

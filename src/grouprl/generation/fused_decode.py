@@ -277,7 +277,7 @@ class FusedDecoder:
         # attention's output stays in that dtype for the o product, and the residual adds promote the products'
         # outputs. bench/bench_decode_ops.py counts the step's operators.
         rows, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
-        rope_dtype, attention_dtype = self.residual_dtype, cache.dtype
+        rope_dtype, attention_dtype = self.residual_dtype, cache.kv_dtype
         hidden = F.embedding(tokens, self.embedding)  # (R, H), the residual stream
         cos, sin = self.rotary(hidden[:, None], positions[:, None])  # (R, 1, D) each
         half = dim // 2

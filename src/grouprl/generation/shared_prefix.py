@@ -99,8 +99,9 @@ class SharedPrefixCache:
         return key_states, value_states
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The keys' dtype, which FusedDecoder writes a step's keys and queries in (attention runs in fp32 at least)."""
+    def kv_dtype(self) -> torch.dtype:
+        """The keys' dtype, which FusedDecoder writes a step's keys and queries in (attention runs in fp32 at least).
+        Not `dtype`: accelerate's fp32 conversion of a model's outputs casts whatever has a bf16 `dtype`."""
         return self.keys[0].dtype
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -19,23 +19,23 @@ class StaticKVCache:
     """Every layer's keys and values, (rows, kv_heads, columns, head_dim), allocated once; the FusedDecoder cache
     interface (`update`, `attend`) over them.
 
-    `dtype`: the attention's, which the training forward computes in (under autocast, its dtype: the prefill's
+    `kv_dtype`: the attention's, which the training forward computes in (under autocast, its dtype: the prefill's
     keys come in fp32 there, since RoPE runs in the residual stream's dtype, and are rounded here as autocast rounds
     them before sdpa). `column` (a 1-element device tensor) is where the next token's keys and values go; `valid`
     (rows, columns) marks the prompt's real tokens and every token decoded so far, and `bias` (rows, 1, 1, columns)
-    is the same as the scores' additive bias in `dtype` (0 or -inf), kept once for every layer: given a boolean
+    is the same as the scores' additive bias in `kv_dtype` (0 or -inf), kept once for every layer: given a boolean
     mask, sdpa would convert it in each layer.
     """
 
     def __init__(
-        self, prefill: DynamicCache, prompt_mask: torch.Tensor, repeats: int, new_tokens: int, dtype: torch.dtype
+        self, prefill: DynamicCache, prompt_mask: torch.Tensor, repeats: int, new_tokens: int, kv_dtype: torch.dtype
     ):
         prompt_keys = [layer.keys for layer in prefill.layers]
         rows = prompt_mask.shape[0] * repeats
         columns = -(-(prompt_mask.shape[1] + new_tokens) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
         _, kv_heads, prompt_length, head_dim = prompt_keys[0].shape
-        self.dtype, device = dtype, prompt_mask.device
-        self.keys = [torch.zeros(rows, kv_heads, columns, head_dim, dtype=dtype, device=device) for _ in prompt_keys]
+        self.kv_dtype, device = kv_dtype, prompt_mask.device
+        self.keys = [torch.zeros(rows, kv_heads, columns, head_dim, dtype=kv_dtype, device=device) for _ in prompt_keys]
         self.values = [torch.zeros_like(self.keys[0]) for _ in prompt_keys]
         for layer, source in enumerate(prefill.layers):
             self.keys[layer][:, :, :prompt_length] = source.keys.repeat_interleave(repeats, 0)
@@ -43,7 +43,7 @@ class StaticKVCache:
         self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
         self.valid[:, :prompt_length] = prompt_mask.bool().repeat_interleave(repeats, 0)
         self.column = torch.full((1,), prompt_length, dtype=torch.long, device=device)
-        self.bias = torch.zeros(rows, 1, 1, columns, dtype=dtype, device=device).masked_fill_(
+        self.bias = torch.zeros(rows, 1, 1, columns, dtype=kv_dtype, device=device).masked_fill_(
             ~self.valid[:, None, None, :], float("-inf")
         )
 
@@ -54,18 +54,18 @@ class StaticKVCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
         """key, value (rows, kv_heads, 1, head_dim) into column `column`."""
-        self.keys[layer].index_copy_(2, self.column, key.to(self.dtype))
-        self.values[layer].index_copy_(2, self.column, value.to(self.dtype))
+        self.keys[layer].index_copy_(2, self.column, key.to(self.kv_dtype))
+        self.values[layer].index_copy_(2, self.column, value.to(self.kv_dtype))
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in `dtype`, over the valid columns.
+        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in `kv_dtype`, over the valid columns.
 
         The heads sharing a key/value head are that head's queries (a (rows, kv_heads, heads / kv_heads, dim)
         query), so grouped-query attention needs neither repeated keys nor enable_gqa."""
         rows, heads, _, dim = query.shape
         keys, values = self.keys[layer], self.values[layer]
-        grouped = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dim).to(self.dtype)
+        grouped = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dim).to(self.kv_dtype)
         out = F.scaled_dot_product_attention(
             grouped, keys, values, attn_mask=self.bias, scale=scaling
         )  # (rows, kv_heads, group, dim)
-        return out.reshape(rows, 1, heads, dim)  # in `dtype`, which the o product takes as it is
+        return out.reshape(rows, 1, heads, dim)  # in `kv_dtype`, which the o product takes as it is
