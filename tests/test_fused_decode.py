@@ -87,6 +87,19 @@ def test_fused_steps_give_the_forward_logits(build):
     assert probe(model) is None
 
 
+@pytest.mark.parametrize("build", [_llama, _qwen3], ids=["llama3 rope", "default rope"])
+def test_a_rope_table_holds_each_positions_own_values(build):
+    """The static loop's steps gather RoPE's cos and sin from a table made once per call; each entry is bit for bit
+    what a step computes at that position (each value depends on its own position only), whatever positions the
+    step's rows are at."""
+    torch.manual_seed(0)
+    decoder = FusedDecoder(build().eval())
+    positions = torch.tensor([0, 5, 5, 63, 17, 100])
+    cos, signed_sin = decoder._rope(positions)
+    decoder.tabulate_rope(128)
+    assert torch.equal(decoder.rope_table[positions], torch.cat([cos, signed_sin], dim=1))
+
+
 def test_lora_adapters_are_merged_for_the_step():
     peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
     torch.manual_seed(0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "src"))
+if importlib.util.find_spec("grouprl") is None:  # this checkout's, unless one is installed or on PYTHONPATH
+    sys.path.insert(0, os.path.join(ROOT, "src"))
 
 DENSE_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # FLOP/s, dense (no sparsity)
 

@@ -205,7 +205,7 @@ class FusedDecoder:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
-        self.rotary = inner.rotary_emb
+        self.rotary, self.rope_table = inner.rotary_emb, None
         self.embedding = model.get_input_embeddings().weight.detach()
         self.layers = [self._gather(layer) for layer in inner.layers]
         self.final_norm, self.final_eps = inner.norm.weight.detach(), _norm_eps(inner.norm)
@@ -259,6 +259,21 @@ class FusedDecoder:
         outs = self._outputs(x, product)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sign-folded sin at `positions` (R,), each (R, 1, D) in the residual stream's dtype, as the
+        model's rotary embedding gives them: rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2), one cat of x."""
+        cos, sin = self.rotary(self.embedding[:1], positions[:, None])  # its dtype: the hidden states'
+        half = self.head_dim // 2
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos.to(self.residual_dtype), signed_sin.to(self.residual_dtype)
+
+    def tabulate_rope(self, positions: int) -> None:
+        """Steps gather RoPE's values for positions below `positions` from a table made once (one kernel a step
+        instead of about ten). For a loop whose positions stay below it, with a RoPE that never depends on the
+        batch (static_decode.STATIC_ROPE_TYPES): each value is computed from its own position, as in a step."""
+        cos, signed_sin = self._rope(torch.arange(positions, device=self.embedding.device))
+        self.rope_table = torch.cat([cos, signed_sin], dim=1)  # (positions, 2, D)
+
     def _residual(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """hidden + out in the residual stream's dtype; the add promotes a bf16 `out` itself (no cast kernel)."""
         return hidden + (out if self.adds_promoted else out.to(self.residual_dtype))
@@ -279,21 +294,23 @@ class FusedDecoder:
         rows, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
         rope_dtype, attention_dtype = self.residual_dtype, cache.kv_dtype
         hidden = F.embedding(tokens, self.embedding)  # (R, H), the residual stream
-        cos, sin = self.rotary(hidden[:, None], positions[:, None])  # (R, 1, D) each
+        if self.rope_table is None:
+            cos, signed_sin = self._rope(positions)  # (R, 1, D) each: broadcast over the heads
+        else:
+            both = self.rope_table.index_select(0, positions)
+            cos, signed_sin = both[:, :1], both[:, 1:]
         half = dim // 2
-        cos = cos.to(rope_dtype)  # (R, 1, D): broadcasts over the heads
-        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): one cat of x, the sign folded into sin
-        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(rope_dtype)
-        q_width, k_width = heads * dim, kv_heads * dim
-        width = hidden.shape[-1]
+        q_width, width = heads * dim, hidden.shape[-1]
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, (width,), layer.input_norm, layer.input_eps)
-            outs = self._outputs(x, layer.qkv)
-            if len(outs) == 3:  # q, k and v by three products (the training weights read in place)
-                qk, value = torch.cat(outs[:2], dim=-1), outs[2]
-            else:  # one stacked product
-                qk, value = outs[0][:, : q_width + k_width], outs[0][:, q_width + k_width :]
-            qk = qk.view(rows, heads + kv_heads, dim)  # `qk * cos` below computes in rope_dtype
+            outs = self._outputs(x, layer.qkv)  # one stacked product, or q, k and v read in place (three)
+            qkv = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(rows, heads + 2 * kv_heads, dim)
+            # RoPE's output replaces q and k in place where the products' dtype is the cache's (the static loop's),
+            # so the cache takes k and v in one write; else (the engine's fp32 cache under autocast) a buffer does
+            rotated = qkv if qkv.dtype == attention_dtype else torch.empty_like(qkv, dtype=attention_dtype)
+            qk = qkv[:, : heads + kv_heads]  # `qk * cos` below computes in rope_dtype
+            if rotated is not qkv:
+                rotated[:, heads + kv_heads :] = qkv[:, heads + kv_heads :]
             if layer.q_norm is not None:
                 qk = qk.to(rope_dtype)
                 qk = torch.cat(
@@ -303,12 +320,15 @@ class FusedDecoder:
                     ],
                     dim=1,
                 )
-            # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output
-            rotated = torch.empty(qk.shape, dtype=attention_dtype, device=qk.device)
-            torch.addcmul(qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin, out=rotated)
-            qk = rotated
-            cache.update(qk[:, heads:, None], value.view(rows, kv_heads, 1, dim), index)
-            attended = cache.attend(index, qk[:, :heads, None], self.scaling)  # (R, 1, heads, D)
+            # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output; the
+            # inputs are computed before the output overwrites q and k
+            rope_inputs = (qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin)
+            if torch.compiler.is_compiling():  # dynamo refuses a strided `out=`; inductor fuses the copy anyway
+                rotated[:, : heads + kv_heads] = torch.addcmul(*rope_inputs)
+            else:
+                torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads])
+            cache.write(rotated[:, heads:, None], index)  # (R, 2 * kv_heads, 1, D): keys, then values
+            attended = cache.attend(index, rotated[:, :heads, None], self.scaling)  # (R, 1, heads, D)
             out = self._apply(attended.reshape(rows, q_width), layer.o)
             hidden = self._residual(hidden, out)
             x = F.rms_norm(hidden, (width,), layer.post_norm, layer.post_eps)

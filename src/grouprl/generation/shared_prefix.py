@@ -98,6 +98,11 @@ class SharedPrefixCache:
         self.lengths[layer_idx] = t + 1
         return key_states, value_states
 
+    def write(self, key_values: torch.Tensor, layer_idx: int) -> None:
+        """FusedDecoder's step: (R, 2 * KVH, 1, D), the keys then the values of one new token per row."""
+        heads = key_values.shape[1] // 2
+        self.update(key_values[:, :heads], key_values[:, heads:], layer_idx)
+
     @property
     def kv_dtype(self) -> torch.dtype:
         """The keys' dtype, which FusedDecoder writes a step's keys and queries in (attention runs in fp32 at least).

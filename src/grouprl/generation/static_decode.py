@@ -261,6 +261,7 @@ class CapturedGenerator:
         ).logits[:, -1]
         decoder = FusedDecoder(base, pack=not self.compile_step)  # the weights as they are now; in place where no cast
         cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype)
+        decoder.tabulate_rope(cache.valid.shape[1])  # every position a row reaches is below the cache's columns
         del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
         logits = logits.repeat_interleave(g, 0)

@@ -17,7 +17,7 @@ COLUMN_MULTIPLE = 16
 
 class StaticKVCache:
     """Every layer's keys and values, (rows, kv_heads, columns, head_dim), allocated once; the FusedDecoder cache
-    interface (`update`, `attend`) over them.
+    interface (`write`, `attend`) over them.
 
     `kv_dtype`: the attention's, which the training forward computes in (under autocast, its dtype: the prefill's
     keys come in fp32 there, since RoPE runs in the residual stream's dtype, and are rounded here as autocast rounds
@@ -35,8 +35,12 @@ class StaticKVCache:
         columns = -(-(prompt_mask.shape[1] + new_tokens) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
         _, kv_heads, prompt_length, head_dim = prompt_keys[0].shape
         self.kv_dtype, device = kv_dtype, prompt_mask.device
-        self.keys = [torch.zeros(rows, kv_heads, columns, head_dim, dtype=kv_dtype, device=device) for _ in prompt_keys]
-        self.values = [torch.zeros_like(self.keys[0]) for _ in prompt_keys]
+        # a layer's keys and values in one buffer, so a step writes both at once (a kernel a layer fewer)
+        self.key_values = [
+            torch.zeros(rows, 2 * kv_heads, columns, head_dim, dtype=kv_dtype, device=device) for _ in prompt_keys
+        ]
+        self.keys = [both[:, :kv_heads] for both in self.key_values]
+        self.values = [both[:, kv_heads:] for both in self.key_values]
         for layer, source in enumerate(prefill.layers):
             self.keys[layer][:, :, :prompt_length] = source.keys.repeat_interleave(repeats, 0)
             self.values[layer][:, :, :prompt_length] = source.values.repeat_interleave(repeats, 0)
@@ -52,10 +56,10 @@ class StaticKVCache:
         self.valid.index_fill_(1, self.column, True)
         self.bias.index_fill_(3, self.column, 0.0)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
-        """key, value (rows, kv_heads, 1, head_dim) into column `column`."""
-        self.keys[layer].index_copy_(2, self.column, key.to(self.kv_dtype))
-        self.values[layer].index_copy_(2, self.column, value.to(self.kv_dtype))
+    def write(self, key_values: torch.Tensor, layer: int) -> None:
+        """key_values (rows, 2 * kv_heads, 1, head_dim), the keys then the values, in `kv_dtype`, into column
+        `column`."""
+        self.key_values[layer].index_copy_(2, self.column, key_values)
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in `kv_dtype`, over the valid columns.
