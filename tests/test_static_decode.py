@@ -191,7 +191,6 @@ def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(mod
             forward = [forward_logprobs(model, prompts[c.prompt_index], c.token_ids, 0.8) for c in completions]
             gaps[compiled] = torch.cat([torch.tensor(c.sampler_logprobs) - f for c, f in zip(completions, forward)])
     gaps = {compiled: gap.abs() for compiled, gap in gaps.items()}
-    print("GAPS", {k: (float(v.mean()), float(v.max())) for k, v in gaps.items()})
     assert len(gaps[True]) == len(gaps[False]) == 9 * 12
     assert gaps[False].max() < 1e-5
     assert gaps[True].mean() < 1e-3 and gaps[True].max() < 0.005
