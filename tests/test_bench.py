@@ -134,6 +134,22 @@ def test_memory_peak_lists_what_is_live_at_the_largest_total():
     assert "functional.py" not in text and "loop.py" not in text
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="the CPU peak reads Linux's /proc/self")
+def test_a_cpu_peak_counts_only_what_was_allocated_after_the_reset():
+    """The GPU benchmark's CPU stand-in for peak allocated memory: 200 MB held before the reset is not counted,
+    200 MB allocated and freed after it is."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu"))
+    import bench_generation
+
+    held = torch.ones(50_000_000)
+    start = bench_generation.reset_peak_memory("cpu")
+    transient = torch.ones(50_000_000)
+    del transient
+    peak = bench_generation.peak_memory_gb("cpu", start)
+    assert 0.19 < peak < 0.3, peak
+    assert held.sum() == 50_000_000
+
+
 def test_the_plain_training_pass_adds_no_operators_to_a_layer():
     """bench_train_ops: per layer, grouprl's plain pass (forward + backward, gradient checkpointing) dispatches what
     one forward of all rows with full logits does; a packed row's layer dispatches more (its gathers), which is why a

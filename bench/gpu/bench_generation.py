@@ -3,6 +3,8 @@
     python3 bench/gpu/bench_generation.py                 # the default plan, inside ~8 minutes on an H100/H200
     python3 bench/gpu/bench_generation.py --tiny --device cpu   # a dry run of the same code with tiny shapes
     python3 bench/gpu/bench_generation.py --cases 1 --only trl,captured   # part of the plan
+    MALLOC_MMAP_THRESHOLD_=65536 python3 bench/gpu/bench_generation.py --device cpu --bf16 --as-accelerator \
+        --cases 1 --only captured --kinds train   # the GPU case's memory, counted on a CPU (below)
 
 Models are built here with random weights (no hub): the Qwen2.5-0.5B shape (24 layers, hidden 896, 14 / 2
 heads, vocabulary 151,936, tied embeddings) and the Qwen2.5-1.5B shape (28 layers, hidden 1536, 12 / 2 heads),
@@ -15,6 +17,12 @@ tokens); for grouprl the training pass's model FLOPs utilisation (6 x non-embedd
 the logged forward + backward time, against the card's dense bf16 peak). Prints a table and writes JSON to
 $OUT/bench_generation.json (or --out). A run that fails is reported with its error, and the plan stops
 starting runs once --budget seconds have passed. Results: docs/benchmarks-gpu.md.
+
+On a CPU the peak is the process's resident memory above what it held when training started (weights, model
+copies, libraries): with glibc's MALLOC_MMAP_THRESHOLD_ fixed at 64 KiB every tensor of that size or more is a
+mapping of its own, returned when freed, so the peak follows the live tensors as the GPU's allocated bytes do.
+`--bf16 --as-accelerator` trains there as the GPU benchmark does (bf16 autocast, shared prompts packed only where
+grouprl would pack them on a GPU), so the two libraries' peaks can be compared without a GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -165,8 +173,32 @@ def one_token_reward(completions, **kwargs) -> list[float]:
     return [float(len(str(c))) % 7 for c in completions]
 
 
+def resident_gb() -> tuple[float, float]:
+    """(resident, peak resident) memory of this process, in GB (/proc/self/status: VmRSS, VmHWM)."""
+    with open("/proc/self/status") as handle:
+        fields = dict(line.split(":", 1) for line in handle)
+    return tuple(int(fields[name].split()[0]) * 1024 / 1e9 for name in ("VmRSS", "VmHWM"))
+
+
+def reset_peak_memory(device: str) -> float:
+    """Start counting the peak afresh; returns the memory held now (GB) that a CPU's peak is counted above."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return 0.0
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # the kernel resets VmHWM to the current VmRSS
+    return resident_gb()[0]
+
+
+def peak_memory_gb(device: str, start: float) -> float:
+    """The peak since `reset_peak_memory` (on a CPU above `start`, what it returned), in GB."""
+    return torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else resident_gb()[1] - start
+
+
 def train_run(library: str, engine: str | None, case: Case, model_dir: str, bf16: bool, device: str) -> dict:
-    """Train `case.steps` steps; s/step (first step not counted), tokens/s, peak memory, the trainer's logs."""
+    """Train `case.steps` steps; s/step (first step not counted), tokens/s, peak memory (on a CPU above the memory
+    held when training started, module doc), the trainer's logs."""
     import datasets
 
     if library == "trl":
@@ -198,18 +230,18 @@ def train_run(library: str, engine: str | None, case: Case, model_dir: str, bf16
         processing_class=load_tokenizer(model_dir),
         callbacks=[clock],
     )
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    memory_at_start = reset_peak_memory(device)
     started = time.perf_counter()
     trainer.train()
     steps = [b - a for a, b in zip([started, *clock.ends[:-1]], clock.ends)][1:]
     per_step = sum(steps) / len(steps)
     tokens = case.prompts * case.generations * case.new_tokens
     logs = [e for e in trainer.state.log_history if "loss" in e]
+    peak_key = "peak_gpu_memory_gb" if device == "cuda" else "peak_rss_above_start_gb"
     result = {
         "s_per_step": per_step,
         "generated_tokens_per_s": tokens / per_step,
-        "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+        peak_key: peak_memory_gb(device, memory_at_start),
         "logged_mean_length": logs[-1].get("completions/mean_length") if logs else None,
     }
     if library == "grouprl" and logs:
@@ -325,9 +357,22 @@ def main() -> None:
     )
     parser.add_argument("--kinds", default="train,decode", help="which measurements: train, decode or both")
     parser.add_argument("--cases", default="", help="comma-separated case numbers of the plan to run (1-based; all)")
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps a training run takes (the case's)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast on a CPU too (always on CUDA)")
+    parser.add_argument(
+        "--as-accelerator",
+        action="store_true",
+        help="on a CPU, pack shared prompts only where grouprl packs them on a GPU (prompt_packing.worth_packing)",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_generation.json"))
     args = parser.parse_args()
-    device, bf16 = args.device, args.device == "cuda"
+    if args.steps == 1:
+        parser.error("--steps: the first step is not timed, so a run takes at least 2")
+    device, bf16 = args.device, args.device == "cuda" or args.bf16
+    if args.as_accelerator:
+        from grouprl.model import prompt_packing
+
+        prompt_packing.MIN_SAVING = prompt_packing.MIN_SAVING_ACCELERATOR
     dtype = torch.bfloat16 if bf16 else torch.float32
     keep = set(filter(None, args.only.split(",")))
     started, results = time.perf_counter(), {"environment": environment(device), "runs": []}
@@ -335,6 +380,7 @@ def main() -> None:
     plan = TINY_PLAN if args.tiny else PLAN
     chosen = [int(n) for n in filter(None, args.cases.split(","))] or range(1, len(plan) + 1)
     for case in (plan[n - 1] for n in chosen):
+        case = replace(case, steps=args.steps or case.steps)
         model_dir = build_model(SHAPES[case.shape], device, dtype, f"/tmp/bench-gpu/model-{case.shape}")
         for run in case.runs:
             if keep and run not in keep:
@@ -379,7 +425,8 @@ def print_table(results: dict) -> None:
                 print(f"  {r['run']:16s} {r['kind']:6s} {r['error']}")
             elif r["kind"] == "train":
                 ratio = f" ({trl['s_per_step'] / r['s_per_step']:.2f}x TRL)" if trl else ""
-                memory = f", peak {r['peak_gpu_memory_gb']:.1f} GB" if r["peak_gpu_memory_gb"] else ""
+                peak = r.get("peak_gpu_memory_gb") or r.get("peak_rss_above_start_gb")
+                memory = f", peak {peak:.2f} GB" if peak else ""
                 mfu = f", train MFU {r['train_mfu']:.1%}" if r.get("train_mfu") else ""
                 print(
                     f"  {r['run']:16s} train  {r['s_per_step']:.2f} s/step{ratio}, "
