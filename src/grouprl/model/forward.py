@@ -342,45 +342,16 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
         hidden, weight, bias, tokens, normaliser, expected = ctx.saved_tensors
-        temperature, step, dtype = ctx.temperature, ctx.step, ctx.compute_dtype
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if grad_logps is None:
             grad_logps = normaliser.new_zeros(normaliser.shape)
-        w, b = weight.to(dtype), (bias.to(dtype) if bias is not None else None)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # Summed over the chunks in the products' dtype, as autograd through autocast sums a weight's gradients
-        # (an fp32 sum took a conversion and an add of the whole (V, H) product per chunk: 0.6 s of a W5 step)
-        grad_weight = None
-        grad_bias = (
-            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-            if need_bias and bias is not None
-            else None
-        )
-        buffers = _ChunkBuffers(min(step, hidden.shape[0]), w)
-        for start in range(0, hidden.shape[0], step):
-            rows = slice(start, start + step)
-            x, g_logp = hidden[rows].to(dtype), grad_logps[rows].unsqueeze(-1)
-            z = buffers.scaled_logits(x, w, b, temperature)
-            if grad_entropy is None:  # G = -p * g_logp
-                grad_z = z.sub_(normaliser[rows].unsqueeze(-1)).exp_().mul_(-g_logp)
-            else:  # G = -p * (g_logp + g_entropy * (z - E_p[z]))
-                centred = z.sub_(expected[rows].unsqueeze(-1))
-                shift = (expected[rows] - normaliser[rows]).unsqueeze(-1)
-                p = torch.add(centred, shift, out=buffers.scratch[: x.shape[0]]).exp_()
-                grad_z = centred.mul_(grad_entropy[rows].unsqueeze(-1)).add_(g_logp).mul_(p).neg_()
-            grad_z.scatter_add_(-1, tokens[rows].unsqueeze(-1), g_logp)  # + g_logp at the selected token
-            grad_z = grad_z.div_(temperature) if temperature != 1.0 else grad_z
-            grad_logits = grad_z if buffers.product is None else buffers.product[: x.shape[0]].copy_(grad_z)
-            if need_hidden:
-                grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
-            if need_weight and grad_weight is None:
-                grad_weight = grad_logits.t() @ x
-            elif need_weight:
-                grad_weight.addmm_(grad_logits.t(), x)
-            if grad_bias is not None:
-                grad_bias += grad_logits.float().sum(dim=0)
-        if need_weight and grad_weight is None:  # no positions
-            grad_weight = torch.zeros_like(weight)
+        # The chunks' work returns before the weight's gradient is converted to the weight's dtype, so the weight's
+        # product-dtype copy and the chunk buffers are freed by then: the two (vocab, hidden) gradients are the
+        # largest tensors of the training pass's backward, and nothing else of the head's peaks with them.
+        grad_hidden, grad_weight, grad_bias = _head_gradients(
+            hidden, weight, bias, tokens, normaliser, expected, grad_logps, grad_entropy,
+            ctx.temperature, ctx.step, ctx.compute_dtype, (need_hidden, need_weight, need_bias and bias is not None),
+        )  # fmt: skip
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
@@ -389,6 +360,57 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _head_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tokens: torch.Tensor,
+    normaliser: torch.Tensor,
+    expected: torch.Tensor,
+    grad_logps: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    step: int,
+    dtype: torch.dtype,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`_LinearHeadLogprobs`'s gradients for the hidden states (their dtype), the weight (the products' `dtype`)
+    and the bias (fp32), each None where `needs` says so; chunk by chunk of `step` positions (its doc)."""
+    need_hidden, need_weight, need_bias = needs
+    w, b = weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    # Summed over the chunks in the products' dtype, as autograd through autocast sums a weight's gradients
+    # (an fp32 sum took a conversion and an add of the whole (V, H) product per chunk: 0.6 s of a W5 step)
+    grad_weight = None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+    buffers = _ChunkBuffers(min(step, hidden.shape[0]), w)
+    for start in range(0, hidden.shape[0], step):
+        rows = slice(start, start + step)
+        x, g_logp = hidden[rows].to(dtype), grad_logps[rows].unsqueeze(-1)
+        z = buffers.scaled_logits(x, w, b, temperature)
+        if grad_entropy is None:  # G = -p * g_logp
+            grad_z = z.sub_(normaliser[rows].unsqueeze(-1)).exp_().mul_(-g_logp)
+        else:  # G = -p * (g_logp + g_entropy * (z - E_p[z]))
+            centred = z.sub_(expected[rows].unsqueeze(-1))
+            shift = (expected[rows] - normaliser[rows]).unsqueeze(-1)
+            p = torch.add(centred, shift, out=buffers.scratch[: x.shape[0]]).exp_()
+            grad_z = centred.mul_(grad_entropy[rows].unsqueeze(-1)).add_(g_logp).mul_(p).neg_()
+        grad_z.scatter_add_(-1, tokens[rows].unsqueeze(-1), g_logp)  # + g_logp at the selected token
+        grad_z = grad_z.div_(temperature) if temperature != 1.0 else grad_z
+        grad_logits = grad_z if buffers.product is None else buffers.product[: x.shape[0]].copy_(grad_z)
+        if need_hidden:
+            grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
+        if need_weight and grad_weight is None:
+            grad_weight = grad_logits.t() @ x
+        elif need_weight:
+            grad_weight.addmm_(grad_logits.t(), x)
+        if grad_bias is not None:
+            grad_bias += grad_logits.float().sum(dim=0)
+    if need_weight and grad_weight is None:  # no positions
+        grad_weight = torch.zeros_like(weight)
+    return grad_hidden, grad_weight, grad_bias
 
 
 def _plain_linear(head: Callable) -> torch.nn.Linear | None:

@@ -1,0 +1,95 @@
+"""Peak memory of the LM head's logprobs, forward and backward (model/forward.py `_LinearHeadLogprobs`), counted as
+the bytes of live tensor storages the head's operators allocated: the same count on any device, no GPU needed.
+
+    python bench/bench_head_memory.py                  # the Qwen2.5-0.5B head (151,936 x 896), fp32 under bf16
+                                                       # autocast, 64 rows x 256 completion tokens
+    python bench/bench_head_memory.py --vocab 49152 --width 576 --positions 8192
+
+Prints the forward's and the backward's peaks and the five largest tensors alive at the backward's, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class LiveStorageBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that operators under this mode allocated and that are still alive, their peak,
+    and what was alive at the peak (a storage's Python object lives as long as the storage, so a finalizer says when
+    it is freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive: dict[int, tuple[int, str, tuple, torch.dtype]] = {}  # data pointer -> bytes, operator, shape, dtype
+        self.live = self.peak = 0
+        self.at_peak: list[tuple[int, str, tuple, torch.dtype]] = []
+
+    def _freed(self, key: int) -> None:
+        self.live -= self.alive.pop(key)[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self.alive:
+                self.alive[key] = (storage.nbytes(), func.overloadpacket.__name__, tuple(t.shape), t.dtype)
+                self.live += storage.nbytes()
+                weakref.finalize(storage, self._freed, key)
+                if self.live > self.peak:
+                    self.peak, self.at_peak = self.live, list(self.alive.values())
+        return out
+
+
+def head_peaks(vocab: int, width: int, positions: int, autocast: bool = True) -> dict:
+    """Peaks (bytes) of one forward and backward of an fp32 (vocab, width) head over `positions` hidden states, with
+    the entropy, as the trainer's loss takes them."""
+    if importlib.util.find_spec("grouprl") is None:  # this checkout's, unless one is installed or on PYTHONPATH
+        sys.path.insert(0, os.path.join(ROOT, "src"))
+    from grouprl.model.logprobs import head_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(width, vocab, bias=False)
+    hidden = (torch.randn(1, positions, width) * 0.1).requires_grad_()
+    tokens = torch.randint(0, vocab, (1, positions))
+    counter = LiveStorageBytes()
+    with counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logps, entropies = head_logprobs(hidden, head.forward, tokens, 1.0)
+        forward = counter.peak
+        (logps.sum() + entropies.sum()).backward()
+    largest = sorted(counter.at_peak, key=lambda entry: -entry[0])[:5]
+    return {
+        "forward_peak_gb": round(forward / 1e9, 3),
+        "backward_peak_gb": round(counter.peak / 1e9, 3),
+        "alive_at_the_peak": [
+            f"{op} {list(shape)} {str(dtype)[6:]}: {size / 1e9:.3f} GB" for size, op, shape, dtype in largest
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--width", type=int, default=896)
+    parser.add_argument("--positions", type=int, default=64 * 256)
+    parser.add_argument("--fp32", action="store_true", help="no autocast (the head's products in fp32)")
+    args = parser.parse_args()
+    print(json.dumps({**vars(args), **head_peaks(args.vocab, args.width, args.positions, not args.fp32)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
