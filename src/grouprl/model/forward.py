@@ -342,7 +342,6 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
         hidden, weight, bias, tokens, normaliser, expected = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if grad_logps is None:
             grad_logps = normaliser.new_zeros(normaliser.shape)
         # The chunks' work returns before the weight's gradient is converted to the weight's dtype, so the weight's
@@ -350,7 +349,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         # largest tensors of the training pass's backward, and nothing else of the head's peaks with them.
         grad_hidden, grad_weight, grad_bias = _head_gradients(
             hidden, weight, bias, tokens, normaliser, expected, grad_logps, grad_entropy,
-            ctx.temperature, ctx.step, ctx.compute_dtype, (need_hidden, need_weight, need_bias and bias is not None),
+            ctx.temperature, ctx.step, ctx.compute_dtype, ctx.needs_input_grad[:3],
         )  # fmt: skip
         return (
             grad_hidden,
@@ -377,14 +376,19 @@ def _head_gradients(
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """`_LinearHeadLogprobs`'s gradients for the hidden states (their dtype), the weight (the products' `dtype`)
-    and the bias (fp32), each None where `needs` says so; chunk by chunk of `step` positions (its doc)."""
+    and the bias (fp32), each None where `needs` (hidden, weight, bias) says so or there is no bias; chunk by chunk of
+    `step` positions (its doc)."""
     need_hidden, need_weight, need_bias = needs
     w, b = weight.to(dtype), (bias.to(dtype) if bias is not None else None)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     # Summed over the chunks in the products' dtype, as autograd through autocast sums a weight's gradients
     # (an fp32 sum took a conversion and an add of the whole (V, H) product per chunk: 0.6 s of a W5 step)
     grad_weight = None
-    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+    grad_bias = (
+        torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        if need_bias and bias is not None
+        else None
+    )
     buffers = _ChunkBuffers(min(step, hidden.shape[0]), w)
     for start in range(0, hidden.shape[0], step):
         rows = slice(start, start + step)
