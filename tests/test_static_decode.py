@@ -192,7 +192,11 @@ def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(mod
             gaps[compiled] = torch.cat([torch.tensor(c.sampler_logprobs) - f for c, f in zip(completions, forward)])
     gaps = {compiled: gap.abs() for compiled, gap in gaps.items()}
     assert len(gaps[True]) == len(gaps[False]) == 9 * 12
-    assert gaps[False].max() < 1e-5
+    # On CUDA the decode step's products (a row's one position) and the forward's (every position) take different
+    # GEMM kernels, whose bf16 outputs differ by an ulp now and then (measured on an H200: 13 gaps of 5e-7 and one
+    # of 3e-5 in 108); the fp32 cache's 0.0024 / 0.00042 fails both bounds everywhere.
+    assert gaps[False].max() < (1e-5 if DEVICE == "cpu" else 2e-4)
+    assert gaps[False].mean() < 5e-6
     assert gaps[True].mean() < 1e-3 and gaps[True].max() < 0.005
 
 

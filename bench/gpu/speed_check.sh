@@ -19,9 +19,10 @@ OUT="${OUT:-/tmp/grouprl-gpu}"
 mkdir -p "$OUT"
 export OUT
 LIMIT=130 bash bench/gpu/check.sh tests/test_gpu.py tests/test_static_decode.py 2>&1 | tail -15
+# check.sh installed the carried wheels (grouprl imports datasets)
+export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 timeout 20 python3 bench/bench_sampling.py 2>&1 | tee "$OUT/sampling.json" | grep '"method"'
 BUDGET=190 timeout 230 bash bench/gpu/bench.sh --cases 1 --only trl,captured,captured+compile
-export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 timeout 110 python3 bench/bench_train_ops.py --width real --device cuda --cases 1,2 --repeat 3 --row-tokens 32768 --sdpa-kernel 2>&1 \
     | tee "$OUT/train_ops.json" | grep -E '"(case|packed.*|plain|naive|model_forwards|median_seconds|peak_gpu_memory_gb)"'
 timeout 80 python3 bench/gpu/profile_step.py --case 1 --memory --rows 25 --out "$OUT/profile_step.txt" 2>&1 \

@@ -98,7 +98,22 @@ SAMPLING_METHODS = ("inverse_cdf", "multinomial")
 def cumulative_distribution(probs: torch.Tensor) -> torch.Tensor:
     """(R, V) float64 CDF of each row. In float32, once the running sum passes 0.5 every token below half an
     ulp (3e-8) adds nothing, so after a dominant token a long tail of rare tokens could never be drawn."""
+    if torch.compiler.is_compiling():
+        return _float64_cumsum(probs)
     return probs.cumsum(dim=-1, dtype=torch.float64)
+
+
+@torch.library.custom_op("grouprl::float64_cumsum", mutates_args=())
+def _float64_cumsum(probs: torch.Tensor) -> torch.Tensor:
+    """The CDF through ATen's own kernel inside a compiled step, the eager draw's very numbers. Inductor would
+    write the scan itself, and on CUDA its split scan of a float64 row as long as a vocabulary fails to generate
+    (torch 2.11, measured on an H200 with Qwen's 151,936 tokens)."""
+    return probs.cumsum(dim=-1, dtype=torch.float64)
+
+
+@_float64_cumsum.register_fake
+def _(probs: torch.Tensor) -> torch.Tensor:
+    return probs.new_empty(probs.shape, dtype=torch.float64)
 
 
 def sample_tokens(

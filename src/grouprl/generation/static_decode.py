@@ -23,8 +23,8 @@ the call's buffers are new. Elsewhere the same step runs eagerly, which is how t
 With `compile_step` (GRPOConfig.compile_decode_step) the step is `torch.compile`d (inductor, whole graph)
 before it is captured: a replayed graph still runs one kernel per operator, a few microseconds each, and the
 compiled step fuses the norms, RoPE, casts and sampling's elementwise passes around the products. The first
-call compiles (once per process and sampling setting, which the graph holds as constants; a second prompt bucket
-or row count compiles once more and makes that dimension dynamic, after which no shape recompiles). Products then
+call compiles (once per process, sampling setting and shape: the graph holds the sampling fields as constants,
+and each prompt bucket and row count is a static graph of its own, up to `MAX_COMPILED_SHAPES`). Products then
 take `F.linear` (no packed CPU weights).
 
 Models: the Llama family that FusedDecoder runs (fused_decode.structure_reason); fp32 weights also pass its
@@ -59,6 +59,7 @@ PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
 KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # whose cos/sin never depend on the batch's largest position
 
 
@@ -145,11 +146,15 @@ def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
 def compiled_step() -> Callable[[DecodeLoop], None]:
     """`DecodeLoop.step` compiled by inductor, one whole graph (module doc); shared by every call of the process,
     so a shape compiles once. A step torch.compile cannot compile stops the run with the reason and the way out."""
-    compiled = torch.compile(DecodeLoop.step, fullgraph=True)
+    # Static shapes: a dynamic recompile's guards failed to build on CUDA (torch 2.11, "list index out of range"
+    # for a size symbol inductor's 32-bit indexing check introduced), and a replayed graph needs fixed shapes anyway.
+    compiled = torch.compile(DecodeLoop.step, fullgraph=True, dynamic=False)
 
     def step(loop: DecodeLoop) -> None:
         try:
-            compiled(loop)
+            # each prompt bucket and row count is a graph of its own: allow a run that many before dynamo's limit
+            with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES):
+                compiled(loop)
         except torch._dynamo.exc.TorchDynamoException as err:
             raise RuntimeError(
                 f"GRPOConfig.compile_decode_step=True: torch.compile could not compile the captured loop's decode "
