@@ -4,19 +4,22 @@ import pytest
 import torch
 from chi_square import chi_square_rejects
 
-from grouprl.generation.sampling import cumulative_distribution, sample_tokens
+from grouprl.generation.sampling import CDF_BLOCK, cumulative_distribution, sample_tokens
 
 
-def _draw_counts(logits: torch.Tensor, n: int, method: str, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    tokens, _ = sample_tokens(logits.expand(n, -1), generator=generator, method=method)
-    return torch.bincount(tokens, minlength=logits.shape[-1])
+def _draw_counts(logits: torch.Tensor, n: int, method: str, seed: int = 0, chunk: int = 20_000) -> torch.Tensor:
+    generator, counts = torch.Generator().manual_seed(seed), torch.zeros(logits.shape[-1], dtype=torch.long)
+    for start in range(0, n, chunk):
+        tokens, _ = sample_tokens(logits.expand(min(chunk, n - start), -1), generator=generator, method=method)
+        counts += torch.bincount(tokens, minlength=logits.shape[-1])
+    return counts
 
 
 @pytest.mark.parametrize("method", ["inverse_cdf", "multinomial"])
-def test_draws_follow_the_processed_distribution(method):
+@pytest.mark.parametrize("vocab", [60, 2 * CDF_BLOCK + 452])  # inside one block; two blocks and a shorter one
+def test_draws_follow_the_processed_distribution(method, vocab):
     torch.manual_seed(0)
-    logits = torch.randn(1, 60) * 2
+    logits = torch.randn(1, vocab) * (2 if vocab < 100 else 4)  # a top token of ~0.1 either way, for the power check
     logits[0, [3, 17, 59]] = -float("inf")  # filtered by top-k/top-p: never drawn
     counts = _draw_counts(logits, 200_000, method)
     probs = logits[0].softmax(-1)
@@ -41,6 +44,27 @@ def test_tiny_probabilities_keep_their_share():
     assert torch.allclose(widths, probs[0, 1:].double(), rtol=1e-6, atol=0)
     float32_widths = probs.float().cumsum(-1).diff(dim=-1)[0]  # what float32 would have done
     assert float((float32_widths == 0).float().mean()) > 0.5 and float(float32_widths.max()) > 2 * float(probs[0, 1])
+
+
+def test_the_draw_finds_the_token_its_uniform_number_points_at(monkeypatch):
+    """The two-level draw (a block by the blocks' masses, then a token inside it) against the slow reference, one
+    float64 CDF over the whole vocabulary: a uniform number at the middle of a token's interval draws that token, in
+    every block, across a block of filtered tokens and in the last, shorter block."""
+    torch.manual_seed(0)
+    vocab = 3 * CDF_BLOCK + 300
+    logits = torch.randn(1, vocab) * 2
+    logits[0, CDF_BLOCK : 2 * CDF_BLOCK] = -float("inf")  # a whole block filtered
+    logits[0, ::7] = -float("inf")
+    probs = logits[0].softmax(-1).double()
+    cdf = probs.cumsum(0)
+    positive = probs.nonzero().squeeze(1)
+    targets = torch.cat([positive[::5], positive[-1:]])
+    assert bool((targets >= 3 * CDF_BLOCK).any()) and bool((targets < CDF_BLOCK).any())
+    uniforms = (cdf[targets] - probs[targets] / 2) / cdf[-1]
+    monkeypatch.setattr(torch, "rand_like", lambda x, **k: uniforms[:, None].to(x.dtype))
+    tokens, logprobs = sample_tokens(logits.expand(len(targets), -1))
+    assert tokens.tolist() == targets.tolist()
+    torch.testing.assert_close(logprobs.double(), probs[targets].log(), rtol=0, atol=1e-5)
 
 
 def test_same_seed_same_tokens_and_logprobs():
