@@ -6,12 +6,13 @@ it makes, and on a GPU its time: each operator is a kernel launched from the hos
                                                     # 48-token prompts, 256 new tokens), the 0.5B shape's 24 layers
     python bench/bench_train_ops.py --cases 2 --new-tokens 64 --layers 2
     python bench/bench_train_ops.py --width real --device cuda --cases 1,2 --repeat 3   # + seconds per pass (a GPU)
-    python bench/bench_train_ops.py --cases 2 --row-tokens 32768   # + the packs in rows of up to 32,768 tokens
-    python bench/bench_train_ops.py --cases 2 --sdpa-kernel        # + packed attention by sdpa's kernel
+    python bench/bench_train_ops.py --cases 2 --row-tokens 8192    # + the packs in rows of up to 8,192 tokens
+    python bench/bench_train_ops.py --cases 2 --explicit-products  # + packed attention by explicit products
 
 The 0.5B shape's layers and heads (14 / 2) in bf16, at a tiny width (the default: the count does not depend on the
 width, and the head's chunking is held at the real vocabulary's, 256 positions a chunk) or the real one, gradient
-checkpointing on, as the benchmark trains; packed attention takes its GPU path (explicit products) on a CPU too.
+checkpointing on, as the benchmark trains; packed attention takes its GPU path (sdpa's kernel) on a CPU too, and
+packs' rows their device's cap (`prompt_packing.row_token_cap`).
 Three passes of the same rows:
   packed  grouprl's completion_logprobs with each prompt's rows packed (prompt_packing.py), whatever the estimate
   plain   grouprl's completion_logprobs, every row on its own (pack_shared_prompts=False)
@@ -86,11 +87,11 @@ def naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
 
 
 def one_pass(
-    name: str, model, inputs, repeat: int = 0, row_tokens: int | None = None, explicit_products: bool = True
+    name: str, model, inputs, repeat: int = 0, row_tokens: int | None = None, explicit_products: bool = False
 ) -> dict:
     """`name`: packed, plain or naive (module doc); `row_tokens`: packs' row cap for this pass (default
-    prompt_packing.CONCATENATED_ROW_TOKENS); `explicit_products`: packed attention by explicit products (its path on
-    a GPU for layers that checkpointing recomputes) or by sdpa's kernel."""
+    prompt_packing.row_token_cap's); `explicit_products`: packed attention by explicit products (its path on a CPU
+    with native bf16, for layers that checkpointing recomputes) or by sdpa's kernel (its path on a GPU)."""
     from grouprl.model import forward as forward_module
     from grouprl.model import packed_attention, prompt_packing
     from grouprl.model.logprobs import completion_logprobs
@@ -110,11 +111,12 @@ def one_pass(
             logps = completion_logprobs(model, *inputs, temperature=1.0, with_entropy=True).logprobs
         return (logps * inputs[3]).sum() / inputs[3].sum()
 
+    default_cap = prompt_packing.row_token_cap
     with contextlib.ExitStack() as patches:
         for target, attribute, replacement in (
             (prompt_packing, "worth_packing", lambda *args: name == "packed"),
-            (prompt_packing, "CONCATENATED_ROW_TOKENS", row_tokens or prompt_packing.CONCATENATED_ROW_TOKENS),
-            # True: as on a GPU (bf16)
+            (prompt_packing, "row_token_cap", lambda device, cap=default_cap: row_tokens or cap(device)),
+            # by default sdpa's kernel, as on a GPU
             (packed_attention, "_explicit_products_pay_off", lambda query: explicit_products),
             # the real vocabulary's chunking (256 positions) with a small one
             (
@@ -173,7 +175,7 @@ def main() -> None:
         "--row-tokens", default="", help="packed passes again with these row caps (e.g. 32768: one row of all packs)"
     )
     parser.add_argument(
-        "--sdpa-kernel", action="store_true", help="the packed pass again with packed attention by sdpa's kernel"
+        "--explicit-products", action="store_true", help="the packed pass again, its attention by explicit products"
     )
     args = parser.parse_args()
     model = build_model(args.layers, args.width, args.device)
@@ -185,8 +187,10 @@ def main() -> None:
         results = {name: one_pass(name, model, inputs, args.repeat) for name in args.passes.split(",")}
         for cap in filter(None, args.row_tokens.split(",")):
             results[f"packed, rows of {cap} tokens"] = one_pass("packed", model, inputs, args.repeat, int(cap))
-        if args.sdpa_kernel:
-            results["packed, sdpa kernel"] = one_pass("packed", model, inputs, args.repeat, explicit_products=False)
+        if args.explicit_products:
+            results["packed, explicit products"] = one_pass(
+                "packed", model, inputs, args.repeat, explicit_products=True
+            )
         print(json.dumps({"case": case.name, "layers": args.layers, "new_tokens": new_tokens, **results}, indent=1))
 
 

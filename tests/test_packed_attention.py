@@ -163,6 +163,8 @@ def test_explicit_products_only_for_half_precision_products_at_native_speed(monk
         assert packed_attention._explicit_products_pay_off(q32)
     monkeypatch.setattr(packed_attention, "_cpu_runs_half_products_natively", lambda: False)  # bf16 emulated
     assert not packed_attention._explicit_products_pay_off(q32.bfloat16())
+    # a GPU takes sdpa's kernel (the H200's training pass: faster and lighter); meta stands for any accelerator
+    assert not packed_attention._explicit_products_pay_off(q32.bfloat16().to("meta"))
 
 
 def test_a_cpu_that_emulates_bf16_keeps_sdpa_and_says_why_once(monkeypatch, caplog):

@@ -252,6 +252,18 @@ def worth_packing(packed_cost: float, plain_cost: float, device: torch.device) -
 # time in backward, so the cap bounds that recomputation's activations (an MLP's intermediate is L x its width).
 # The 8,192 were chosen when such a row also held a dense (L, L) mask (64 MiB); sparse packs now hold a placeholder.
 CONCATENATED_ROW_TOKENS = 8192
+# On a GPU each row is a model forward of its own, launched kernel by kernel. The H200 run (bench_train_ops.py, the
+# 0.5B shape, 1,024-token shared prompt + 48, 64 x 256 completions, ~25,000 packed tokens, median of 3): in rows of
+# 8,192 tokens (4 forwards) the training pass took 1.17 s, slower than the plain pass's 0.94 s; in one row 0.83 s, at
+# a peak of 8.5 GB (4.6 GB in four rows, 11.7 GB plain).
+CONCATENATED_ROW_TOKENS_ACCELERATOR = 32768
+
+
+def row_token_cap(device: torch.device) -> int:
+    """Longest row of concatenated packs on `device` (CONCATENATED_ROW_TOKENS on a CPU, the accelerators' elsewhere)."""
+    return CONCATENATED_ROW_TOKENS if device.type == "cpu" else CONCATENATED_ROW_TOKENS_ACCELERATOR
+
+
 _MASK_STYLE = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take a custom 4D mask
 
 
@@ -424,13 +436,15 @@ def _probe(model: torch.nn.Module, head: torch.nn.Module, plain: Callable[..., t
 # --- the pass ------------------------------------------------------------------------------------
 
 
-def concatenated_rows(packed_lens: list[int], group_rows: list[int], max_rows: int | None) -> list[list[int]]:
-    """Packs (in order) cut into consecutive rows of at most CONCATENATED_ROW_TOKENS tokens and `max_rows`
+def concatenated_rows(
+    packed_lens: list[int], group_rows: list[int], max_rows: int | None, max_tokens: int
+) -> list[list[int]]:
+    """Packs (in order) cut into consecutive rows of at most `max_tokens` tokens (`row_token_cap`) and `max_rows`
     completions; a pack longer than the cap gets a row of its own."""
     batches: list[list[int]] = []
     tokens = completions = 0
     for g, (length, rows) in enumerate(zip(packed_lens, group_rows)):
-        full = tokens + length > CONCATENATED_ROW_TOKENS or (max_rows is not None and completions + rows > max_rows)
+        full = tokens + length > max_tokens or (max_rows is not None and completions + rows > max_rows)
         if not batches or full:
             batches.append([])
             tokens = completions = 0
@@ -491,7 +505,7 @@ def shared_prompt_logprobs(
     if dense:  # one pack per row of the batch, rows of similar length together
         batches = length_buckets(packed_lens, rows_per_chunk, rows=group_rows)
     else:  # packs one after another in a row: no padding, one forward for many packs
-        batches = concatenated_rows(packed_lens, group_rows, rows_per_chunk)
+        batches = concatenated_rows(packed_lens, group_rows, rows_per_chunk, row_token_cap(prompt_ids.device))
     ids, comp = prompt_ids.tolist(), completion_ids.tolist()
     logps_parts, entropy_parts, order = [], [], []
     for bucket in batches:
