@@ -165,13 +165,22 @@ def compiled_step() -> Callable[[DecodeLoop], None]:
     return step
 
 
+@functools.cache
+def capture_stream(device: int) -> "torch.cuda.Stream":
+    """The one side stream on which every call warms up and records its step. cuBLAS keeps a workspace (32 MiB on
+    Hopper) for each stream it ran on, for the process's life: a new `torch.cuda.Stream()` a call cycles through
+    CUDA's pool of 32 streams, so calls left up to 32 such workspaces allocated (an H200's step 2 held two, 66 MiB,
+    at the training pass's peak)."""
+    return torch.cuda.Stream(device=device)
+
+
 def run_steps(loop: DecodeLoop, steps: int, capture: bool, compile_step: bool = False) -> int:
     """Run `steps` decode steps (fewer once every row has finished); returns how many ran. With `capture`, the
     steps after the warm-up replay one recorded CUDA graph; with `compile_step`, of the compiled step."""
     ran = 0
     step = functools.partial(compiled_step(), loop) if compile_step else loop.step
     if capture and steps > WARMUP_STEPS:
-        side = torch.cuda.Stream()
+        side = capture_stream(torch.cuda.current_device())
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
@@ -179,7 +188,7 @@ def run_steps(loop: DecodeLoop, steps: int, capture: bool, compile_step: bool = 
         torch.cuda.current_stream().wait_stream(side)
         ran = WARMUP_STEPS
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records without running
+        with torch.cuda.graph(graph, stream=side):  # records without running
             step()
         step = graph.replay
     while ran < steps:
