@@ -169,8 +169,8 @@ def compiled_step() -> Callable[[DecodeLoop], None]:
 def capture_stream(device: int) -> "torch.cuda.Stream":
     """The one side stream on which every call warms up and records its step. cuBLAS keeps a workspace (32 MiB on
     Hopper) for each stream it ran on, for the process's life: a new `torch.cuda.Stream()` a call cycles through
-    CUDA's pool of 32 streams, so calls left up to 32 such workspaces allocated (an H200's step 2 held two, 66 MiB,
-    at the training pass's peak)."""
+    CUDA's pool of 32 streams, so calls left up to 32 such workspaces allocated (~1 GB; an H200 profile's second
+    step held three, 99 MiB, one for each generation call so far)."""
     return torch.cuda.Stream(device=device)
 
 
