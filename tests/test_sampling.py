@@ -4,7 +4,7 @@ import pytest
 import torch
 from chi_square import chi_square_rejects
 
-from grouprl.generation.sampling import CDF_BLOCK, cumulative_distribution, sample_tokens
+from grouprl.generation.sampling import CDF_BLOCK, cdf_block, cumulative_distribution, sample_tokens
 
 
 def _draw_counts(logits: torch.Tensor, n: int, method: str, seed: int = 0, chunk: int = 20_000) -> torch.Tensor:
@@ -16,7 +16,7 @@ def _draw_counts(logits: torch.Tensor, n: int, method: str, seed: int = 0, chunk
 
 
 @pytest.mark.parametrize("method", ["inverse_cdf", "multinomial"])
-@pytest.mark.parametrize("vocab", [60, 2 * CDF_BLOCK + 452])  # inside one block; two blocks and a shorter one
+@pytest.mark.parametrize("vocab", [60, 2503])  # one block; a prime: two blocks of CDF_BLOCK and a shorter one
 def test_draws_follow_the_processed_distribution(method, vocab):
     torch.manual_seed(0)
     logits = torch.randn(1, vocab) * (2 if vocab < 100 else 4)  # a top token of ~0.1 either way, for the power check
@@ -46,25 +46,34 @@ def test_tiny_probabilities_keep_their_share():
     assert float((float32_widths == 0).float().mean()) > 0.5 and float(float32_widths.max()) > 2 * float(probs[0, 1])
 
 
-def test_the_draw_finds_the_token_its_uniform_number_points_at(monkeypatch):
+@pytest.mark.parametrize("vocab", [3 * CDF_BLOCK, 3301])  # blocks that divide it; a prime, with a shorter last block
+def test_the_draw_finds_the_token_its_uniform_number_points_at(monkeypatch, vocab):
     """The two-level draw (a block by the blocks' masses, then a token inside it) against the slow reference, one
     float64 CDF over the whole vocabulary: a uniform number at the middle of a token's interval draws that token, in
     every block, across a block of filtered tokens and in the last, shorter block."""
     torch.manual_seed(0)
-    vocab = 3 * CDF_BLOCK + 300
+    size = cdf_block(vocab)
     logits = torch.randn(1, vocab) * 2
-    logits[0, CDF_BLOCK : 2 * CDF_BLOCK] = -float("inf")  # a whole block filtered
+    logits[0, size : 2 * size] = -float("inf")  # a whole block filtered
     logits[0, ::7] = -float("inf")
     probs = logits[0].softmax(-1).double()
     cdf = probs.cumsum(0)
-    positive = probs.nonzero().squeeze(1)
+    # tokens wide enough that the blocks' fp32 masses (~1e-7 of the total) cannot move u out of their middle
+    positive = (probs > 1e-5).nonzero().squeeze(1)
     targets = torch.cat([positive[::5], positive[-1:]])
-    assert bool((targets >= 3 * CDF_BLOCK).any()) and bool((targets < CDF_BLOCK).any())
+    assert bool((targets >= 2 * size).any()) and bool((targets < size).any())
     uniforms = (cdf[targets] - probs[targets] / 2) / cdf[-1]
     monkeypatch.setattr(torch, "rand_like", lambda x, **k: uniforms[:, None].to(x.dtype))
     tokens, logprobs = sample_tokens(logits.expand(len(targets), -1))
     assert tokens.tolist() == targets.tolist()
     torch.testing.assert_close(logprobs.double(), probs[targets].log(), rtol=0, atol=1e-5)
+
+
+def test_blocks_divide_the_vocabulary_where_they_can():
+    assert cdf_block(60) == 60 and cdf_block(2048) == 2048
+    assert cdf_block(151_936) == 1_187  # Qwen2.5: 128 blocks
+    assert cdf_block(128_256) == 1_002 and cdf_block(49_152) == 1_024  # Llama 3, SmolLM2
+    assert cdf_block(3301) == CDF_BLOCK  # a prime: the last block is shorter
 
 
 def test_same_seed_same_tokens_and_logprobs():
@@ -82,6 +91,16 @@ def test_a_draw_at_the_top_of_the_range_never_picks_a_filtered_token(monkeypatch
     monkeypatch.setattr(torch, "rand_like", lambda x, **k: torch.ones_like(x))  # the extreme draw, u = 1
     tokens, _ = sample_tokens(logits)
     assert tokens.tolist() == [2]
+
+
+def test_a_draw_at_the_top_of_a_shorter_last_block_stays_in_the_vocabulary(monkeypatch):
+    """The last block's places past the vocabulary hold 0: where its fp32 mass rounds above its float64 scan, the top
+    draw must still land on the last real token, never past the vocabulary."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 3301)  # a prime: blocks of CDF_BLOCK and a shorter last one
+    monkeypatch.setattr(torch, "rand_like", lambda x, **k: torch.ones_like(x))
+    tokens, _ = sample_tokens(logits)
+    assert tokens.tolist() == [3300] * 64
 
 
 def test_unknown_method_is_named():

@@ -7,8 +7,8 @@ sampler and trainer needs.
 
 The draw is by inverse CDF: one uniform number per row against the row's cumulative distribution
 (accumulated in float64, so tokens with tiny probabilities keep their share), in two levels: the uniform
-number first picks a block of `CDF_BLOCK` tokens by the blocks' masses, then a token inside that block, so
-only one block per row is ever accumulated. `torch.multinomial`,
+number first picks a block of about a thousand tokens (`cdf_block`) by the blocks' masses, then a token
+inside that block, so only one block per row is ever accumulated. `torch.multinomial`,
 which transformers uses, draws an exponential variate per vocabulary entry: measured 2.8 ms per decode
 step for 32 rows x 4,096 tokens and 30 ms for 8 x 151,936 (Qwen's vocabulary), against 1.6 ms and
 4.3 ms here. Both sample the same distribution; `method="multinomial"` consumes the random stream as
@@ -21,6 +21,7 @@ silently makes stopping less likely for short prompts in a padded batch.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -105,43 +106,62 @@ def cumulative_distribution(probs: torch.Tensor) -> torch.Tensor:
     return probs.cumsum(dim=-1, dtype=torch.float64)
 
 
-# Tokens per block of the two-level draw. A scan over a whole vocabulary runs one row per thread block on a GPU
-# (64 rows of 151,936: 288 us of a 2.9 ms decode step on an H200, profile_step.py) and holds a float64 copy of it;
-# the blocks' masses are one reduction, and the scans left are (R, V / CDF_BLOCK) and (R, CDF_BLOCK).
+# Tokens per block of the two-level draw, where no divisor of the vocabulary near it serves (`cdf_block`). A scan over
+# a whole vocabulary runs one row per thread block on a GPU (64 rows of 151,936: 288 us of a 2.9 ms decode step on an
+# H200, profile_step.py) and holds a float64 copy of it; the blocks' masses are one reduction, and the scans left are
+# (R, V / block) and (R, block).
 CDF_BLOCK = 1024
+
+
+@functools.cache
+def cdf_block(vocab: int) -> int:
+    """Tokens per block for a `vocab`-token distribution: all of them up to 2,048; else the divisor of `vocab` in
+    [512, 2048] nearest 1,024 (Qwen's 151,936: 1,187), so no shorter last block costs operators; else CDF_BLOCK."""
+    if vocab <= 2048:
+        return vocab
+    divisors = [size for size in range(512, 2049) if vocab % size == 0]
+    return min(divisors, key=lambda size: abs(size - CDF_BLOCK)) if divisors else CDF_BLOCK
+
+
+def _below(x: torch.Tensor) -> torch.Tensor:
+    """A number strictly below each positive, normal float64 `x`: x - x * 2**-52 lies at least one ulp below x
+    (2**-52 x is one to two ulps), so it rounds below x; one operator where nextafter takes two."""
+    return x * (1 - 2**-52)
 
 
 def _inverse_cdf_draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     """(R,) tokens: one uniform number per row, located first among the blocks' cumulative masses, then inside
     its block's cumulative distribution; both cumulative sums in float64. A token of probability 0 is never drawn."""
     rows, vocab = probs.shape
-    whole = vocab - vocab % CDF_BLOCK
-    # The blocks' masses in the probabilities' fp32: a sum of 1,024 has an error of ~1e-7 of the block's mass (a
+    size = cdf_block(vocab)
+    whole = vocab - vocab % size
+    # The blocks' masses in the probabilities' fp32: a sum of ~1,000 has an error of ~1e-7 of the block's mass (a
     # cascade or tree sum), which is the whole error of a block's chance; a float64 sum converted the whole
     # (R, V) first on CPUs, 24 of a 25 ms draw for 64 x 151,936 on a 2-core CPU, against 0.7 ms.
-    mass = probs[:, :whole].view(rows, -1, CDF_BLOCK).sum(dim=-1)  # (R, B)
+    mass = probs[:, :whole].view(rows, -1, size).sum(dim=-1)  # (R, B)
     if whole < vocab:  # the last, shorter block
         mass = torch.cat([mass, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
-    block_cdf = cumulative_distribution(mass)
-    total = block_cdf[:, -1:]
+    starts = torch.nn.functional.pad(cumulative_distribution(mass), (1, 0))  # (R, B + 1): 0, then each block's end
+    total = starts[:, -1:]
     # rand_like: the same draws as torch.rand(rows, 1), and a symbolic row count traces (a compiled step)
     if generator is None:
         u = torch.rand_like(total) * total
     else:
         u = torch.rand(total.shape, dtype=total.dtype, device=total.device, generator=generator) * total
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total after rounding
+    u = torch.minimum(u, _below(total))  # strictly below the total after rounding
     # right=True: the first block whose cumulative mass exceeds u, so a block of mass 0 is never picked
-    block = torch.searchsorted(block_cdf, u, right=True)  # (R, 1)
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # the blocks below: <= u
-    rest = u - before  # u's place inside its block
-    positions = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # (R, CDF_BLOCK)
-    inside = probs.gather(1, positions.clamp(max=vocab - 1))
-    inside = torch.where(positions < vocab, inside, 0.0)  # past the vocabulary: the last block's padding
+    block = torch.searchsorted(starts[:, 1:], u, right=True)  # (R, 1)
+    rest = u - starts.gather(1, block)  # u's place inside its block: >= 0, as the blocks below end at or under u
+    positions = block * size + torch.arange(size, device=probs.device)  # (R, size)
+    if whole < vocab:  # the last block's places past the vocabulary hold 0
+        inside = torch.where(positions < vocab, probs.gather(1, positions.clamp(max=vocab - 1)), 0.0)
+    else:
+        inside = probs.gather(1, positions)
     inside_cdf = cumulative_distribution(inside)
     # The block's mass was summed in another order than this scan: keep u strictly inside the scan's own total,
     # so the token found has a positive probability whatever the rounding.
-    rest = torch.minimum(rest, torch.nextafter(inside_cdf[:, -1:], torch.zeros_like(rest)))
-    return (block * CDF_BLOCK + torch.searchsorted(inside_cdf, rest, right=True)).squeeze(1)
+    rest = torch.minimum(rest, _below(inside_cdf[:, -1:]))
+    return (block * size + torch.searchsorted(inside_cdf, rest, right=True)).squeeze(1)
 
 
 @torch.library.custom_op("grouprl::float64_cumsum", mutates_args=())
