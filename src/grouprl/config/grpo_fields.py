@@ -145,8 +145,8 @@ class ModelAndSamplingFields:
             "torch.compile its step (inductor, one whole graph) before the step is captured: the norms, RoPE, casts "
             "and sampling passes around the products in fewer kernels. The first generation compiles (on an H200, "
             "~16 s for a 0.5B model), and so does each new prompt bucket, row count or sampling setting (evaluation's, "
-            "say), up to 64 shapes. Off by default: on an H200 it made the 0.5B case's decode step a little faster (2.79 "
-            "against 3.03 ms) at 0.17 GB more peak memory (docs/benchmarks-gpu.md)."
+            "say), up to 64 shapes. Off by default: on an H200 it made the 0.5B case's decode step a little faster "
+            "(2.79 against 3.03 ms) at 0.17 GB more peak memory (docs/benchmarks-gpu.md)."
         ),
     )
     generation_server_retries: int = field(
