@@ -191,3 +191,18 @@ def test_a_decode_layer_under_bf16_autocast_casts_only_the_products_inputs():
     assert layer["_scaled_dot_product_flash_attention_for_cpu"] == 1 and layer["index_copy_"] == 1
     assert "clone" not in layer  # attention reads the cache's strided halves as they are
     assert "_to_copy" not in per_layer(autocast=False)  # fp32 end to end: nothing to cast
+
+
+def test_the_decode_attention_ways_compute_the_loops_attention():
+    """bench_decode_attention.py times each way only after checking it against the loop's own `attend`."""
+    import bench_decode_attention as bench
+
+    torch.manual_seed(0)
+    cache = bench.build_cache(layers=2, rows=6, kv_heads=2, columns=48, dim=32, device="cpu")
+    query = torch.randn(6, 8, 1, 32, dtype=torch.bfloat16)
+    expected = cache.attend(1, query, 32**-0.5).float()
+    for name in ("sdpa:math", "products"):
+        got = bench.way(name)(cache, 1, query, 32**-0.5).float()
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
+    masked = cache.bias[:, 0, 0] == float("-inf")  # padding and columns not yet written
+    assert bool(masked[::3, :5].all()) and bool(masked[:, 36:].all()) and not bool(masked[1:3, :36].any())

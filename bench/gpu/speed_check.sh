@@ -3,8 +3,10 @@
 #   1. the GPU tests of the captured loop, its compiled step included (check.sh, at most 130 s);
 #   2. the decode step's draw alone, by each sampling method, replayed from a graph (bench/bench_sampling.py, at most
 #      20 s): the two-level inverse CDF (since the 2026-11-27 H200 run) against multinomial's exponential race;
+#      and the decode step's attention by each way (bench/bench_decode_attention.py, at most 30 s): which kernel the
+#      loop's attention should take (cuDNN's took 11.4 us a layer on an H200);
 #   3. the 0.5B case through TRL 1.16, grouprl's captured loop and the captured loop with its step compiled:
-#      s/step, decode ms/step, kernels per decode step, peak memory (bench.sh, at most 230 s);
+#      s/step, decode ms/step, kernels per decode step, peak memory (bench.sh, at most 200 s; 134 s on the H200);
 #   4. the training pass alone at the 0.5B shape, both cases, packed (one row of all packs, sdpa's kernel: the GPU's
 #      defaults since that run) / plain / naive, packed in rows of 8,192 tokens and packed by explicit products:
 #      operators, seconds, peak memory (bench/bench_train_ops.py, at most 110 s): whether packing pays on the GPU
@@ -23,7 +25,8 @@ LIMIT=130 bash bench/gpu/check.sh tests/test_gpu.py tests/test_static_decode.py 
 # check.sh installed the carried wheels (grouprl imports datasets)
 export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 timeout 20 python3 bench/bench_sampling.py 2>&1 | tee "$OUT/sampling.json" | grep '"method"'
-BUDGET=190 timeout 230 bash bench/gpu/bench.sh --cases 1 --only trl,captured,captured+compile
+timeout 30 python3 bench/bench_decode_attention.py 2>&1 | tee "$OUT/decode_attention.json" | grep '"way"'
+BUDGET=160 timeout 200 bash bench/gpu/bench.sh --cases 1 --only trl,captured,captured+compile
 timeout 110 python3 bench/bench_train_ops.py --width real --device cuda --cases 1,2 --repeat 3 --row-tokens 8192 --explicit-products 2>&1 \
     | tee "$OUT/train_ops.json" | grep -E '"(case|packed.*|plain|naive|model_forwards|median_seconds|peak_gpu_memory_gb)"'
 timeout 80 python3 bench/gpu/profile_step.py --case 1 --memory --rows 25 --out "$OUT/profile_step.txt" 2>&1 \
