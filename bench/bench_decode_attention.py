@@ -49,8 +49,6 @@ def build_cache(layers: int, rows: int, kv_heads: int, columns: int, dim: int, d
     cache.key_values = [
         torch.randn(rows, 2 * kv_heads, columns, dim, dtype=torch.bfloat16, device=device) for _ in range(layers)
     ]
-    cache.keys = [both[:, :kv_heads] for both in cache.key_values]
-    cache.values = [both[:, kv_heads:] for both in cache.key_values]
     cache.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
     cache.valid[:, : columns * 3 // 4] = True
     cache.valid[::3, :5] = False  # left padding
@@ -63,7 +61,7 @@ def build_cache(layers: int, rows: int, kv_heads: int, columns: int, dim: int, d
 def explicit_products(cache: StaticKVCache, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v with the softmax in fp32, the grouped heads as `attend` groups them."""
     rows, heads, _, dim = query.shape
-    keys, values = cache.keys[layer], cache.values[layer]
+    keys, values = cache.key_values[layer].chunk(2, dim=1)
     grouped = (query * scaling).reshape(rows, keys.shape[1], heads // keys.shape[1], dim)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)) + cache.bias
     probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)

@@ -172,6 +172,39 @@ def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer):
         torch.testing.assert_close(compiled.sampler_logprobs, eager.sampler_logprobs, rtol=1e-4, atol=1e-5)
 
 
+def test_the_compiled_step_writes_one_column_not_the_whole_cache(model_and_tokenizer, monkeypatch):
+    """A step writes its keys and values into one column of each layer's buffer. Given the buffer and views of it as
+    separate inputs, inductor copied the whole buffer twice a layer to do that (a loop over all its elements in the
+    generated code): the step must hand the compiled graph the buffer alone."""
+    import torch._inductor.config as inductor
+    from torch._inductor.utils import run_and_get_code
+
+    from grouprl.generation import static_decode
+
+    model, tokenizer = model_and_tokenizer
+    sizes = []
+    build = StaticKVCache.__init__
+
+    def recording(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        sizes.append(self.key_values[0].numel())
+
+    monkeypatch.setattr(StaticKVCache, "__init__", recording)
+    static_decode.compiled_step.cache_clear()  # a fresh compile, so its code is generated here
+    with patch.object(inductor, "fx_graph_cache", False):
+        _, code = run_and_get_code(
+            generator(model, tokenizer, [], compile_step=True).generate,
+            prompts_of(tokenizer),
+            2,
+            SamplingParams(max_new_tokens=6),
+        )
+    static_decode.compiled_step.cache_clear()
+    code = "\n".join(code)
+    assert "index_copy" in code or "index_put" in code  # the generated step (the write is in it)
+    whole = sizes[0]
+    assert f"{whole}L" not in code and f"xnumel = {whole}" not in code, f"a loop over all {whole} cache elements"
+
+
 def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(model_and_tokenizer):
     """fp32 weights under bf16 autocast, as the trainer generates with bf16=True. The eager loop rounds where the
     training forward's autocast rounds (the products' inputs, RoPE's output before attention, which runs in bf16, the
@@ -236,7 +269,7 @@ def test_static_cache_attention_equals_repeated_heads():
     valid[:, 0] = True
     prefill = SimpleNamespace(layers=[SimpleNamespace(keys=keys, values=values)])
     cache = StaticKVCache(prefill, valid.long(), repeats=1, new_tokens=1, kv_dtype=torch.float32)
-    assert cache.keys[0].shape[2] == 16  # 11 columns, allocated as a multiple of 16 (never valid beyond 11)
+    assert cache.key_values[0].shape[2] == 16  # 11 columns, allocated as a multiple of 16 (never valid beyond 11)
     assert torch.equal(cache.valid[:, :columns], valid) and not cache.valid[:, columns:].any()
     query = torch.randn(rows, heads, 1, dim)
     got = cache.attend(0, query, 0.5)

@@ -39,11 +39,9 @@ class StaticKVCache:
         self.key_values = [
             torch.zeros(rows, 2 * kv_heads, columns, head_dim, dtype=kv_dtype, device=device) for _ in prompt_keys
         ]
-        self.keys = [both[:, :kv_heads] for both in self.key_values]
-        self.values = [both[:, kv_heads:] for both in self.key_values]
-        for layer, source in enumerate(prefill.layers):
-            self.keys[layer][:, :, :prompt_length] = source.keys.repeat_interleave(repeats, 0)
-            self.values[layer][:, :, :prompt_length] = source.values.repeat_interleave(repeats, 0)
+        for both, source in zip(self.key_values, prefill.layers):
+            both[:, :kv_heads, :prompt_length] = source.keys.repeat_interleave(repeats, 0)
+            both[:, kv_heads:, :prompt_length] = source.values.repeat_interleave(repeats, 0)
         self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
         self.valid[:, :prompt_length] = prompt_mask.bool().repeat_interleave(repeats, 0)
         self.column = torch.full((1,), prompt_length, dtype=torch.long, device=device)
@@ -67,7 +65,9 @@ class StaticKVCache:
         The heads sharing a key/value head are that head's queries (a (rows, kv_heads, heads / kv_heads, dim)
         query), so grouped-query attention needs neither repeated keys nor enable_gqa."""
         rows, heads, _, dim = query.shape
-        keys, values = self.keys[layer], self.values[layer]
+        # the halves taken here, not kept as views: a compiled step given the buffer and views of it as separate
+        # inputs copied the whole buffer twice a layer to write one column (inductor's handling of aliased inputs)
+        keys, values = self.key_values[layer].chunk(2, dim=1)
         grouped = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dim).to(self.kv_dtype)
         out = F.scaled_dot_product_attention(
             grouped, keys, values, attn_mask=self.bias, scale=scaling
