@@ -25,7 +25,8 @@ def main() -> None:
     path = model_dir(workload)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    eos = list(model.generation_config.eos_token_id)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)  # an int for SmolLM2 (W5), a list for the built models
     prompts = [tokenizer(p)["input_ids"] for p in prompts_for(workload)]
     params = SamplingParams(max_new_tokens=workload.max_completion_length)
     backends = {
