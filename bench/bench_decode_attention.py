@@ -25,13 +25,14 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+from graph_timing import seconds_per_call  # noqa: E402
+
 from grouprl.generation.static_kv_cache import StaticKVCache  # noqa: E402
 
 BACKENDS = {
@@ -82,36 +83,14 @@ def way(name: str) -> Callable[[StaticKVCache, int, torch.Tensor, float], torch.
 
 def layer_seconds(attend, cache: StaticKVCache, queries: list[torch.Tensor], repeat: int, per_timing: int) -> list:
     """Seconds per layer: `repeat` timings of `per_timing` passes over every layer (one replayed graph on CUDA)."""
-    cuda = queries[0].device.type == "cuda"
     scaling = queries[0].shape[-1] ** -0.5
 
     def every_layer() -> None:
         for layer, query in enumerate(queries):
             attend(cache, layer, query, scaling)
 
-    run = every_layer
-    if cuda:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            every_layer()  # lazy initialisations happen outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            every_layer()
-        run = graph.replay
-    run()
-    timings = []
-    for _ in range(repeat):
-        if cuda:
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(per_timing):
-            run()
-        if cuda:
-            torch.cuda.synchronize()
-        timings.append((time.perf_counter() - started) / per_timing / len(queries))
-    return timings
+    seconds = seconds_per_call(every_layer, queries[0].device.type == "cuda", repeat, per_timing)
+    return [s / len(queries) for s in seconds]
 
 
 def main() -> None:

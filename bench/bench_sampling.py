@@ -19,43 +19,20 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+from graph_timing import seconds_per_call  # noqa: E402
+
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_tokens  # noqa: E402
 
 
 def draw_seconds(method: str, logits: torch.Tensor, repeat: int, per_timing: int) -> list[float]:
     """Seconds per draw, `repeat` timings of `per_timing` draws each (replayed from a CUDA graph on CUDA)."""
-    cuda = logits.device.type == "cuda"
-
-    def draw() -> None:
-        sample_tokens(logits, method=method)
-
-    if cuda:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            draw()  # lazy initialisations happen outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            draw()
-        draw = graph.replay
-    draw()
-    timings = []
-    for _ in range(repeat):
-        if cuda:
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(per_timing):
-            draw()
-        if cuda:
-            torch.cuda.synchronize()
-        timings.append((time.perf_counter() - started) / per_timing)
-    return timings
+    return seconds_per_call(
+        lambda: sample_tokens(logits, method=method), logits.device.type == "cuda", repeat, per_timing
+    )
 
 
 def main() -> None:
