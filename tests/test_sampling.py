@@ -15,8 +15,8 @@ def _draw_counts(logits: torch.Tensor, n: int, method: str, seed: int = 0, chunk
     return counts
 
 
-@pytest.mark.parametrize("method", ["inverse_cdf", "multinomial"])
-@pytest.mark.parametrize("vocab", [60, 2503])  # one block; a prime: two blocks of CDF_BLOCK and a shorter one
+# 60 tokens: one block; 2,503 (a prime): two blocks of CDF_BLOCK and a shorter one, which only the two-level draw has
+@pytest.mark.parametrize("method, vocab", [("inverse_cdf", 60), ("multinomial", 60), ("inverse_cdf", 2503)])
 def test_draws_follow_the_processed_distribution(method, vocab):
     torch.manual_seed(0)
     logits = torch.randn(1, vocab) * (2 if vocab < 100 else 4)  # a top token of ~0.1 either way, for the power check
