@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -43,20 +44,22 @@ BACKENDS = {
 
 
 def build_cache(layers: int, rows: int, kv_heads: int, columns: int, dim: int, device: str) -> StaticKVCache:
-    """A cache as a generate call leaves it mid-way: random keys and values, the last quarter of columns not yet
-    valid, a few prompt columns of padding per row."""
-    cache = StaticKVCache.__new__(StaticKVCache)
-    cache.kv_dtype = torch.bfloat16
-    cache.key_values = [
-        torch.randn(rows, 2 * kv_heads, columns, dim, dtype=torch.bfloat16, device=device) for _ in range(layers)
-    ]
-    cache.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
-    cache.valid[:, : columns * 3 // 4] = True
-    cache.valid[::3, :5] = False  # left padding
-    cache.bias = torch.zeros(rows, 1, 1, columns, dtype=torch.bfloat16, device=device).masked_fill_(
-        ~cache.valid[:, None, None, :], float("-inf")
+    """A cache as a generate call leaves it mid-way, made by the loop's own constructor: a prompt of random keys and
+    values over the first three quarters of the columns (its first 5 columns padding in every third row), the last
+    quarter not yet written."""
+    prompt = columns * 3 // 4
+    prefill = SimpleNamespace(
+        layers=[
+            SimpleNamespace(
+                keys=torch.randn(rows, kv_heads, prompt, dim, dtype=torch.bfloat16, device=device),
+                values=torch.randn(rows, kv_heads, prompt, dim, dtype=torch.bfloat16, device=device),
+            )
+            for _ in range(layers)
+        ]
     )
-    return cache
+    mask = torch.ones(rows, prompt, dtype=torch.long, device=device)
+    mask[::3, :5] = 0  # left padding
+    return StaticKVCache(prefill, mask, repeats=1, new_tokens=columns - prompt, kv_dtype=torch.bfloat16)
 
 
 def explicit_products(cache: StaticKVCache, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:

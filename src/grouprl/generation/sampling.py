@@ -152,7 +152,8 @@ def _inverse_cdf_draw(probs: torch.Tensor, generator: Optional[torch.Generator])
     # right=True: the first block whose cumulative mass exceeds u, so a block of mass 0 is never picked
     block = torch.searchsorted(starts[:, 1:], u, right=True)  # (R, 1)
     rest = u - starts.gather(1, block)  # u's place inside its block: >= 0, as the blocks below end at or under u
-    positions = block * size + torch.arange(size, device=probs.device)  # (R, size)
+    first = block * size  # (R, 1): the block's first token
+    positions = first + torch.arange(size, device=probs.device)  # (R, size)
     if whole < vocab:  # the last block's places past the vocabulary hold 0
         inside = torch.where(positions < vocab, probs.gather(1, positions.clamp(max=vocab - 1)), 0.0)
     else:
@@ -161,7 +162,7 @@ def _inverse_cdf_draw(probs: torch.Tensor, generator: Optional[torch.Generator])
     # The block's mass was summed in another order than this scan: keep u strictly inside the scan's own total,
     # so the token found has a positive probability whatever the rounding.
     rest = torch.minimum(rest, _below(inside_cdf[:, -1:]))
-    return (block * size + torch.searchsorted(inside_cdf, rest, right=True)).squeeze(1)
+    return (first + torch.searchsorted(inside_cdf, rest, right=True)).squeeze(1)
 
 
 @torch.library.custom_op("grouprl::float64_cumsum", mutates_args=())
