@@ -141,8 +141,9 @@ def _inverse_cdf_draw(probs: torch.Tensor, generator: Optional[torch.Generator])
     mass = probs[:, :whole].view(rows, -1, size).sum(dim=-1)  # (R, B)
     if whole < vocab:  # the last, shorter block
         mass = torch.cat([mass, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
-    starts = torch.nn.functional.pad(cumulative_distribution(mass), (1, 0))  # (R, B + 1): 0, then each block's end
-    total = starts[:, -1:]
+    ends = cumulative_distribution(mass)  # (R, B), contiguous: searchsorted copies a strided boundary first
+    starts = torch.nn.functional.pad(ends, (1, 0))  # (R, B + 1): 0, then each block's end
+    total = ends[:, -1:]
     # rand_like: the same draws as torch.rand(rows, 1), and a symbolic row count traces (a compiled step)
     if generator is None:
         u = torch.rand_like(total) * total
@@ -150,7 +151,7 @@ def _inverse_cdf_draw(probs: torch.Tensor, generator: Optional[torch.Generator])
         u = torch.rand(total.shape, dtype=total.dtype, device=total.device, generator=generator) * total
     u = torch.minimum(u, _below(total))  # strictly below the total after rounding
     # right=True: the first block whose cumulative mass exceeds u, so a block of mass 0 is never picked
-    block = torch.searchsorted(starts[:, 1:], u, right=True)  # (R, 1)
+    block = torch.searchsorted(ends, u, right=True)  # (R, 1)
     rest = u - starts.gather(1, block)  # u's place inside its block: >= 0, as the blocks below end at or under u
     first = block * size  # (R, 1): the block's first token
     positions = first + torch.arange(size, device=probs.device)  # (R, size)
