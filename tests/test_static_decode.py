@@ -233,6 +233,35 @@ def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(mod
     assert gaps[True].mean() < 1e-3 and gaps[True].max() < 0.005
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_either_mlp_orientation_keeps_to_the_training_forward(model_and_tokenizer, transposed, monkeypatch):
+    """Under bf16 autocast the step's gate/up weights are cast and stacked into one product, computed as x @ W^T
+    (CPUs) or as W @ x^T, each half of the output contiguous (CUDA: fused_decode.mlp_transposed_pays_off). Both are
+    the same products of the same bf16 operands: each keeps the eager loop's bound to the training forward's
+    logprobs (test above), and on this CPU the two samples the same tokens (measured: largest gap 5e-7 either way)."""
+    from grouprl.generation import fused_decode
+
+    monkeypatch.setattr(fused_decode, "mlp_transposed_pays_off", lambda device: transposed)
+    monkeypatch.setattr(fused_decode, "packs_weights", lambda dtype, device: False)  # as on CUDA
+    model, tokenizer = model_and_tokenizer
+    prompts, params = prompts_of(tokenizer), SamplingParams(max_new_tokens=12, temperature=0.8)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        decoder = fused_decode.FusedDecoder(model)
+        torch.manual_seed(0)
+        completions = generator(model, tokenizer, []).generate(prompts, 3, params)
+        forward = [forward_logprobs(model, prompts[c.prompt_index], c.token_ids, 0.8) for c in completions]
+    assert decoder.mlp_transposed == transposed and all(len(layer.gate_up) == 1 for layer in decoder.layers)
+    gaps = torch.cat([torch.tensor(c.sampler_logprobs) - f for c, f in zip(completions, forward)]).abs()
+    assert len(gaps) == 9 * 12
+    assert gaps.max() < (1e-5 if DEVICE == "cpu" else 2e-4) and gaps.mean() < 5e-6
+    if DEVICE == "cpu":  # a GPU's GEMM kernels for the two orientations may differ by an ulp, and so the tokens
+        monkeypatch.setattr(fused_decode, "mlp_transposed_pays_off", lambda device: not transposed)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            torch.manual_seed(0)
+            other = generator(model, tokenizer, []).generate(prompts, 3, params)
+        assert [c.token_ids for c in other] == [c.token_ids for c in completions]
+
+
 def test_a_step_that_cannot_compile_stops_with_the_way_out(model_and_tokenizer, monkeypatch):
     """torch.compile's failure (no C++ compiler, an operator it lacks, ...) names the field that turns it off."""
     import torch._dynamo.exc

@@ -200,6 +200,7 @@ class FusedDecoder:
         self.residual_dtype = model.get_input_embeddings().weight.dtype
         self.dtype = torch.get_autocast_dtype(device.type) if autocast else self.residual_dtype
         self.packed = pack and packs_weights(self.dtype, device)
+        self.mlp_transposed = not self.packed and mlp_transposed_pays_off(device)
         self.adds_promoted = torch.promote_types(self.residual_dtype, self.dtype) == self.residual_dtype
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -332,11 +333,23 @@ class FusedDecoder:
             out = self._apply(attended.reshape(rows, q_width), layer.o)
             hidden = self._residual(hidden, out)
             x = F.rms_norm(hidden, (width,), layer.post_norm, layer.post_eps)
-            outs = self._outputs(x, layer.gate_up)
-            gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
-            hidden = self._residual(hidden, self._apply(F.silu(gate) * up, layer.down))
+            hidden = self._residual(hidden, self._mlp(x, layer))
         hidden = F.rms_norm(hidden, (width,), self.final_norm, self.final_eps)
         return self._apply(hidden, self.head).float()
+
+    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """down(SiLU(gate) * up) of the normed (R, H) rows."""
+        if self.mlp_transposed and len(layer.gate_up) == 1:
+            # gate/up stacked in one weight: the (2I, R) product W @ x^T has each half contiguous, where the halves of
+            # x @ W^T's (R, 2I) are strided, which CUDA's SiLU and product run by its generic elementwise kernel
+            # (indexing every element: ~6 us each a layer on an H200, against ~2 for a contiguous operand). The
+            # transposes are operand layouts of the products, not copies.
+            weight, _ = layer.gate_up[0]  # an MLP has no biases (structure_reason)
+            gate, up = torch.mm(weight, x.to(weight.dtype).t()).chunk(2, dim=0)
+            return self._apply(F.silu(gate).mul_(up).t(), layer.down)
+        outs = self._outputs(x, layer.gate_up)
+        gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
+        return self._apply(F.silu(gate) * up, layer.down)
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -433,6 +446,13 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         out = torch.addmm(bias[:, None], weight, columns)
     return out[:, :rows].t().contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def mlp_transposed_pays_off(device: torch.device) -> bool:
+    """Whether a decode step computes a stacked gate/up product as W @ x^T (`FusedDecoder._mlp`): on CUDA, whose
+    elementwise kernels run contiguous operands vectorised. CPUs keep x @ W^T: their products are tuned for it here
+    (packed bf16 weights, `few_row_linear`), and their elementwise loops gain little from contiguity."""
+    return device.type == "cuda"
 
 
 def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
