@@ -4,13 +4,19 @@ the bytes of live tensor storages the head's operators allocated: the same count
     python bench/bench_head_memory.py                  # the Qwen2.5-0.5B head (151,936 x 896), fp32 under bf16
                                                        # autocast, 64 rows x 256 completion tokens
     python bench/bench_head_memory.py --vocab 49152 --width 576 --positions 8192
+    python bench/bench_head_memory.py --layers 4 --rows 16    # a whole training pass of the 0.5B shape's width,
+                                                              # 4 of its layers, checkpointed as the trainer runs them
 
-Prints the forward's and the backward's peaks and the five largest tensors alive at the backward's, as JSON.
+Prints the forward's and the backward's peaks and the five largest tensors alive at the backward's, as JSON. With
+`--layers`, the whole pass (forward.completion_logprobs, rows of 48 prompt and 256 completion tokens) with the head's
+weight cast before the body (forward.product_weight) and after it (autocast's cast, as before), and for each the most
+bytes alive during the layers' backward: from the head's backward (the final norm's gradient) to the embedding's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -81,13 +87,73 @@ def head_peaks(vocab: int, width: int, positions: int, autocast: bool = True) ->
     }
 
 
+class Timeline(LiveStorageBytes):
+    """LiveStorageBytes that also keeps (live bytes, operator) after every operator."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[tuple[int, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.steps.append((self.live, func.overloadpacket.__name__))
+        return out
+
+
+def pass_peaks(vocab: int, width: int, layers: int, rows: int, head_cast: str) -> dict:
+    """Peaks (GB) of a training pass of the 0.5B shape's layers at `width`, fp32 weights under bf16 autocast, tied
+    embeddings, checkpointed; `head_cast`: "before the body" (product_weight) or "in the head" (autocast's)."""
+    from unittest.mock import patch
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if importlib.util.find_spec("grouprl") is None:
+        sys.path.insert(0, os.path.join(ROOT, "src"))
+    import grouprl.model.logprobs as logprobs
+    from grouprl.model.patches import grouprl_patches
+
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=width, intermediate_size=4864 * width // 896, num_hidden_layers=layers,
+        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, vocab, (rows, 48), generator=generator)
+    completions = torch.randint(0, vocab, (rows, 256), generator=generator)
+    batch = (prompts, torch.ones_like(prompts), completions, torch.ones_like(completions))
+    timeline, head_done = Timeline(), []
+    model.model.norm.weight.register_post_accumulate_grad_hook(lambda p: head_done.append(len(timeline.steps)))
+    late = patch.object(logprobs, "product_weight", lambda head: None)
+    with late if head_cast == "in the head" else contextlib.nullcontext(), grouprl_patches(), timeline:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = logprobs.completion_logprobs(model, *batch, temperature=1.0)
+        forward = timeline.peak
+        (out.logprobs * batch[3]).sum().backward()
+    operators = [name for _, name in timeline.steps]
+    during_layers = timeline.steps[head_done[0] : operators.index("embedding_dense_backward")]
+    return {
+        "head_cast": head_cast,
+        "forward_peak_gb": round(forward / 1e9, 3),
+        "layers_backward_peak_gb": round(max(live for live, _ in during_layers) / 1e9, 3),
+        "pass_peak_gb": round(timeline.peak / 1e9, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--width", type=int, default=896)
     parser.add_argument("--positions", type=int, default=64 * 256)
     parser.add_argument("--fp32", action="store_true", help="no autocast (the head's products in fp32)")
+    parser.add_argument("--layers", type=int, help="a whole training pass with this many layers (module doc)")
+    parser.add_argument("--rows", type=int, default=16, help="with --layers: rows of 48 + 256 tokens")
     args = parser.parse_args()
+    if args.layers:
+        for cast in ("before the body", "in the head"):
+            print(json.dumps(pass_peaks(args.vocab, args.width, args.layers, args.rows, cast)), flush=True)
+        return
     print(json.dumps({**vars(args), **head_peaks(args.vocab, args.width, args.positions, not args.fp32)}, indent=1))
 
 

@@ -174,6 +174,50 @@ def test_head_backward_never_holds_the_weights_copy_with_both_of_its_gradients(m
     assert counter.peak < matrix * (2 + 2 + 4), "the bf16 weight, its bf16 gradient and the fp32 one coexisted"
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_layers_backward_holds_the_heads_gradient_in_bf16(monkeypatch, tied):
+    """Under bf16 autocast (fp32 weights, as bf16=True trains) the head's weight is cast before the model's body runs
+    (forward.product_weight), so autograd converts the head's gradient to fp32 only after the layers' backward, where
+    a training pass peaks (the 0.5B case on an H200); cast after the body (autocast's own cast, inside the head), its
+    fp32 gradient was held from the head's backward on. Measured here as the tensor bytes alive during the layers'
+    backward, checkpointed as the trainer runs them: lower by the fp32 gradient's half. The gradients are the same,
+    bit for bit."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from bench_head_memory import Timeline
+
+    vocab, width = 4096, 32
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=width, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=64,
+    )  # fmt: skip
+    batch = ragged_batch(vocab)
+
+    def run(early: bool) -> tuple[int, dict[str, torch.Tensor]]:
+        """The most bytes alive between the head's backward and the embedding's, and the gradients."""
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not early:
+            monkeypatch.setattr(lp, "product_weight", lambda head: None)
+        timeline, head_done = Timeline(), []
+        model.model.norm.weight.register_post_accumulate_grad_hook(lambda p: head_done.append(len(timeline.steps)))
+        with timeline:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = lp.completion_logprobs(model, *batch, temperature=0.7, bucket_by_length=False)
+            (out.logprobs * batch[3]).sum().backward()
+        monkeypatch.undo()
+        operators = [name for _, name in timeline.steps]
+        layers = timeline.steps[head_done[0] : operators.index("embedding_dense_backward")]
+        return max(live for live, _ in layers), {name: p.grad for name, p in model.named_parameters()}
+
+    early_peak, early_grads = run(early=True)
+    late_peak, late_grads = run(early=False)
+    assert late_peak - early_peak >= vocab * width * (4 - 2)  # fp32 against bf16
+    assert all(torch.equal(early_grads[name], late_grads[name]) for name in early_grads)
+
+
 def test_head_path_holds_no_full_logits_in_memory(tiny_model_dir, monkeypatch):
     """Autograd keeps the hidden states, not fp32 logits: saved tensors shrink by about vocab/hidden."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

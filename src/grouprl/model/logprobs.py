@@ -43,6 +43,7 @@ from grouprl.model.forward import (
     in_row_order,
     length_buckets,
     logits_logprobs,
+    product_weight,
     separable_head,
 )
 from grouprl.model.multimodal import forward_inputs
@@ -257,13 +258,16 @@ def _bucket_logprobs(
     if with_aux_loss:
         kwargs["output_router_logits"] = True
     head = separable_head(model)
+    weight = product_weight(head)  # before the body runs (its doc)
     with capture_head_input(head) as captured:
         output = forward_keeping(model, kwargs, completion_len + 1)
     aux = getattr(output, "aux_loss", None) if with_aux_loss else None
     # Position t predicts token t + 1: drop the last one, keep the T before it.
     if head is not None:
         hidden = captured[0][:, -(completion_len + 1) : -1, :]
-        logps, entropies = head_logprobs(hidden, head.forward, completion_ids, temperature, entropy=entropy)
+        logps, entropies = head_logprobs(
+            hidden, head.forward, completion_ids, temperature, entropy=entropy, weight=weight
+        )
     else:
         logits = output.logits[:, -(completion_len + 1) : -1, :]
         logps, entropies = logits_logprobs(logits, completion_ids, temperature, entropy=entropy)

@@ -43,6 +43,7 @@ from grouprl.model.forward import (
     in_row_order,
     is_unsupported,
     length_buckets,
+    product_weight,
     separable_head,
 )
 from grouprl.model.loading import recomputes_layers
@@ -324,6 +325,7 @@ def packed_logprobs(
     if sparse:
         explicit = _scores_short_lived(model) if explicit_scores is None else explicit_scores
         kwargs[LAYOUT_KWARG] = pack.layout._replace(explicit_scores=explicit)
+    weight = product_weight(head)  # before the body runs (its doc)
     with capture_head_input(head) as captured:
         forward_keeping(model, kwargs, pack.keep)
     states = captured[0]  # (packs, keep, H): the last `keep` positions
@@ -334,7 +336,7 @@ def packed_logprobs(
     flat = states.reshape(packs * states.shape[1], states.shape[2])
     local = pack.source - offset * (pack.source // length + 1)  # rebase (packs * L) indices onto (packs * keep)
     hidden = flat[local]  # (rows, T, H)
-    return head_logprobs(hidden, head.forward, completion_ids, temperature, entropy=entropy)
+    return head_logprobs(hidden, head.forward, completion_ids, temperature, entropy=entropy, weight=weight)
 
 
 class RecomputedUnderPatches(torch.autograd.Function):
