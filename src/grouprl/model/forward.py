@@ -273,12 +273,11 @@ class _ChunkBuffers:
 
 def product_weight(head: torch.nn.Module | None) -> torch.Tensor | None:
     """A trainable plain nn.Linear head's weight cast to the dtype its products run in (fp32 under bf16 autocast:
-    bf16), for `head_logprobs`, or None where there is no cast to make. Made before the model's body runs: autograd
-    runs a node's backward after every node made later, so this cast's backward, which converts the head's gradient
-    to fp32 and hands it to the weight's .grad, runs after every layer's. Until then the gradient is held in the
-    product dtype (0.27 GB for Qwen2.5-0.5B's 151,936 x 896 head, against 0.54 in fp32), through the layers'
-    backward, where the training pass peaks; cast after the body (autocast's own cast), the fp32 .grad was held
-    there."""
+    bf16), for `head_logprobs`, or None where there is no cast to make. Made before the model's body runs: of the
+    nodes ready to run, autograd runs the one made last first, so this cast's backward, which converts the head's
+    gradient to fp32 for the weight's .grad, runs after every layer's. Through the layers' backward, where a training
+    pass peaks, the gradient is held in the product dtype (0.27 GB for Qwen2.5-0.5B's 151,936 x 896 head); cast
+    inside the head, its backward handed the weight the fp32 gradient (0.54 GB) at once."""
     if type(head) is not torch.nn.Linear or "forward" in vars(head):
         return None
     weight = head.weight
