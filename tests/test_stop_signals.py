@@ -80,8 +80,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, tmp_
     time.sleep(0.01)
     child.send_signal(signal.SIGINT)
     output = child.communicate(timeout=60)[0]
-    assert child.returncode in (130, -signal.SIGINT), output[-3000:]  # Python's own exit for KeyboardInterrupt
-    assert "a second Ctrl-C: stopped at once, without a checkpoint" in output
+    assert child.returncode == 130, output[-3000:]  # whether torch._dynamo was imported by then or not (loop.train)
+    assert "grouprl: a second Ctrl-C: stopped at once, without a checkpoint." in output
     assert list_checkpoints(str(out)) == []
 
 

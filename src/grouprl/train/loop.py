@@ -43,6 +43,7 @@ fall. Everything needed to continue exactly (sampler position, buffered micro-ba
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -67,7 +68,7 @@ from grouprl.train.last_good_state import save_last_good
 from grouprl.train.non_finite import NonFiniteError, non_finite_error
 from grouprl.train.run_checkpoints import gathered_policy_state, save, should_save, write_checkpoint
 from grouprl.train.step_reduction import reduce_step
-from grouprl.train.stop_signals import StopSignals, exit_code, resume_hint
+from grouprl.train.stop_signals import StoppedAtOnce, StopSignals, exit_code, resume_hint
 from grouprl.train.training_run import TrainingRun, deepspeed_engine
 
 
@@ -78,6 +79,12 @@ def train(run: TrainingRun) -> dict[str, float]:
     try:
         with StopSignals(describe, announce=run.accelerator.is_main_process) as stops:
             return train_steps(run, stops)
+    except StoppedAtOnce as err:
+        # An explicit exit status: Python's own for an uncaught KeyboardInterrupt (130) turns into 1 once
+        # torch._dynamo is imported (a checkpoint's optimizer.state_dict imports it; torch 2.13's exit handler
+        # then imports a module, which clears the interpreter's record of the interrupt).
+        print(f"grouprl: {err}.", file=sys.stderr, flush=True)
+        raise SystemExit(exit_code(signal.SIGINT)) from err
     except (NonFiniteError, RewardFunctionError) as err:
         # every process raises the same NonFiniteError, so a sharded policy can be gathered; a reward error may
         # stop one process only

@@ -5,8 +5,9 @@ loop reduces it with the step's statistics, so every process learns at the same 
 to stop (a launcher forwards the signal to each process, a scheduler may signal only some); the step in flight
 finishes, a checkpoint is written, the main process prints how to resume, and every process raises
 `SystemExit(128 + signal)`: 130 for SIGINT, 143 for SIGTERM, the exit codes shells and schedulers expect. A
-second Ctrl-C aborts at once (KeyboardInterrupt); a checkpoint being written then stays incomplete, and an
-incomplete checkpoint is never resumed from (checkpoint.py).
+second Ctrl-C aborts at once: `StoppedAtOnce` (a KeyboardInterrupt) unwinds the run from wherever it is, and the loop
+turns it into `SystemExit(130)` too; a checkpoint being written then stays incomplete, and an incomplete checkpoint
+is never resumed from (checkpoint.py).
 
 Handlers can only be installed from the main thread; elsewhere (a notebook's worker thread) the signals keep
 their previous behaviour.
@@ -20,6 +21,10 @@ import threading
 from typing import Any, Callable, Optional
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C while a run stops (module doc)."""
 
 
 class StopSignals:
@@ -45,7 +50,7 @@ class StopSignals:
     def _handle(self, number: int, frame: Optional[Any]) -> None:
         if self.received:
             if number == signal.SIGINT:
-                raise KeyboardInterrupt("a second Ctrl-C: stopped at once, without a checkpoint")
+                raise StoppedAtOnce("a second Ctrl-C: stopped at once, without a checkpoint")
             return  # a repeated SIGTERM: the checkpoint is on its way
         self.received = number
         if self.announce:
