@@ -68,16 +68,26 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
 from grouprl.core.cpu_capabilities import isa_limits, onednn_runs_bf16
-from grouprl.generation.shared_prefix import SAMPLES, SharedPrefixCache, logit_tolerance, shared_decode, shared_prefill
+from grouprl.generation.shared_prefix import (
+    SAMPLES,
+    SharedPrefixCache,
+    SharedPrefixLayer,
+    logit_tolerance,
+    shared_decode,
+    shared_prefill,
+)
 from grouprl.model.forward import describe, is_unsupported
 from grouprl.model.loading import runs_head_in_fp32
+
+if TYPE_CHECKING:
+    from grouprl.generation.static_kv_cache import StaticKVCache, StaticLayerCache
 
 logger = logging.get_logger("grouprl")
 
@@ -200,6 +210,7 @@ class FusedDecoder:
         self.residual_dtype = model.get_input_embeddings().weight.dtype
         self.dtype = torch.get_autocast_dtype(device.type) if autocast else self.residual_dtype
         self.packed = pack and packs_weights(self.dtype, device)
+        self.layer_step = type(self)._layer  # (self, ...) -> ...: static_decode may put a compiled one here
         self.mlp_transposed = not self.packed and mlp_transposed_pays_off(device)
         self.adds_promoted = torch.promote_types(self.residual_dtype, self.dtype) == self.residual_dtype
         self.heads = config.num_attention_heads
@@ -280,62 +291,81 @@ class FusedDecoder:
         return hidden + (out if self.adds_promoted else out.to(self.residual_dtype))
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SharedPrefixCache) -> torch.Tensor:
+    def step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: SharedPrefixCache | StaticKVCache
+    ) -> torch.Tensor:
         """tokens, positions: (R,) -> fp32 logits (R, vocab); writes the step's keys and values into `cache`."""
         with torch.autocast(self.device_type, enabled=False):  # the products' dtype is set by the weights
             return self._step(tokens, positions, cache)
 
-    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SharedPrefixCache) -> torch.Tensor:
+    def _step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: SharedPrefixCache | StaticKVCache
+    ) -> torch.Tensor:
         # On a GPU a decode step costs about its kernel count (each a few microseconds, the products included), so
         # a dtype changes only where the model's forward rounds, and inside an operator that runs anyway: RoPE
         # computes in the residual stream's dtype, as transformers' (q in the products' dtype times cos/sin in the
         # hidden states'), writing its output in the cache's dtype (under autocast, the bf16 sdpa's inputs); the
         # attention's output stays in that dtype for the o product, and the residual adds promote the products'
         # outputs. bench/bench_decode_ops.py counts the step's operators.
-        rows, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
-        rope_dtype, attention_dtype = self.residual_dtype, cache.kv_dtype
         hidden = F.embedding(tokens, self.embedding)  # (R, H), the residual stream
         if self.rope_table is None:
             cos, signed_sin = self._rope(positions)  # (R, 1, D) each: broadcast over the heads
         else:
             both = self.rope_table.index_select(0, positions)
             cos, signed_sin = both[:, :1], both[:, 1:]
-        half = dim // 2
-        q_width, width = heads * dim, hidden.shape[-1]
+        mlp_out = None
         for index, layer in enumerate(self.layers):
-            x = F.rms_norm(hidden, (width,), layer.input_norm, layer.input_eps)
-            outs = self._outputs(x, layer.qkv)  # one stacked product, or q, k and v read in place (three)
-            qkv = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(rows, heads + 2 * kv_heads, dim)
-            # RoPE's output replaces q and k in place where the products' dtype is the cache's (the static loop's),
-            # so the cache takes k and v in one write; else (the engine's fp32 cache under autocast) a buffer does
-            rotated = qkv if qkv.dtype == attention_dtype else torch.empty_like(qkv, dtype=attention_dtype)
-            qk = qkv[:, : heads + kv_heads]  # `qk * cos` below computes in rope_dtype
-            if rotated is not qkv:
-                rotated[:, heads + kv_heads :] = qkv[:, heads + kv_heads :]
-            if layer.q_norm is not None:
-                qk = qk.to(rope_dtype)
-                qk = torch.cat(
-                    [
-                        F.rms_norm(qk[:, :heads], (dim,), layer.q_norm.to(rope_dtype), layer.head_eps),
-                        F.rms_norm(qk[:, heads:], (dim,), layer.k_norm.to(rope_dtype), layer.head_eps),
-                    ],
-                    dim=1,
-                )
-            # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output; the
-            # inputs are computed before the output overwrites q and k
-            rope_inputs = (qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin)
-            if torch.compiler.is_compiling():  # dynamo refuses a strided `out=`; inductor fuses the copy anyway
-                rotated[:, : heads + kv_heads] = torch.addcmul(*rope_inputs)
-            else:
-                torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads])
-            cache.write(rotated[:, heads:, None], index)  # (R, 2 * kv_heads, 1, D): keys, then values
-            attended = cache.attend(index, rotated[:, :heads, None], self.scaling)  # (R, 1, heads, D)
-            out = self._apply(attended.reshape(rows, q_width), layer.o)
-            hidden = self._residual(hidden, out)
-            x = F.rms_norm(hidden, (width,), layer.post_norm, layer.post_eps)
-            hidden = self._residual(hidden, self._mlp(x, layer))
-        hidden = F.rms_norm(hidden, (width,), self.final_norm, self.final_eps)
+            hidden, mlp_out = self.layer_step(self, hidden, mlp_out, layer, cache.layer(index), cos, signed_sin)
+        hidden = F.rms_norm(self._residual(hidden, mlp_out), (hidden.shape[-1],), self.final_norm, self.final_eps)
         return self._apply(hidden, self.head).float()
+
+    def _layer(
+        self,
+        hidden: torch.Tensor,
+        mlp_out: torch.Tensor | None,
+        layer: _Layer,
+        cache: StaticLayerCache | SharedPrefixLayer,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer: (the residual stream before it, the previous layer's MLP output or None) -> (the stream after
+        its attention, its MLP output). Each layer adds the previous one's MLP output itself, so a compiled layer
+        (static_decode's compile) fuses that add with its first norm."""
+        rows, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
+        rope_dtype, attention_dtype = self.residual_dtype, cache.kv_dtype
+        half, q_width, width = dim // 2, heads * dim, hidden.shape[-1]
+        if mlp_out is not None:
+            hidden = self._residual(hidden, mlp_out)
+        x = F.rms_norm(hidden, (width,), layer.input_norm, layer.input_eps)
+        outs = self._outputs(x, layer.qkv)  # one stacked product, or q, k and v read in place (three)
+        qkv = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(rows, heads + 2 * kv_heads, dim)
+        # RoPE's output replaces q and k in place where the products' dtype is the cache's (the static loop's),
+        # so the cache takes k and v in one write; else (the engine's fp32 cache under autocast) a buffer does
+        rotated = qkv if qkv.dtype == attention_dtype else torch.empty_like(qkv, dtype=attention_dtype)
+        qk = qkv[:, : heads + kv_heads]  # `qk * cos` below computes in rope_dtype
+        if rotated is not qkv:
+            rotated[:, heads + kv_heads :] = qkv[:, heads + kv_heads :]
+        if layer.q_norm is not None:
+            qk = qk.to(rope_dtype)
+            qk = torch.cat(
+                [
+                    F.rms_norm(qk[:, :heads], (dim,), layer.q_norm.to(rope_dtype), layer.head_eps),
+                    F.rms_norm(qk[:, heads:], (dim,), layer.k_norm.to(rope_dtype), layer.head_eps),
+                ],
+                dim=1,
+            )
+        # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output; the
+        # inputs are computed before the output overwrites q and k
+        rope_inputs = (qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin)
+        if torch.compiler.is_compiling():  # dynamo refuses a strided `out=`; inductor fuses the copy anyway
+            rotated[:, : heads + kv_heads] = torch.addcmul(*rope_inputs)
+        else:
+            torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads])
+        cache.write(rotated[:, heads:, None])  # (R, 2 * kv_heads, 1, D): keys, then values
+        attended = cache.attend(rotated[:, :heads, None], self.scaling)  # (R, 1, heads, D)
+        hidden = self._residual(hidden, self._apply(attended.reshape(rows, q_width), layer.o))
+        x = F.rms_norm(hidden, (width,), layer.post_norm, layer.post_eps)
+        return hidden, self._mlp(x, layer)
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """down(SiLU(gate) * up) of the normed (R, H) rows."""

@@ -103,6 +103,10 @@ class SharedPrefixCache:
         heads = key_values.shape[1] // 2
         self.update(key_values[:, :heads], key_values[:, heads:], layer_idx)
 
+    def layer(self, index: int) -> "SharedPrefixLayer":
+        """Layer `index`'s part, as FusedDecoder's layer step takes a cache (`write`, `attend`)."""
+        return SharedPrefixLayer(self, index)
+
     @property
     def kv_dtype(self) -> torch.dtype:
         """The keys' dtype, which FusedDecoder writes a step's keys and queries in (attention runs in fp32 at least).
@@ -165,6 +169,19 @@ class SharedPrefixCache:
         if self.full:
             return per_slot.reshape(prompts * self.slots, kvh, -1, m)
         return per_slot[self.row_prompt, self.row_slot]
+
+
+class SharedPrefixLayer:
+    """One layer of a SharedPrefixCache, with StaticLayerCache's interface."""
+
+    def __init__(self, cache: SharedPrefixCache, index: int):
+        self.cache, self.index, self.kv_dtype = cache, index, cache.kv_dtype
+
+    def write(self, key_values: torch.Tensor) -> None:
+        self.cache.write(key_values, self.index)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        return self.cache.attend(self.index, query, scaling)
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):

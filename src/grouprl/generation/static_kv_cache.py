@@ -54,12 +54,30 @@ class StaticKVCache:
         self.valid.index_fill_(1, self.column, True)
         self.bias.index_fill_(3, self.column, 0.0)
 
+    def layer(self, index: int) -> "StaticLayerCache":
+        return StaticLayerCache(self.key_values[index], self.column, self.bias, self.kv_dtype)
+
     def write(self, key_values: torch.Tensor, layer: int) -> None:
-        """key_values (rows, 2 * kv_heads, 1, head_dim), the keys then the values, in `kv_dtype`, into column
-        `column`."""
-        self.key_values[layer].index_copy_(2, self.column, key_values)
+        self.layer(layer).write(key_values)
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        return self.layer(layer).attend(query, scaling)
+
+
+class StaticLayerCache:
+    """One layer of a StaticKVCache: its buffer and the cache's shared column and bias. A decode step's layer takes
+    this, not the cache and a layer number, so that a compiled layer serves every layer (compiled on a number, it
+    would be a graph per layer)."""
+
+    def __init__(self, key_values: torch.Tensor, column: torch.Tensor, bias: torch.Tensor, kv_dtype: torch.dtype):
+        self.key_values, self.column, self.bias, self.kv_dtype = key_values, column, bias, kv_dtype
+
+    def write(self, key_values: torch.Tensor) -> None:
+        """key_values (rows, 2 * kv_heads, 1, head_dim), the keys then the values, in `kv_dtype`, into column
+        `column`."""
+        self.key_values.index_copy_(2, self.column, key_values)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in `kv_dtype`, over the valid columns.
 
         The heads sharing a key/value head are that head's queries (a (rows, kv_heads, heads / kv_heads, dim)
@@ -67,7 +85,7 @@ class StaticKVCache:
         rows, heads, _, dim = query.shape
         # the halves taken here, not kept as views: a compiled step given the buffer and views of it as separate
         # inputs copied the whole buffer twice a layer to write one column (inductor's handling of aliased inputs)
-        keys, values = self.key_values[layer].chunk(2, dim=1)
+        keys, values = self.key_values.chunk(2, dim=1)
         grouped = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dim).to(self.kv_dtype)
         out = F.scaled_dot_product_attention(
             grouped, keys, values, attn_mask=self.bias, scale=scaling
