@@ -142,10 +142,11 @@ class ModelAndSamplingFields:
         default=False,
         metadata=_meta(
             "grouprl: with the captured decode loop (generation_engine='captured', or 'auto' where it picks it), "
-            "torch.compile its step (inductor, one whole graph) before the step is captured: the norms, RoPE, casts "
-            "and sampling passes around the products in fewer kernels. The first generation compiles (on an H200, "
-            "~16 s for a 0.5B model), and so does each new prompt bucket, row count or sampling setting (evaluation's, "
-            "say), up to 64 shapes. Off by default: on an H200 it made the 0.5B case's decode step a little faster "
+            "torch.compile its step's layer (one graph for all layers) and its sampling before the step is captured: "
+            "the norms, RoPE, casts and sampling passes around the products in fewer kernels. The first generation "
+            "compiles (24 layers: 4.8 s on a 2-core CPU, where a graph of the whole step took 17.9 s, and ~16 s on an "
+            "H200), and so does each new prompt bucket, row count or sampling setting (evaluation's, say), up to 64 "
+            "shapes. Off by default: on an H200 the whole-step graph made the 0.5B case's decode step a little faster "
             "(2.79 against 3.03 ms) at 0.17 GB more peak memory (docs/benchmarks-gpu.md)."
         ),
     )
