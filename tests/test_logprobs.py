@@ -192,19 +192,20 @@ def test_the_layers_backward_holds_the_heads_gradient_in_bf16(monkeypatch, tied)
         vocab_size=vocab, hidden_size=width, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=64,
     )  # fmt: skip
-    batch = ragged_batch(vocab)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # autograd's order is the same on every device
+    batch = tuple(t.to(device) for t in ragged_batch(vocab))
 
     def run(early: bool) -> tuple[int, dict[str, torch.Tensor]]:
         """The most bytes alive between the head's backward and the embedding's, and the gradients."""
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).train()
+        model = Qwen2ForCausalLM(config).to(device).train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not early:
             monkeypatch.setattr(lp, "product_weight", lambda head: None)
         timeline, head_done = Timeline(), []
         model.model.norm.weight.register_post_accumulate_grad_hook(lambda p: head_done.append(len(timeline.steps)))
         with timeline:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 out = lp.completion_logprobs(model, *batch, temperature=0.7, bucket_by_length=False)
             (out.logprobs * batch[3]).sum().backward()
         monkeypatch.undo()
