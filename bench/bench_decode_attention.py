@@ -79,7 +79,7 @@ def way(name: str) -> Callable[[StaticKVCache, int, torch.Tensor, float], torch.
 
     def attend(cache: StaticKVCache, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
-            return cache.attend(layer, query, scaling)
+            return cache.layer(layer).attend(query, scaling)
 
     return attend
 
@@ -116,7 +116,7 @@ def main() -> None:
         for _ in range(args.layers)
     ]
     scaling = args.head_dim**-0.5
-    reference = cache.attend(0, queries[0], scaling).float()
+    reference = cache.layer(0).attend(queries[0], scaling).float()
     shape = {"rows": args.rows, "heads": args.heads, "kv_heads": args.kv_heads, "columns": args.columns}
     for name in args.ways.split(","):
         record = {"way": name, "device": args.device, **shape}

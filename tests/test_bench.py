@@ -200,7 +200,7 @@ def test_the_decode_attention_ways_compute_the_loops_attention():
     torch.manual_seed(0)
     cache = bench.build_cache(layers=2, rows=6, kv_heads=2, columns=48, dim=32, device="cpu")
     query = torch.randn(6, 8, 1, 32, dtype=torch.bfloat16)
-    expected = cache.attend(1, query, 32**-0.5).float()
+    expected = cache.layer(1).attend(query, 32**-0.5).float()
     for name in ("sdpa:math", "products"):
         got = bench.way(name)(cache, 1, query, 32**-0.5).float()
         torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)

@@ -332,7 +332,7 @@ def test_static_cache_attention_equals_repeated_heads():
     assert cache.key_values[0].shape[2] == 16  # 11 columns, allocated as a multiple of 16 (never valid beyond 11)
     assert torch.equal(cache.valid[:, :columns], valid) and not cache.valid[:, columns:].any()
     query = torch.randn(rows, heads, 1, dim)
-    got = cache.attend(0, query, 0.5)
+    got = cache.layer(0).attend(query, 0.5)
     keys, values = keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1)
     scores = (query @ keys.transpose(-1, -2)) * 0.5
     scores = scores.masked_fill(~valid[:, None, None, :], -float("inf"))

@@ -17,7 +17,7 @@ COLUMN_MULTIPLE = 16
 
 class StaticKVCache:
     """Every layer's keys and values, (rows, kv_heads, columns, head_dim), allocated once; the FusedDecoder cache
-    interface (`write`, `attend`) over them.
+    interface over them (`layer`: a layer's `write` and `attend`).
 
     `kv_dtype`: the attention's, which the training forward computes in (under autocast, its dtype: the prefill's
     keys come in fp32 there, since RoPE runs in the residual stream's dtype, and are rounded here as autocast rounds
@@ -55,13 +55,8 @@ class StaticKVCache:
         self.bias.index_fill_(3, self.column, 0.0)
 
     def layer(self, index: int) -> "StaticLayerCache":
+        """Layer `index`'s buffer, with what a decode step's layer does with it (`write`, `attend`)."""
         return StaticLayerCache(self.key_values[index], self.column, self.bias, self.kv_dtype)
-
-    def write(self, key_values: torch.Tensor, layer: int) -> None:
-        self.layer(layer).write(key_values)
-
-    def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return self.layer(layer).attend(query, scaling)
 
 
 class StaticLayerCache:
