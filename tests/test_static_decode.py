@@ -269,7 +269,7 @@ def test_either_mlp_orientation_keeps_to_the_training_forward(model_and_tokenize
     """Under bf16 autocast the step's gate/up weights are cast and stacked into one product, computed as x @ W^T
     (CPUs) or as W @ x^T, each half of the output contiguous (CUDA: fused_decode.mlp_transposed_pays_off). Both are
     the same products of the same bf16 operands: each keeps the eager loop's bound to the training forward's
-    logprobs (test above), and on this CPU the two samples the same tokens (measured: largest gap 5e-7 either way)."""
+    logprobs (test above), and on this CPU the two sample the same tokens (measured: largest gap 5e-7 either way)."""
     from grouprl.generation import fused_decode
 
     monkeypatch.setattr(fused_decode, "mlp_transposed_pays_off", lambda device: transposed)
