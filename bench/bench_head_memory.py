@@ -100,17 +100,41 @@ class Timeline(LiveStorageBytes):
         return out
 
 
-def pass_peaks(vocab: int, width: int, layers: int, rows: int, head_cast: str) -> dict:
-    """Peaks (GB) of a training pass of the 0.5B shape's layers at `width`, fp32 weights under bf16 autocast, tied
-    embeddings, checkpointed; `head_cast`: "before the body" (product_weight) or "in the head" (autocast's)."""
+def pass_peaks(model: torch.nn.Module, batch: tuple, head_cast: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Peaks (bytes) of one training pass of `model` (fp32 weights, checkpointed by the caller) over `batch` (prompt
+    ids and mask, completion ids and mask) under bf16 autocast on their device, in one forward (no length buckets),
+    and the parameters' gradients. `head_cast`: "before the body" (product_weight) or "in the head" (as before it).
+    The layers' backward runs from the head's (the final norm's gradient) to the embedding's."""
     from unittest.mock import patch
-
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if importlib.util.find_spec("grouprl") is None:
         sys.path.insert(0, os.path.join(ROOT, "src"))
     import grouprl.model.logprobs as logprobs
     from grouprl.model.patches import grouprl_patches
+
+    timeline, head_done = Timeline(), []
+    model.model.norm.weight.register_post_accumulate_grad_hook(lambda p: head_done.append(len(timeline.steps)))
+    late = patch.object(logprobs, "product_weight", lambda head: None)
+    with late if head_cast == "in the head" else contextlib.nullcontext(), grouprl_patches(), timeline:
+        with torch.autocast(batch[0].device.type, dtype=torch.bfloat16):
+            out = logprobs.completion_logprobs(model, *batch, temperature=1.0, bucket_by_length=False)
+        forward = timeline.peak
+        (out.logprobs * batch[3]).sum().backward()
+    operators = [name for _, name in timeline.steps]
+    during_layers = timeline.steps[head_done[0] : operators.index("embedding_dense_backward")]
+    peaks = {
+        "head_cast": head_cast,
+        "forward_peak": forward,
+        "layers_backward_peak": max(live for live, _ in during_layers),
+        "pass_peak": timeline.peak,
+    }
+    return peaks, {name: p.grad for name, p in model.named_parameters()}
+
+
+def wide_pass(vocab: int, width: int, layers: int, rows: int, head_cast: str) -> dict:
+    """`pass_peaks` (GB) of the 0.5B shape's layers at `width`, tied embeddings, checkpointed, over `rows` rows of 48
+    prompt and 256 completion tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=width, intermediate_size=4864 * width // 896, num_hidden_layers=layers,
@@ -123,21 +147,10 @@ def pass_peaks(vocab: int, width: int, layers: int, rows: int, head_cast: str) -
     prompts = torch.randint(0, vocab, (rows, 48), generator=generator)
     completions = torch.randint(0, vocab, (rows, 256), generator=generator)
     batch = (prompts, torch.ones_like(prompts), completions, torch.ones_like(completions))
-    timeline, head_done = Timeline(), []
-    model.model.norm.weight.register_post_accumulate_grad_hook(lambda p: head_done.append(len(timeline.steps)))
-    late = patch.object(logprobs, "product_weight", lambda head: None)
-    with late if head_cast == "in the head" else contextlib.nullcontext(), grouprl_patches(), timeline:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = logprobs.completion_logprobs(model, *batch, temperature=1.0)
-        forward = timeline.peak
-        (out.logprobs * batch[3]).sum().backward()
-    operators = [name for _, name in timeline.steps]
-    during_layers = timeline.steps[head_done[0] : operators.index("embedding_dense_backward")]
+    peaks, _ = pass_peaks(model, batch, head_cast)
     return {
         "head_cast": head_cast,
-        "forward_peak_gb": round(forward / 1e9, 3),
-        "layers_backward_peak_gb": round(max(live for live, _ in during_layers) / 1e9, 3),
-        "pass_peak_gb": round(timeline.peak / 1e9, 3),
+        **{f"{name}_gb": round(peaks[name] / 1e9, 3) for name in peaks if name != "head_cast"},
     }
 
 
@@ -152,7 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.layers:
         for cast in ("before the body", "in the head"):
-            print(json.dumps(pass_peaks(args.vocab, args.width, args.layers, args.rows, cast)), flush=True)
+            print(json.dumps(wide_pass(args.vocab, args.width, args.layers, args.rows, cast)), flush=True)
         return
     print(json.dumps({**vars(args), **head_peaks(args.vocab, args.width, args.positions, not args.fp32)}, indent=1))
 

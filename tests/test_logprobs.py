@@ -175,7 +175,7 @@ def test_head_backward_never_holds_the_weights_copy_with_both_of_its_gradients(m
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_the_layers_backward_holds_the_heads_gradient_in_bf16(monkeypatch, tied):
+def test_the_layers_backward_holds_the_heads_gradient_in_bf16(tied):
     """Under bf16 autocast (fp32 weights, as bf16=True trains) the head's weight is cast before the model's body runs
     (forward.product_weight), so autograd converts the head's gradient to fp32 only after the layers' backward, where
     a training pass peaks (the 0.5B case on an H200); cast after the body (autocast's own cast, inside the head), its
@@ -185,7 +185,7 @@ def test_the_layers_backward_holds_the_heads_gradient_in_bf16(monkeypatch, tied)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from bench_head_memory import Timeline
+    from bench_head_memory import pass_peaks
 
     vocab, width = 4096, 32
     config = Qwen2Config(
@@ -200,18 +200,8 @@ def test_the_layers_backward_holds_the_heads_gradient_in_bf16(monkeypatch, tied)
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config).to(device).train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if not early:
-            monkeypatch.setattr(lp, "product_weight", lambda head: None)
-        timeline, head_done = Timeline(), []
-        model.model.norm.weight.register_post_accumulate_grad_hook(lambda p: head_done.append(len(timeline.steps)))
-        with timeline:
-            with torch.autocast(device, dtype=torch.bfloat16):
-                out = lp.completion_logprobs(model, *batch, temperature=0.7, bucket_by_length=False)
-            (out.logprobs * batch[3]).sum().backward()
-        monkeypatch.undo()
-        operators = [name for _, name in timeline.steps]
-        layers = timeline.steps[head_done[0] : operators.index("embedding_dense_backward")]
-        return max(live for live, _ in layers), {name: p.grad for name, p in model.named_parameters()}
+        peaks, grads = pass_peaks(model, batch, "before the body" if early else "in the head")
+        return peaks["layers_backward_peak"], grads
 
     early_peak, early_grads = run(early=True)
     late_peak, late_grads = run(early=False)

@@ -280,10 +280,10 @@ def product_weight(head: torch.nn.Module | None) -> torch.Tensor | None:
     inside the head, its backward handed the weight the fp32 gradient (0.54 GB) at once."""
     if type(head) is not torch.nn.Linear or "forward" in vars(head):
         return None
-    weight = head.weight
-    if not (torch.is_grad_enabled() and weight.requires_grad) or product_dtype(weight) == weight.dtype:
+    weight, dtype = head.weight, product_dtype(head.weight)
+    if not (torch.is_grad_enabled() and weight.requires_grad) or dtype == weight.dtype:
         return None
-    return weight.to(product_dtype(weight))
+    return weight.to(dtype)
 
 
 def product_dtype(weight: torch.Tensor) -> torch.dtype:
