@@ -14,7 +14,9 @@ def seconds_per_call(work: Callable[[], None], cuda: bool, repeat: int, per_timi
     CUDA, after a warm-up call outside the capture, where libraries make their lazy initialisations)."""
     run = work
     if cuda:
-        side = torch.cuda.Stream()
+        from grouprl.generation.static_decode import capture_stream  # the loop's one side stream (its doc)
+
+        side = capture_stream(torch.cuda.current_device())
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             work()
