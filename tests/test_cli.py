@@ -24,6 +24,29 @@ def test_help_exits_cleanly():
     assert main(["--help"]) == 0
 
 
+def modules_imported(statement: str, names: tuple[str, ...]) -> list[str]:
+    """Which of `names` a fresh Python process has imported after running `statement`."""
+    check = f"import sys\n{statement}\nprint([n for n in {names!r} if n in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+def test_each_part_imports_only_what_it_uses():
+    """`grouprl --help` imports neither torch nor transformers; the generation server (each `grouprl serve` worker
+    of an async run) does not import the trainer, transformers' Trainer or peft; `from grouprl import ...` still
+    gives every public name (grouprl/__init__.py, on first use)."""
+    heavy = ("torch", "transformers")
+    assert modules_imported("import grouprl.cli\ngrouprl.cli.main(['--help'])", heavy) == []
+    trainer = ("grouprl.compat.trainer", "transformers.trainer", "peft")
+    assert modules_imported("import grouprl.generation.server", trainer) == []
+    import grouprl
+
+    for name in grouprl.__all__:
+        assert getattr(grouprl, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'GRPOTrainr'"):
+        getattr(grouprl, "GRPOTrainr")  # noqa: B009 (the name is misspelled on purpose)
+
+
 def test_reward_resolution(tmp_path, monkeypatch):
     assert resolve_reward_function("arithmetic_reward") is arithmetic_reward
     (tmp_path / "my_rewards.py").write_text("def shout(completions, **kw):\n    return [1.0] * len(completions)\n")

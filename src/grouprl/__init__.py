@@ -1,19 +1,36 @@
 """grouprl: GRPO-family reinforcement learning for language models, drop-in compatible with TRL.
 
 from grouprl import GRPOConfig, GRPOTrainer   # instead of: from trl import ...
+
+The names below are imported on first use (PEP 562): importing a part of grouprl (`grouprl serve`'s server, the
+command line, `grouprl report`) does not import the trainer, transformers' Trainer and peft with it, which took
+about 8 s of a process's start on a 2-core CPU.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from grouprl._version import __version__
-from grouprl.compat.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from grouprl.compat.gfpo import GFPOConfig, GFPOTrainer
-from grouprl.compat.trainer import GRPOTrainer
-from grouprl.config.grpo_config import BatchPlan, GRPOConfig, plan_batches
-from grouprl.core.advantages import register_advantage
-from grouprl.core.losses import register_loss
-from grouprl.generation import RemoteGenerator, ServerError
-from grouprl.report.writer import write_report
-from grouprl.rewards.scoring import RewardFunctionError
-from grouprl.train.non_finite import NonFiniteError
+
+_HOMES = {
+    "AsyncGRPOConfig": "grouprl.compat.async_grpo",
+    "AsyncGRPOTrainer": "grouprl.compat.async_grpo",
+    "BatchPlan": "grouprl.config.grpo_config",
+    "GFPOConfig": "grouprl.compat.gfpo",
+    "GFPOTrainer": "grouprl.compat.gfpo",
+    "GRPOConfig": "grouprl.config.grpo_config",
+    "GRPOTrainer": "grouprl.compat.trainer",
+    "NonFiniteError": "grouprl.train.non_finite",
+    "RemoteGenerator": "grouprl.generation",
+    "RewardFunctionError": "grouprl.rewards.scoring",
+    "ServerError": "grouprl.generation",
+    "plan_batches": "grouprl.config.grpo_config",
+    "register_advantage": "grouprl.core.advantages",
+    "register_loss": "grouprl.core.losses",
+    "write_report": "grouprl.report.writer",
+}
 
 __all__ = [
     "AsyncGRPOConfig",
@@ -33,3 +50,28 @@ __all__ = [
     "write_report",
     "__version__",
 ]
+
+if TYPE_CHECKING:
+    from grouprl.compat.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from grouprl.compat.gfpo import GFPOConfig, GFPOTrainer
+    from grouprl.compat.trainer import GRPOTrainer
+    from grouprl.config.grpo_config import BatchPlan, GRPOConfig, plan_batches
+    from grouprl.core.advantages import register_advantage
+    from grouprl.core.losses import register_loss
+    from grouprl.generation import RemoteGenerator, ServerError
+    from grouprl.report.writer import write_report
+    from grouprl.rewards.scoring import RewardFunctionError
+    from grouprl.train.non_finite import NonFiniteError
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'grouprl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next lookup finds it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -12,15 +12,17 @@ Every GRPOConfig field is a flag (``--snake_case`` or ``--kebab-case``).
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Optional
 
-from grouprl.cli.demo import demo_command
-from grouprl.cli.report import report_command
-from grouprl.cli.serve import serve_command
-from grouprl.cli.train import train_command
-
-COMMANDS = {"train": train_command, "serve": serve_command, "demo": demo_command, "report": report_command}
+# each command's module, imported when that command runs: `grouprl --help` imports none, `grouprl serve` not the trainer
+COMMANDS = {
+    "train": "grouprl.cli.train",
+    "serve": "grouprl.cli.serve",
+    "demo": "grouprl.cli.demo",
+    "report": "grouprl.cli.report",
+}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -34,4 +36,5 @@ def main(argv: Optional[list[str]] = None) -> int:
             "  report  write an HTML report of a run: grouprl report OUTPUT_DIR"
         )
         return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
-    return COMMANDS[argv[0]](argv[1:])
+    command = getattr(importlib.import_module(COMMANDS[argv[0]]), f"{argv[0]}_command")
+    return command(argv[1:])
