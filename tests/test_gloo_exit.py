@@ -7,12 +7,15 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import free_port
 
 SCRIPT = textwrap.dedent(
     """
     import json, sys
     import torch
+    if sys.argv[3] == "dynamo_first":  # as a trainer's imports do; else the DDP wrapper imports it, after the group
+        import torch._dynamo
     from grouprl.compat.gloo_exit import stop_gloo_at_exit, stop_gloo_threads
     from helpers import gloo_threads
 
@@ -32,9 +35,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run(mode: str) -> dict:
+def run(mode: str, imports: str = "dynamo_by_ddp") -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(free_port()), mode],
+        [sys.executable, "-c", SCRIPT, str(free_port()), mode, imports],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},  # grouprl and tests/helpers.py
         capture_output=True,
         text=True,
@@ -45,8 +48,11 @@ def run(mode: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_the_exit_handler_stops_the_threads_of_a_group_that_a_ddp_wrapper_holds():
-    state = run("leave_it")
+@pytest.mark.parametrize("imports", ["dynamo_first", "dynamo_by_ddp"])
+def test_the_exit_handler_stops_the_threads_of_a_group_that_a_ddp_wrapper_holds(imports):
+    """Whether torch._dynamo was imported before the group or after it (then torch's collectives hold the group in
+    their default arguments, gloo_exit's doc)."""
+    state = run("leave_it", imports)
     assert state["before"]  # the group's threads ran
     assert state["after"] == [] and not state["initialized"]
 

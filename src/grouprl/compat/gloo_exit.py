@@ -10,6 +10,12 @@ group object, which lives on while a DistributedDataParallel wrapper holds it (i
 ends the group, lets go of those three references in the wrappers it prepared, and collects: the group object is
 then freed and joins its threads while the interpreter is still whole.
 
+One more holder is torch's: ``torch.distributed.nn.functional``'s collectives take ``group.WORLD`` as a default
+argument, evaluated when the module is imported. torch._dynamo imports it, and when that first happens after the
+group was made (a DDP wrapper's construction imports dynamo), those defaults hold the group for the process's
+life. At exit they are set back to None, what they are when imported before any group (None means the default
+group there).
+
 Only gloo (CPU processes): ending a gloo group is local to the process, where NCCL's teardown involves its peers.
 """
 
@@ -18,6 +24,8 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import sys
+import types
 import weakref
 
 import torch
@@ -60,4 +68,16 @@ def stop_gloo_threads() -> None:
         for name in _GROUP_HOLDERS:
             vars(wrapper).pop(name, None)
     _wrappers.clear()
+    _release_collective_defaults()
     gc.collect()  # the group and the wrappers' reducers sit in reference cycles with the trainer
+
+
+def _release_collective_defaults() -> None:
+    """Set `torch.distributed.nn.functional`'s process-group default arguments back to None (module doc)."""
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    for function in vars(functional).values() if functional is not None else ():
+        defaults = getattr(function, "__defaults__", None)
+        if isinstance(function, types.FunctionType) and defaults:
+            function.__defaults__ = tuple(
+                None if isinstance(value, torch.distributed.ProcessGroup) else value for value in defaults
+            )
