@@ -3,8 +3,8 @@
 from grouprl import GRPOConfig, GRPOTrainer   # instead of: from trl import ...
 
 The names below are imported on first use (PEP 562): importing a part of grouprl (`grouprl serve`'s server, the
-command line, `grouprl report`) does not import the trainer, transformers' Trainer and peft with it, which took
-about 8 s of a process's start on a 2-core CPU.
+command line, `grouprl report`) does not import the trainer, transformers' Trainer and peft with it. On a 2-core
+AVX2 CPU, `grouprl --help` took 11.7 s before and 0.04 s after, and a `grouprl serve` worker's imports 10.8 s and 7.3 s.
 """
 
 from __future__ import annotations
