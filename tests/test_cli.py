@@ -26,9 +26,9 @@ def test_help_exits_cleanly():
 
 def modules_imported(statement: str, names: tuple[str, ...]) -> list[str]:
     """Which of `names` a fresh Python process has imported after running `statement`."""
-    check = f"import sys\n{statement}\nprint([n for n in {names!r} if n in sys.modules])"
+    check = f"import json, sys\n{statement}\nprint(json.dumps([n for n in {names!r} if n in sys.modules]))"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
+    return json.loads(result.stdout.strip().splitlines()[-1])  # the last line: `statement` may print before it
 
 
 def test_each_part_imports_only_what_it_uses():

@@ -75,9 +75,10 @@ def stop_gloo_threads() -> None:
 def _release_collective_defaults() -> None:
     """Set `torch.distributed.nn.functional`'s process-group default arguments back to None (module doc)."""
     functional = sys.modules.get("torch.distributed.nn.functional")
-    for function in vars(functional).values() if functional is not None else ():
-        defaults = getattr(function, "__defaults__", None)
-        if isinstance(function, types.FunctionType) and defaults:
+    if functional is None:  # not imported: nothing holds the group
+        return
+    for function in vars(functional).values():
+        if isinstance(function, types.FunctionType) and function.__defaults__:
             function.__defaults__ = tuple(
-                None if isinstance(value, torch.distributed.ProcessGroup) else value for value in defaults
+                None if isinstance(value, torch.distributed.ProcessGroup) else value for value in function.__defaults__
             )
