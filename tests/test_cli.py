@@ -32,11 +32,13 @@ def modules_imported(statement: str, names: tuple[str, ...]) -> list[str]:
 
 
 def test_each_part_imports_only_what_it_uses():
-    """`grouprl --help` imports neither torch nor transformers; the generation server (each `grouprl serve` worker
-    of an async run) does not import the trainer, transformers' Trainer or peft; `from grouprl import ...` still
-    gives every public name (grouprl/__init__.py, on first use)."""
+    """`grouprl --help` and `grouprl serve --help` import neither torch nor transformers; the generation server
+    (each `grouprl serve` worker of an async run) does not import the trainer, transformers' Trainer or peft;
+    `from grouprl import ...` still gives every public name (grouprl/__init__.py, on first use)."""
     heavy = ("torch", "transformers")
     assert modules_imported("import grouprl.cli\ngrouprl.cli.main(['--help'])", heavy) == []
+    serve_help = "import grouprl.cli\ntry:\n    grouprl.cli.main(['serve', '--help'])\nexcept SystemExit:\n    pass"
+    assert modules_imported(serve_help, heavy) == []
     trainer = ("grouprl.compat.trainer", "transformers.trainer", "peft")
     assert modules_imported("import grouprl.generation.server", trainer) == []
     import grouprl

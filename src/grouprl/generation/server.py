@@ -197,28 +197,6 @@ def create_app(
     return app
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Model id or local path (AutoModelForCausalLM).")
-    parser.add_argument("--host", default="0.0.0.0", help="Address to listen on (default 0.0.0.0).")
-    parser.add_argument("--port", type=int, default=8000, help="Port (default 8000, as vllm_server_port).")
-    parser.add_argument(
-        "--dtype", default="auto", help="Weights dtype: auto, float32, bfloat16, float16 (default auto)."
-    )
-    parser.add_argument("--device", default=None, help="Device (default: cuda if available, else cpu).")
-    parser.add_argument(
-        "--seed", type=int, default=0, help="Sampling seed at start-up (a request's seed overrides it)."
-    )
-    parser.add_argument("--trust_remote_code", action="store_true", help="Allow custom model code.")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
-    parser.add_argument(
-        "--weight_version", type=int, default=0, help="Version of the weights served at start-up (default 0)."
-    )
-    parser.add_argument(
-        "--parent_pid", type=int, default=None, help="Exit when this process ends (a trainer's own worker)."
-    )
-    parser.add_argument("--log_level", default="warning", help="uvicorn log level (default warning).")
-
-
 def serve(args: argparse.Namespace) -> None:
     _, uvicorn = require_server_libraries()
     from transformers import AutoModelForCausalLM, AutoTokenizer
