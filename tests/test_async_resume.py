@@ -38,12 +38,20 @@ def trained_prompts(out):
     return steps
 
 
-def test_kill_and_resume_trains_on_the_prompts_of_an_uninterrupted_run(tiny_model_dir, tmp_path):
-    whole = tmp_path / "whole"
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    """step -> prompts of the run that nothing interrupts: what every interrupted run must train on (one run for
+    the module's tests)."""
+    whole = tmp_path_factory.mktemp("uninterrupted")
     finished = run(tiny_model_dir, whole)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    expected = trained_prompts(whole)
-    assert sorted(expected) == list(range(8))
+    steps = trained_prompts(whole)
+    assert sorted(steps) == list(range(8))
+    return steps
+
+
+def test_kill_and_resume_trains_on_the_prompts_of_an_uninterrupted_run(tiny_model_dir, tmp_path, uninterrupted):
+    expected = uninterrupted
 
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -68,11 +76,11 @@ def test_kill_and_resume_trains_on_the_prompts_of_an_uninterrupted_run(tiny_mode
     assert trained_prompts(out) == expected  # none skipped, none repeated, the same order
 
 
-def test_a_killed_worker_is_restarted(tiny_model_dir, tmp_path):
+def test_a_killed_worker_is_restarted(tiny_model_dir, tmp_path, uninterrupted):
     result = run(tiny_model_dir, tmp_path, "kill_worker_at=3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "finished at step 8" in result.stdout
-    assert sorted(trained_prompts(tmp_path)) == list(range(8))
+    assert trained_prompts(tmp_path) == uninterrupted  # the batches in flight at the kill are drawn again, in order
     log = open(tmp_path / "generation_worker.log").read()
     assert log.count("grouprl serve:") == 2  # started, then restarted once
 
@@ -86,12 +94,10 @@ def test_a_worker_that_dies_twice_stops_the_run_with_its_exit_code(tiny_model_di
     assert time.monotonic() - started < 240
 
 
-def test_two_processes_train_on_the_prompts_of_one(tiny_model_dir, tmp_path):
+def test_two_processes_train_on_the_prompts_of_one(tiny_model_dir, tmp_path, uninterrupted):
     """The main process's producer samples for both processes; each trains on its share of every group."""
     from test_distributed import launch
 
-    one = tmp_path / "one"
-    assert run(tiny_model_dir, one, timeout=300).returncode == 0
     two = tmp_path / "two"
     result = launch(2, [SCRIPT, str(tiny_model_dir), str(two)], timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -100,5 +106,5 @@ def test_two_processes_train_on_the_prompts_of_one(tiny_model_dir, tmp_path):
         entry = json.loads(line)
         shares[1][entry["step"]] = entry["idx"]
     together = {step: sorted(set(shares[0][step]) | set(shares[1][step])) for step in shares[0]}
-    assert together == trained_prompts(one)
+    assert together == uninterrupted
     assert all(shares[0][step] and shares[1][step] for step in shares[0])  # both processes trained every step
