@@ -100,32 +100,50 @@ class Timeline(LiveStorageBytes):
         return out
 
 
+HEAD_CASTS = ("tied node", "before the body", "in the head")
+
+
 def pass_peaks(model: torch.nn.Module, batch: tuple, head_cast: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """Peaks (bytes) of one training pass of `model` (fp32 weights, checkpointed by the caller) over `batch` (prompt
     ids and mask, completion ids and mask) under bf16 autocast on their device, in one forward (no length buckets),
-    and the parameters' gradients. `head_cast`: "before the body" (product_weight) or "in the head" (as before it).
-    The layers' backward runs from the head's (the final norm's gradient) to the embedding's."""
+    and the parameters' gradients. `head_cast` (HEAD_CASTS): "tied node" (as the trainer runs: the cast and, for
+    tied embeddings, the lookup made by one node, forward.head_weight_and_inputs), "before the body" (the cast
+    alone, product_weight: autograd sums a tied weight's two gradients) or "in the head" (autocast's cast, inside
+    the head). The layers' backward runs from the head's (the final norm's gradient) to the first layer's input's."""
     from unittest.mock import patch
 
     if importlib.util.find_spec("grouprl") is None:
         sys.path.insert(0, os.path.join(ROOT, "src"))
     import grouprl.model.logprobs as logprobs
+    from grouprl.model.forward import product_weight
     from grouprl.model.patches import grouprl_patches
 
     timeline, head_done = Timeline(), []
     model.model.norm.weight.register_post_accumulate_grad_hook(lambda p: head_done.append(len(timeline.steps)))
-    late = patch.object(logprobs, "product_weight", lambda head: None)
-    with late if head_cast == "in the head" else contextlib.nullcontext(), grouprl_patches(), timeline:
+    layers_done: list[int] = []  # when the first layer's input has its gradient: the layers' backward is over
+
+    def mark_first_layer_input(layer, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: layers_done.append(len(timeline.steps)))
+
+    model.model.layers[0].register_forward_pre_hook(mark_first_layer_input, with_kwargs=True)
+    replaced = {
+        "before the body": lambda model, head, kwargs, plain=(): (product_weight(head), kwargs),
+        "in the head": lambda model, head, kwargs, plain=(): (None, kwargs),
+    }
+    way = patch.object(logprobs, "head_weight_and_inputs", replaced[head_cast]) if head_cast in replaced else None
+    with way or contextlib.nullcontext(), grouprl_patches(), timeline:
         with torch.autocast(batch[0].device.type, dtype=torch.bfloat16):
             out = logprobs.completion_logprobs(model, *batch, temperature=1.0, bucket_by_length=False)
         forward = timeline.peak
         (out.logprobs * batch[3]).sum().backward()
-    operators = [name for _, name in timeline.steps]
-    during_layers = timeline.steps[head_done[0] : operators.index("embedding_dense_backward")]
+    layers_end = min(i for i in layers_done if i > head_done[0])
     peaks = {
         "head_cast": head_cast,
         "forward_peak": forward,
-        "layers_backward_peak": max(live for live, _ in during_layers),
+        "layers_backward_peak": max(live for live, _ in timeline.steps[head_done[0] : layers_end]),
+        "backward_end_peak": max(live for live, _ in timeline.steps[layers_end:]),
         "pass_peak": timeline.peak,
     }
     return peaks, {name: p.grad for name, p in model.named_parameters()}
@@ -164,7 +182,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="with --layers: rows of 48 + 256 tokens")
     args = parser.parse_args()
     if args.layers:
-        for cast in ("before the body", "in the head"):
+        for cast in HEAD_CASTS:
             print(json.dumps(wide_pass(args.vocab, args.width, args.layers, args.rows, cast)), flush=True)
         return
     print(json.dumps({**vars(args), **head_peaks(args.vocab, args.width, args.positions, not args.fp32)}, indent=1))

@@ -209,6 +209,55 @@ def test_the_layers_backward_holds_the_heads_gradient_in_bf16(tied):
     assert all(torch.equal(early_grads[name], late_grads[name]) for name in early_grads)
 
 
+def tied_pass(cast: str, pad_token_id=None, hook=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """bench_head_memory.pass_peaks of a small Qwen2 with tied embeddings (vocab 4,096 x 32), checkpointed."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from bench_head_memory import pass_peaks
+
+    config = Qwen2Config(
+        vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=64, pad_token_id=pad_token_id,
+    )  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(device).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hook is not None:
+        model.get_input_embeddings().register_forward_hook(hook)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch(4096)
+    prompt_ids[:, -1] = 0  # token 0 in every row's last prompt position: real tokens, not padding
+    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return pass_peaks(model, tuple(t.to(device) for t in batch), cast)
+
+
+@pytest.mark.parametrize("pad_token_id", [None, 0])
+def test_a_tied_weights_two_gradients_meet_in_one_fp32_tensor(pad_token_id):
+    """Tied embeddings under bf16 autocast: the lookup and the head's cast are one node
+    (forward.head_weight_and_inputs), whose backward adds the lookup's gradient into the head's fp32 one at the
+    batch's tokens. Left to autograd, the end of backward held the lookup's dense gradient, the head's fp32 gradient
+    and their sum at once. The same gradients, bit for bit, the padding token's embedding included (with
+    pad_token_id=0, F.embedding gives token 0's lookups no gradient, though the batch has it in real positions)."""
+    fused, fused_grads = tied_pass("tied node", pad_token_id)
+    apart, apart_grads = tied_pass("before the body", pad_token_id)
+    matrix = 4096 * 32 * 4  # the fp32 weight's bytes
+    assert apart["backward_end_peak"] - fused["backward_end_peak"] >= 1.25 * matrix  # measured: 1.45
+    assert fused["backward_end_peak"] >= 1.5 * matrix  # the bf16 gradient and its fp32 conversion, at once
+    assert all(torch.equal(fused_grads[name], apart_grads[name]) for name in fused_grads)
+
+
+def test_a_hooked_embedding_keeps_its_own_lookup():
+    """A forward hook on the input embedding (other than transformers' own, which makes the output require grad)
+    must see the lookup: the model then looks its tokens up itself, and the hook sees the pass's (the forwards
+    without grad are the head's check, forward.separable_head)."""
+    calls = []
+    peaks, _ = tied_pass("tied node", hook=lambda module, args, output: calls.append(torch.is_grad_enabled()))
+    assert calls.count(True) == 1
+    apart, _ = tied_pass("before the body")
+    assert peaks["backward_end_peak"] == apart["backward_end_peak"]
+
+
 def test_head_path_holds_no_full_logits_in_memory(tiny_model_dir, monkeypatch):
     """Autograd keeps the hidden states, not fp32 logits: saved tensors shrink by about vocab/hidden."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

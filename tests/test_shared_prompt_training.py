@@ -143,6 +143,34 @@ def test_bf16_autocast_matches_within_bf16_rounding(model):
     torch.testing.assert_close(packed[mask], plain[mask], rtol=0, atol=5e-2)
 
 
+def test_a_packed_bf16_pass_sums_the_tied_weights_gradients_in_one_node(model, monkeypatch):
+    """The packed pass under bf16 autocast looks the tokens up through the tied node (forward.head_weight_and_inputs:
+    the demo model ties its embeddings), with the gradients autograd gives when the model looks them up itself."""
+    from grouprl.model import forward
+
+    rows = _rows(model.config.vocab_size)
+    nodes = []
+    tied_node = forward._TiedLookupAndCast.apply
+    monkeypatch.setattr(forward._TiedLookupAndCast, "apply", lambda *a: nodes.append(1) or tied_node(*a))
+
+    def grads(tied: bool) -> dict[str, torch.Tensor]:
+        if not tied:
+            monkeypatch.setattr(
+                prompt_packing,
+                "head_weight_and_inputs",
+                lambda m, head, kwargs, plain: (forward.product_weight(head), kwargs),
+            )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _run(model.train(), rows, True)[1]
+
+    try:
+        fused, apart = grads(tied=True), grads(tied=False)
+    finally:
+        model.eval()
+    assert nodes == [1]
+    assert fused.keys() == apart.keys() and all(torch.equal(fused[name], apart[name]) for name in fused)
+
+
 def test_bf16_weights_pass_the_probe_and_pack(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     rows = _rows(model.config.vocab_size)

@@ -22,9 +22,12 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.modules import module as nn_module
 from transformers.utils import logging
 
 logger = logging.get_logger("grouprl")
@@ -278,12 +281,18 @@ def product_weight(head: torch.nn.Module | None) -> torch.Tensor | None:
     gradient to fp32 for the weight's .grad, runs after every layer's. Through the layers' backward, where a training
     pass peaks, the gradient is held in the product dtype (0.27 GB for Qwen2.5-0.5B's 151,936 x 896 head); cast
     inside the head, its backward handed the weight the fp32 gradient (0.54 GB) at once."""
+    dtype = _head_cast_dtype(head)
+    return None if dtype is None else head.weight.to(dtype)
+
+
+def _head_cast_dtype(head: torch.nn.Module | None) -> torch.dtype | None:
+    """The dtype product_weight casts `head`'s weight to, or None where it makes no cast."""
     if type(head) is not torch.nn.Linear or "forward" in vars(head):
         return None
     weight, dtype = head.weight, product_dtype(head.weight)
     if not (torch.is_grad_enabled() and weight.requires_grad) or dtype == weight.dtype:
         return None
-    return weight.to(dtype)
+    return dtype
 
 
 def product_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -293,6 +302,108 @@ def product_dtype(weight: torch.Tensor) -> torch.dtype:
     if weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return weight.dtype
+
+
+# --- a tied weight's two uses as one node --------------------------------------------------------------
+#
+# The LM head's weight for a training pass, and the model's inputs to go with it: where the head's weight is also the
+# input embedding's (tied embeddings: Qwen2.5 up to 3B, Llama 3.2, SmolLM2), one autograd node makes both of its
+# uses, so its two gradients meet in one fp32 tensor.
+#
+# Under bf16 autocast the head's fp32 weight is cast to bf16 before the body runs (`product_weight`), and the
+# embedding lookup reads the fp32 weight. Left to autograd, the end of backward then held three fp32 copies of the
+# weight's size at once: the lookup's gradient (embedding_dense_backward makes all of vocab x hidden, however few
+# tokens the batch has), the head's gradient converted to fp32, and their sum, which the engine makes out of place
+# (for Qwen2.5-0.5B's 151,936 x 896 weight, 3 x 0.54 GB). Here the node's backward converts the head's bf16 gradient
+# to fp32 and adds the lookup's gradient into it at the batch's tokens only: the bf16 gradient and one fp32 copy at
+# most (0.27 + 0.54 GB). Where a pass's activations are small against its vocabulary (few rows, checkpointed
+# layers, a small model with a large vocabulary), that end of backward is the pass's peak.
+#
+# The gradients are the ones autograd forms, bit for bit on a CPU: each token's rows are summed in the batch's order,
+# as embedding_dense_backward sums them, then added to the head's (tests/test_logprobs.py). Used only where the
+# lookup is exactly `F.embedding` of an `nn.Embedding` with nothing else attached (no hooks but transformers' own,
+# no max_norm, scale_grad_by_freq or sparse gradients) and the model takes only token ids, a mask and positions;
+# elsewhere the model looks its tokens up itself, as before.
+
+# the keywords of a text-only training forward; any other input (images, token types, ...) keeps the model's own lookup
+_PLAIN_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "output_router_logits"})
+
+
+def head_weight_and_inputs(
+    model: torch.nn.Module,
+    head: torch.nn.Module | None,
+    kwargs: dict[str, Any],
+    plain_inputs: frozenset[str] = frozenset(),
+) -> tuple[torch.Tensor | None, dict[str, Any]]:
+    """`product_weight(head)` and `kwargs`; for a tied head and embedding (the comment above), the cast weight and
+    `kwargs` with the tokens' `inputs_embeds` in place of `input_ids`, both made by one node. Call it before the
+    model's body runs. `plain_inputs`: keywords besides the text-only ones that leave the lookup to the caller."""
+    dtype = _head_cast_dtype(head)
+    embedding = _tied_embedding(model, head) if dtype is not None else None
+    if embedding is None or not set(kwargs) <= _PLAIN_INPUTS | plain_inputs:
+        return product_weight(head), kwargs
+    embeds, weight = _TiedLookupAndCast.apply(embedding.weight, kwargs["input_ids"], dtype, embedding.padding_idx)
+    return weight, {**{k: v for k, v in kwargs.items() if k != "input_ids"}, "inputs_embeds": embeds}
+
+
+def _tied_embedding(model: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Embedding | None:
+    """The model's input embedding if it shares the head's weight and its lookup is exactly F.embedding, else None."""
+    inner = getattr(model, "module", model)  # DDP / accelerate wrappers
+    get_embedding = getattr(inner, "get_input_embeddings", None)
+    embedding = get_embedding() if callable(get_embedding) else None
+    if type(embedding) is not torch.nn.Embedding or embedding.weight is not head.weight:
+        return None
+    if (
+        embedding.max_norm is not None
+        or embedding.scale_grad_by_freq
+        or embedding.sparse
+        or "forward" in vars(embedding)
+    ):
+        return None
+    hooks = [*embedding._forward_pre_hooks.values(), *embedding._forward_hooks.values()]
+    if any(not _makes_output_require_grad(hook) for hook in hooks) or _global_module_hooks():
+        return None  # a hook would not see a lookup made here
+    return embedding
+
+
+def _makes_output_require_grad(hook: Any) -> bool:
+    """transformers' enable_input_require_grads hook (gradient checkpointing registers it): it makes the lookup's
+    output require grad, which the tied node's output does already (the weight is trained)."""
+    return getattr(hook, "__qualname__", "").endswith("enable_input_require_grads.<locals>.make_inputs_require_grads")
+
+
+def _global_module_hooks() -> bool:
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+class _TiedLookupAndCast(torch.autograd.Function):
+    """(fp32 weight, token ids) -> (the tokens' embeddings, the weight cast to the head's product dtype); backward:
+    the head's gradient in fp32 with the lookup's gradient added at the batch's tokens (the comment above)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, padding_idx: int | None):
+        ctx.save_for_backward(ids)
+        ctx.padding_idx, ctx.weight_dtype, ctx.weight_shape = padding_idx, weight.dtype, weight.shape
+        return F.embedding(ids, weight, padding_idx), weight.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_embeds: torch.Tensor | None, grad_cast: torch.Tensor | None):
+        (ids,) = ctx.saved_tensors
+        if grad_cast is None:
+            grad = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=ids.device)
+        else:
+            grad = grad_cast.to(ctx.weight_dtype)  # a new tensor (the dtypes differ): ours to add into
+        if grad_embeds is not None:
+            tokens, rows = ids.reshape(-1), grad_embeds.reshape(ids.numel(), -1)
+            if ctx.padding_idx is not None:  # F.embedding gives the padding token no gradient
+                kept = tokens != ctx.padding_idx
+                tokens, rows = tokens[kept], rows[kept]
+            # each token's rows summed in the batch's order first (deterministic on every device: index_put_'s
+            # accumulation), then added once: the sums embedding_dense_backward and the engine make
+            distinct, slot = torch.unique(tokens, return_inverse=True)
+            sums = rows.new_zeros(distinct.numel(), rows.shape[1]).index_put_((slot,), rows, accumulate=True)
+            grad.index_put_((distinct,), sums.to(grad.dtype), accumulate=True)
+        return grad, None, None, None
 
 
 def _chunk_statistics(

@@ -40,10 +40,10 @@ from grouprl.model.forward import (
     capture_head_input,
     forward_keeping,
     head_logprobs,
+    head_weight_and_inputs,
     in_row_order,
     length_buckets,
     logits_logprobs,
-    product_weight,
     separable_head,
 )
 from grouprl.model.multimodal import forward_inputs
@@ -258,7 +258,7 @@ def _bucket_logprobs(
     if with_aux_loss:
         kwargs["output_router_logits"] = True
     head = separable_head(model)
-    weight = product_weight(head)  # before the body runs (its doc)
+    weight, kwargs = head_weight_and_inputs(model, head, kwargs)  # before the body runs (its doc)
     with capture_head_input(head) as captured:
         output = forward_keeping(model, kwargs, completion_len + 1)
     aux = getattr(output, "aux_loss", None) if with_aux_loss else None

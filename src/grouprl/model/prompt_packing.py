@@ -40,10 +40,10 @@ from grouprl.model.forward import (
     describe,
     forward_keeping,
     head_logprobs,
+    head_weight_and_inputs,
     in_row_order,
     is_unsupported,
     length_buckets,
-    product_weight,
     separable_head,
 )
 from grouprl.model.loading import recomputes_layers
@@ -325,7 +325,9 @@ def packed_logprobs(
     if sparse:
         explicit = _scores_short_lived(model) if explicit_scores is None else explicit_scores
         kwargs[LAYOUT_KWARG] = pack.layout._replace(explicit_scores=explicit)
-    weight = product_weight(head)  # before the body runs (its doc)
+    weight, kwargs = head_weight_and_inputs(
+        model, head, kwargs, frozenset({LAYOUT_KWARG})
+    )  # before the body runs (its doc)
     with capture_head_input(head) as captured:
         forward_keeping(model, kwargs, pack.keep)
     states = captured[0]  # (packs, keep, H): the last `keep` positions
