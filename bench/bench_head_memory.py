@@ -8,9 +8,10 @@ the bytes of live tensor storages the head's operators allocated: the same count
                                                               # 4 of its layers, checkpointed as the trainer runs them
 
 Prints the forward's and the backward's peaks and the five largest tensors alive at the backward's, as JSON. With
-`--layers`, the whole pass (forward.completion_logprobs, rows of 48 prompt and 256 completion tokens) with the head's
-weight cast before the body (forward.product_weight) and after it (autocast's cast, as before), and for each the most
-bytes alive during the layers' backward: from the head's backward (the final norm's gradient) to the embedding's.
+`--layers`, the whole pass (forward.completion_logprobs, rows of 48 prompt and 256 completion tokens), tied embeddings,
+in each of `HEAD_CASTS`' ways (the trainer's, tied node; the cast alone before the body; autocast's cast in the head),
+and for each the most bytes alive during the layers' backward (from the head's backward, the final norm's gradient,
+to the first layer's input's gradient), after it (the embedding's and the tied weight's gradients) and in all.
 """
 
 from __future__ import annotations
