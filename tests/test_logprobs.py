@@ -237,14 +237,18 @@ def test_a_tied_weights_two_gradients_meet_in_one_fp32_tensor(pad_token_id):
     """Tied embeddings under bf16 autocast: the lookup and the head's cast are one node
     (forward.head_weight_and_inputs), whose backward adds the lookup's gradient into the head's fp32 one at the
     batch's tokens. Left to autograd, the end of backward held the lookup's dense gradient, the head's fp32 gradient
-    and their sum at once. The same gradients, bit for bit, the padding token's embedding included (with
+    and their sum at once. The same gradients, bit for bit on a CPU, the padding token's embedding included (with
     pad_token_id=0, F.embedding gives token 0's lookups no gradient, though the batch has it in real positions)."""
     fused, fused_grads = tied_pass("tied node", pad_token_id)
     apart, apart_grads = tied_pass("before the body", pad_token_id)
     matrix = 4096 * 32 * 4  # the fp32 weight's bytes
     assert apart["backward_end_peak"] - fused["backward_end_peak"] >= 1.25 * matrix  # measured: 1.45
     assert fused["backward_end_peak"] >= 1.5 * matrix  # the bf16 gradient and its fp32 conversion, at once
-    assert all(torch.equal(fused_grads[name], apart_grads[name]) for name in fused_grads)
+    for name, grad in fused_grads.items():
+        if grad.device.type == "cpu":
+            assert torch.equal(grad, apart_grads[name]), name
+        else:  # a GPU's embedding backward sums a token's rows in an order of its own
+            torch.testing.assert_close(grad, apart_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_a_hooked_embedding_keeps_its_own_lookup():
