@@ -9,7 +9,9 @@
   (`head_logprobs`, `logits_logprobs`). The head is applied in checkpointed chunks of positions, each
   chunk reduced at once to the selected token's logprob (and the entropy), so autograd keeps the
   (rows, tokens, hidden) states only and backward recomputes one chunk's logits at a time; for a plain
-  nn.Linear head the logits' gradient is formed by hand (`_LinearHeadLogprobs`).
+  nn.Linear head the logits' gradient is formed by hand (`_LinearHeadLogprobs`). Under autocast the head's weight
+  is cast before the body runs (`product_weight`); a tied input embedding is looked up by the same autograd node
+  (`head_weight_and_inputs`), so the weight's two gradients meet in one fp32 tensor.
 - **The length buckets both passes run rows in** (`length_buckets`): rows sorted by length and run in
   groups, each trimmed to its own longest row, so a short completion does not pay for the longest one
   of its micro-batch; each extra bucket costs one more forward (`BUCKET_OVERHEAD_TOKENS`).
@@ -337,7 +339,8 @@ def head_weight_and_inputs(
 ) -> tuple[torch.Tensor | None, dict[str, Any]]:
     """`product_weight(head)` and `kwargs`; for a tied head and embedding (the comment above), the cast weight and
     `kwargs` with the tokens' `inputs_embeds` in place of `input_ids`, both made by one node. Call it before the
-    model's body runs. `plain_inputs`: keywords besides the text-only ones that leave the lookup to the caller."""
+    model's body runs. `plain_inputs`: other keywords the pass may carry that do not change the lookup (the packed
+    pass's attention layout)."""
     dtype = _head_cast_dtype(head)
     embedding = _tied_embedding(model, head) if dtype is not None else None
     if embedding is None or not set(kwargs) <= _PLAIN_INPUTS | plain_inputs:
