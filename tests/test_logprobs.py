@@ -174,6 +174,33 @@ def test_head_backward_never_holds_the_weights_copy_with_both_of_its_gradients(m
     assert counter.peak < matrix * (2 + 2 + 4), "the bf16 weight, its bf16 gradient and the fp32 one coexisted"
 
 
+SMALL_VOCAB, SMALL_WIDTH = 4096, 32  # small_qwen2_pass's model
+
+
+def small_qwen2_pass(
+    cast: str, batch: tuple, *, tied: bool = True, pad_token_id=None, hook=None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """bench_head_memory.pass_peaks (`cast`: its HEAD_CASTS) of a small Qwen2 (vocab 4,096 x 32, 2 layers),
+    checkpointed as the trainer runs it, on the test's device; `hook`: a forward hook on its input embedding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from bench_head_memory import pass_peaks
+
+    config = Qwen2Config(
+        vocab_size=SMALL_VOCAB, hidden_size=SMALL_WIDTH, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=64,
+        pad_token_id=pad_token_id,
+    )  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # autograd's order is the same on every device
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(device).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hook is not None:
+        model.get_input_embeddings().register_forward_hook(hook)
+    return pass_peaks(model, tuple(t.to(device) for t in batch), cast)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_layers_backward_holds_the_heads_gradient_in_bf16(tied):
     """Under bf16 autocast (fp32 weights, as bf16=True trains) the head's weight is cast before the model's body runs
@@ -182,54 +209,18 @@ def test_the_layers_backward_holds_the_heads_gradient_in_bf16(tied):
     fp32 gradient was held from the head's backward on. Measured here as the tensor bytes alive during the layers'
     backward, checkpointed as the trainer runs them: lower by the fp32 gradient's half. The gradients are the same,
     bit for bit."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from bench_head_memory import pass_peaks
-
-    vocab, width = 4096, 32
-    config = Qwen2Config(
-        vocab_size=vocab, hidden_size=width, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=64,
-    )  # fmt: skip
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # autograd's order is the same on every device
-    batch = tuple(t.to(device) for t in ragged_batch(vocab))
-
-    def run(early: bool) -> tuple[int, dict[str, torch.Tensor]]:
-        """The most bytes alive between the head's backward and the embedding's, and the gradients."""
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).to(device).train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        peaks, grads = pass_peaks(model, batch, "before the body" if early else "in the head")
-        return peaks["layers_backward_peak"], grads
-
-    early_peak, early_grads = run(early=True)
-    late_peak, late_grads = run(early=False)
-    assert late_peak - early_peak >= vocab * width * (4 - 2)  # fp32 against bf16
+    early, early_grads = small_qwen2_pass("before the body", ragged_batch(SMALL_VOCAB), tied=tied)
+    late, late_grads = small_qwen2_pass("in the head", ragged_batch(SMALL_VOCAB), tied=tied)
+    assert late["layers_backward_peak"] - early["layers_backward_peak"] >= SMALL_VOCAB * SMALL_WIDTH * (4 - 2)
     assert all(torch.equal(early_grads[name], late_grads[name]) for name in early_grads)
 
 
 def tied_pass(cast: str, pad_token_id=None, hook=None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """bench_head_memory.pass_peaks of a small Qwen2 with tied embeddings (vocab 4,096 x 32), checkpointed."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from bench_head_memory import pass_peaks
-
-    config = Qwen2Config(
-        vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=64, pad_token_id=pad_token_id,
-    )  # fmt: skip
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(device).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if hook is not None:
-        model.get_input_embeddings().register_forward_hook(hook)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch(4096)
+    """small_qwen2_pass with tied embeddings, over a batch with token 0 in real positions."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch(SMALL_VOCAB)
     prompt_ids[:, -1] = 0  # token 0 in every row's last prompt position: real tokens, not padding
     batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-    return pass_peaks(model, tuple(t.to(device) for t in batch), cast)
+    return small_qwen2_pass(cast, batch, pad_token_id=pad_token_id, hook=hook)
 
 
 @pytest.mark.parametrize("pad_token_id", [None, 0])
@@ -241,7 +232,7 @@ def test_a_tied_weights_two_gradients_meet_in_one_fp32_tensor(pad_token_id):
     pad_token_id=0, F.embedding gives token 0's lookups no gradient, though the batch has it in real positions)."""
     fused, fused_grads = tied_pass("tied node", pad_token_id)
     apart, apart_grads = tied_pass("before the body", pad_token_id)
-    matrix = 4096 * 32 * 4  # the fp32 weight's bytes
+    matrix = SMALL_VOCAB * SMALL_WIDTH * 4  # the fp32 weight's bytes
     assert apart["backward_end_peak"] - fused["backward_end_peak"] >= 1.25 * matrix  # measured: 1.45
     assert fused["backward_end_peak"] >= 1.5 * matrix  # the bf16 gradient and its fp32 conversion, at once
     for name, grad in fused_grads.items():
