@@ -356,7 +356,11 @@ def _tied_embedding(model: torch.nn.Module, head: torch.nn.Module) -> torch.nn.E
     embedding = get_embedding() if callable(get_embedding) else None
     if type(embedding) is not torch.nn.Embedding or embedding.weight is not head.weight:
         return None
-    if "inputs_embeds" not in inspect.signature(inner.forward).parameters:
+    try:
+        parameters = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):  # a forward whose signature Python cannot read
+        return None
+    if "inputs_embeds" not in parameters:
         return None  # a model of the user's own that takes token ids only
     if (
         embedding.max_norm is not None
