@@ -3,7 +3,7 @@ the bytes of live tensor storages the head's operators allocated: the same count
 
     python bench/bench_head_memory.py                  # the Qwen2.5-0.5B head (151,936 x 896), fp32 under bf16
                                                        # autocast, 64 rows x 256 completion tokens
-    python bench/bench_head_memory.py --vocab 49152 --width 576 --positions 8192
+    python bench/bench_head_memory.py --vocab 49152 --width 576 --positions 8192 --precision fp32
     python bench/bench_head_memory.py --layers 4 --rows 16    # a whole training pass of the 0.5B shape's width,
                                                               # 4 of its layers, checkpointed as the trainer runs them
 
@@ -12,6 +12,8 @@ Prints the forward's and the backward's peaks and the five largest tensors alive
 in each of `HEAD_CASTS`' ways (the trainer's, tied node; the cast alone before the body; autocast's cast in the head),
 and for each the most bytes alive during the layers' backward (from the head's backward, the final norm's gradient,
 to the first layer's input's gradient), after it (the embedding's and the tied weight's gradients) and in all.
+`--precision fp32` or `bf16`: fp32 or bf16 weights without autocast (there the head makes no cast, so the last two
+ways are one: autograd sums the tied weight's gradients).
 """
 
 from __future__ import annotations
@@ -61,20 +63,24 @@ class LiveStorageBytes(TorchDispatchMode):
         return out
 
 
-def head_peaks(vocab: int, width: int, positions: int, autocast: bool = True) -> dict:
-    """Peaks (bytes) of one forward and backward of an fp32 (vocab, width) head over `positions` hidden states, with
-    the entropy, as the trainer's loss takes them."""
+PRECISIONS = ("autocast", "fp32", "bf16")  # fp32 weights under bf16 autocast; fp32 weights alone; bf16 weights alone
+
+
+def head_peaks(vocab: int, width: int, positions: int, precision: str = "autocast") -> dict:
+    """Peaks (bytes) of one forward and backward of a (vocab, width) head over `positions` hidden states, with the
+    entropy, as the trainer's loss takes them, in `precision` (PRECISIONS)."""
     if importlib.util.find_spec("grouprl") is None:  # this checkout's, unless one is installed or on PYTHONPATH
         sys.path.insert(0, os.path.join(ROOT, "src"))
     from grouprl.model.logprobs import head_logprobs
 
     torch.manual_seed(0)
-    head = torch.nn.Linear(width, vocab, bias=False)
-    hidden = (torch.randn(1, positions, width) * 0.1).requires_grad_()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    head = torch.nn.Linear(width, vocab, bias=False, dtype=dtype)
+    hidden = (torch.randn(1, positions, width, dtype=dtype) * 0.1).requires_grad_()
     tokens = torch.randint(0, vocab, (1, positions))
     counter = LiveStorageBytes()
     with counter:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
             logps, entropies = head_logprobs(hidden, head.forward, tokens, 1.0)
         forward = counter.peak
         (logps.sum() + entropies.sum()).backward()
@@ -104,9 +110,11 @@ class Timeline(LiveStorageBytes):
 HEAD_CASTS = ("tied node", "before the body", "in the head")
 
 
-def pass_peaks(model: torch.nn.Module, batch: tuple, head_cast: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Peaks (bytes) of one training pass of `model` (fp32 weights, checkpointed by the caller) over `batch` (prompt
-    ids and mask, completion ids and mask) under bf16 autocast on their device, in one forward (no length buckets),
+def pass_peaks(
+    model: torch.nn.Module, batch: tuple, head_cast: str, autocast: bool = True
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Peaks (bytes) of one training pass of `model` (checkpointed by the caller) over `batch` (prompt ids and mask,
+    completion ids and mask), under bf16 autocast on their device if `autocast`, in one forward (no length buckets),
     and the parameters' gradients. `head_cast` (HEAD_CASTS): "tied node" (as the trainer runs: the cast and, for
     tied embeddings, the lookup made by one node, forward.head_weight_and_inputs), "before the body" (the cast
     alone, product_weight: autograd sums a tied weight's two gradients) or "in the head" (autocast's cast, inside
@@ -135,7 +143,7 @@ def pass_peaks(model: torch.nn.Module, batch: tuple, head_cast: str) -> tuple[di
     }
     way = patch.object(logprobs, "head_weight_and_inputs", replaced[head_cast]) if head_cast in replaced else None
     with way or contextlib.nullcontext(), grouprl_patches(), timeline:
-        with torch.autocast(batch[0].device.type, dtype=torch.bfloat16):
+        with torch.autocast(batch[0].device.type, dtype=torch.bfloat16, enabled=autocast):
             out = logprobs.completion_logprobs(model, *batch, temperature=1.0, bucket_by_length=False)
         forward = timeline.peak
         (out.logprobs * batch[3]).sum().backward()
@@ -150,9 +158,9 @@ def pass_peaks(model: torch.nn.Module, batch: tuple, head_cast: str) -> tuple[di
     return peaks, {name: p.grad for name, p in model.named_parameters()}
 
 
-def wide_pass(vocab: int, width: int, layers: int, rows: int, head_cast: str) -> dict:
+def wide_pass(vocab: int, width: int, layers: int, rows: int, head_cast: str, precision: str = "autocast") -> dict:
     """`pass_peaks` (GB) of the 0.5B shape's layers at `width`, tied embeddings, checkpointed, over `rows` rows of 48
-    prompt and 256 completion tokens."""
+    prompt and 256 completion tokens, in `precision` (PRECISIONS)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -161,13 +169,16 @@ def wide_pass(vocab: int, width: int, layers: int, rows: int, head_cast: str) ->
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).train()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, vocab, (rows, 48), generator=generator)
     completions = torch.randint(0, vocab, (rows, 256), generator=generator)
     batch = (prompts, torch.ones_like(prompts), completions, torch.ones_like(completions))
-    peaks, _ = pass_peaks(model, batch, head_cast)
+    peaks, _ = pass_peaks(model, batch, head_cast, autocast=precision == "autocast")
     return {
+        "precision": precision,
         "head_cast": head_cast,
         **{f"{name}_gb": round(peaks[name] / 1e9, 3) for name in peaks if name != "head_cast"},
     }
@@ -178,15 +189,20 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--width", type=int, default=896)
     parser.add_argument("--positions", type=int, default=64 * 256)
-    parser.add_argument("--fp32", action="store_true", help="no autocast (the head's products in fp32)")
     parser.add_argument("--layers", type=int, help="a whole training pass with this many layers (module doc)")
     parser.add_argument("--rows", type=int, default=16, help="with --layers: rows of 48 + 256 tokens")
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="autocast",
+        help="fp32 weights under bf16 autocast (the trainer's bf16=True, the default), fp32 alone, or bf16 weights",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.layers:
         for cast in HEAD_CASTS:
-            print(json.dumps(wide_pass(args.vocab, args.width, args.layers, args.rows, cast)), flush=True)
+            print(
+                json.dumps(wide_pass(args.vocab, args.width, args.layers, args.rows, cast, args.precision)), flush=True
+            )
         return
-    print(json.dumps({**vars(args), **head_peaks(args.vocab, args.width, args.positions, not args.fp32)}, indent=1))
+    print(json.dumps({**vars(args), **head_peaks(args.vocab, args.width, args.positions, args.precision)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -178,10 +178,11 @@ SMALL_VOCAB, SMALL_WIDTH = 4096, 32  # small_qwen2_pass's model
 
 
 def small_qwen2_pass(
-    cast: str, batch: tuple, *, tied: bool = True, pad_token_id=None, hook=None
+    cast: str, batch: tuple, *, tied: bool = True, pad_token_id=None, hook=None, precision: str = "autocast"
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """bench_head_memory.pass_peaks (`cast`: its HEAD_CASTS) of a small Qwen2 (vocab 4,096 x 32, 2 layers),
-    checkpointed as the trainer runs it, on the test's device; `hook`: a forward hook on its input embedding."""
+    checkpointed as the trainer runs it, on the test's device; `hook`: a forward hook on its input embedding;
+    `precision`: fp32 weights under bf16 autocast, fp32 alone or bf16 weights (the bench's PRECISIONS)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -194,11 +195,11 @@ def small_qwen2_pass(
     )  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"  # autograd's order is the same on every device
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(device).train()
+    model = Qwen2ForCausalLM(config).to(device, torch.bfloat16 if precision == "bf16" else torch.float32).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hook is not None:
         model.get_input_embeddings().register_forward_hook(hook)
-    return pass_peaks(model, tuple(t.to(device) for t in batch), cast)
+    return pass_peaks(model, tuple(t.to(device) for t in batch), cast, autocast=precision == "autocast")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -215,12 +216,12 @@ def test_the_layers_backward_holds_the_heads_gradient_in_bf16(tied):
     assert all(torch.equal(early_grads[name], late_grads[name]) for name in early_grads)
 
 
-def tied_pass(cast: str, pad_token_id=None, hook=None) -> tuple[dict, dict[str, torch.Tensor]]:
+def tied_pass(cast: str, pad_token_id=None, hook=None, precision="autocast") -> tuple[dict, dict[str, torch.Tensor]]:
     """small_qwen2_pass with tied embeddings, over a batch with token 0 in real positions."""
     prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch(SMALL_VOCAB)
     prompt_ids[:, -1] = 0  # token 0 in every row's last prompt position: real tokens, not padding
     batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-    return small_qwen2_pass(cast, batch, pad_token_id=pad_token_id, hook=hook)
+    return small_qwen2_pass(cast, batch, pad_token_id=pad_token_id, hook=hook, precision=precision)
 
 
 @pytest.mark.parametrize("pad_token_id", [None, 0])
@@ -240,6 +241,56 @@ def test_a_tied_weights_two_gradients_meet_in_one_fp32_tensor(pad_token_id):
             assert torch.equal(grad, apart_grads[name]), name
         else:  # a GPU's embedding backward sums a token's rows in an order of its own
             torch.testing.assert_close(grad, apart_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("pad_token_id", [None, 0])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_tied_weight_without_autocast_takes_both_gradients_in_one_tensor(precision, pad_token_id):
+    """Tied embeddings without autocast (fp32 weights, the default on a CPU without native bf16; or weights loaded
+    in bf16): the head's gradient comes in the weight's dtype, and the node adds the lookup's gradient into it where
+    it lies. Left to autograd, the end of backward held the lookup's dense gradient, the head's and their sum: three
+    copies of the weight where one is left. The same gradients as autograd's: bit for bit in fp32 on a CPU."""
+    fused, fused_grads = tied_pass("tied node", pad_token_id, precision=precision)
+    apart, apart_grads = tied_pass("before the body", pad_token_id, precision=precision)
+    matrix = SMALL_VOCAB * SMALL_WIDTH * (4 if precision == "fp32" else 2)  # the weight's bytes
+    assert apart["backward_end_peak"] - fused["backward_end_peak"] >= 1.75 * matrix
+    for name, grad in fused_grads.items():
+        assert grad.dtype == apart_grads[name].dtype, name
+        if grad.device.type == "cpu" and precision == "fp32":
+            assert torch.equal(grad, apart_grads[name]), name
+        else:  # a GPU's embedding backward sums a token's rows in an order of its own; bf16 rounds the sums
+            torch.testing.assert_close(grad, apart_grads[name], msg=name)
+
+
+def test_the_tied_node_sums_a_tokens_bf16_rows_in_fp32():
+    """bf16 weights: each token's lookup rows are summed in fp32 and rounded once, then added to the head's gradient
+    (as a GPU's embedding backward sums them); the CPU's own embedding backward rounds after every row, which over
+    a thousand rows of one token is off in the first digits."""
+    torch.manual_seed(0)
+    weight = torch.randn(10, 8, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.zeros(4, 250, dtype=torch.long)
+    ids[0, :3] = torch.tensor([3, 7, 3])
+    rows, head_grad = torch.randn(4, 250, 8, dtype=torch.bfloat16), torch.randn(10, 8, dtype=torch.bfloat16)
+    embeds, cast = model_forward._TiedLookupAndCast.apply(weight, ids, torch.bfloat16, None)
+    assert cast.dtype == torch.bfloat16 and cast.data_ptr() == weight.data_ptr()  # the weight itself: no copy
+    torch.autograd.backward([embeds, cast], [rows, head_grad.clone()])
+    sums = torch.zeros(10, 8).index_add_(0, ids.reshape(-1), rows.reshape(-1, 8).float())
+    assert torch.equal(weight.grad, head_grad + sums.bfloat16())
+
+
+def test_a_sharded_tied_weight_keeps_the_models_own_lookup():
+    """A weight whole only inside the model's forward (DeepSpeed ZeRO-3 partitions it, FSDP2 makes it a DTensor)
+    cannot be looked up before the body runs: the model looks its tokens up itself."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    assert model_forward._tied_embedding(model, model.lm_head) is model.model.embed_tokens
+    model.lm_head.weight.ds_id = 0  # as DeepSpeed marks the parameters it partitions
+    assert model_forward._tied_embedding(model, model.lm_head) is None
 
 
 def test_a_hooked_embedding_keeps_its_own_lookup():

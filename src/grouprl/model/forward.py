@@ -11,7 +11,7 @@
   (rows, tokens, hidden) states only and backward recomputes one chunk's logits at a time; for a plain
   nn.Linear head the logits' gradient is formed by hand (`_LinearHeadLogprobs`). Under autocast the head's weight
   is cast before the body runs (`product_weight`); a tied input embedding is looked up by the same autograd node
-  (`head_weight_and_inputs`), so the weight's two gradients meet in one fp32 tensor.
+  (`head_weight_and_inputs`), so the weight's two gradients meet in one tensor.
 - **The length buckets both passes run rows in** (`length_buckets`): rows sorted by length and run in
   groups, each trimmed to its own longest row, so a short completion does not pay for the longest one
   of its micro-batch; each extra bucket costs one more forward (`BUCKET_OVERHEAD_TOKENS`).
@@ -289,12 +289,20 @@ def product_weight(head: torch.nn.Module | None) -> torch.Tensor | None:
 
 def _head_cast_dtype(head: torch.nn.Module | None) -> torch.dtype | None:
     """The dtype product_weight casts `head`'s weight to, or None where it makes no cast."""
-    if type(head) is not torch.nn.Linear or "forward" in vars(head):
+    if not _trains_plain_head(head):
         return None
-    weight, dtype = head.weight, product_dtype(head.weight)
-    if not (torch.is_grad_enabled() and weight.requires_grad) or dtype == weight.dtype:
-        return None
-    return dtype
+    dtype = product_dtype(head.weight)
+    return None if dtype == head.weight.dtype else dtype
+
+
+def _trains_plain_head(head: torch.nn.Module | None) -> bool:
+    """Whether this pass trains `head`'s weight through a plain nn.Linear's own product (head_logprobs's own path)."""
+    return (
+        type(head) is torch.nn.Linear
+        and "forward" not in vars(head)
+        and torch.is_grad_enabled()
+        and head.weight.requires_grad
+    )
 
 
 def product_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -310,22 +318,26 @@ def product_dtype(weight: torch.Tensor) -> torch.dtype:
 #
 # The LM head's weight for a training pass, and the model's inputs to go with it: where the head's weight is also the
 # input embedding's (tied embeddings: Qwen2.5 up to 3B, Llama 3.2, SmolLM2), one autograd node makes both of its
-# uses, so its two gradients meet in one fp32 tensor.
+# uses, so its two gradients meet in one tensor of the weight's dtype.
 #
-# Under bf16 autocast the head's fp32 weight is cast to bf16 before the body runs (`product_weight`), and the
-# embedding lookup reads the fp32 weight. Left to autograd, the end of backward then held three fp32 copies of the
-# weight's size at once: the lookup's gradient (embedding_dense_backward makes all of vocab x hidden, however few
-# tokens the batch has), the head's gradient converted to fp32, and their sum, which the engine makes out of place
-# (for Qwen2.5-0.5B's 151,936 x 896 weight, 3 x 0.54 GB). Here the node's backward converts the head's bf16 gradient
-# to fp32 and adds the lookup's gradient into it at the batch's tokens only: the bf16 gradient and one fp32 copy at
-# most (0.27 + 0.54 GB). Where a pass's activations are small against its vocabulary (few rows, checkpointed
-# layers, a small model with a large vocabulary), that end of backward is the pass's peak.
+# Left to autograd, the end of backward held three copies of the weight's size at once: the lookup's gradient
+# (embedding_dense_backward makes all of vocab x hidden, however few tokens the batch has), the head's gradient, and
+# their sum, which the engine makes out of place (for Qwen2.5-0.5B's 151,936 x 896 weight, 3 x 0.54 GB in fp32).
+# Here the node's backward adds the lookup's gradient into the head's at the batch's tokens only:
+# - under bf16 autocast (fp32 weights; the head's weight cast to bf16 before the body runs, `product_weight`) into the
+#   head's gradient converted to fp32: the bf16 gradient and one fp32 copy at most (0.27 + 0.54 GB);
+# - without autocast (fp32 or bf16 weights: the head uses the weight itself) into the head's gradient where it lies:
+#   one copy.
+# Where a pass's activations are small against its vocabulary (few rows, checkpointed layers, a small model with a
+# large vocabulary), that end of backward is the pass's peak.
 #
-# The gradients are the ones autograd forms, bit for bit on a CPU: each token's rows are summed in the batch's order,
-# as embedding_dense_backward sums them, then added to the head's (tests/test_logprobs.py). Used only where the
-# lookup is exactly `F.embedding` of an `nn.Embedding` with nothing else attached (no hooks but transformers' own,
-# no max_norm, scale_grad_by_freq or sparse gradients) and the model takes only token ids, a mask and positions;
-# elsewhere the model looks its tokens up itself, as before.
+# The gradients are the ones autograd forms, bit for bit on a CPU in fp32: each token's rows are summed in the batch's
+# order, as embedding_dense_backward sums them, then added to the head's (tests/test_logprobs.py). bf16 rows are
+# summed in fp32 and rounded once, as a GPU's embedding backward sums them (a CPU's rounds after every row). Used
+# only where the lookup is exactly `F.embedding` of an `nn.Embedding` with nothing else attached (no hooks but
+# transformers' own, no max_norm, scale_grad_by_freq or sparse gradients), whose weight is whole outside the model's
+# forward (not sharded), and the model takes only token ids, a mask and positions; elsewhere the model looks its
+# tokens up itself, as before.
 
 # the keywords of a text-only training forward; any other input (images, token types, ...) keeps the model's own lookup
 _PLAIN_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "output_router_logits"})
@@ -337,14 +349,15 @@ def head_weight_and_inputs(
     kwargs: dict[str, Any],
     plain_inputs: frozenset[str] = frozenset(),
 ) -> tuple[torch.Tensor | None, dict[str, Any]]:
-    """`product_weight(head)` and `kwargs`; for a tied head and embedding (the comment above), the cast weight and
-    `kwargs` with the tokens' `inputs_embeds` in place of `input_ids`, both made by one node. Call it before the
+    """`product_weight(head)` and `kwargs`; for a tied head and embedding (the comment above), the head's weight as
+    its products take it (cast, or the weight itself) and `kwargs` with the tokens' `inputs_embeds` in place of
+    `input_ids`, both made by one node. Call it before the
     model's body runs. `plain_inputs`: other keywords the pass may carry that do not change the lookup (the packed
     pass's attention layout)."""
-    dtype = _head_cast_dtype(head)
-    embedding = _tied_embedding(model, head) if dtype is not None else None
+    embedding = _tied_embedding(model, head) if _trains_plain_head(head) else None
     if embedding is None or not set(kwargs) <= _PLAIN_INPUTS | plain_inputs:
         return product_weight(head), kwargs
+    dtype = product_dtype(embedding.weight)
     embeds, weight = _TiedLookupAndCast.apply(embedding.weight, kwargs["input_ids"], dtype, embedding.padding_idx)
     return weight, {**{k: v for k, v in kwargs.items() if k != "input_ids"}, "inputs_embeds": embeds}
 
@@ -356,6 +369,8 @@ def _tied_embedding(model: torch.nn.Module, head: torch.nn.Module) -> torch.nn.E
     embedding = get_embedding() if callable(get_embedding) else None
     if type(embedding) is not torch.nn.Embedding or embedding.weight is not head.weight:
         return None
+    if type(embedding.weight) is not torch.nn.Parameter or hasattr(embedding.weight, "ds_id"):
+        return None  # sharded (FSDP2's DTensor, DeepSpeed ZeRO-3's partition): whole only inside the model's forward
     try:
         parameters = inspect.signature(inner.forward).parameters
     except (TypeError, ValueError):  # a forward whose signature Python cannot read
@@ -393,24 +408,34 @@ class _TiedLookupAndCast(torch.autograd.Function):
     def forward(ctx, weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, padding_idx: int | None):
         ctx.save_for_backward(ids)
         ctx.padding_idx, ctx.weight_dtype, ctx.weight_shape = padding_idx, weight.dtype, weight.shape
-        return F.embedding(ids, weight, padding_idx), weight.to(dtype)
+        # in the weight's own dtype, the weight itself (a view: no copy)
+        cast = weight.view_as(weight) if dtype == weight.dtype else weight.to(dtype)
+        return F.embedding(ids, weight, padding_idx), cast
 
     @staticmethod
     def backward(ctx, grad_embeds: torch.Tensor | None, grad_cast: torch.Tensor | None):
         (ids,) = ctx.saved_tensors
         if grad_cast is None:
             grad = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=ids.device)
+        elif grad_cast.dtype != ctx.weight_dtype:
+            grad = grad_cast.to(ctx.weight_dtype)  # a new tensor: ours to add into
+        elif grad_cast._base is None and grad_cast.is_contiguous():
+            # the head's gradient in the weight's dtype already: added into where it lies. The cast weight goes to
+            # the head's product alone (head_logprobs), whose backward makes this tensor for this node only
+            grad = grad_cast
         else:
-            grad = grad_cast.to(ctx.weight_dtype)  # a new tensor (the dtypes differ): ours to add into
+            grad = grad_cast.clone()
         if grad_embeds is not None:
             tokens, rows = ids.reshape(-1), grad_embeds.reshape(ids.numel(), -1)
             if ctx.padding_idx is not None:  # F.embedding gives the padding token no gradient
                 kept = tokens != ctx.padding_idx
                 tokens, rows = tokens[kept], rows[kept]
-            # each token's rows summed in the batch's order first (deterministic on every device: index_put_'s
-            # accumulation), then added once: the sums embedding_dense_backward and the engine make
+            # each token's rows summed in the batch's order first, in fp32 at least (deterministic on every device:
+            # index_put_'s accumulation), then rounded and added once (the comment above)
             distinct, slot = torch.unique(tokens, return_inverse=True)
-            sums = rows.new_zeros(distinct.numel(), rows.shape[1]).index_put_((slot,), rows, accumulate=True)
+            sum_dtype = torch.promote_types(rows.dtype, torch.float32)
+            sums = rows.new_zeros(distinct.numel(), rows.shape[1], dtype=sum_dtype)
+            sums.index_put_((slot,), rows.to(sum_dtype), accumulate=True)
             grad.index_put_((distinct,), sums.to(grad.dtype), accumulate=True)
         return grad, None, None, None
 
