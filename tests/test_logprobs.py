@@ -2,6 +2,7 @@
 
 import os
 import sys
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -262,18 +263,79 @@ def test_a_tied_weight_without_autocast_takes_both_gradients_in_one_tensor(preci
             torch.testing.assert_close(grad, apart_grads[name], msg=name)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_pass_of_several_buckets_casts_the_head_once_and_converts_its_gradient_once(tied):
+    """A training pass over several length buckets (several forwards) casts the head's weight to bf16 once, before
+    every bucket's body, so the head's gradient stays in bf16 through every bucket's layers' backward and becomes fp32
+    once, at the end. Cast per bucket, each bucket's fp32 gradient (for a tied weight, with its lookup's added) was
+    made after its own layers' backward and held through the next bucket's. An untied embedding's lookups are one
+    node too: each bucket's lookup made a dense vocab x hidden gradient, which autograd then summed out of place."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from bench_head_memory import LiveStorageBytes
+
+    config = Qwen2Config(
+        vocab_size=SMALL_VOCAB, hidden_size=SMALL_WIDTH, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).train()
+    shape = (SMALL_VOCAB, SMALL_WIDTH)
+
+    class HeadSized(LiveStorageBytes):
+        """Also: the head-sized tensors made, by dtype, and the most fp32 ones alive at once."""
+
+        def __init__(self):
+            super().__init__()
+            self.made, self.most_fp32 = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = set(self.alive)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.made += [entry[3] for key, entry in self.alive.items() if key not in before and entry[2] == shape]
+            alive = sum(1 for entry in self.alive.values() if entry[2] == shape and entry[3] == torch.float32)
+            self.most_fp32 = max(self.most_fp32, alive)
+            return out
+
+    batch = ragged_batch(SMALL_VOCAB)
+    assert lp.separable_head(model) is model.lm_head  # its one-time check (forwards of its own) settled first
+    counter = HeadSized()
+    with counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = lp.completion_logprobs(model, *batch, temperature=1.0, bucket_by_length=False, rows_per_chunk=2)
+        forward_made = list(counter.made)
+        (out.logprobs * batch[3]).sum().backward()
+    assert forward_made == [torch.bfloat16], "the head's weight is cast once for the pass's three buckets"
+    # each weight's gradient one fp32 tensor: the head's and, untied, the embedding's (its lookups' summed in one)
+    assert counter.most_fp32 == (1 if tied else 2)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with patch.object(lp, "head_weight_and_inputs", lambda model, head, forwards: (None, forwards)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autograd's own: casts and lookups in every bucket
+            out = lp.completion_logprobs(model, *batch, temperature=1.0, bucket_by_length=False, rows_per_chunk=2)
+        (out.logprobs * batch[3]).sum().backward()
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
+            # the head's bf16 gradients summed over the buckets in bf16, as autocast's cast (made once in an autocast
+            # region, and cached) sums them; autograd's own here cast per bucket, and summed in fp32
+            torch.testing.assert_close(grads[name], param.grad, rtol=0, atol=2**-7 * float(param.grad.abs().max()))
+        else:
+            assert torch.equal(grads[name], param.grad), name
+
+
 def test_the_tied_node_sums_a_tokens_bf16_rows_in_fp32():
-    """bf16 weights: each token's lookup rows are summed in fp32 and rounded once, then added to the head's gradient
-    (as a GPU's embedding backward sums them); the CPU's own embedding backward rounds after every row, which over
-    a thousand rows of one token is off in the first digits."""
+    """bf16 weights: each token's lookup rows, over all of a pass's forwards, are summed in fp32 and rounded once,
+    then added to the head's gradient (as a GPU's embedding backward sums them); the CPU's own embedding backward
+    rounds after every row, which over a thousand rows of one token is off in the first digits."""
     torch.manual_seed(0)
     weight = torch.randn(10, 8, dtype=torch.bfloat16, requires_grad=True)
     ids = torch.zeros(4, 250, dtype=torch.long)
     ids[0, :3] = torch.tensor([3, 7, 3])
     rows, head_grad = torch.randn(4, 250, 8, dtype=torch.bfloat16), torch.randn(10, 8, dtype=torch.bfloat16)
-    embeds, cast = model_forward._TiedLookupAndCast.apply(weight, ids, torch.bfloat16, None)
+    cast, *embeds = model_forward._Lookups.apply(weight, torch.bfloat16, None, ids[:1], ids[1:])
     assert cast.dtype == torch.bfloat16 and cast.data_ptr() == weight.data_ptr()  # the weight itself: no copy
-    torch.autograd.backward([embeds, cast], [rows, head_grad.clone()])
+    torch.autograd.backward([cast, *embeds], [head_grad.clone(), rows[:1], rows[1:]])  # two forwards' lookups
     sums = torch.zeros(10, 8).index_add_(0, ids.reshape(-1), rows.reshape(-1, 8).float())
     assert torch.equal(weight.grad, head_grad + sums.bfloat16())
 
@@ -288,9 +350,9 @@ def test_a_sharded_tied_weight_keeps_the_models_own_lookup():
         num_key_value_heads=1, tie_word_embeddings=True,
     )  # fmt: skip
     model = Qwen2ForCausalLM(config)
-    assert model_forward._tied_embedding(model, model.lm_head) is model.model.embed_tokens
+    assert model_forward._plain_embedding(model) is model.model.embed_tokens
     model.lm_head.weight.ds_id = 0  # as DeepSpeed marks the parameters it partitions
-    assert model_forward._tied_embedding(model, model.lm_head) is None
+    assert model_forward._plain_embedding(model) is None
 
 
 def test_a_hooked_embedding_keeps_its_own_lookup():

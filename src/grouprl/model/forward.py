@@ -10,8 +10,9 @@
   chunk reduced at once to the selected token's logprob (and the entropy), so autograd keeps the
   (rows, tokens, hidden) states only and backward recomputes one chunk's logits at a time; for a plain
   nn.Linear head the logits' gradient is formed by hand (`_LinearHeadLogprobs`). Under autocast the head's weight
-  is cast before the body runs (`product_weight`); a tied input embedding is looked up by the same autograd node
-  (`head_weight_and_inputs`), so the weight's two gradients meet in one tensor.
+  is cast before the body runs (`product_weight`), once a pass; the pass's lookups of a trained input embedding,
+  tied or not, are made by one autograd node with that cast (`head_weight_and_inputs`), so a weight's gradients meet
+  in one tensor.
 - **The length buckets both passes run rows in** (`length_buckets`): rows sorted by length and run in
   groups, each trimmed to its own longest row, so a short completion does not pay for the longest one
   of its micro-batch; each extra bucket costs one more forward (`BUCKET_OVERHEAD_TOKENS`).
@@ -314,30 +315,36 @@ def product_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-# --- a tied weight's two uses as one node --------------------------------------------------------------
+# --- a pass's embedding lookups, and a tied head's weight, as one node --------------------------------------
 #
-# The LM head's weight for a training pass, and the model's inputs to go with it: where the head's weight is also the
-# input embedding's (tied embeddings: Qwen2.5 up to 3B, Llama 3.2, SmolLM2), one autograd node makes both of its
-# uses, so its two gradients meet in one tensor of the weight's dtype.
+# The LM head's weight for a training pass, and the model's inputs to go with it: one autograd node makes every
+# lookup of a trained input embedding in the pass (its length buckets' forwards), and where the head's weight is also
+# the embedding's (tied embeddings: Qwen2.5 up to 3B, Llama 3.2, SmolLM2), the head's weight too, so the weight's
+# gradients meet in one tensor of its dtype.
 #
-# Left to autograd, the end of backward held three copies of the weight's size at once: the lookup's gradient
+# Left to autograd, the end of backward held three copies of a tied weight's size at once: the lookup's gradient
 # (embedding_dense_backward makes all of vocab x hidden, however few tokens the batch has), the head's gradient, and
-# their sum, which the engine makes out of place (for Qwen2.5-0.5B's 151,936 x 896 weight, 3 x 0.54 GB in fp32).
-# Here the node's backward adds the lookup's gradient into the head's at the batch's tokens only:
-# - under bf16 autocast (fp32 weights; the head's weight cast to bf16 before the body runs, `product_weight`) into the
+# their sum, which the engine makes out of place (for Qwen2.5-0.5B's 151,936 x 896 weight, 3 x 0.54 GB in fp32); and
+# an untied embedding looked up in several buckets had a dense gradient made for each, summed out of place too.
+# Here the node's backward adds the lookups' gradients at the batch's tokens only, into:
+# - under bf16 autocast (fp32 weights; the head's weight cast to bf16 before the body runs, `product_weight`) the
 #   head's gradient converted to fp32: the bf16 gradient and one fp32 copy at most (0.27 + 0.54 GB);
-# - without autocast (fp32 or bf16 weights: the head uses the weight itself) into the head's gradient where it lies:
-#   one copy.
-# Where a pass's activations are small against its vocabulary (few rows, checkpointed layers, a small model with a
-# large vocabulary), that end of backward is the pass's peak.
+# - without autocast (fp32 or bf16 weights: the head uses the weight itself) the head's gradient where it lies: one
+#   copy;
+# - untied, one zeroed gradient (a single lookup is left to autograd: its gradient is that one tensor already).
+# Made once a pass, before every bucket's body, the node's backward runs after every bucket's layers' backward, so
+# the head's gradient stays in its products' dtype through all of them. Where a pass's activations are small against
+# its vocabulary (few rows, checkpointed layers, a small model with a large vocabulary), the end of backward is the
+# pass's peak.
 #
-# The gradients are the ones autograd forms, bit for bit on a CPU in fp32: each token's rows are summed in the batch's
-# order, as embedding_dense_backward sums them, then added to the head's (tests/test_logprobs.py). bf16 rows are
-# summed in fp32 and rounded once, as a GPU's embedding backward sums them (a CPU's rounds after every row). Used
-# only where the lookup is exactly `F.embedding` of an `nn.Embedding` with nothing else attached (no hooks but
-# transformers' own, no max_norm, scale_grad_by_freq or sparse gradients), whose weight is whole outside the model's
-# forward (not sharded), and the model takes only token ids, a mask and positions; elsewhere the model looks its
-# tokens up itself, as before.
+# The gradients are the ones autograd forms, bit for bit on a CPU in fp32 with one bucket: each token's rows are
+# summed in the batch's order, as embedding_dense_backward sums them, then added to the head's (tests/test_logprobs.py).
+# bf16 rows are summed in fp32 and rounded once, as a GPU's embedding backward sums them (a CPU's rounds after every
+# row); the head's bf16 gradients of several buckets are summed in bf16, as autocast's own cast, made once in an
+# autocast region, sums them. Used only where the lookup is exactly `F.embedding` of an `nn.Embedding` with nothing
+# else attached (no hooks but transformers' own, no max_norm, scale_grad_by_freq or sparse gradients), whose weight
+# is whole outside the model's forward (not sharded), and the model takes only token ids, a mask and positions;
+# elsewhere the model looks its tokens up itself, as before.
 
 # the keywords of a text-only training forward; any other input (images, token types, ...) keeps the model's own lookup
 _PLAIN_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "output_router_logits"})
@@ -346,28 +353,42 @@ _PLAIN_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_c
 def head_weight_and_inputs(
     model: torch.nn.Module,
     head: torch.nn.Module | None,
-    kwargs: dict[str, Any],
+    forwards: list[dict[str, Any]],
     plain_inputs: frozenset[str] = frozenset(),
-) -> tuple[torch.Tensor | None, dict[str, Any]]:
-    """`product_weight(head)` and `kwargs`; for a tied head and embedding (the comment above), the head's weight as
-    its products take it (cast, or the weight itself) and `kwargs` with the tokens' `inputs_embeds` in place of
-    `input_ids`, both made by one node. Call it before the
-    model's body runs. `plain_inputs`: other keywords the pass may carry that do not change the lookup (the packed
-    pass's attention layout)."""
-    embedding = _tied_embedding(model, head) if _trains_plain_head(head) else None
-    if embedding is None or not set(kwargs) <= _PLAIN_INPUTS | plain_inputs:
-        return product_weight(head), kwargs
-    dtype = product_dtype(embedding.weight)
-    embeds, weight = _TiedLookupAndCast.apply(embedding.weight, kwargs["input_ids"], dtype, embedding.padding_idx)
-    return weight, {**{k: v for k, v in kwargs.items() if k != "input_ids"}, "inputs_embeds": embeds}
+) -> tuple[torch.Tensor | None, list[dict[str, Any]]]:
+    """`product_weight(head)` and the keyword arguments of a pass's forwards (its length buckets), the lookups of a
+    trained input embedding made by one node (the comment above): each forward's keywords then carry its tokens'
+    `inputs_embeds` in place of `input_ids`, and for a head tied to the embedding the same node gives the head's
+    weight as its products take it (cast, or the weight itself). Call it once a pass, before the model's body runs:
+    the weight's gradients then meet, and leave the products' dtype, after every forward's layers' backward.
+    `plain_inputs`: other keywords the pass may carry that do not change the lookup (the packed pass's attention
+    layout)."""
+    embedding = _plain_embedding(model)
+    tied = embedding is not None and _trains_plain_head(head) and embedding.weight is head.weight
+    if (
+        embedding is None
+        or not (torch.is_grad_enabled() and embedding.weight.requires_grad)
+        or (not tied and len(forwards) == 1)  # one lookup of its own: autograd's gradient is the same tensor
+        or any(not set(kwargs) <= _PLAIN_INPUTS | plain_inputs for kwargs in forwards)
+    ):
+        return product_weight(head), forwards
+    dtype = product_dtype(embedding.weight) if tied else None
+    ids = [kwargs["input_ids"] for kwargs in forwards]
+    outputs = _Lookups.apply(embedding.weight, dtype, embedding.padding_idx, *ids)
+    weight, embeds = (outputs[0], outputs[1:]) if tied else (product_weight(head), outputs)
+    return weight, [
+        {**{k: v for k, v in kwargs.items() if k != "input_ids"}, "inputs_embeds": looked_up}
+        for kwargs, looked_up in zip(forwards, embeds)
+    ]
 
 
-def _tied_embedding(model: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Embedding | None:
-    """The model's input embedding if it shares the head's weight and its lookup is exactly F.embedding, else None."""
+def _plain_embedding(model: torch.nn.Module) -> torch.nn.Embedding | None:
+    """The model's input embedding if its lookup is exactly F.embedding, can be made before the model's body runs
+    and the model takes `inputs_embeds` in place of its tokens, else None."""
     inner = getattr(model, "module", model)  # DDP / accelerate wrappers
     get_embedding = getattr(inner, "get_input_embeddings", None)
     embedding = get_embedding() if callable(get_embedding) else None
-    if type(embedding) is not torch.nn.Embedding or embedding.weight is not head.weight:
+    if type(embedding) is not torch.nn.Embedding:
         return None
     if type(embedding.weight) is not torch.nn.Parameter or hasattr(embedding.weight, "ds_id"):
         return None  # sharded (FSDP2's DTensor, DeepSpeed ZeRO-3's partition): whole only inside the model's forward
@@ -392,7 +413,7 @@ def _tied_embedding(model: torch.nn.Module, head: torch.nn.Module) -> torch.nn.E
 
 def _makes_output_require_grad(hook: Any) -> bool:
     """transformers' enable_input_require_grads hook (gradient checkpointing registers it): it makes the lookup's
-    output require grad, which the tied node's output does already (the weight is trained)."""
+    output require grad, which the lookups node's outputs do already (the weight is trained)."""
     return getattr(hook, "__qualname__", "").endswith("enable_input_require_grads.<locals>.make_inputs_require_grads")
 
 
@@ -400,33 +421,40 @@ def _global_module_hooks() -> bool:
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
-class _TiedLookupAndCast(torch.autograd.Function):
-    """(fp32 weight, token ids) -> (the tokens' embeddings, the weight cast to the head's product dtype); backward:
-    the head's gradient in fp32 with the lookup's gradient added at the batch's tokens (the comment above)."""
+class _Lookups(torch.autograd.Function):
+    """(weight, the head's products' dtype or None, padding index, token ids of each forward) -> (for a tied head
+    (a dtype given): the weight in that dtype, then) each forward's embeddings; backward: the head's gradient in the
+    weight's dtype, or zeros, with the lookups' gradients added at the batch's tokens (the comment above)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, padding_idx: int | None):
-        ctx.save_for_backward(ids)
+    def forward(ctx, weight: torch.Tensor, dtype: torch.dtype | None, padding_idx: int | None, *ids: torch.Tensor):
+        ctx.save_for_backward(*ids)
         ctx.padding_idx, ctx.weight_dtype, ctx.weight_shape = padding_idx, weight.dtype, weight.shape
+        ctx.tied = dtype is not None
+        embeds = tuple(F.embedding(tokens, weight, padding_idx) for tokens in ids)
+        if not ctx.tied:
+            return embeds
         # in the weight's own dtype, the weight itself (a view: no copy)
-        cast = weight.view_as(weight) if dtype == weight.dtype else weight.to(dtype)
-        return F.embedding(ids, weight, padding_idx), cast
+        return weight.view_as(weight) if dtype == weight.dtype else weight.to(dtype), *embeds
 
     @staticmethod
-    def backward(ctx, grad_embeds: torch.Tensor | None, grad_cast: torch.Tensor | None):
-        (ids,) = ctx.saved_tensors
+    def backward(ctx, *grads: torch.Tensor | None):
+        ids = ctx.saved_tensors
+        grad_cast, grad_embeds = (grads[0], grads[1:]) if ctx.tied else (None, grads)
         if grad_cast is None:
-            grad = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=ids.device)
+            grad = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=ids[0].device)
         elif grad_cast.dtype != ctx.weight_dtype:
             grad = grad_cast.to(ctx.weight_dtype)  # a new tensor: ours to add into
         elif grad_cast._base is None and grad_cast.is_contiguous():
             # the head's gradient in the weight's dtype already: added into where it lies. The cast weight goes to
-            # the head's product alone (head_logprobs), whose backward makes this tensor for this node only
+            # the head's products alone (head_logprobs), whose backward makes this tensor for this node only
             grad = grad_cast
         else:
             grad = grad_cast.clone()
-        if grad_embeds is not None:
-            tokens, rows = ids.reshape(-1), grad_embeds.reshape(ids.numel(), -1)
+        looked_up = [(tokens, rows) for tokens, rows in zip(ids, grad_embeds) if rows is not None]
+        if looked_up:
+            tokens = torch.cat([t.reshape(-1) for t, _ in looked_up])
+            rows = torch.cat([r.reshape(t.numel(), -1) for t, r in looked_up])
             if ctx.padding_idx is not None:  # F.embedding gives the padding token no gradient
                 kept = tokens != ctx.padding_idx
                 tokens, rows = tokens[kept], rows[kept]
@@ -437,7 +465,7 @@ class _TiedLookupAndCast(torch.autograd.Function):
             sums = rows.new_zeros(distinct.numel(), rows.shape[1], dtype=sum_dtype)
             sums.index_put_((slot,), rows.to(sum_dtype), accumulate=True)
             grad.index_put_((distinct,), sums.to(grad.dtype), accumulate=True)
-        return grad, None, None, None
+        return grad, None, None, *(None for _ in ids)
 
 
 def _chunk_statistics(

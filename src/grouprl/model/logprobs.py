@@ -189,7 +189,7 @@ def completion_logprobs(
     else:
         chunk = rows_per_chunk or n
         buckets = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
-    logps_parts, entropy_parts, aux_parts, order = [], [], [], []
+    forwards = []  # (rows, completion width, the model's keyword arguments) of each bucket
     for rows in buckets:
         p = max(max(prompt_lens[r] for r in rows), 1)
         t = max(max(completion_lens[r] for r in rows), 1)
@@ -202,16 +202,20 @@ def completion_logprobs(
             if multimodal is None
             else forward_inputs(model, [multimodal[r] for r in rows], p, p + t, prompt_ids.device)
         )
+        kwargs = _bucket_inputs(
+            prompt_ids[index, -p:], prompt_mask[index, -p:], completion_ids[index, :t], completion_mask[index, :t]
+        )
+        kwargs.update(images)
+        if with_aux_loss:
+            kwargs["output_router_logits"] = True
+        forwards.append((rows, t, kwargs))
+    head = separable_head(model)
+    weight, inputs = head_weight_and_inputs(model, head, [kwargs for _, _, kwargs in forwards])  # before the bodies
+    logps_parts, entropy_parts, aux_parts, order = [], [], [], []
+    for (rows, t, _), kwargs in zip(forwards, inputs):
+        index = torch.tensor(rows, device=prompt_ids.device)
         logps, entropy, aux = _bucket_logprobs(
-            model,
-            prompt_ids[index, -p:],
-            prompt_mask[index, -p:],
-            completion_ids[index, :t],
-            completion_mask[index, :t],
-            temperature,
-            entropy=entropy_mode,
-            with_aux_loss=with_aux_loss,
-            extra=images,
+            model, head, weight, kwargs, completion_ids[index, :t], temperature, entropy_mode, with_aux_loss
         )
         logps_parts.append(F.pad(logps, (0, completion_len - t)))
         if entropy is not None:
@@ -233,32 +237,33 @@ def _plain_logprobs(model: torch.nn.Module, *rows: torch.Tensor) -> torch.Tensor
     return completion_logprobs(model, *rows, temperature=1.0, with_entropy=False, pack_prompts=False).logprobs
 
 
-def _bucket_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    temperature: float,
-    *,
-    entropy: str,
-    with_aux_loss: bool,
-    extra: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    completion_len = completion_ids.shape[1]
+def _bucket_inputs(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
+) -> dict[str, Any]:
+    """The model's keyword arguments for one bucket's forward over its prompts and completions."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-    kwargs = {
+    return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids_from_mask(attention_mask),
         "use_cache": False,
-        **(extra or {}),
     }
-    if with_aux_loss:
-        kwargs["output_router_logits"] = True
-    head = separable_head(model)
-    weight, kwargs = head_weight_and_inputs(model, head, kwargs)  # before the body runs (its doc)
+
+
+def _bucket_logprobs(
+    model: torch.nn.Module,
+    head: torch.nn.Module | None,
+    weight: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    completion_ids: torch.Tensor,
+    temperature: float,
+    entropy: str,
+    with_aux_loss: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One bucket's forward and head, with the head's `weight` and the model's `kwargs` as
+    forward.head_weight_and_inputs gave them."""
+    completion_len = completion_ids.shape[1]
     with capture_head_input(head) as captured:
         output = forward_keeping(model, kwargs, completion_len + 1)
     aux = getattr(output, "aux_loss", None) if with_aux_loss else None

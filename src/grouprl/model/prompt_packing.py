@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers.utils import logging
@@ -315,23 +315,42 @@ def packed_logprobs(
     through the 4D mask. `explicit_scores` picks packed_attention's arithmetic (None: explicit products
     where they are kept only briefly, `_scores_short_lived`; False: sdpa's kernel).
     """
+    weight, (kwargs,) = head_weight_and_inputs(
+        model, head, [_packed_inputs(model, pack, explicit_scores)], frozenset({LAYOUT_KWARG})
+    )  # before the body runs (its doc)
+    return _packed_pass(model, head, weight, kwargs, pack, completion_ids, temperature, entropy)
+
+
+def _packed_inputs(model: torch.nn.Module, pack: Pack, explicit_scores: bool | None = None) -> dict[str, Any]:
+    """The model's keyword arguments for `pack`'s forward (packed_logprobs's doc)."""
     kwargs = {
         "input_ids": pack.input_ids,
         "attention_mask": _model_mask(model, pack.attention_mask),
         "position_ids": pack.position_ids,
         "use_cache": False,
     }
-    sparse = _sparse_attention(model)
-    if sparse:
+    if _sparse_attention(model):
         explicit = _scores_short_lived(model) if explicit_scores is None else explicit_scores
         kwargs[LAYOUT_KWARG] = pack.layout._replace(explicit_scores=explicit)
-    weight, kwargs = head_weight_and_inputs(
-        model, head, kwargs, frozenset({LAYOUT_KWARG})
-    )  # before the body runs (its doc)
+    return kwargs
+
+
+def _packed_pass(
+    model: torch.nn.Module,
+    head: torch.nn.Module,
+    weight: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    pack: Pack,
+    completion_ids: torch.Tensor,
+    temperature: float,
+    entropy: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """packed_logprobs's forward and head, with the head's `weight` and the model's `kwargs` as
+    forward.head_weight_and_inputs gave them."""
     with capture_head_input(head) as captured:
         forward_keeping(model, kwargs, pack.keep)
     states = captured[0]  # (packs, keep, H): the last `keep` positions
-    if sparse and states.requires_grad and recomputes_layers(_unwrapped(model)):
+    if LAYOUT_KWARG in kwargs and states.requires_grad and recomputes_layers(_unwrapped(model)):
         states = RecomputedUnderPatches.apply(states)
     packs, length = pack.input_ids.shape
     offset = length - states.shape[1]
@@ -511,15 +530,23 @@ def shared_prompt_logprobs(
     else:  # packs one after another in a row: no padding, one forward for many packs
         batches = concatenated_rows(packed_lens, group_rows, rows_per_chunk, row_token_cap(prompt_ids.device))
     ids, comp = prompt_ids.tolist(), completion_ids.tolist()
-    logps_parts, entropy_parts, order = [], [], []
+    packs = []  # (rows, completion width, pack) of each forward
     for bucket in batches:
         rows = [r for g in bucket for r in groups.rows[g]]
         t = max(max(completion_lens[r] for r in rows), 1)
         prompts = [ids[groups.rows[g][0]][width - groups.prompt_lens[g] :] for g in bucket]
         completions = [[comp[r][: completion_lens[r]] for r in groups.rows[g]] for g in bucket]
         pack = build_pack(prompts, completions, t, prompt_ids.device, concatenate=not dense, dense_mask=dense)
+        packs.append((rows, t, pack))
+    weight, inputs = head_weight_and_inputs(
+        model, head, [_packed_inputs(model, pack) for _, _, pack in packs], frozenset({LAYOUT_KWARG})
+    )  # once for every forward, before their bodies run (its doc)
+    logps_parts, entropy_parts, order = [], [], []
+    for (rows, t, pack), kwargs in zip(packs, inputs):
         index = torch.tensor(rows, device=prompt_ids.device)
-        logps, entropies = packed_logprobs(model, head, pack, completion_ids[index, :t], temperature, entropy=entropy)
+        logps, entropies = _packed_pass(
+            model, head, weight, kwargs, pack, completion_ids[index, :t], temperature, entropy
+        )
         valid = completion_mask[index, :t].bool()
         logps_parts.append(torch.nn.functional.pad(logps.masked_fill(~valid, 0.0), (0, completion_len - t)))
         if entropies is not None:
