@@ -453,8 +453,9 @@ class _Lookups(torch.autograd.Function):
             grad = grad_cast.clone()
         looked_up = [(tokens, rows) for tokens, rows in zip(ids, grad_embeds) if rows is not None]
         if looked_up:
-            tokens = torch.cat([t.reshape(-1) for t, _ in looked_up])
-            rows = torch.cat([r.reshape(t.numel(), -1) for t, r in looked_up])
+            tokens = [t.reshape(-1) for t, _ in looked_up]
+            rows = [r.reshape(t.numel(), -1) for t, r in looked_up]
+            tokens, rows = (tokens[0], rows[0]) if len(looked_up) == 1 else (torch.cat(tokens), torch.cat(rows))
             if ctx.padding_idx is not None:  # F.embedding gives the padding token no gradient
                 kept = tokens != ctx.padding_idx
                 tokens, rows = tokens[kept], rows[kept]
