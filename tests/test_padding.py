@@ -62,8 +62,9 @@ def test_every_forward_is_padded_and_the_logprobs_do_not_change(tiny_model_dir):
     plain = pack_rollout(rollout(), advantages, pad_token_id=0, mask_truncated=False)
     padded = pack_rollout(rollout(), advantages, pad_token_id=0, mask_truncated=False, pad_to_multiple_of=8)
     widths = []
-    hook = model.register_forward_pre_hook(
-        lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True
+    hook = model.register_forward_pre_hook(  # a training pass may hand the model its tokens looked up (inputs_embeds)
+        lambda m, args, kwargs: widths.append(kwargs.get("input_ids", kwargs.get("inputs_embeds")).shape[:2]),
+        with_kwargs=True,
     )
     try:
         expected = completion_logprobs(

@@ -189,7 +189,7 @@ def completion_logprobs(
     else:
         chunk = rows_per_chunk or n
         buckets = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
-    forwards = []  # (rows, completion width, the model's keyword arguments) of each bucket
+    forwards = []  # (rows, their index, completion width, the model's keyword arguments) of each bucket
     for rows in buckets:
         p = max(max(prompt_lens[r] for r in rows), 1)
         t = max(max(completion_lens[r] for r in rows), 1)
@@ -208,12 +208,11 @@ def completion_logprobs(
         kwargs.update(images)
         if with_aux_loss:
             kwargs["output_router_logits"] = True
-        forwards.append((rows, t, kwargs))
+        forwards.append((rows, index, t, kwargs))
     head = separable_head(model)
-    weight, inputs = head_weight_and_inputs(model, head, [kwargs for _, _, kwargs in forwards])  # before the bodies
+    weight, inputs = head_weight_and_inputs(model, head, [forward[-1] for forward in forwards])  # before the bodies
     logps_parts, entropy_parts, aux_parts, order = [], [], [], []
-    for (rows, t, _), kwargs in zip(forwards, inputs):
-        index = torch.tensor(rows, device=prompt_ids.device)
+    for (rows, index, t, _), kwargs in zip(forwards, inputs):
         logps, entropy, aux = _bucket_logprobs(
             model, head, weight, kwargs, completion_ids[index, :t], temperature, entropy_mode, with_aux_loss
         )
