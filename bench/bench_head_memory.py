@@ -138,8 +138,8 @@ def pass_peaks(
 
     model.model.layers[0].register_forward_pre_hook(mark_first_layer_input, with_kwargs=True)
     replaced = {
-        "before the body": lambda model, head, kwargs, plain=(): (product_weight(head), kwargs),
-        "in the head": lambda model, head, kwargs, plain=(): (None, kwargs),
+        "before the body": lambda model, head, forwards, plain=(): (product_weight(head), forwards),
+        "in the head": lambda model, head, forwards, plain=(): (None, forwards),
     }
     way = patch.object(logprobs, "head_weight_and_inputs", replaced[head_cast]) if head_cast in replaced else None
     with way or contextlib.nullcontext(), grouprl_patches(), timeline:

@@ -178,25 +178,30 @@ def test_head_backward_never_holds_the_weights_copy_with_both_of_its_gradients(m
 SMALL_VOCAB, SMALL_WIDTH = 4096, 32  # small_qwen2_pass's model
 
 
-def small_qwen2_pass(
-    cast: str, batch: tuple, *, tied: bool = True, pad_token_id=None, hook=None, precision: str = "autocast"
-) -> tuple[dict, dict[str, torch.Tensor]]:
-    """bench_head_memory.pass_peaks (`cast`: its HEAD_CASTS) of a small Qwen2 (vocab 4,096 x 32, 2 layers),
-    checkpointed as the trainer runs it, on the test's device; `hook`: a forward hook on its input embedding;
-    `precision`: fp32 weights under bf16 autocast, fp32 alone or bf16 weights (the bench's PRECISIONS)."""
+def small_qwen2(tied: bool = True, pad_token_id=None) -> torch.nn.Module:
+    """A small Qwen2 (vocab 4,096 x 32, 2 layers) in train mode, seeded."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from bench_head_memory import pass_peaks
 
     config = Qwen2Config(
         vocab_size=SMALL_VOCAB, hidden_size=SMALL_WIDTH, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=64,
         pad_token_id=pad_token_id,
     )  # fmt: skip
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # autograd's order is the same on every device
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(device, torch.bfloat16 if precision == "bf16" else torch.float32).train()
+    return Qwen2ForCausalLM(config).train()
+
+
+def small_qwen2_pass(
+    cast: str, batch: tuple, *, tied: bool = True, pad_token_id=None, hook=None, precision: str = "autocast"
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """bench_head_memory.pass_peaks (`cast`: its HEAD_CASTS) of `small_qwen2`, checkpointed as the trainer runs it,
+    on the test's device; `hook`: a forward hook on its input embedding; `precision`: fp32 weights under bf16
+    autocast, fp32 alone or bf16 weights (the bench's PRECISIONS)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from bench_head_memory import pass_peaks
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # autograd's order is the same on every device
+    model = small_qwen2(tied, pad_token_id).to(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hook is not None:
         model.get_input_embeddings().register_forward_hook(hook)
@@ -270,17 +275,10 @@ def test_a_pass_of_several_buckets_casts_the_head_once_and_converts_its_gradient
     once, at the end. Cast per bucket, each bucket's fp32 gradient (for a tied weight, with its lookup's added) was
     made after its own layers' backward and held through the next bucket's. An untied embedding's lookups are one
     node too: each bucket's lookup made a dense vocab x hidden gradient, which autograd then summed out of place."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from bench_head_memory import LiveStorageBytes
 
-    config = Qwen2Config(
-        vocab_size=SMALL_VOCAB, hidden_size=SMALL_WIDTH, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).train()
+    model = small_qwen2(tied)
     shape = (SMALL_VOCAB, SMALL_WIDTH)
 
     class HeadSized(LiveStorageBytes):
@@ -343,13 +341,7 @@ def test_the_tied_node_sums_a_tokens_bf16_rows_in_fp32():
 def test_a_sharded_tied_weight_keeps_the_models_own_lookup():
     """A weight whole only inside the model's forward (DeepSpeed ZeRO-3 partitions it, FSDP2 makes it a DTensor)
     cannot be looked up before the body runs: the model looks its tokens up itself."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(config)
+    model = small_qwen2()
     assert model_forward._plain_embedding(model) is model.model.embed_tokens
     model.lm_head.weight.ds_id = 0  # as DeepSpeed marks the parameters it partitions
     assert model_forward._plain_embedding(model) is None

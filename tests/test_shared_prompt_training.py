@@ -158,7 +158,7 @@ def test_a_packed_bf16_pass_sums_the_tied_weights_gradients_in_one_node(model, m
             monkeypatch.setattr(
                 prompt_packing,
                 "head_weight_and_inputs",
-                lambda m, head, kwargs, plain: (forward.product_weight(head), kwargs),
+                lambda m, head, forwards, plain: (forward.product_weight(head), forwards),
             )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return _run(model.train(), rows, True)[1]

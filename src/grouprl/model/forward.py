@@ -284,16 +284,10 @@ def product_weight(head: torch.nn.Module | None) -> torch.Tensor | None:
     gradient to fp32 for the weight's .grad, runs after every layer's. Through the layers' backward, where a training
     pass peaks, the gradient is held in the product dtype (0.27 GB for Qwen2.5-0.5B's 151,936 x 896 head); cast
     inside the head, its backward handed the weight the fp32 gradient (0.54 GB) at once."""
-    dtype = _head_cast_dtype(head)
-    return None if dtype is None else head.weight.to(dtype)
-
-
-def _head_cast_dtype(head: torch.nn.Module | None) -> torch.dtype | None:
-    """The dtype product_weight casts `head`'s weight to, or None where it makes no cast."""
     if not _trains_plain_head(head):
         return None
     dtype = product_dtype(head.weight)
-    return None if dtype == head.weight.dtype else dtype
+    return None if dtype == head.weight.dtype else head.weight.to(dtype)
 
 
 def _trains_plain_head(head: torch.nn.Module | None) -> bool:
