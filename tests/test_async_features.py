@@ -6,6 +6,8 @@ The tiny random model never calls a tool by itself, so the tool tests script the
 (the worker samples everything after the tool results), as tests/test_agents.py does with the in-process engine.
 """
 
+from time import sleep
+
 import datasets
 import pytest
 from helpers import ScriptedBackend, distinct_tokens
@@ -18,6 +20,7 @@ from grouprl import GFPOConfig, GFPOTrainer, GRPOTrainer
 from grouprl.compat.gfpo import shortest_k_filter
 from grouprl.demo.tokenizer import IM_END
 from grouprl.generation.remote import RemoteGenerator
+from grouprl.train import async_generation
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -102,8 +105,12 @@ def test_environments_in_async_rollouts(tool_model_dir, tok, tmp_path, monkeypat
     ]  # each rollout incremented its counter
 
 
-def test_rollout_func_samples_on_the_worker(tiny_model_dir, tmp_path):
+def test_rollout_func_samples_on_the_worker(tiny_model_dir, tmp_path, monkeypatch):
     backends = []
+    # the trainer's thread pauses right after the rollouts are set up: a producer sampling already would call the
+    # rollout_func with the in-process backend, which switches the trainer's model to eval mode under the loop
+    real_start = async_generation.start_async_rollouts
+    monkeypatch.setattr(async_generation, "start_async_rollouts", lambda *a, **k: (real_start(*a, **k), sleep(2))[0])
 
     def rollout_func(prompts, trainer):
         backend = trainer.generation_backend

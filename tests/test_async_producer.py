@@ -86,7 +86,6 @@ def producer(worker, client, *, max_staleness=1, heartbeat=60.0):
         limits=Limits(in_flight=2, queue=4, heartbeat_s=heartbeat),
         completions_per_slot=2,
     )
-    made.start()
     return made
 
 

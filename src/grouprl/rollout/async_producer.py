@@ -67,9 +67,6 @@ class Producer:
 
     # ---- trainer side ---------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.thread.start()
-
     def publish(self, version: int, weights: list) -> None:
         """New weights for the worker (a snapshot the trainer will not change), sent before the next request."""
         with self.cond:
@@ -78,7 +75,12 @@ class Producer:
             self.cond.notify_all()
 
     def take(self, trainer_version: int) -> tuple[Finished, dict[str, float]]:
-        """The next slot in prompt order, at most max_staleness versions old, and the numbers logged with it."""
+        """The next slot in prompt order, at most max_staleness versions old, and the numbers logged with it.
+
+        The first take starts the producer: by then the worker holds the policy's weights (a server is sent them
+        first) and the trainer's generation_backend is the worker's client, which a rollout_func samples through."""
+        if self.thread.ident is None:
+            self.thread.start()
         started = time.monotonic()
         with self.cond:
             self.book.trainer_version = max(self.book.trainer_version, trainer_version)

@@ -96,7 +96,8 @@ def start_async_rollouts(
     version: Callable[[], int],
     resume: Optional[dict[str, Any]] = None,
 ) -> AsyncRollouts:
-    """The source for `maker` (every process); on the main process the producer starts sampling on `worker`."""
+    """The source for `maker` (every process); on the main process a producer that samples on `worker` from the
+    first take on."""
     book = SlotBook(
         config.max_staleness, plan.steps_per_generation * config.num_iterations / plan.gradient_accumulation_steps
     )
@@ -121,7 +122,6 @@ def start_async_rollouts(
             limits=limits,
             completions_per_slot=per_slot,
         )
-        producer.start()
     return AsyncRollouts(maker, book, producer, version)
 
 
