@@ -292,7 +292,8 @@ def write_report(
         )
     lines += [
         "",
-        "No GPU machine was available for this task, so there are no GPU rows (Qwen2.5-0.5B-shaped model) yet.",
+        "GPU runs (the Qwen2.5-0.5B and 1.5B shapes on an H200) have a page of their own: "
+        "[benchmarks-gpu.md](benchmarks-gpu.md).",
         END,
     ]
     text = (
