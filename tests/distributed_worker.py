@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
 from grouprl.core.types import Completion
+from grouprl.generation.factory import ShardedPolicySampler
 from grouprl.generation.weights import inference_weights
 
 NUM_GENERATIONS = 4
@@ -53,6 +54,8 @@ SCENARIOS = {
     "gfpo": ("grpo", False, {"num_remains_in_group": 2, "gradient_accumulation_steps": 1}),
     # launched with the bundled fsdp2 config (the weights sharded over the processes); with a reference model
     "fsdp2": ("grpo", False, {"beta": 0.1}),
+    # sampled in the training processes (generation_engine='auto'): under sharding, from an unsharded replica
+    "fsdp2_sampled": ("grpo", None, {"beta": 0.1}),
     # AdamW's state in the checkpoint; the final model saved with save_model
     "fsdp2_resume": (
         "dapo",
@@ -61,9 +64,14 @@ SCENARIOS = {
     ),
 }
 # the scenarios launched with a sharding config (zero2 / zero3: DeepSpeed's CPU accelerator over gloo), by config
-SHARDED = {name: (name, f"{name}_resume") for name in ("fsdp2", "zero2", "zero3")}
+# (ZeRO-2 shards the optimizer's state only: its processes sample from the policy itself, as DDP's)
+SHARDED = {
+    name: (name, f"{name}_resume") + (() if name == "zero2" else (f"{name}_sampled",))
+    for name in ("fsdp2", "zero2", "zero3")
+}
 for _name in ("zero2", "zero3"):
-    SCENARIOS[_name], SCENARIOS[f"{_name}_resume"] = SCENARIOS["fsdp2"], SCENARIOS["fsdp2_resume"]
+    for _suffix in ("", "_resume", "_sampled"):
+        SCENARIOS[_name + _suffix] = SCENARIOS["fsdp2" + _suffix]
 
 
 def first_two(group_completions, group_rewards, **kwargs):
@@ -174,7 +182,36 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
             return rollout, rewards, advantages
 
         trainer.run.rollouts.score = recording_score
+        if isinstance(trainer.generation_backend, ShardedPolicySampler):
+            record_replica(trainer)
         return trainer
+
+    syncs = []
+
+    def record_replica(trainer: GRPOTrainer) -> None:
+        """After each weight sync, how far the replica's weights are from the policy's (gathered: both processes
+        take part). Process 1 then samples once more on its own, which no other process follows: a collective in
+        sampling would hang the run."""
+        sampler = trainer.generation_backend
+        sync = sampler.sync_weights
+
+        def recording_sync(model):
+            sync(model)
+            gathered = dict(inference_weights(model))
+            replica = dict(sampler.replica.named_parameters())
+            syncs.append(
+                {
+                    "difference": max((replica[n] - t).abs().max().item() for n, t in gathered.items()),
+                    "checksum": sum(t.double().sum().item() for t in gathered.values()),
+                    "sharded": any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in model.parameters()),
+                }
+            )
+            if PartialState().process_index == 1:
+                ids = tokenizer("1+1=")["input_ids"]
+                alone = sampler.generate([ids], 3, trainer.run.rollouts.sampling)
+                syncs[-1]["sampled_alone"] = len(alone)
+
+        sampler.sync_weights = recording_sync
 
     def weights(trainer: GRPOTrainer) -> dict:
         """The full parameters (FSDP2's and ZeRO-3's shards gathered: every process takes part), as an inference copy
@@ -187,6 +224,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     accelerator = trainer.accelerator
     result = {
         "seen": list(seen),
+        "syncs": list(syncs),
+        "backend": type(trainer.generation_backend).__name__,
         "processes": processes,
         "weights": weights(trainer),
         "log_history": trainer.state.log_history,

@@ -202,6 +202,30 @@ def test_sharded_checkpoint_resumes_and_saves_a_whole_model(sharded_runs, config
         assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)} <= set(shards)
 
 
+@pytest.mark.parametrize("config_name", [p for p in SHARDING if p.values[0] != "zero2"])
+def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(sharded_runs, config_name, tiny_model_dir):
+    """In-process sampling (generation_engine='auto') under FSDP2 / ZeRO-3 on 2 processes: each process samples from an
+    unsharded replica whose weights are, after every sync, exactly the policy's gathered ones; process 1 sampling
+    once more on its own hangs nothing (no collective in sampling); the replica's logprobs are the training model's
+    (fp32: the importance-sampling ratio is 1); the steps train."""
+    rank0, rank1 = sharded_runs(config_name)[f"{config_name}_sampled"]
+    for result in (rank0, rank1):
+        assert result["backend"] == "ShardedPolicySampler"
+        syncs = result["syncs"]
+        assert len(syncs) == 2, syncs  # one per optimizer step
+        assert all(sync["sharded"] and sync["difference"] == 0.0 for sync in syncs), syncs
+        assert syncs[0]["checksum"] != syncs[1]["checksum"]  # the second sync brought the first step's update
+    assert [sync["checksum"] for sync in rank0["syncs"]] == [sync["checksum"] for sync in rank1["syncs"]]
+    assert [sync["sampled_alone"] for sync in rank1["syncs"]] == [3, 3]
+    logged = [entry for entry in rank0["log_history"] if "loss" in entry]
+    assert len(logged) == 2
+    for entry in logged:
+        assert entry["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4), entry
+        assert entry["sampling/sampling_logp_difference/max"] < 1e-4, entry
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
+
+
 def test_the_steps_change_the_weights(two_process_runs, tiny_model_dir):
     base = parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     for name in RUNNABLE:

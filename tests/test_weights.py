@@ -1,4 +1,5 @@
-"""What a weight sync sends: plain transformers names and full tensors, LoRA merged, in size-bounded chunks."""
+"""What a weight sync sends: plain transformers names and full tensors, LoRA merged, in size-bounded chunks; and the
+unsharded replica that in-process sampling under sharding loads them into."""
 
 import copy
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grouprl.generation.weights import chunks, inference_weights
+from grouprl.generation.weights import chunks, inference_weights, load_weights, replica_of
 
 
 def test_plain_model_sends_its_parameters(tiny_model_dir):
@@ -38,3 +39,45 @@ def test_chunks_stay_under_the_size_bound():
     weights = [(f"w{i}", torch.zeros(10)) for i in range(5)] + [("big", torch.zeros(100))]
     sizes = [sum(t.numel() * 4 for t in chunk.values()) for chunk in chunks(iter(weights), max_bytes=80)]
     assert sizes == [80, 80, 40, 400]  # 2 + 2 + 1 small tensors, the oversized one alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_replica_computes_as_the_policy_and_keeps_its_own_weights(tiny_model_dir, dtype):
+    """A replica built from the policy's config and loaded with its weights gives its logits exactly (its RoPE buffers
+    copied, the tied head tied again, the policy's dtype); training the policy leaves it alone until the next load."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
+    replica = replica_of(model)
+    load_weights(replica, model)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    assert torch.equal(replica(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert next(replica.parameters()).dtype == dtype and not replica.training
+    assert (replica.get_output_embeddings().weight is replica.get_input_embeddings().weight) == (
+        model.config.tie_word_embeddings
+    )
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5)
+    assert not torch.equal(replica(input_ids=ids).logits, model(input_ids=ids).logits)
+    load_weights(replica, model)
+    assert torch.equal(replica(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_lora_policys_replica_is_its_merged_model(tiny_model_dir):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    replica = replica_of(model)
+    load_weights(replica, model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert type(replica) is type(model.get_base_model())  # a plain model: no adapters, nothing to unmerge
+    assert torch.allclose(replica(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
+def test_a_weight_the_replica_lacks_is_named(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    replica = replica_of(model)
+    replica.model.layers = replica.model.layers[:1]
+    with pytest.raises(RuntimeError, match=r"'model\.layers\.1\..*does not fit its unsharded replica"):
+        load_weights(replica, model)

@@ -91,11 +91,9 @@ TABLE: dict[frozenset[str], Cell] = {
         ("images", "in_process_sampling"): _works("tests/test_vlm.py"),
         ("images", "lora"): _works("tests/test_vlm.py (peft_config on the language model)"),
         # ---- generation ----
-        ("sharded", "in_process_sampling"): _not_built(
-            "each process decodes a different number of steps and every forward through sharded layers is a "
-            "collective, so the processes would wait on each other forever. Sample on a generation server (`grouprl "
-            "serve --model PATH` and generation_engine='server', or use_vllm=True, vllm_mode='server'), or train with "
-            "ZeRO-1/2 or DDP (--accelerate_config zero2 / multi_gpu)."
+        ("sharded", "in_process_sampling"): _works(
+            "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights (each "
+            "process samples from an unsharded replica, its weights gathered after each optimizer step)"
         ),
         ("quantized", "generation_server"): _not_built(
             "sending a quantized model's weights to a separate inference engine (dequantized, with the adapters "

@@ -17,17 +17,20 @@ generation_engine="transformers"     transformers `generate`
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from transformers import PreTrainedModel
 
+from grouprl.core.types import Completion
 from grouprl.generation.engine import EngineUnlessGenerateOverridden, FastGenerator, engine_supports
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.protocol import GenerationBackend
 from grouprl.generation.remote import RemoteGenerator
 from grouprl.generation.server_client import server_base_url
 from grouprl.generation.static_decode import CapturedGenerator, captured_supports
+from grouprl.generation.weights import load_weights, replica_of
 from grouprl.model.multimodal import image_token_ids
 
 
@@ -40,6 +43,15 @@ def build_backend(
         return VLLMColocateGenerator(model.config._name_or_path, tokenizer, args, max_num_seqs=max_num_seqs)
     if args.use_vllm or args.generation_engine == "server":
         return connect_server(tokenizer, args)
+    if sharded_weights():
+        return ShardedPolicySampler(lambda replica: in_process_backend(replica, tokenizer, eos_token_ids, args))
+    return in_process_backend(model, tokenizer, eos_token_ids, args)
+
+
+def in_process_backend(
+    model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: Any
+) -> GenerationBackend:
+    """The backend that samples from `model` in this process: generation_engine's (module doc)."""
     requested = args.generation_engine
     engine = auto_engine(model_device(model)) if requested == "auto" else requested
     transformers = TransformersGenerator(
@@ -139,13 +151,47 @@ def connect_server(tokenizer: Any, args: Any) -> GenerationBackend:
     )
 
 
-def sharded_weights() -> bool:
-    """True when several processes hold shards of the weights (DeepSpeed ZeRO-3 or FSDP).
+class ShardedPolicySampler:
+    """In-process sampling for a policy whose weights are sharded over the processes (FSDP, DeepSpeed ZeRO-3).
 
-    In-process sampling is then refused at construction (combinations.py): each process decodes a
-    different number of steps, and every forward through sharded layers is a collective, so the
-    processes would wait on each other forever.
+    Sampling from the sharded model itself cannot work: every forward through sharded layers is a collective, and
+    each process decodes as many steps as its own rows need, so the processes would wait on each other forever.
+    Each process samples instead from an unsharded replica of the policy (weights.replica_of), whose weights are
+    gathered into it after each optimizer step (`sync_weights`, which every process calls; built at the first), as
+    TRL gathers ZeRO-3's weights for generation (ds3_gather_for_generation). The replica holds a whole copy of the
+    weights on each process for the run, as colocated vLLM does. The generation engine (`build`) is chosen for the
+    replica when the first weights arrive.
+
+    Its samples count as a separate sampler's (`needs_importance_correction`): the replica's forward is not the
+    sharded model's (FSDP's mixed precision casts the sharded parameters, the replica runs as an unsharded model
+    does), so the old logprobs come from the training model and the sampler's go to the importance-sampling
+    correction, as with vLLM.
     """
+
+    needs_importance_correction = True
+
+    def __init__(self, build: Callable[[torch.nn.Module], GenerationBackend]):
+        self.build = build
+        self.replica: Optional[torch.nn.Module] = None
+        self.backend: Optional[GenerationBackend] = None
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        if self.replica is None:
+            self.replica = replica_of(model)
+        load_weights(self.replica, model)
+        if self.backend is None:
+            self.backend = self.build(self.replica)
+        self.backend.sync_weights(self.replica)
+
+    def generate(self, *args: Any, **kwargs: Any) -> list[Completion]:
+        if self.backend is None:
+            raise RuntimeError("ShardedPolicySampler.generate: call sync_weights first (it builds the replica).")
+        return self.backend.generate(*args, **kwargs)
+
+
+def sharded_weights() -> bool:
+    """True when several processes hold shards of the weights (DeepSpeed ZeRO-3 or FSDP): in-process sampling
+    then samples from a replica (ShardedPolicySampler)."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 

@@ -6,6 +6,10 @@ transformers names.
 - Sharded training (FSDP2 DTensors, DeepSpeed ZeRO-3): each parameter is gathered whole. These
   are collectives, so every process must iterate the weights, even though only the main process
   sends them.
+
+In-process sampling under sharding samples from a `replica`: the policy's architecture, unsharded, on each process,
+its weights loaded from the gathered ones after each optimizer step (`load_weights`), so that a decode step runs no
+collective and each process may decode as many steps as its own rows need.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from grouprl.model.adapters import active_adapter, is_peft_model
 
@@ -60,6 +65,57 @@ def _gathered(param: torch.nn.Parameter):
 
         return deepspeed.zero.GatheredParameters([param])
     return nullcontext()
+
+
+def replica_of(model: torch.nn.Module) -> torch.nn.Module:
+    """A module tree of `model`'s architecture (the base model of a PEFT one), unsharded, on the device of its
+    weights: built on the meta device, then given uninitialised storage, its buffers (never sharded: RoPE's
+    frequencies) copied from `model`'s. Its weights are `load_weights`'."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    # fully_shard gives a module a class of its own, FSDP<name>, over the model's: the replica takes the model's
+    plain = next(cls for cls in type(base).__mro__ if not issubclass(cls, FSDPModule))
+    device = next(base.parameters()).device
+    with torch.device("meta"):
+        replica = plain(base.config)
+    replica.to_empty(device=device)
+    replica.tie_weights()  # to_empty gives a tied weight's two names storage each
+    buffers = dict(base.named_buffers())
+    for name, buffer in replica.named_buffers():
+        if name not in buffers:
+            raise RuntimeError(
+                f"In-process sampling under sharding: the policy has no buffer {name!r} to copy into its unsharded "
+                f"replica ({type(base).__name__} built from its config has it). Sample on a generation server "
+                "(generation_engine='server', `grouprl serve`) instead."
+            )
+        buffer.copy_(buffers[name])
+    return replica.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def load_weights(replica: torch.nn.Module, model: torch.nn.Module) -> None:
+    """`model`'s weights as an inference copy takes them (`inference_weights`: gathered, adapters merged) into
+    `replica`, in place; a collective under sharding, which every process calls. A parameter takes the dtype of the
+    weight it receives (the replica is built in torch's default dtype)."""
+    params = dict(replica.named_parameters())
+    loaded = set()
+    for name, tensor in inference_weights(model):
+        target = params.get(name)
+        if target is None or target.shape != tensor.shape:
+            found = "no such parameter" if target is None else f"shape {tuple(target.shape)}"
+            raise RuntimeError(
+                f"In-process sampling under sharding: the policy's weight {name!r} {tuple(tensor.shape)} does not fit "
+                f"its unsharded replica ({found}). Sample on a generation server (generation_engine='server') instead."
+            )
+        if target.dtype != tensor.dtype:
+            target.data = torch.empty_like(target, dtype=tensor.dtype)  # a tied weight's other name shares it
+        target.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise RuntimeError(
+            f"In-process sampling under sharding: the policy gave no weights for {missing[:5]} of its unsharded "
+            "replica. Sample on a generation server (generation_engine='server') instead."
+        )
 
 
 def chunks(weights: Iterator[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
