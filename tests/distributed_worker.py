@@ -196,11 +196,13 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         sync = sampler.sync_weights
 
         def recording_sync(model):
+            freed = sampler.replica is not None and all(p.is_meta for p in sampler.replica.parameters())
             sync(model)
             gathered = dict(inference_weights(model))
             replica = dict(sampler.replica.named_parameters())
             syncs.append(
                 {
+                    "freed_before": freed,  # the last generation's end released the replica's weights
                     "difference": max((replica[n] - t).abs().max().item() for n, t in gathered.items()),
                     "checksum": sum(t.double().sum().item() for t in gathered.values()),
                     "sharded": any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in model.parameters()),

@@ -205,7 +205,8 @@ def test_sharded_checkpoint_resumes_and_saves_a_whole_model(sharded_runs, config
 @pytest.mark.parametrize("config_name", [p for p in SHARDING if p.values[0] != "zero2"])
 def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(sharded_runs, config_name, tiny_model_dir):
     """In-process sampling (generation_engine='auto') under FSDP2 / ZeRO-3 on 2 processes: each process samples from an
-    unsharded replica whose weights are, after every sync, exactly the policy's gathered ones; process 1 sampling
+    unsharded replica whose weights are, after every sync, exactly the policy's gathered ones, and freed while the
+    step trains; process 1 sampling
     once more on its own hangs nothing (no collective in sampling); the replica's logprobs are the training model's
     (fp32: the importance-sampling ratio is 1); the steps train."""
     rank0, rank1 = sharded_runs(config_name)[f"{config_name}_sampled"]
@@ -215,6 +216,7 @@ def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(sharded_r
         assert len(syncs) == 2, syncs  # one per optimizer step
         assert all(sync["sharded"] and sync["difference"] == 0.0 for sync in syncs), syncs
         assert syncs[0]["checksum"] != syncs[1]["checksum"]  # the second sync brought the first step's update
+        assert [sync["freed_before"] for sync in syncs] == [False, True]  # freed while the first step trained
     assert [sync["checksum"] for sync in rank0["syncs"]] == [sync["checksum"] for sync in rank1["syncs"]]
     assert [sync["sampled_alone"] for sync in rank1["syncs"]] == [3, 3]
     logged = [entry for entry in rank0["log_history"] if "loss" in entry]

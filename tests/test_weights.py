@@ -2,11 +2,13 @@
 unsharded replica that in-process sampling under sharding loads them into."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from grouprl.generation.factory import ShardedPolicySampler
 from grouprl.generation.weights import chunks, inference_weights, load_weights, replica_of
 
 
@@ -81,3 +83,28 @@ def test_a_weight_the_replica_lacks_is_named(tiny_model_dir):
     replica.model.layers = replica.model.layers[:1]
     with pytest.raises(RuntimeError, match=r"'model\.layers\.1\..*does not fit its unsharded replica"):
         load_weights(replica, model)
+
+
+def test_the_sharded_sampler_frees_its_replica_between_generations_and_fills_it_again(tiny_model_dir):
+    """ShardedPolicySampler: the replica's weights live from a sync to the end of the generation (`release`, which the
+    loop calls once a generation is sampled); the next sync fills them with the policy's weights again."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    built = []
+    sampler = ShardedPolicySampler(
+        lambda replica: built.append(replica) or SimpleNamespace(sync_weights=lambda m: None)
+    )
+    sampler.sync_weights(model)
+    replica = sampler.replica
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(replica(input_ids=ids).logits, model(input_ids=ids).logits)
+    sampler.release()
+    assert all(t.is_meta for t in [*replica.parameters(), *replica.buffers()])
+    with pytest.raises(RuntimeError, match="call sync_weights first"):
+        sampler.generate([[5]], 1, None)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+    sampler.sync_weights(model)
+    assert sampler.replica is replica and built == [replica]  # the same modules and engine, storage again
+    assert torch.equal(replica(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert replica.get_output_embeddings().weight is replica.get_input_embeddings().weight

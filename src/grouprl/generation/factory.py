@@ -30,7 +30,7 @@ from grouprl.generation.protocol import GenerationBackend
 from grouprl.generation.remote import RemoteGenerator
 from grouprl.generation.server_client import server_base_url
 from grouprl.generation.static_decode import CapturedGenerator, captured_supports
-from grouprl.generation.weights import load_weights, replica_of
+from grouprl.generation.weights import load_weights, materialize, release, replica_of
 from grouprl.model.multimodal import image_token_ids
 
 
@@ -157,10 +157,10 @@ class ShardedPolicySampler:
     Sampling from the sharded model itself cannot work: every forward through sharded layers is a collective, and
     each process decodes as many steps as its own rows need, so the processes would wait on each other forever.
     Each process samples instead from an unsharded replica of the policy (weights.replica_of), whose weights are
-    gathered into it after each optimizer step (`sync_weights`, which every process calls; built at the first), as
-    TRL gathers ZeRO-3's weights for generation (ds3_gather_for_generation). The replica holds a whole copy of the
-    weights on each process for the run, as colocated vLLM does. The generation engine (`build`) is chosen for the
-    replica when the first weights arrive.
+    gathered into it before each generation (`sync_weights`, which every process calls; built at the first) and
+    freed once the generation is sampled (`release`), as TRL gathers ZeRO-3's weights for its generation
+    (ds3_gather_for_generation). The generation engine (`build`) is chosen for the replica when the first weights
+    arrive.
 
     Its samples count as a separate sampler's (`needs_importance_correction`): the replica's forward is not the
     sharded model's (FSDP's mixed precision casts the sharded parameters, the replica runs as an unsharded model
@@ -174,19 +174,30 @@ class ShardedPolicySampler:
         self.build = build
         self.replica: Optional[torch.nn.Module] = None
         self.backend: Optional[GenerationBackend] = None
+        self.released = False
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         if self.replica is None:
             self.replica = replica_of(model)
+        elif self.released:
+            materialize(self.replica, model)
+        self.released = False
         load_weights(self.replica, model)
         if self.backend is None:
             self.backend = self.build(self.replica)
         self.backend.sync_weights(self.replica)
 
     def generate(self, *args: Any, **kwargs: Any) -> list[Completion]:
-        if self.backend is None:
-            raise RuntimeError("ShardedPolicySampler.generate: call sync_weights first (it builds the replica).")
+        if self.backend is None or self.released:
+            raise RuntimeError("ShardedPolicySampler.generate: call sync_weights first (it fills the replica).")
         return self.backend.generate(*args, **kwargs)
+
+    def release(self) -> None:
+        """Free the replica's weights once a generation is sampled, until the next sync: training gets the memory
+        back, as TRL's gathered ZeRO-3 weights are freed when its generation ends."""
+        if self.replica is not None:
+            release(self.replica)
+            self.released = True
 
 
 def sharded_weights() -> bool:

@@ -69,26 +69,37 @@ def _gathered(param: torch.nn.Parameter):
 
 def replica_of(model: torch.nn.Module) -> torch.nn.Module:
     """A module tree of `model`'s architecture (the base model of a PEFT one), unsharded, on the device of its
-    weights: built on the meta device, then given uninitialised storage, its buffers (never sharded: RoPE's
-    frequencies) copied from `model`'s. Its weights are `load_weights`'."""
+    weights, with `model`'s buffers and uninitialised weights (`load_weights` fills them): built on the meta device,
+    then `materialize`d."""
     base = model.get_base_model() if is_peft_model(model) else model
     # fully_shard gives a module a class of its own, FSDP<name>, over the model's: the replica takes the model's
     plain = next(cls for cls in type(base).__mro__ if not issubclass(cls, FSDPModule))
-    device = next(base.parameters()).device
     with torch.device("meta"):
         replica = plain(base.config)
-    replica.to_empty(device=device)
+    materialize(replica, model)
+    return replica.eval().requires_grad_(False)
+
+
+def materialize(replica: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Give a replica whose tensors are on the meta device (new, or `release`d) storage on the device of `model`'s
+    weights, and `model`'s buffers (never sharded: RoPE's frequencies); its weights are left uninitialised."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    replica.to_empty(device=next(base.parameters()).device)
     replica.tie_weights()  # to_empty gives a tied weight's two names storage each
     buffers = dict(base.named_buffers())
     for name, buffer in replica.named_buffers():
         if name not in buffers:
             raise RuntimeError(
                 f"In-process sampling under sharding: the policy has no buffer {name!r} to copy into its unsharded "
-                f"replica ({type(base).__name__} built from its config has it). Sample on a generation server "
+                f"replica ({type(replica).__name__} built from its config has it). Sample on a generation server "
                 "(generation_engine='server', `grouprl serve`) instead."
             )
         buffer.copy_(buffers[name])
-    return replica.eval().requires_grad_(False)
+
+
+def release(replica: torch.nn.Module) -> None:
+    """Free a replica's storage (its tensors back on the meta device, their dtypes kept) until `materialize`."""
+    replica.to_empty(device="meta")
 
 
 @torch.no_grad()

@@ -101,6 +101,7 @@ def score_generation(
     with timer.phase("sync_weights"):
         sampling.rollouts.sync_weights(accelerator.unwrap_model(model), sampling.trainer_state.global_step)
     batch, counts = draw_batch(sampling, inputs)
+    sampling.rollouts.release_sampler()
     counts = {**counts, **sampling.rollouts.async_report()}
     # An in-process sampler draws from the very weights being trained: nothing to correct, and the
     # extra forward pass for pi_old would be pure cost. Separate engines (server, vLLM, async worker) need it.

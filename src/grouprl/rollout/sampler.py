@@ -86,6 +86,14 @@ class RolloutMaker:
             self.backend.sync_weights(model)
             self.synced_step = step
 
+    def release_sampler(self) -> None:
+        """Once a generation is sampled: free what the backend holds only to sample (a sharded policy's replica,
+        factory.ShardedPolicySampler), which the next sync fills again."""
+        release = getattr(self.backend, "release", None)
+        if self.source is None and release is not None:
+            release()
+            self.synced_step = None
+
     def draw_prompts(self) -> GenerationInputs:
         """The next generation's prompts on this process, as the rows TRL's override points receive (with asynchronous
         generation: the next one the worker finished, in prompt order, its completions attached)."""
