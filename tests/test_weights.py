@@ -86,7 +86,7 @@ def test_a_weight_the_replica_lacks_is_named(tiny_model_dir):
 
 
 def test_the_sharded_sampler_frees_its_replica_between_generations_and_fills_it_again(tiny_model_dir):
-    """ShardedPolicySampler: the replica's weights live from a sync to the end of the generation (`release`, which the
+    """ShardedPolicySampler: the replica's weights live from a sync to the end of the generation (`release_until_sync`, which the
     loop calls once a generation is sampled); the next sync fills them with the policy's weights again."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     built = []
@@ -97,7 +97,7 @@ def test_the_sharded_sampler_frees_its_replica_between_generations_and_fills_it_
     replica = sampler.replica
     ids = torch.tensor([[5, 6, 7, 8]])
     assert torch.equal(replica(input_ids=ids).logits, model(input_ids=ids).logits)
-    sampler.release()
+    sampler.release_until_sync()
     assert all(t.is_meta for t in [*replica.parameters(), *replica.buffers()])
     with pytest.raises(RuntimeError, match="call sync_weights first"):
         sampler.generate([[5]], 1, None)

@@ -93,7 +93,7 @@ TABLE: dict[frozenset[str], Cell] = {
         # ---- generation ----
         ("sharded", "in_process_sampling"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights (each "
-            "process samples from an unsharded replica, its weights gathered after each optimizer step)"
+            "process samples from an unsharded replica, its weights gathered before each generation)"
         ),
         ("quantized", "generation_server"): _not_built(
             "sending a quantized model's weights to a separate inference engine (dequantized, with the adapters "

@@ -30,7 +30,7 @@ from grouprl.generation.protocol import GenerationBackend
 from grouprl.generation.remote import RemoteGenerator
 from grouprl.generation.server_client import server_base_url
 from grouprl.generation.static_decode import CapturedGenerator, captured_supports
-from grouprl.generation.weights import load_weights, materialize, release, replica_of
+from grouprl.generation.weights import load_weights, materialize, release_storage, replica_of
 from grouprl.model.multimodal import image_token_ids
 
 
@@ -158,7 +158,7 @@ class ShardedPolicySampler:
     each process decodes as many steps as its own rows need, so the processes would wait on each other forever.
     Each process samples instead from an unsharded replica of the policy (weights.replica_of), whose weights are
     gathered into it before each generation (`sync_weights`, which every process calls; built at the first) and
-    freed once the generation is sampled (`release`), as TRL gathers ZeRO-3's weights for its generation
+    freed once the generation is sampled (`release_until_sync`), as TRL gathers ZeRO-3's weights for its generation
     (ds3_gather_for_generation). The generation engine (`build`) is chosen for the replica when the first weights
     arrive.
 
@@ -192,11 +192,11 @@ class ShardedPolicySampler:
             raise RuntimeError("ShardedPolicySampler.generate: call sync_weights first (it fills the replica).")
         return self.backend.generate(*args, **kwargs)
 
-    def release(self) -> None:
+    def release_until_sync(self) -> None:
         """Free the replica's weights once a generation is sampled, until the next sync: training gets the memory
         back, as TRL's gathered ZeRO-3 weights are freed when its generation ends."""
         if self.replica is not None:
-            release(self.replica)
+            release_storage(self.replica)
             self.released = True
 
 

@@ -38,6 +38,9 @@ class GenerationBackend(Protocol):
       the loop then gathers every process's prompts, the main process samples whole groups and each
       process takes its rows by the generation's GroupLayout (`sample_for_processes`). `sync_weights` is
       still called on every process (gathering sharded weights is collective).
+
+    An optional method, ``release_until_sync()``, frees what the backend holds only to sample; the loop calls it
+    once a generation is sampled, and the next ``sync_weights`` comes before the next ``generate``.
     """
 
     def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:

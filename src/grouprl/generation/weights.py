@@ -8,8 +8,9 @@ transformers names.
   sends them.
 
 In-process sampling under sharding samples from a `replica`: the policy's architecture, unsharded, on each process,
-its weights loaded from the gathered ones after each optimizer step (`load_weights`), so that a decode step runs no
-collective and each process may decode as many steps as its own rows need.
+its weights loaded from the gathered ones before a generation (`load_weights`) and freed after it
+(`release_storage`), so that a decode step runs no collective and each process may decode as many steps as its own
+rows need.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def materialize(replica: torch.nn.Module, model: torch.nn.Module) -> None:
         buffer.copy_(buffers[name])
 
 
-def release(replica: torch.nn.Module) -> None:
+def release_storage(replica: torch.nn.Module) -> None:
     """Free a replica's storage (its tensors back on the meta device, their dtypes kept) until `materialize`."""
     replica.to_empty(device="meta")
 

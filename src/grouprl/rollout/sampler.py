@@ -89,7 +89,7 @@ class RolloutMaker:
     def release_sampler(self) -> None:
         """Once a generation is sampled: free what the backend holds only to sample (a sharded policy's replica,
         factory.ShardedPolicySampler), which the next sync fills again."""
-        release = getattr(self.backend, "release", None)
+        release = getattr(self.backend, "release_until_sync", None)
         if self.source is None and release is not None:
             release()
             self.synced_step = None
