@@ -20,6 +20,7 @@ import os
 import sys
 
 import datasets
+import peft
 import torch
 from accelerate import PartialState
 from helpers import gloo_threads
@@ -56,6 +57,8 @@ SCENARIOS = {
     "fsdp2": ("grpo", False, {"beta": 0.1}),
     # sampled in the training processes (generation_engine='auto'): under sharding, from an unsharded replica
     "fsdp2_sampled": ("grpo", None, {"beta": 0.1}),
+    # the same with LoRA adapters (the replica takes the merged weights; the config's optimizer, built on the adapters)
+    "fsdp2_sampled_lora": ("grpo", None, {"beta": 0.1, "lora": True}),
     # AdamW's state in the checkpoint; the final model saved with save_model
     "fsdp2_resume": (
         "dapo",
@@ -65,10 +68,8 @@ SCENARIOS = {
 }
 # the scenarios launched with a sharding config (zero2 / zero3: DeepSpeed's CPU accelerator over gloo), by config
 # (ZeRO-2 shards the optimizer's state only: its processes sample from the policy itself, as DDP's)
-SHARDED = {
-    name: (name, f"{name}_resume") + (() if name == "zero2" else (f"{name}_sampled",))
-    for name in ("fsdp2", "zero2", "zero3")
-}
+SHARDED = {"fsdp2": ("fsdp2", "fsdp2_resume", "fsdp2_sampled", "fsdp2_sampled_lora")}
+SHARDED.update(zero2=("zero2", "zero2_resume"), zero3=("zero3", "zero3_resume", "zero3_sampled"))
 for _name in ("zero2", "zero3"):
     for _suffix in ("", "_resume", "_sampled"):
         SCENARIOS[_name + _suffix] = SCENARIOS["fsdp2" + _suffix]
@@ -121,6 +122,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     extra = dict(extra)
     resume = extra.pop("resume", False)
     adamw = extra.pop("optimizer", None) == "adamw"
+    lora = extra.pop("lora", False)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     accumulation = extra.pop("gradient_accumulation_steps", 2)
@@ -156,6 +158,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         # SGD: update = gradient, so a gradient bug shows; AdamW: its state must survive a checkpoint
         optimizer = (torch.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=config.learning_rate)
+        peft_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if lora else None
         backend = None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling)
         trainer = (GFPOTrainer if gfpo else GRPOTrainer)(
             model=model,
@@ -163,7 +166,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
-            optimizers=(optimizer, None),
+            optimizers=(None, None) if lora else (optimizer, None),
+            peft_config=peft_config,
             generation_backend=backend,
             **({"group_filter_func": first_two} if gfpo else {}),
         )

@@ -202,14 +202,24 @@ def test_sharded_checkpoint_resumes_and_saves_a_whole_model(sharded_runs, config
         assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)} <= set(shards)
 
 
-@pytest.mark.parametrize("config_name", [p for p in SHARDING if p.values[0] != "zero2"])
-def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(sharded_runs, config_name, tiny_model_dir):
-    """In-process sampling (generation_engine='auto') under FSDP2 / ZeRO-3 on 2 processes: each process samples from an
-    unsharded replica whose weights are, after every sync, exactly the policy's gathered ones, and freed while the
-    step trains; process 1 sampling
-    once more on its own hangs nothing (no collective in sampling); the replica's logprobs are the training model's
-    (fp32: the importance-sampling ratio is 1); the steps train."""
-    rank0, rank1 = sharded_runs(config_name)[f"{config_name}_sampled"]
+SAMPLED = [
+    pytest.param(config.values[0], scenario, marks=config.marks, id=scenario)
+    for config in SHARDING
+    for scenario in SHARDED[config.values[0]]
+    if "_sampled" in scenario
+]
+
+
+@pytest.mark.parametrize("config_name, scenario", SAMPLED)
+def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(
+    sharded_runs, config_name, scenario, tiny_model_dir
+):
+    """In-process sampling (generation_engine='auto') under FSDP2 (also with LoRA) and ZeRO-3 on 2 processes: each
+    process samples from an unsharded replica whose weights are, after every sync, exactly the policy's gathered
+    (LoRA: merged) ones, and freed while the step trains; process 1 sampling once more on its own hangs nothing (no
+    collective in sampling); the replica's logprobs are the training model's (fp32: the importance-sampling ratio is
+    1); the steps train."""
+    rank0, rank1 = sharded_runs(config_name)[scenario]
     for result in (rank0, rank1):
         assert result["backend"] == "ShardedPolicySampler"
         syncs = result["syncs"]

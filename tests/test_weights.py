@@ -86,8 +86,9 @@ def test_a_weight_the_replica_lacks_is_named(tiny_model_dir):
 
 
 def test_the_sharded_sampler_frees_its_replica_between_generations_and_fills_it_again(tiny_model_dir):
-    """ShardedPolicySampler: the replica's weights live from a sync to the end of the generation (`release_until_sync`, which the
-    loop calls once a generation is sampled); the next sync fills them with the policy's weights again."""
+    """ShardedPolicySampler: the replica's weights live from a sync to the end of the generation
+    (`release_until_sync`, which the loop calls once a generation is sampled); the next sync fills them with the
+    policy's weights again."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     built = []
     sampler = ShardedPolicySampler(

@@ -92,7 +92,8 @@ TABLE: dict[frozenset[str], Cell] = {
         ("images", "lora"): _works("tests/test_vlm.py (peft_config on the language model)"),
         # ---- generation ----
         ("sharded", "in_process_sampling"): _works(
-            "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights (each "
+            "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights (FSDP2, "
+            "with LoRA too, and ZeRO-3; each "
             "process samples from an unsharded replica, its weights gathered before each generation)"
         ),
         ("quantized", "generation_server"): _not_built(
