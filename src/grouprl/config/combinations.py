@@ -129,6 +129,10 @@ TABLE: dict[frozenset[str], Cell] = {
             "sync_ref_model=False."
         ),
         ("lora", "quantized"): _works("tests/test_qlora.py (QLoRA)"),
+        ("lora", "sharded"): _works(
+            "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights"
+            "[fsdp2_sampled_lora] (FSDP2)"
+        ),
         ("lora", "in_process_sampling"): _works("tests/test_objectives_e2e.py"),
         ("sync_ref_model", "in_process_sampling"): _works(
             "tests/test_objectives_e2e.py::test_sync_ref_model_mixes_the_policy_into_the_reference"
