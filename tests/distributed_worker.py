@@ -70,9 +70,9 @@ SCENARIOS = {
 # (ZeRO-2 shards the optimizer's state only: its processes sample from the policy itself, as DDP's)
 SHARDED = {"fsdp2": ("fsdp2", "fsdp2_resume", "fsdp2_sampled", "fsdp2_sampled_lora")}
 SHARDED.update(zero2=("zero2", "zero2_resume"), zero3=("zero3", "zero3_resume", "zero3_sampled"))
-for _name in ("zero2", "zero3"):
-    for _suffix in ("", "_resume", "_sampled"):
-        SCENARIOS[_name + _suffix] = SCENARIOS["fsdp2" + _suffix]
+for _config, _names in SHARDED.items():
+    for _name in _names:
+        SCENARIOS.setdefault(_name, SCENARIOS[_name.replace(_config, "fsdp2", 1)])
 
 
 def first_two(group_completions, group_rewards, **kwargs):
