@@ -57,7 +57,8 @@ SCENARIOS = {
     "fsdp2": ("grpo", False, {"beta": 0.1}),
     # sampled in the training processes (generation_engine='auto'): under sharding, from an unsharded replica
     "fsdp2_sampled": ("grpo", None, {"beta": 0.1}),
-    # the same with LoRA adapters (the replica takes the merged weights; the config's optimizer, built on the adapters)
+    # the same with LoRA adapters (the replica takes the merged weights; the config's optimizer, built on the adapters;
+    # under ZeRO-3 each adapter's update is added to its gathered base weight, which PEFT's merge cannot do)
     "fsdp2_sampled_lora": ("grpo", None, {"beta": 0.1, "lora": True}),
     # AdamW's state in the checkpoint; the final model saved with save_model
     "fsdp2_resume": (
@@ -69,7 +70,7 @@ SCENARIOS = {
 # the scenarios launched with a sharding config (zero2 / zero3: DeepSpeed's CPU accelerator over gloo), by config
 # (ZeRO-2 shards the optimizer's state only: its processes sample from the policy itself, as DDP's)
 SHARDED = {"fsdp2": ("fsdp2", "fsdp2_resume", "fsdp2_sampled", "fsdp2_sampled_lora")}
-SHARDED.update(zero2=("zero2", "zero2_resume"), zero3=("zero3", "zero3_resume", "zero3_sampled"))
+SHARDED.update(zero2=("zero2", "zero2_resume"), zero3=("zero3", "zero3_resume", "zero3_sampled", "zero3_sampled_lora"))
 for _config, _names in SHARDED.items():
     for _name in _names:
         SCENARIOS.setdefault(_name, SCENARIOS[_name.replace(_config, "fsdp2", 1)])

@@ -214,7 +214,7 @@ SAMPLED = [
 def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(
     sharded_runs, config_name, scenario, tiny_model_dir
 ):
-    """In-process sampling (generation_engine='auto') under FSDP2 (also with LoRA) and ZeRO-3 on 2 processes: each
+    """In-process sampling (generation_engine='auto') under FSDP2 and ZeRO-3 (each also with LoRA) on 2 processes: each
     process samples from an unsharded replica whose weights are, after every sync, exactly the policy's gathered
     (LoRA: merged) ones, and freed while the step trains; process 1 sampling once more on its own hangs nothing (no
     collective in sampling); the replica's logprobs are the training model's (fp32: the importance-sampling ratio is

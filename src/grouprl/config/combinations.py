@@ -92,8 +92,8 @@ TABLE: dict[frozenset[str], Cell] = {
         ("images", "lora"): _works("tests/test_vlm.py (peft_config on the language model)"),
         # ---- generation ----
         ("sharded", "in_process_sampling"): _works(
-            "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights (FSDP2, "
-            "with LoRA too, and ZeRO-3; each "
+            "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights (FSDP2 "
+            "and ZeRO-3, each with LoRA too; each "
             "process samples from an unsharded replica, its weights gathered before each generation)"
         ),
         ("quantized", "generation_server"): _not_built(
@@ -131,7 +131,7 @@ TABLE: dict[frozenset[str], Cell] = {
         ("lora", "quantized"): _works("tests/test_qlora.py (QLoRA)"),
         ("lora", "sharded"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights"
-            "[fsdp2_sampled_lora] (FSDP2)"
+            " (fsdp2_sampled_lora, zero3_sampled_lora)"
         ),
         ("lora", "in_process_sampling"): _works("tests/test_objectives_e2e.py"),
         ("sync_ref_model", "in_process_sampling"): _works(

@@ -30,7 +30,11 @@ def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     """(name, full tensor) for every weight of `model` an inference copy loads, one at a time."""
     peft = is_peft_model(model)
     trained_copy = f".modules_to_save.{active_adapter(model)}." if peft else ""
-    with merged_adapters(model):
+    # ZeRO-3 holds a LoRA layer's base weight as an empty shard, which PEFT's in-place merge cannot add to: there the
+    # adapters' updates are added to each gathered copy instead
+    zero3 = any(hasattr(param, "ds_id") for param in model.parameters())
+    updates = _lora_layers(model) if peft and zero3 else {}
+    with nullcontext() if updates else merged_adapters(model):
         for name, param in model.named_parameters():
             if peft:
                 if (
@@ -40,8 +44,10 @@ def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
                 ):
                     continue  # adapter factors (merged already), frozen originals, other adapters' copies
                 name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(trained_copy, ".")
-            with _gathered(param):
+            with _gathered([param]):
                 tensor = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+                if id(param) in updates:
+                    tensor = tensor + _lora_update(updates[id(param)]).to(tensor.dtype)
                 # merged LoRA values vanish at unmerge, a gathered ZeRO-3 parameter when its context
                 # closes: hand out a copy that outlives them
                 yield name, tensor.clone() if peft or hasattr(param, "ds_id") else tensor
@@ -59,12 +65,42 @@ def merged_adapters(model: torch.nn.Module) -> Iterator[None]:
         model.unmerge_adapter()
 
 
-def _gathered(param: torch.nn.Parameter):
-    """DeepSpeed ZeRO-3 keeps a shard per process: gather the whole parameter for the copy."""
-    if hasattr(param, "ds_id"):
+def _lora_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """id(base weight) -> its LoRA layer, for every layer with an active adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {}
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and any(a in module.lora_A for a in module.active_adapters):
+            unsupported = [
+                what
+                for a in module.active_adapters
+                for what, used in (("DoRA", module.use_dora.get(a)), ("lora_bias", module.lora_bias.get(a)))
+                if used
+            ]
+            if unsupported:
+                raise NotImplementedError(
+                    f"Sending a LoRA policy's weights under DeepSpeed ZeRO-3: its adapters use {unsupported[0]}, "
+                    "whose merge into gathered weights is not built. Train plain LoRA adapters, or with ZeRO-2 / FSDP."
+                )
+            layers[id(module.get_base_layer().weight)] = module
+    return layers
+
+
+def _lora_update(layer: torch.nn.Module) -> torch.Tensor:
+    """The active adapters' update to `layer`'s base weight (what PEFT's merge adds), their factors gathered."""
+    adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+    factors = [p for a in adapters for p in (layer.lora_A[a].weight, layer.lora_B[a].weight)]
+    with _gathered(factors):
+        return sum(layer.get_delta_weight(a) for a in adapters)
+
+
+def _gathered(params: list[torch.nn.Parameter]):
+    """DeepSpeed ZeRO-3 keeps a shard per process: gather the whole parameters for the copy."""
+    if any(hasattr(p, "ds_id") for p in params):
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters([param])
+        return deepspeed.zero.GatheredParameters(params)
     return nullcontext()
 
 
