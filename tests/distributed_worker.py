@@ -5,7 +5,8 @@ r"""Training runs that the multi-process tests launch on 2 CPU processes (gloo) 
 
 Every scenario trains 2 optimizer steps on completions that a deterministic backend derives from
 (prompt, index of the sample in its group), so 1 and 2 processes train on exactly the same
-completions. The global batch of one generation is 3 prompts x 4 samples: with 2 processes the
+completions; the `*_sampled*` ones sample in the processes instead (a sharded policy's replica) and record each
+weight sync. The global batch of one generation is 3 prompts x 4 samples: with 2 processes the
 middle group straddles them (process 0 samples 2 of its completions, process 1 the other 2).
 Each process writes what it saw (advantages, completions, group ids) and the main process the
 final weights and logged metrics to OUT_DIR/<scenario>-<processes>p-rank<r>.pt. At exit each process writes
