@@ -118,8 +118,9 @@ def replica_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def materialize(replica: torch.nn.Module, model: torch.nn.Module) -> None:
-    """Give a replica whose tensors are on the meta device (new, or `release`d) storage on the device of `model`'s
-    weights, and `model`'s buffers (never sharded: RoPE's frequencies); its weights are left uninitialised."""
+    """Give a replica whose tensors are on the meta device (new, or freed by `release_storage`) storage on the device
+    of `model`'s weights, and `model`'s buffers (never sharded: RoPE's frequencies); its weights are left
+    uninitialised."""
     base = model.get_base_model() if is_peft_model(model) else model
     replica.to_empty(device=next(base.parameters()).device)
     replica.tie_weights()  # to_empty gives a tied weight's two names storage each
