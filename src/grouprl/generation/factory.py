@@ -174,14 +174,12 @@ class ShardedPolicySampler:
         self.build = build
         self.replica: Optional[torch.nn.Module] = None
         self.backend: Optional[GenerationBackend] = None
-        self.released = False
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         if self.replica is None:
             self.replica = replica_of(model)
         elif self.released:
             materialize(self.replica, model)
-        self.released = False
         load_weights(self.replica, model)
         if self.backend is None:
             self.backend = self.build(self.replica)
@@ -197,7 +195,11 @@ class ShardedPolicySampler:
         back, as TRL's gathered ZeRO-3 weights are freed when its generation ends."""
         if self.replica is not None:
             release_storage(self.replica)
-            self.released = True
+
+    @property
+    def released(self) -> bool:
+        """The replica's storage is freed (its tensors are on the meta device)."""
+        return self.replica is not None and next(self.replica.parameters()).is_meta
 
 
 def sharded_weights() -> bool:

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from grouprl.model.adapters import active_adapter, is_peft_model
+from grouprl.model.adapters import active_adapter, base_model, is_peft_model
 
 PEFT_PREFIX = "base_model.model."
 
@@ -108,7 +108,7 @@ def replica_of(model: torch.nn.Module) -> torch.nn.Module:
     """A module tree of `model`'s architecture (the base model of a PEFT one), unsharded, on the device of its
     weights, with `model`'s buffers and uninitialised weights (`load_weights` fills them): built on the meta device,
     then `materialize`d."""
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     # fully_shard gives a module a class of its own, FSDP<name>, over the model's: the replica takes the model's
     plain = next(cls for cls in type(base).__mro__ if not issubclass(cls, FSDPModule))
     with torch.device("meta"):
@@ -121,7 +121,7 @@ def materialize(replica: torch.nn.Module, model: torch.nn.Module) -> None:
     """Give a replica whose tensors are on the meta device (new, or freed by `release_storage`) storage on the device
     of `model`'s weights, and `model`'s buffers (never sharded: RoPE's frequencies); its weights are left
     uninitialised."""
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     replica.to_empty(device=next(base.parameters()).device)
     replica.tie_weights()  # to_empty gives a tied weight's two names storage each
     buffers = dict(base.named_buffers())

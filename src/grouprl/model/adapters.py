@@ -38,6 +38,11 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
+def base_model(model: Any) -> Any:
+    """The model a PeftModel wraps; any other model itself."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
 def wrap_with_lora(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
     peft = require_peft()
     if not isinstance(peft_config, peft.PeftConfig):

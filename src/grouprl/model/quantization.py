@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from transformers.utils import logging
 
-from grouprl.model.adapters import is_peft_model
+from grouprl.model.adapters import base_model
 
 logger = logging.get_logger("grouprl")
 
@@ -88,7 +88,7 @@ def check_request(model: Any, model_init_kwargs: Optional[dict], use_peft: bool)
 
 def is_quantized(model: Any) -> bool:
     """True if the model's (or a PeftModel's base) weights were quantized at loading."""
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     return bool(
         getattr(base, "is_quantized", False)
         or getattr(base, "is_loaded_in_4bit", False)
@@ -97,7 +97,7 @@ def is_quantized(model: Any) -> bool:
 
 
 def is_bitsandbytes_quantized(model: Any) -> bool:
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
 
 
@@ -106,7 +106,7 @@ def check_setup(model: Any, use_peft: bool) -> None:
     sample is a feature combination: combinations.py)."""
     if not is_quantized(model):
         return
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     quantizer = getattr(base, "hf_quantizer", None)
     if not use_peft and not getattr(quantizer, "is_qat_trainable", False):
         raise ValueError(_NO_ADAPTERS.format(what=f"the model is quantized ({describe(base)})"))
@@ -128,7 +128,7 @@ def describe(source: Any) -> str:
     """'bitsandbytes 4-bit' / 'bitsandbytes 8-bit' / the quant method, of a model or of a
     quantization config (object or dict)."""
     if isinstance(source, torch.nn.Module):
-        base = source.get_base_model() if is_peft_model(source) else source
+        base = base_model(source)
         source = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
     get = source.get if isinstance(source, dict) else (lambda key, default=None: getattr(source, key, default))
     if get("load_in_4bit"):
