@@ -16,6 +16,7 @@ whether the process group is still initialized and which gloo threads are left t
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import sys
@@ -30,7 +31,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
 from grouprl.core.types import Completion
 from grouprl.generation.factory import ShardedPolicySampler
-from grouprl.generation.weights import inference_weights
+from grouprl.generation.hf import TransformersGenerator
+from grouprl.generation.weights import inference_weights, load_weights, materialize, replica_of
 
 NUM_GENERATIONS = 4
 # scenario -> (loss_type, main process samples for everyone (server-style dispatch;
@@ -61,6 +63,10 @@ SCENARIOS = {
     # the same with LoRA adapters (the replica takes the merged weights; the config's optimizer, built on the adapters;
     # under ZeRO-3 each adapter's update is added to its gathered base weight, which PEFT's merge cannot do)
     "fsdp2_sampled_lora": ("grpo", None, {"beta": 0.1, "lora": True}),
+    # sampled from the sharded policy itself, the processes in step (ds3_gather_for_generation=False); each also
+    # with LoRA (the adapters applied in the sharded forward)
+    "fsdp2_lockstep": ("grpo", None, {"beta": 0.1, "ds3_gather_for_generation": False}),
+    "fsdp2_lockstep_lora": ("grpo", None, {"beta": 0.1, "lora": True, "ds3_gather_for_generation": False}),
     # AdamW's state in the checkpoint; the final model saved with save_model
     "fsdp2_resume": (
         "dapo",
@@ -70,8 +76,13 @@ SCENARIOS = {
 }
 # the scenarios launched with a sharding config (zero2 / zero3: DeepSpeed's CPU accelerator over gloo), by config
 # (ZeRO-2 shards the optimizer's state only: its processes sample from the policy itself, as DDP's)
-SHARDED = {"fsdp2": ("fsdp2", "fsdp2_resume", "fsdp2_sampled", "fsdp2_sampled_lora")}
-SHARDED.update(zero2=("zero2", "zero2_resume"), zero3=("zero3", "zero3_resume", "zero3_sampled", "zero3_sampled_lora"))
+SHARDED = {
+    "fsdp2": ("fsdp2", "fsdp2_resume", "fsdp2_sampled", "fsdp2_sampled_lora", "fsdp2_lockstep", "fsdp2_lockstep_lora")
+}
+SHARDED.update(
+    zero2=("zero2", "zero2_resume"),
+    zero3=("zero3", "zero3_resume", "zero3_sampled", "zero3_sampled_lora", "zero3_lockstep", "zero3_lockstep_lora"),
+)
 for _config, _names in SHARDED.items():
     for _name in _names:
         SCENARIOS.setdefault(_name, SCENARIOS[_name.replace(_config, "fsdp2", 1)])
@@ -190,6 +201,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         trainer.run.rollouts.score = recording_score
         if isinstance(trainer.generation_backend, ShardedPolicySampler):
             record_replica(trainer)
+        if getattr(trainer.generation_backend, "lockstep", False):
+            record_lockstep(trainer)
         return trainer
 
     syncs = []
@@ -221,6 +234,49 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
 
         sampler.sync_weights = recording_sync
 
+    def record_lockstep(trainer: GRPOTrainer) -> None:
+        """Process 1 samples at most 3 tokens a row against process 0's 8, so its rows are done 5 decode steps
+        before process 0's: it must keep taking part in process 0's forwards. After each generation each process
+        samples its rows again from the sharded policy and from an unsharded copy of its gathered weights, both
+        seeded alike, and then once more with no rows on process 0."""
+        rollouts, backend = trainer.run.rollouts, trainer.generation_backend
+        if PartialState().process_index == 1:
+            rollouts.sampling = dataclasses.replace(rollouts.sampling, max_new_tokens=3)
+        generate = backend.generate
+
+        def recording_generate(prompt_ids, num_samples, params, **kwargs):
+            completions = generate(prompt_ids, num_samples, params, **kwargs)
+            model = backend.model
+            reference = replica_of(model)  # built outside ZeRO-3's partitioning, as the replica sampler's
+            with torch.no_grad():
+                materialize(reference, model)
+                load_weights(reference, model)  # gathered: both processes take part
+            unsharded = TransformersGenerator(reference, tokenizer, backend.eos_token_ids, backend.pad_token_id)
+
+            def seeded(backend_generate) -> list[list[int]]:
+                with torch.random.fork_rng():
+                    torch.manual_seed(len(samples))
+                    return [c.token_ids for c in backend_generate(prompt_ids, num_samples, params)]
+
+            process = PartialState().process_index
+            samples.append(
+                {
+                    "rows": len(prompt_ids) * num_samples,
+                    "num_samples": num_samples,
+                    "lengths": [len(c.token_ids) for c in completions],
+                    "sharded": any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in model.parameters()),
+                    "checksum": sum(p.double().sum().item() for p in reference.parameters()),
+                    "seeded": seeded(generate),
+                    "unsharded_seeded": seeded(unsharded.generate),
+                    "without_rows": len(generate([] if process == 0 else prompt_ids, num_samples, params)),
+                }
+            )
+            return completions
+
+        backend.generate = recording_generate
+
+    samples = []
+
     def weights(trainer: GRPOTrainer) -> dict:
         """The full parameters (FSDP2's and ZeRO-3's shards gathered: every process takes part), as an inference copy
         loads them."""
@@ -233,6 +289,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     result = {
         "seen": list(seen),
         "syncs": list(syncs),
+        "samples": list(samples),
         "backend": type(trainer.generation_backend).__name__,
         "processes": processes,
         "weights": weights(trainer),

@@ -1,6 +1,7 @@
 """The feature-combination table (combinations.py): every pair it marks not built is refused at construction, naming
 both features, before any model loads; pairs it marks as working construct; docs/combinations.md is the table."""
 
+import logging
 import os
 from itertools import combinations as pairs
 
@@ -8,8 +9,10 @@ import datasets
 import pytest
 from helpers import distinct_tokens, numbered_prompts, quiet_config
 from PIL import Image
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grouprl.compat.trainer_parts
+import grouprl.generation.factory
 from grouprl import GFPOConfig, GFPOTrainer, GRPOTrainer
 from grouprl.compat.gfpo import shortest_k_filter
 from grouprl.config.combinations import (
@@ -24,6 +27,8 @@ from grouprl.config.combinations import (
     combinations_markdown,
     rewrite_doc,
 )
+from grouprl.generation.factory import ShardedPolicySampler, build_backend
+from grouprl.generation.hf import TransformersGenerator
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "combinations.md")
 
@@ -127,6 +132,7 @@ RECIPES = {
     "sync_ref_model": lambda: ({}, {"beta": 0.1, "sync_ref_model": True}),
     "quantized": lambda: ({"quantization_config": four_bit()}, {}),
     "sharded": lambda: ({}, {}),  # several processes with FSDP / ZeRO-3: faked below
+    "lockstep_sampling": lambda: ({}, {"ds3_gather_for_generation": False}),  # with sharding, faked below
 }
 
 
@@ -136,7 +142,8 @@ def build(tmp_path, monkeypatch, features):
         more_kwargs, more_overrides = RECIPES[name]()
         kwargs.update(more_kwargs)
         overrides.update(more_overrides)
-    monkeypatch.setattr(grouprl.compat.trainer_parts, "sharded_weights", lambda: "sharded" in features)
+    sharded = bool({"sharded", "lockstep_sampling"} & set(features))
+    monkeypatch.setattr(grouprl.compat.trainer_parts, "sharded_weights", lambda: sharded)
     args = quiet_config(
         tmp_path, overrides, per_device_train_batch_size=3, max_completion_length=4, max_steps=1, bf16=False
     )
@@ -154,6 +161,36 @@ def test_the_trainer_refuses_each_not_built_pair_before_loading_a_model(a, b, tm
     with pytest.raises(UnsupportedCombination) as raised:
         make(str(tmp_path / "no-model-here"))  # refused before the model is looked for
     assert FEATURES[a] in str(raised.value) and FEATURES[b] in str(raised.value)
+
+
+def test_sampling_from_the_sharded_policy_runs_transformers_generate_in_step(tiny_model_dir, tmp_path, monkeypatch):
+    """ds3_gather_for_generation=False under sharding: transformers generate with the processes in step ('auto'
+    picks it); an engine that reads the weights directly is refused, naming both settings."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(grouprl.generation.factory, "sharded_weights", lambda: True)
+    args = quiet_config(tmp_path, {"ds3_gather_for_generation": False}, per_device_train_batch_size=3)
+    backend = build_backend(model, tokenizer, [tokenizer.eos_token_id], args, max_num_seqs=8)
+    assert isinstance(backend, TransformersGenerator) and backend.lockstep
+    for engine in ("engine", "captured"):
+        args = quiet_config(
+            tmp_path, {"ds3_gather_for_generation": False, "generation_engine": engine}, per_device_train_batch_size=3
+        )
+        with pytest.raises(ValueError, match=f"ds3_gather_for_generation=False .* generation_engine='{engine}'"):
+            build_backend(model, tokenizer, [tokenizer.eos_token_id], args, max_num_seqs=8)
+    args = quiet_config(tmp_path, {}, per_device_train_batch_size=3)
+    backend = build_backend(model, tokenizer, [tokenizer.eos_token_id], args, max_num_seqs=8)
+    assert isinstance(backend, ShardedPolicySampler)
+
+
+def test_sampling_in_step_without_sharded_weights_is_named_as_changing_nothing(tiny_model_dir, tmp_path, caplog):
+    args = quiet_config(tmp_path, {"ds3_gather_for_generation": False}, max_steps=1, per_device_train_batch_size=3)
+    with caplog.at_level(logging.WARNING, logger="grouprl"):
+        trainer = GRPOTrainer(
+            tiny_model_dir, reward_funcs=distinct_tokens, args=args, train_dataset=numbered_prompts(6)
+        )
+    assert "ds3_gather_for_generation=False changes nothing in this run" in caplog.text
+    assert not getattr(trainer.generation_backend, "lockstep", False)
 
 
 def test_environment_factory_with_image_prompts_is_refused_at_construction(tiny_model_dir, tmp_path, monkeypatch):

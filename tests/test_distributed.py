@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from conftest import free_port
 from distributed_worker import SCENARIOS, SHARDED, run
 from helpers import max_difference, parameters
@@ -127,6 +128,34 @@ SHARDING = [
 ]
 
 
+def gathering_every_forward(directory) -> str:
+    """The bundled zero3 config with DeepSpeed's settings in a file of their own that sets
+    stage3_param_persistence_threshold to 0: by default ZeRO-3 keeps every parameter under 100k elements whole on each
+    process, which is every parameter of the tiny test model, so no forward would gather anything; a real model's
+    layers are gathered in each forward."""
+    bundled = yaml.safe_load(open(resolve_accelerate_config("zero3"), encoding="utf-8"))
+    settings = {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": bundled["deepspeed_config"]["zero3_save_16bit_model"],
+        },
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+    (directory / "zero3.json").write_text(json.dumps(settings), encoding="utf-8")
+    bundled["deepspeed_config"] = {
+        "deepspeed_config_file": str(directory / "zero3.json"),
+        "zero3_init_flag": bundled["deepspeed_config"]["zero3_init_flag"],
+        "deepspeed_multinode_launcher": bundled["deepspeed_config"]["deepspeed_multinode_launcher"],
+    }
+    bundled.pop("mixed_precision")
+    (directory / "zero3.yaml").write_text(yaml.safe_dump(bundled), encoding="utf-8")
+    return str(directory / "zero3.yaml")
+
+
 @pytest.fixture(scope="module")
 def sharded_runs(tiny_model_dir, tmp_path_factory):
     """A sharding config's scenarios on 2 CPU processes, launched with grouprl's bundled config of that name (fsdp2,
@@ -137,7 +166,8 @@ def sharded_runs(tiny_model_dir, tmp_path_factory):
         if config_name not in done:
             out = tmp_path_factory.mktemp(config_name)
             command = [sys.executable, "-m", "accelerate.commands.launch"]
-            command += ["--config_file", resolve_accelerate_config(config_name), "--num_processes", "2"]
+            config = gathering_every_forward(out) if config_name == "zero3" else resolve_accelerate_config(config_name)
+            command += ["--config_file", config, "--num_processes", "2"]
             command += ["--mixed_precision", "no", "--main_process_port", str(free_port())]
             command += [WORKER, str(out), str(tiny_model_dir), *SHARDED[config_name]]
             env = {**os.environ, **LAUNCH_ENV}
@@ -156,7 +186,8 @@ def sharded_runs(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("config_name", SHARDING)
 def test_sharded_two_processes_train_like_one(sharded_runs, config_name, tiny_model_dir, tmp_path):
-    """accelerate's FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 (grouprl's bundled configs) over gloo: each really runs
+    """accelerate's FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 (grouprl's bundled configs; ZeRO-3's gathering in every
+    forward, `gathering_every_forward`) over gloo: each really runs
     (the weights sharded, except ZeRO-2's), and 2 steps with a reference model (beta 0.1; under ZeRO-3 in its own
     inference engine) give the 1-process run's weights and logged statistics. GA is 2: the accumulation boundary
     that grouprl drives."""
@@ -234,6 +265,42 @@ def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(
     for entry in logged:
         assert entry["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4), entry
         assert entry["sampling/sampling_logp_difference/max"] < 1e-4, entry
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
+
+
+LOCKSTEP = [
+    pytest.param(config.values[0], scenario, marks=config.marks, id=scenario)
+    for config in SHARDING
+    for scenario in SHARDED[config.values[0]]
+    if "_lockstep" in scenario
+]
+
+
+@pytest.mark.parametrize("config_name, scenario", LOCKSTEP)
+def test_sharded_policy_samples_in_lockstep_without_gathering_its_weights(
+    sharded_runs, config_name, scenario, tiny_model_dir
+):
+    """ds3_gather_for_generation=False under FSDP2 and ZeRO-3 (and with LoRA) on 2 processes: each process samples from
+    the sharded policy itself, in one call per generation (its 6 rows, one a prompt); process 1's rows stop after 3
+    tokens and process 0's run to 8, and a call without rows on process 0, hang nothing; seeded samples equal those of
+    an unsharded copy of the current gathered weights (the second generation's after the first step's update); no
+    sampler correction (the samples come from the trained weights); the steps train."""
+    rank0, rank1 = sharded_runs(config_name)[scenario]
+    for result, longest in ((rank0, 8), (rank1, 3)):
+        assert result["backend"] == "TransformersGenerator" and result["syncs"] == []
+        samples = result["samples"]
+        assert len(samples) == 2, samples  # one call per generation, one generation per optimizer step
+        for sample in samples:
+            assert sample["sharded"] and sample["rows"] == 6 and sample["num_samples"] == 1
+            assert max(sample["lengths"]) == longest, sample["lengths"]
+            assert sample["seeded"] == sample["unsharded_seeded"]  # the same tokens for the same random draws
+            assert len({token for row in sample["seeded"] for token in row}) > 6  # no degenerate sampling
+        assert samples[0]["checksum"] != samples[1]["checksum"]  # the second generation's weights are updated
+    assert [sample["without_rows"] for sample in rank0["samples"]] == [0, 0]
+    assert [sample["without_rows"] for sample in rank1["samples"]] == [6, 6]
+    logged = [entry for entry in rank0["log_history"] if "loss" in entry]
+    assert len(logged) == 2 and not any(name.startswith("sampling/") for name in logged[0]), logged[0]
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
     assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
 

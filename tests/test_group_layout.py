@@ -143,6 +143,32 @@ class CountingBackend:
         return [Completion(b, [ids[0], i], "", "stop") for b, ids in enumerate(prompt_ids) for i in range(num_samples)]
 
 
+class LockstepBackend(CountingBackend):
+    """Completion i of the row r (a prompt of its own) has token ids [row's prompt id, r]."""
+
+    lockstep = True
+
+    def generate(self, prompt_ids, num_samples, params):
+        assert num_samples == 1
+        self.calls.append((len(prompt_ids), num_samples))
+        return [Completion(r, [ids[0], r], "", "stop") for r, ids in enumerate(prompt_ids)]
+
+
+def test_a_lockstep_backend_gets_one_call_with_every_row_even_with_none():
+    """A backend sampling from sharded weights (every process in step) is called once per generation on every process:
+    mixed sample counts (a cut group) and no prompts at all each make exactly one call, every row a prompt of its own,
+    and each completion goes back to its prompt."""
+    backend, params = LockstepBackend(), SamplingParams(max_new_tokens=4)
+    per_prompt = sample_groups(backend, [[1], [2], [3]], [4, 2, 4], params)
+    assert backend.calls == [(10, 1)]
+    assert [[c.token_ids for c in group] for group in per_prompt] == [
+        [[1, r] for r in range(4)],
+        [[2, 4], [2, 5]],
+        [[3, r] for r in range(6, 10)],
+    ]
+    assert sample_groups(backend, [], [], params) == [] and backend.calls == [(10, 1), (0, 1)]
+
+
 def test_dispatch_samples_whole_groups_once_and_cuts_them_by_the_layout():
     backend, params = CountingBackend(), SamplingParams(max_new_tokens=4)
     shares = sample_for_processes(backend, layouts()[0], [[21], [22], [23]], params)

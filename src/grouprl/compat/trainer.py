@@ -151,6 +151,12 @@ class GRPOTrainer(TrainerSurface, OverridePoints):
         )
         for message in args.dubious_combinations():
             logger.warning(message)
+        if not args.ds3_gather_for_generation and "sharded" not in features:
+            logger.warning(
+                "ds3_gather_for_generation=False changes nothing in this run: no weights are sharded over processes "
+                "(it applies to DeepSpeed ZeRO-3 or FSDP on several processes), so each process samples from the "
+                "whole model it holds."
+            )
 
         # The models: policy (and reference), tokenizer, reward functions.
         use_peft = "lora" in features

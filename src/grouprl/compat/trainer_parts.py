@@ -124,6 +124,7 @@ def active_features(
         if not isinstance(model, str)
         else quantization_config is not None or quantization.requested(args.model_init_kwargs) is not None,
         "sharded": sharded_weights(),
+        "lockstep_sampling": sharded_weights() and not args.ds3_gather_for_generation,
     }
     return {name for name, used in on.items() if used}
 

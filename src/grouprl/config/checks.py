@@ -29,7 +29,6 @@ NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
     "use_transformers_continuous_batching": (False, "transformers continuous batching"),
     "use_transformers_paged": (False, "transformers continuous batching"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
-    "ds3_gather_for_generation": (True, "generation without gathering ZeRO-3 weights"),
 }
 
 

@@ -34,6 +34,7 @@ FEATURES: dict[str, str] = {
     "quantized": "a quantized policy (quantization_config, or a quantized model)",
     "sharded": "sharded weights (FSDP or DeepSpeed ZeRO-3 on several processes)",
     "async_generation": "asynchronous generation (async_generation=True, AsyncGRPOTrainer)",
+    "lockstep_sampling": "sampling from the sharded policy itself (ds3_gather_for_generation=False, sharded weights)",
 }
 
 WORKS, NOT_BUILT, UNTESTED = "works", "not built", "untested"
@@ -136,6 +137,37 @@ TABLE: dict[frozenset[str], Cell] = {
         ("lora", "in_process_sampling"): _works("tests/test_objectives_e2e.py"),
         ("sync_ref_model", "in_process_sampling"): _works(
             "tests/test_objectives_e2e.py::test_sync_ref_model_mixes_the_policy_into_the_reference"
+        ),
+        # ---- sampling from the sharded policy, every process in step (ds3_gather_for_generation=False) ----
+        **{
+            (agent, "lockstep_sampling"): _not_built(
+                "each process takes as many generation turns as its own rows need, and every forward of the sharded "
+                "model needs all the processes; leave ds3_gather_for_generation=True (each process then samples "
+                "from a replica of the gathered weights)."
+            )
+            for agent in ("tools", "environment_factory", "rollout_func")
+        },
+        ("images", "lockstep_sampling"): _not_built(
+            "a forward with images runs the vision tower, whose sharded weights a process without images would not "
+            "gather with the others; leave ds3_gather_for_generation=True."
+        ),
+        **{
+            (engine, "lockstep_sampling"): _not_built(
+                "the server or vLLM keeps a whole copy of the weights of its own, so there is nothing to leave "
+                "ungathered (TRL: not compatible with vLLM); leave ds3_gather_for_generation=True."
+            )
+            for engine in ("generation_server", "vllm_colocate", "async_generation")
+        },
+        ("sharded", "lockstep_sampling"): _works(
+            "tests/test_distributed.py::test_sharded_policy_samples_in_lockstep_without_gathering_its_weights (FSDP2 "
+            "and ZeRO-3 on 2 processes, whose rows finish at different steps)"
+        ),
+        ("in_process_sampling", "lockstep_sampling"): _works(
+            "tests/test_distributed.py::test_sharded_policy_samples_in_lockstep_without_gathering_its_weights"
+        ),
+        ("lora", "lockstep_sampling"): _works(
+            "tests/test_distributed.py::test_sharded_policy_samples_in_lockstep_without_gathering_its_weights (the "
+            "adapters applied in the sharded forward)"
         ),
         # ---- asynchronous generation (its worker is a generation server: the generation_server rows apply) ----
         ("vllm_colocate", "async_generation"): _not_built(

@@ -83,7 +83,13 @@ class ModelAndSamplingFields:
         default=None, metadata=_meta("G used in evaluation (default: num_generations).")
     )
     max_completion_length: int = field(default=512, metadata=_meta("Maximum new tokens per completion."))
-    ds3_gather_for_generation: bool = field(default=True, metadata=_meta("Gather ZeRO-3 weights for generation."))
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata=_meta(
+            "Under ZeRO-3 or FSDP on several processes, sample from a replica of the gathered weights (fast); False "
+            "samples from the sharded model, every process in step (no process holds the whole model; slower)."
+        ),
+    )
     shuffle_dataset: bool = field(default=True, metadata=_meta("Shuffle the prompts (seeded by data_seed)."))
     pad_to_multiple_of: Optional[str] = field(
         default="auto",

@@ -13,6 +13,10 @@ generation_engine="auto"             where it applies and model.generate is tran
                                      otherwise transformers `generate` (`AUTO_ENGINES`: each was
                                      measured fastest there)
 generation_engine="transformers"     transformers `generate`
+
+Under FSDP or ZeRO-3 on several processes, in-process sampling samples from an unsharded replica of the policy
+(ShardedPolicySampler), or, with ds3_gather_for_generation=False, from the sharded policy itself with every process
+in step (lockstep_backend).
 """
 
 from __future__ import annotations
@@ -43,9 +47,42 @@ def build_backend(
         return VLLMColocateGenerator(model.config._name_or_path, tokenizer, args, max_num_seqs=max_num_seqs)
     if args.use_vllm or args.generation_engine == "server":
         return connect_server(tokenizer, args)
+    if sharded_weights() and not args.ds3_gather_for_generation:
+        return lockstep_backend(model, tokenizer, eos_token_ids, args)
     if sharded_weights():
         return ShardedPolicySampler(lambda replica: in_process_backend(replica, tokenizer, eos_token_ids, args))
     return in_process_backend(model, tokenizer, eos_token_ids, args)
+
+
+def lockstep_backend(
+    model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: Any
+) -> TransformersGenerator:
+    """Sampling from the sharded policy itself, the processes in step (ds3_gather_for_generation=False): no process
+    ever holds the whole model, at the cost of gathering every layer's weights at every decode step. Only transformers
+    generate runs the processes in step; the engines read the weights directly, which a sharded model does not hold."""
+    if args.generation_engine not in ("auto", "transformers") or args.compile_decode_step:
+        engine = f"generation_engine={args.generation_engine!r}"
+        chosen = "compile_decode_step=True" if args.compile_decode_step else engine
+        raise ValueError(
+            f"GRPOConfig.ds3_gather_for_generation=False samples from the sharded model with transformers generate, "
+            f"every process in step; {chosen} needs the whole model in each process. Leave generation_engine 'auto' "
+            "(or 'transformers') and compile_decode_step False, or set ds3_gather_for_generation=True."
+        )
+    return transformers_backend(model, tokenizer, eos_token_ids, args, synced_gpus=True)
+
+
+def transformers_backend(
+    model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: Any, *, synced_gpus: bool = False
+) -> TransformersGenerator:
+    return TransformersGenerator(
+        model,
+        tokenizer,
+        eos_token_ids,
+        tokenizer.pad_token_id,
+        cache_implementation=args.cache_implementation,
+        suppress_token_ids=image_token_ids(model.config),
+        synced_gpus=synced_gpus,
+    )
 
 
 def in_process_backend(
@@ -54,14 +91,7 @@ def in_process_backend(
     """The backend that samples from `model` in this process: generation_engine's (module doc)."""
     requested = args.generation_engine
     engine = auto_engine(model_device(model)) if requested == "auto" else requested
-    transformers = TransformersGenerator(
-        model,
-        tokenizer,
-        eos_token_ids,
-        tokenizer.pad_token_id,
-        cache_implementation=args.cache_implementation,
-        suppress_token_ids=image_token_ids(model.config),
-    )
+    transformers = transformers_backend(model, tokenizer, eos_token_ids, args)
     compile_step = args.compile_decode_step
     if compile_step and engine != "captured":
         raise ValueError(
@@ -159,8 +189,8 @@ class ShardedPolicySampler:
     Each process samples instead from an unsharded replica of the policy (weights.replica_of), whose weights are
     gathered into it before each generation (`sync_weights`, which every process calls; built at the first) and
     freed once the generation is sampled (`release_until_sync`), as TRL gathers ZeRO-3's weights for its generation
-    (ds3_gather_for_generation). The generation engine (`build`) is chosen for the replica when the first weights
-    arrive.
+    (ds3_gather_for_generation=True, the default; False samples from the sharded model, `lockstep_backend`). The
+    generation engine (`build`) is chosen for the replica when the first weights arrive.
 
     Its samples count as a separate sampler's (`needs_importance_correction`): the replica's forward is not the
     sharded model's (FSDP's mixed precision casts the sharded parameters, the replica runs as an unsharded model
@@ -204,7 +234,7 @@ class ShardedPolicySampler:
 
 def sharded_weights() -> bool:
     """True when several processes hold shards of the weights (DeepSpeed ZeRO-3 or FSDP): in-process sampling
-    then samples from a replica (ShardedPolicySampler)."""
+    then samples from a replica (ShardedPolicySampler), or from the sharded model in step (lockstep_backend)."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 

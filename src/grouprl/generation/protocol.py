@@ -6,7 +6,8 @@ logprob of each sampled token under the sampling distribution. The loop never kn
 it talks to: transformers `generate`, the fast in-process engine, a generation server or vLLM.
 
 `sample_groups` is the one place that turns "prompt b needs n_b samples" into backend calls: one
-call per distinct sample count (usually one: G), each completion routed back to its prompt.
+call per distinct sample count (usually one: G), each completion routed back to its prompt; a lockstep
+backend (sampling from sharded weights) gets one call with every row instead, on every process.
 
 `sample_for_processes` serves a backend that only the main process may talk to (a generation
 server, vLLM server): it samples every *whole* group in one request (G samples of one prompt, as TRL
@@ -39,6 +40,10 @@ class GenerationBackend(Protocol):
       process takes its rows by the generation's GroupLayout (`sample_for_processes`). `sync_weights` is
       still called on every process (gathering sharded weights is collective).
 
+    - ``lockstep`` (default False): True for a backend whose ``generate`` is a collective (it samples from weights
+      sharded over the processes): every process then makes exactly one call per generation, with every row it
+      needs as a prompt of its own (``num_samples`` 1), and makes it even with no rows (``sample_groups``).
+
     An optional method, ``release_until_sync()``, frees what the backend holds only to sample; the loop calls it
     once a generation is sampled, and the next ``sync_weights`` comes before the next ``generate``.
     """
@@ -67,11 +72,15 @@ def sample_groups(
 
     `multimodal`: each prompt's processed images, passed as `multimodal=` (backends without it cannot serve VLMs).
     """
-    by_count: dict[int, list[int]] = {}
-    for b, count in enumerate(counts):
-        by_count.setdefault(count, []).append(b)
+    if getattr(backend, "lockstep", False):  # one call on every process, whatever its rows (GenerationBackend)
+        calls = [([b for b, count in enumerate(counts) for _ in range(count)], 1)]
+    else:
+        by_count: dict[int, list[int]] = {}
+        for b, count in enumerate(counts):
+            by_count.setdefault(count, []).append(b)
+        calls = [(members, count) for count, members in by_count.items()]
     per_prompt: list[list[Completion]] = [[] for _ in counts]
-    for count, members in by_count.items():
+    for members, count in calls:
         ids = [prompt_ids[b] for b in members]
         if multimodal is None:
             completions = backend.generate(ids, count, params)

@@ -116,6 +116,13 @@ def capture_head_input(head: torch.nn.Module | None) -> Iterator[list]:
 _SEPARABLE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
+def sharded_parameters(model: torch.nn.Module) -> bool:
+    """True when the model's weights are sharded over the processes (FSDP2's DTensors, DeepSpeed ZeRO-3's
+    partitions): each of its forwards then gathers weights from every process, so every process must run as many
+    forwards as the others."""
+    return any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") for p in model.parameters())
+
+
 def separable_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The model's LM head if logits == head(final hidden state) exactly, else None.
 
@@ -130,7 +137,7 @@ def separable_head(model: torch.nn.Module) -> torch.nn.Module | None:
     if head is None or type(model).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine"):
         return None
     weight = getattr(head, "weight", None)
-    if weight is None or hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor" or weight.dim() != 2:
+    if weight is None or sharded_parameters(head) or weight.dim() != 2:
         return None
     if model not in _SEPARABLE:
         reason = _head_mismatch(model, head)

@@ -45,6 +45,7 @@ from grouprl.model.forward import (
     length_buckets,
     logits_logprobs,
     separable_head,
+    sharded_parameters,
 )
 from grouprl.model.multimodal import forward_inputs
 from grouprl.model.prompt_packing import shared_prompt_logprobs
@@ -168,6 +169,8 @@ def completion_logprobs(
         empty = completion_ids.new_zeros((n, completion_len), dtype=torch.float32)
         return TokenLogprobs(empty, empty if with_entropy else None, None)
     entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
+    if sharded_parameters(model):  # forwards cut by row count alone, the same on every process: not by the rows'
+        pack_prompts, bucket_by_length = False, False  # lengths nor by shared prompts, which differ between processes
     if pack_prompts and multimodal is None and not with_aux_loss and not pad_to_multiple_of:
         packed = shared_prompt_logprobs(
             model,
