@@ -1,5 +1,6 @@
 """Generation alone on W2 (shared ~400-token prompt, 4 prompts x 8, 128 new tokens):
-grouprl's FastGenerator vs transformers `generate`, same model, same sampling settings, fp32.
+grouprl's FastGenerator vs transformers `generate` and transformers continuous batching (`generate_batch`,
+use_transformers_continuous_batching), same model, same sampling settings, fp32.
 Prints one JSON line per backend."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from workloads import WORKLOADS, model_dir, prompts_for  # noqa: E402
 
 from grouprl.core.types import SamplingParams  # noqa: E402
 from grouprl.generation import FastGenerator, TransformersGenerator  # noqa: E402
+from grouprl.generation.continuous_batching import ContinuousBatchingGenerator  # noqa: E402
 
 
 def main() -> None:
@@ -31,6 +33,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=workload.max_completion_length)
     backends = {
         "transformers.generate": TransformersGenerator(model, tokenizer, eos, tokenizer.pad_token_id),
+        "transformers.generate_batch": ContinuousBatchingGenerator(model, tokenizer, eos, tokenizer.pad_token_id),
         "grouprl FastGenerator": FastGenerator(model, tokenizer, eos, tokenizer.pad_token_id),
     }
     for label, backend in backends.items():

@@ -101,11 +101,11 @@ def test_hf_argument_parser_round_trip():
 
 
 def test_not_yet_built_features_raise_not_implemented():
-    for name, value in (("use_transformers_paged", True), ("use_transformers_continuous_batching", True)):
-        assert name in NOT_YET_BUILT
-        with pytest.raises(NotImplementedError, match=name):
-            GRPOConfig(**{name: value})
-    assert GRPOConfig(ds3_gather_for_generation=False).ds3_gather_for_generation is False  # built
+    assert set(NOT_YET_BUILT) == {"log_completions_hub_repo"}
+    with pytest.raises(NotImplementedError, match="log_completions_hub_repo"):
+        GRPOConfig(log_completions=True, log_completions_hub_repo="me/completions")
+    built = GRPOConfig(ds3_gather_for_generation=False, use_transformers_continuous_batching=True)
+    assert not built.ds3_gather_for_generation and built.use_transformers_continuous_batching
 
 
 def test_tool_fields_are_built():

@@ -33,11 +33,10 @@ from grouprl.config.combinations import check_combinations
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig, resolve_steps
 from grouprl.config.training_arguments import refusal
 from grouprl.core.entropy import EntropyController
-from grouprl.core.types import SamplingParams
 from grouprl.data.multimodal_prompts import make_prompt_tokenizer
 from grouprl.data.prompt_sampler import PromptSampler, workers_for
 from grouprl.data.prompts import KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_dataset
-from grouprl.generation.factory import sharded_weights
+from grouprl.generation.factory import sampling_params, sharded_weights
 from grouprl.generation.vllm import require_vllm
 from grouprl.model import quantization
 from grouprl.model.adapters import (
@@ -125,6 +124,7 @@ def active_features(
         else quantization_config is not None or quantization.requested(args.model_init_kwargs) is not None,
         "sharded": sharded_weights(),
         "lockstep_sampling": sharded_weights() and not args.ds3_gather_for_generation,
+        "continuous_batching": args.use_transformers_continuous_batching,
     }
     return {name for name, used in on.items() if used}
 
@@ -492,15 +492,7 @@ def build_rollouts(
         tokenize=tokenize,
         reward_functions=rewards.reward_functions,
         reward_weights=rewards.reward_weights,
-        sampling=SamplingParams(
-            max_new_tokens=args.max_completion_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            extra=dict(args.generation_kwargs or {}),
-        ),
+        sampling=sampling_params(args),
         settings=RolloutSettings(
             num_generations=args.num_generations,
             scale_rewards=args.scale_rewards,

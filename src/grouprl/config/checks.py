@@ -26,8 +26,6 @@ EVAL_STRATEGIES = ("no", "steps", "epoch")
 # field -> (the value that means "off", what the feature is). Setting any other value raises
 # NotImplementedError until the feature lands; the entry is then removed.
 NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
-    "use_transformers_continuous_batching": (False, "transformers continuous batching"),
-    "use_transformers_paged": (False, "transformers continuous batching"),
     "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
 }
 

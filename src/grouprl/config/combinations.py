@@ -35,6 +35,7 @@ FEATURES: dict[str, str] = {
     "sharded": "sharded weights (FSDP or DeepSpeed ZeRO-3 on several processes)",
     "async_generation": "asynchronous generation (async_generation=True, AsyncGRPOTrainer)",
     "lockstep_sampling": "sampling from the sharded policy itself (ds3_gather_for_generation=False, sharded weights)",
+    "continuous_batching": "transformers continuous batching (use_transformers_continuous_batching=True)",
 }
 
 WORKS, NOT_BUILT, UNTESTED = "works", "not built", "untested"
@@ -168,6 +169,28 @@ TABLE: dict[frozenset[str], Cell] = {
         ("lora", "lockstep_sampling"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_in_lockstep_without_gathering_its_weights (the "
             "adapters applied in the sharded forward)"
+        ),
+        # ---- transformers continuous batching (use_transformers_continuous_batching) ----
+        **{
+            (engine, "continuous_batching"): _not_built(
+                "continuous batching samples in the training process, while this run samples elsewhere (TRL lets "
+                "vLLM win silently); set use_transformers_continuous_batching=False."
+            )
+            for engine in ("generation_server", "vllm_colocate", "async_generation")
+        },
+        ("images", "continuous_batching"): _not_built(
+            "transformers' generate_batch takes token ids only, not images; set use_transformers_continuous_batching"
+            "=False."
+        ),
+        ("lockstep_sampling", "continuous_batching"): _not_built(
+            "continuous batching runs its forwards on a thread of its own, never in step with the other processes; "
+            "leave ds3_gather_for_generation=True (continuous batching then samples from each process's replica)."
+        ),
+        ("in_process_sampling", "continuous_batching"): _works(
+            "tests/test_continuous_batching.py::test_a_run_with_continuous_batching_learns"
+        ),
+        ("lora", "continuous_batching"): _works(
+            "tests/test_continuous_batching.py::test_a_lora_policy_samples_with_its_adapter"
         ),
         # ---- asynchronous generation (its worker is a generation server: the generation_server rows apply) ----
         ("vllm_colocate", "async_generation"): _not_built(

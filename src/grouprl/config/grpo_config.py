@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -113,6 +114,13 @@ class GRPOConfig(GRPOFields):
                     raise ValueError(
                         f"GRPOConfig.{name} must be a dict or a JSON object string, got {value!r}: {err}"
                     ) from None
+        if self.use_transformers_paged:  # TRL's deprecated name, turned into the new one as TRL does
+            warnings.warn(
+                "GRPOConfig.use_transformers_paged is deprecated (TRL 1.16); use use_transformers_continuous_batching.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.use_transformers_continuous_batching = True
         refused = refused_settings(self)  # on the values as given, before transformers derives others from them
         if refused:
             raise ValueError("\n".join(refused))

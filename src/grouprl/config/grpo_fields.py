@@ -124,13 +124,22 @@ class ModelAndSamplingFields:
         default=None, metadata=_meta("transformers generate cache implementation.")
     )
     use_transformers_continuous_batching: bool = field(
-        default=False, metadata=_meta("Use transformers continuous batching.")
+        default=False,
+        metadata=_meta(
+            "Sample with transformers continuous batching (model.generate_batch) in place of generation_engine's "
+            "sampler; refused with settings it would not apply (repetition_penalty, most generation_kwargs)."
+        ),
     )
     transformers_continuous_batching_config: Optional[Union[dict, str]] = field(
-        default=None, metadata=_meta("Continuous batching config.")
+        default=None,
+        metadata=_meta(
+            "transformers.generation.ContinuousBatchingConfig arguments (JSON on the CLI); without num_blocks or "
+            "max_memory_percent the cache is sized for each generation's rows."
+        ),
     )
     use_transformers_paged: bool = field(
-        default=False, metadata=_meta("Deprecated alias of use_transformers_continuous_batching.")
+        default=False,
+        metadata=_meta("Deprecated (TRL): sets use_transformers_continuous_batching=True, with a FutureWarning."),
     )
     generation_engine: str = field(
         default="auto",

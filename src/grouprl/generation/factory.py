@@ -13,6 +13,8 @@ generation_engine="auto"             where it applies and model.generate is tran
                                      otherwise transformers `generate` (`AUTO_ENGINES`: each was
                                      measured fastest there)
 generation_engine="transformers"     transformers `generate`
+use_transformers_continuous_batching transformers `generate_batch` (continuous_batching.py), in place of
+                                     generation_engine's sampler
 
 Under FSDP or ZeRO-3 on several processes, in-process sampling samples from an unsharded replica of the policy
 (ShardedPolicySampler), or, with ds3_gather_for_generation=False, from the sharded policy itself with every process
@@ -27,7 +29,8 @@ from typing import Any, Optional
 import torch
 from transformers import PreTrainedModel
 
-from grouprl.core.types import Completion
+from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.continuous_batching import ContinuousBatchingGenerator, continuous_batching_refusal
 from grouprl.generation.engine import EngineUnlessGenerateOverridden, FastGenerator, engine_supports
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.protocol import GenerationBackend
@@ -85,10 +88,52 @@ def transformers_backend(
     )
 
 
+def sampling_params(args: Any) -> SamplingParams:
+    """What the config asks every completion to be sampled with (generation_kwargs override the named fields)."""
+    return SamplingParams(
+        max_new_tokens=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        extra=dict(args.generation_kwargs or {}),
+    )
+
+
+def continuous_batching_backend(
+    model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: Any
+) -> ContinuousBatchingGenerator:
+    """use_transformers_continuous_batching=True (or TRL's deprecated use_transformers_paged): transformers'
+    generate_batch, in place of generation_engine's sampler; a setting it would not apply is refused here."""
+    other = args.generation_engine != "auto" or args.compile_decode_step
+    reason = (
+        f"generation_engine={args.generation_engine!r} / compile_decode_step={args.compile_decode_step} ask for "
+        "another sampler; leave them at 'auto' / False"
+        if other
+        else continuous_batching_refusal(sampling_params(args))
+    )
+    if reason:
+        raise ValueError(
+            f"GRPOConfig.use_transformers_continuous_batching=True samples with transformers continuous batching, but "
+            f"{reason}. Or set use_transformers_continuous_batching=False."
+        )
+    return ContinuousBatchingGenerator(
+        model,
+        tokenizer,
+        eos_token_ids,
+        tokenizer.pad_token_id,
+        settings=args.transformers_continuous_batching_config,
+        suppress_token_ids=image_token_ids(model.config),
+    )
+
+
 def in_process_backend(
     model: PreTrainedModel, tokenizer: Any, eos_token_ids: list[int], args: Any
 ) -> GenerationBackend:
     """The backend that samples from `model` in this process: generation_engine's (module doc)."""
+    if args.use_transformers_continuous_batching:
+        return continuous_batching_backend(model, tokenizer, eos_token_ids, args)
     requested = args.generation_engine
     engine = auto_engine(model_device(model)) if requested == "auto" else requested
     transformers = transformers_backend(model, tokenizer, eos_token_ids, args)

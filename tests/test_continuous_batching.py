@@ -1,0 +1,172 @@
+"""use_transformers_continuous_batching (TRL's field): transformers' generate_batch as the sampler, on whatever device
+is here: its draws against the model's processed distribution, EOS and lengths, LoRA, what it refuses, a failed
+request, the cache it sizes, and a training run that learns with it."""
+
+import warnings
+
+import pytest
+import torch
+from chi_square import chi_square_rejects
+from helpers import numbered_prompts, quiet_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.core.types import SamplingParams
+from grouprl.generation.continuous_batching import ContinuousBatchingGenerator
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# 1500 one-token rows in pages of 256 tokens would make transformers' sdpa mask hold 1500 x 256 x 8192 entries
+SHORT_PAGES = {"page_size": 16}
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(DEVICE), AutoTokenizer.from_pretrained(
+        tiny_model_dir
+    )
+
+
+def first_token_counts(generator, model, prompt, params, rows):
+    completions = generator.generate([prompt], rows, params)
+    assert len(completions) == rows and all(c.prompt_index == 0 for c in completions)
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in completions]), minlength=model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt], device=DEVICE)).logits[0, -1].double().cpu()
+    return counts.double(), logits
+
+
+def processed(logits, temperature, top_k):
+    scaled = logits / temperature
+    kept = scaled.topk(top_k).indices
+    masked = torch.full_like(scaled, float("-inf"))
+    masked[kept] = scaled[kept]
+    return masked.softmax(-1)
+
+
+def test_draws_follow_the_processed_distribution(model_and_tokenizer):
+    """3000 first tokens of one prompt at temperature 0.1 and top-k 30 against softmax of the model's logits so
+    processed (chi-square, p < 1e-3 rejects; seeded): accepted, while a 10% wrong temperature or no top-k is noticed
+    (the random model's logits are nearly flat: a low temperature gives the test its power)."""
+    model, tokenizer = model_and_tokenizer
+    generator = ContinuousBatchingGenerator(model, tokenizer, [], tokenizer.pad_token_id, settings=SHORT_PAGES)
+    torch.manual_seed(0)
+    prompt = tokenizer("12+7=")["input_ids"]
+    params = SamplingParams(max_new_tokens=1, temperature=0.1, top_k=30)
+    counts, logits = first_token_counts(generator, model, prompt, params, 3000)
+    assert not chi_square_rejects(counts, processed(logits, 0.1, 30))
+    assert chi_square_rejects(counts, processed(logits, 0.11, 30))
+    assert chi_square_rejects(counts, (logits / 0.1).softmax(-1))
+
+
+def test_rows_stop_at_their_eos_and_keep_nothing_after_it(model_and_tokenizer):
+    """A quarter of the vocabulary as EOS: rows finish at many steps, each ends at its first EOS ('stop') or runs to
+    max_new_tokens ('length'); each completion goes back to its prompt (prompts of different lengths)."""
+    model, tokenizer = model_and_tokenizer
+    eos = list(range(0, 70))
+    generator = ContinuousBatchingGenerator(model, tokenizer, eos, tokenizer.pad_token_id)
+    prompts = [tokenizer(text)["input_ids"] for text in ("12+7=", "what is 123 + 456 =")]
+    torch.manual_seed(1)
+    completions = generator.generate(prompts, 24, SamplingParams(max_new_tokens=10))
+    assert [c.prompt_index for c in completions] == [0] * 24 + [1] * 24
+    assert len({len(c.token_ids) for c in completions}) > 3
+    for c in completions:
+        ended = [i for i, t in enumerate(c.token_ids) if t in eos]
+        assert ended in ([], [len(c.token_ids) - 1]) and (c.finish_reason == "stop") == bool(ended)
+        assert ended or len(c.token_ids) == 10
+
+
+def test_a_lora_policy_samples_with_its_adapter(model_and_tokenizer):
+    """A peft LoRA policy (adapter initialised away from zero): 3000 draws at temperature 0.1 follow the adapted
+    model's distribution, not the base model's."""
+    peft = pytest.importorskip("peft")
+    model, tokenizer = model_and_tokenizer
+    policy = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model.config._name_or_path).to(DEVICE),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False),
+    )
+    generator = ContinuousBatchingGenerator(policy, tokenizer, [], tokenizer.pad_token_id, settings=SHORT_PAGES)
+    torch.manual_seed(2)
+    prompt = tokenizer("3+4=")["input_ids"]
+    params = SamplingParams(max_new_tokens=1, temperature=0.1)
+    counts, logits = first_token_counts(generator, policy, prompt, params, 3000)
+    assert not chi_square_rejects(counts, (logits / 0.1).softmax(-1))
+    with policy.disable_adapter(), torch.no_grad():
+        base = policy(torch.tensor([prompt], device=DEVICE)).logits[0, -1].double().cpu()
+    assert chi_square_rejects(counts, (base / 0.1).softmax(-1))
+
+
+def test_the_cache_is_sized_for_the_rows_unless_the_config_sizes_it(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    rows = [[1] * 200, [1] * 10, [1] * 10]
+    sized = ContinuousBatchingGenerator(model, tokenizer, [], 0).batching_config(rows, 100)
+    assert sized.num_blocks == 2 + 1 + 1  # pages of 256 tokens: 300, 110 and 110 tokens
+    own = ContinuousBatchingGenerator(model, tokenizer, [], 0, settings={"max_memory_percent": 0.2, "page_size": 64})
+    assert own.batching_config(rows, 100).num_blocks is None and own.batching_config(rows, 100).page_size == 64
+    with pytest.raises(ValueError, match="transformers_continuous_batching_config=.*not_a_field"):
+        ContinuousBatchingGenerator(model, tokenizer, [], 0, settings={"not_a_field": 1})
+
+
+def test_a_request_that_fails_stops_the_run_with_its_error(model_and_tokenizer, monkeypatch):
+    """generate_batch logs a failed request and returns without it; the backend raises instead of training on less."""
+    model, tokenizer = model_and_tokenizer
+    generator = ContinuousBatchingGenerator(model, tokenizer, [], tokenizer.pad_token_id)
+    real = model.generate_batch
+
+    def losing_one(inputs, **kwargs):
+        results = real(inputs, **kwargs)
+        results.pop(next(iter(results)))
+        return results
+
+    monkeypatch.setattr(model, "generate_batch", losing_one)
+    with pytest.raises(RuntimeError, match="sampled 2 of 3 rows"):
+        generator.generate([tokenizer("1+1=")["input_ids"]], 3, SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"generation_kwargs": {"num_beams": 2}}, "num_beams"),
+        ({"generation_kwargs": {"min_new_tokens": 2}}, "min_new_tokens"),
+        ({"generation_engine": "engine"}, "generation_engine='engine'"),
+    ],
+)
+def test_settings_it_would_not_apply_are_refused_when_the_trainer_is_built(tiny_model_dir, tmp_path, overrides, named):
+    args = quiet_config(
+        tmp_path, {"use_transformers_continuous_batching": True, **overrides}, per_device_train_batch_size=3
+    )
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching=True") as raised:
+        GRPOTrainer(tiny_model_dir, reward_funcs=low_tokens, args=args, train_dataset=numbered_prompts(6))
+    assert named in str(raised.value)
+
+
+def test_trls_deprecated_name_turns_it_on_with_a_warning(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = GRPOConfig(output_dir=str(tmp_path), use_transformers_paged=True, per_device_train_batch_size=8)
+    assert config.use_transformers_continuous_batching
+    assert any(w.category is FutureWarning and "use_transformers_paged" in str(w.message) for w in caught)
+
+
+def low_tokens(completion_ids, **kwargs):
+    """The share of a completion's tokens below id 100: what the run below learns to raise."""
+    return [sum(token < 100 for token in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def test_a_run_with_continuous_batching_learns(tiny_model_dir, tmp_path):
+    """8 GRPO steps sampled through generate_batch raise the mean reward (seeded: 0.35 -> 0.57 here)."""
+    args = quiet_config(
+        tmp_path,
+        {"use_transformers_continuous_batching": True},
+        max_steps=8,
+        per_device_train_batch_size=12,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=0.05,
+        bf16=False,
+    )
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=low_tokens, args=args, train_dataset=numbered_prompts(24))
+    assert isinstance(trainer.generation_backend, ContinuousBatchingGenerator)
+    trainer.train()
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    assert len(rewards) == 8 and sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.1, rewards
