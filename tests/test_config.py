@@ -101,11 +101,21 @@ def test_hf_argument_parser_round_trip():
 
 
 def test_not_yet_built_features_raise_not_implemented():
-    assert set(NOT_YET_BUILT) == {"log_completions_hub_repo"}
-    with pytest.raises(NotImplementedError, match="log_completions_hub_repo"):
-        GRPOConfig(log_completions=True, log_completions_hub_repo="me/completions")
-    built = GRPOConfig(ds3_gather_for_generation=False, use_transformers_continuous_batching=True)
+    """Every TRL field is built now; the mechanism stays for the next one, checked with a stand-in entry."""
+    assert NOT_YET_BUILT == {}
+    built = GRPOConfig(
+        ds3_gather_for_generation=False,
+        use_transformers_continuous_batching=True,
+        log_completions=True,
+        log_completions_hub_repo="me/completions",
+    )
     assert not built.ds3_gather_for_generation and built.use_transformers_continuous_batching
+    NOT_YET_BUILT["top_k"] = (0, "a stand-in feature")
+    try:
+        with pytest.raises(NotImplementedError, match=r"GRPOConfig.top_k=5: a stand-in feature is not available"):
+            GRPOConfig(top_k=5)
+    finally:
+        del NOT_YET_BUILT["top_k"]
 
 
 def test_tool_fields_are_built():

@@ -59,6 +59,7 @@ from grouprl.rewards.models import check_reward_funcs, is_reward_model, load_rew
 from grouprl.rewards.scoring import RewardFunction, prepare_reward_functions
 from grouprl.rewards.signatures import REWARD_KEYWORDS, check_keywords, reward_name
 from grouprl.rollout.completion_log import CompletionLog, RecentCompletions
+from grouprl.rollout.completion_upload import CompletionUpload
 from grouprl.rollout.sampler import RolloutMaker, RolloutSettings
 from grouprl.train.eval_data import check_eval_setup
 from grouprl.train.output_dir import check_output_dir
@@ -504,14 +505,26 @@ def build_rollouts(
             pad_to_multiple_of=args.pad_to_multiple_of,
             default_prompt=EMPTY_PROMPT if environments_own_prompts else None,
         ),
-        completion_log=CompletionLog(
-            args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.log_multimodal
-        )
-        if args.log_completions
-        else None,
+        completion_log=completion_log(args, accelerator) if args.log_completions else None,
         agent=agent,
         recent=RecentCompletions(plan.completions_per_generation, args.log_multimodal),
     )  # a TRL subclass's _generate / _calculate_rewards are set as its hooks when a run starts
+
+
+def completion_log(args: GRPOConfig, accelerator: Any) -> CompletionLog:
+    """log_completions' table, uploaded to log_completions_hub_repo by the main process when one is named."""
+    upload = None
+    if args.log_completions_hub_repo is not None and accelerator.is_main_process:
+        upload = CompletionUpload(
+            args.log_completions_hub_repo,
+            os.path.join(args.output_dir, "completions"),
+            private=args.hub_private_repo,
+            token=args.hub_token,
+            model=args.hub_model_id,
+        )
+    return CompletionLog(
+        args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.log_multimodal, upload=upload
+    )
 
 
 # ---- the report_to trackers --------------------------------------------------------------------------------

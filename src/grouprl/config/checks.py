@@ -25,9 +25,7 @@ EVAL_STRATEGIES = ("no", "steps", "epoch")
 
 # field -> (the value that means "off", what the feature is). Setting any other value raises
 # NotImplementedError until the feature lands; the entry is then removed.
-NOT_YET_BUILT: dict[str, tuple[Any, str]] = {
-    "log_completions_hub_repo": (None, "pushing completion logs to the Hub"),
-}
+NOT_YET_BUILT: dict[str, tuple[Any, str]] = {}
 
 
 def validate_config(config: GRPOFields) -> None:

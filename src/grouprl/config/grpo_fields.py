@@ -289,7 +289,11 @@ class LossAndLoggingFields:
     )
     log_unique_prompts: bool = field(default=False, metadata=_meta("Deduplicate prompts in tracker tables."))
     log_completions_hub_repo: Optional[str] = field(
-        default=None, metadata=_meta("Hub dataset repo for completion logs.")
+        default=None,
+        metadata=_meta(
+            "Hub dataset repo (user/name) the completions/*.parquet logs are uploaded to every 2 minutes and at the "
+            "end of training (needs log_completions=True; private with hub_private_repo)."
+        ),
     )
 
     # ---- tools (TRL §1.7) ----

@@ -8,7 +8,9 @@ where it returned None), ``advantage``, and every column a reward function added
 - writes it to ``output_dir/completions/completions_<step>.parquet`` (always),
 - prints it as a rich table (the first ``num_completions_to_print`` rows; all if None),
 - sends it to wandb and/or trackio when they are active trackers (``log_unique_prompts``:
-  one row per prompt there).
+  one row per prompt there);
+
+and with ``log_completions_hub_repo`` the parquet files go to that Hub dataset repo (completion_upload.py).
 
 Conversational prompts are shown as the chat-template text the model saw. Prompts with images
 add an ``image`` column (each row's list of images) unless ``log_multimodal=False``: PNG bytes in
@@ -27,6 +29,8 @@ from typing import Any, Optional
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
+
+from grouprl.rollout.completion_upload import CompletionUpload
 
 FIXED_COLUMNS = ("step", "prompt", "completion", "advantage")
 
@@ -84,6 +88,7 @@ class CompletionLog:
     log_unique_prompts: bool = False
     log_multimodal: bool = True
     table: dict[str, list[Any]] = field(default_factory=dict)  # the latest generation, global rows
+    upload: Optional[CompletionUpload] = None  # log_completions_hub_repo, on the main process
 
     def record(
         self,
@@ -126,6 +131,11 @@ class CompletionLog:
         print_table(table, self.num_completions_to_print)
         send_to_trackers(accelerator, table, step, unique_prompts=self.log_unique_prompts)
         return path
+
+    def finish(self) -> None:
+        """When training ends: upload the files the Hub dataset does not have yet (log_completions_hub_repo)."""
+        if self.upload is not None:
+            self.upload.finish()
 
 
 def write_parquet(table: dict[str, list[Any]], path: str) -> None:

@@ -212,6 +212,8 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
     run.store_flos()
     metrics_ = train_summary(run, time.time() - started, state.global_step - first_step)
     stages.log(run, metrics_)  # as Trainer: adds epoch, and GRPO merges the metrics of steps not logged yet
+    if run.rollouts.completion_log is not None:
+        run.rollouts.completion_log.finish()
     run.fire("on_train_end")
     return metrics_
 
