@@ -72,7 +72,7 @@ class TransformersGenerator:
         if multimodal is not None:
             multimodal = [m for m in multimodal for _ in range(num_samples)]
         # no rows here, but the other processes' forwards need this one's shards: one row, sampled and dropped
-        rows = prompt_ids or [[self.eos_token_ids[0]]]
+        rows = prompt_ids or [[self.pad_token_id]]
         input_ids, attention_mask = left_pad(rows, self.pad_token_id)
         width = input_ids.shape[1]
         images = (
