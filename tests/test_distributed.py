@@ -233,12 +233,17 @@ def test_sharded_checkpoint_resumes_and_saves_a_whole_model(sharded_runs, config
         assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)} <= set(shards)
 
 
-SAMPLED = [
-    pytest.param(config.values[0], scenario, marks=config.marks, id=scenario)
-    for config in SHARDING
-    for scenario in SHARDED[config.values[0]]
-    if "_sampled" in scenario
-]
+def launched_scenarios(kind: str) -> list:
+    """(sharding config, scenario) for each launched scenario whose name has `kind`, marked as its config is."""
+    return [
+        pytest.param(config.values[0], scenario, marks=config.marks, id=scenario)
+        for config in SHARDING
+        for scenario in SHARDED[config.values[0]]
+        if kind in scenario
+    ]
+
+
+SAMPLED = launched_scenarios("_sampled")
 
 
 @pytest.mark.parametrize("config_name, scenario", SAMPLED)
@@ -269,12 +274,7 @@ def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(
     assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
 
 
-LOCKSTEP = [
-    pytest.param(config.values[0], scenario, marks=config.marks, id=scenario)
-    for config in SHARDING
-    for scenario in SHARDED[config.values[0]]
-    if "_lockstep" in scenario
-]
+LOCKSTEP = launched_scenarios("_lockstep")
 
 
 @pytest.mark.parametrize("config_name, scenario", LOCKSTEP)

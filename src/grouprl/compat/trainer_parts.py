@@ -105,6 +105,7 @@ def active_features(
                 "with async_generation=False."
             )
         server = True  # the worker is a generation server, local or not
+    sharded = sharded_weights()
     on = {
         "tools": bool(tools),
         "environment_factory": environment_factory is not None,
@@ -123,8 +124,8 @@ def active_features(
         "quantized": quantization.is_quantized(model)
         if not isinstance(model, str)
         else quantization_config is not None or quantization.requested(args.model_init_kwargs) is not None,
-        "sharded": sharded_weights(),
-        "lockstep_sampling": sharded_weights() and not args.ds3_gather_for_generation,
+        "sharded": sharded,
+        "lockstep_sampling": sharded and not args.ds3_gather_for_generation,
         "continuous_batching": args.use_transformers_continuous_batching,
     }
     return {name for name, used in on.items() if used}
