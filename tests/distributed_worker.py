@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -67,6 +68,9 @@ SCENARIOS = {
     # with LoRA (the adapters applied in the sharded forward)
     "fsdp2_lockstep": ("grpo", None, {"beta": 0.1, "ds3_gather_for_generation": False}),
     "fsdp2_lockstep_lora": ("grpo", None, {"beta": 0.1, "lora": True, "ds3_gather_for_generation": False}),
+    # sampled by a real `grouprl serve` (TRL's everyday multi-GPU setup: vLLM's server beside a sharded policy): each
+    # weight sync gathers the shards on every process and the main process alone sends them
+    "fsdp2_server": ("grpo", None, {"beta": 0.1, "generation_engine": "server", "generation_kwargs": {"seed": 0}}),
     # AdamW's state in the checkpoint; the final model saved with save_model
     "fsdp2_resume": (
         "dapo",
@@ -76,13 +80,16 @@ SCENARIOS = {
 }
 # the scenarios launched with a sharding config (zero2 / zero3: DeepSpeed's CPU accelerator over gloo), by config
 # (ZeRO-2 shards the optimizer's state only: its processes sample from the policy itself, as DDP's)
+# (the `*_server` ones only where grouprl serve's libraries are installed)
+HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
+SERVED = ("_server",) if HAS_SERVER_LIBRARIES else ()
 SHARDED = {
     "fsdp2": ("fsdp2", "fsdp2_resume", "fsdp2_sampled", "fsdp2_sampled_lora", "fsdp2_lockstep", "fsdp2_lockstep_lora")
+    + tuple(f"fsdp2{kind}" for kind in SERVED),
+    "zero2": ("zero2", "zero2_resume"),
+    "zero3": ("zero3", "zero3_resume", "zero3_sampled", "zero3_sampled_lora", "zero3_lockstep", "zero3_lockstep_lora")
+    + tuple(f"zero3{kind}" for kind in SERVED),
 }
-SHARDED.update(
-    zero2=("zero2", "zero2_resume"),
-    zero3=("zero3", "zero3_resume", "zero3_sampled", "zero3_sampled_lora", "zero3_lockstep", "zero3_lockstep_lora"),
-)
 for _config, _names in SHARDED.items():
     for _name in _names:
         SCENARIOS.setdefault(_name, SCENARIOS[_name.replace(_config, "fsdp2", 1)])
@@ -203,6 +210,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
             record_replica(trainer)
         if getattr(trainer.generation_backend, "lockstep", False):
             record_lockstep(trainer)
+        if extra.get("generation_engine") == "server":
+            record_server(trainer)
         return trainer
 
     syncs = []
@@ -276,6 +285,26 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         backend.generate = recording_generate
 
     samples = []
+
+    def record_server(trainer: GRPOTrainer) -> None:
+        """After each weight sync, the logprobs that the server and an unsharded copy of the policy's gathered
+        weights give one fixed sequence (main process; both processes take part in the gathers)."""
+        backend = trainer.generation_backend
+        sync = backend.sync_weights
+        ids = tokenizer("3+4=7")["input_ids"]
+
+        def recording_sync(model):
+            sync(model)
+            reference = replica_of(model)
+            with torch.no_grad():
+                load_weights(reference, model)
+                logits = reference(torch.tensor([ids])).logits[0, :-1].float()
+            policy = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+            if PartialState().is_main_process:
+                server = torch.tensor(backend.score(ids))
+                syncs.append({"server": server, "policy": policy})
+
+        backend.sync_weights = recording_sync
 
     def weights(trainer: GRPOTrainer) -> dict:
         """The full parameters (FSDP2's and ZeRO-3's shards gathered: every process takes part), as an inference copy

@@ -16,17 +16,18 @@ import pytest
 import torch
 import yaml
 from conftest import free_port
-from distributed_worker import SCENARIOS, SHARDED, run
+from distributed_worker import HAS_SERVER_LIBRARIES, SCENARIOS, SHARDED, run
 from helpers import max_difference, parameters
 from transformers import AutoModelForCausalLM
 
 from grouprl.launch import resolve_accelerate_config
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
-HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
 LAUNCHED_SHARDED = {name for names in SHARDED.values() for name in names}
 RUNNABLE = [
-    name for name in SCENARIOS if (HAS_SERVER_LIBRARIES or name != "grpo_server") and name not in LAUNCHED_SHARDED
+    name
+    for name in SCENARIOS
+    if (HAS_SERVER_LIBRARIES or not name.endswith("_server")) and name not in LAUNCHED_SHARDED
 ]
 
 
@@ -157,10 +158,12 @@ def gathering_every_forward(directory) -> str:
 
 
 @pytest.fixture(scope="module")
-def sharded_runs(tiny_model_dir, tmp_path_factory):
+def sharded_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, request):
     """A sharding config's scenarios on 2 CPU processes, launched with grouprl's bundled config of that name (fsdp2,
     zero2, zero3), each launch once."""
     done = {}
+    if HAS_SERVER_LIBRARIES:
+        monkeypatch_session.setenv("GROUPRL_TEST_SERVER", request.getfixturevalue("grouprl_server")[0])
 
     def launched(config_name: str) -> dict:
         if config_name not in done:
@@ -301,6 +304,31 @@ def test_sharded_policy_samples_in_lockstep_without_gathering_its_weights(
     assert [sample["without_rows"] for sample in rank1["samples"]] == [6, 6]
     logged = [entry for entry in rank0["log_history"] if "loss" in entry]
     assert len(logged) == 2 and not any(name.startswith("sampling/") for name in logged[0]), logged[0]
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
+
+
+SERVED = launched_scenarios("_server")
+
+
+@pytest.mark.parametrize("config_name, scenario", SERVED)
+def test_sharded_policy_trains_against_a_generation_server(
+    sharded_runs, config_name, scenario, tiny_model_dir, tmp_path
+):
+    """TRL's everyday multi-GPU setup in miniature: the policy sharded over 2 processes (FSDP2, ZeRO-3) while a
+    separate server (grouprl serve) samples. Each weight sync gathers the shards on both processes and the main
+    process alone sends them: after every sync the server scores a fixed sequence as the gathered policy does (the
+    second sync's weights differ from the first's), and 2 steps give the 1-process run's weights."""
+    rank0, rank1 = sharded_runs(config_name)[scenario]
+    assert rank0["sharded"] and rank1["sharded"]
+    assert rank0["backend"] == rank1["backend"] == "RemoteGenerator"
+    syncs = rank0["syncs"]
+    assert len(syncs) == 2 and rank1["syncs"] == []
+    for sync in syncs:
+        assert torch.allclose(sync["server"], sync["policy"], atol=1e-4), (sync["server"], sync["policy"])
+    assert (syncs[0]["policy"] - syncs[1]["policy"]).abs().max() > 1e-3
+    single = run(scenario, str(tmp_path), str(tiny_model_dir))
+    assert max_difference(single["weights"], rank0["weights"]) < 2e-6
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
     assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
 

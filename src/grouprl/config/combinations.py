@@ -98,6 +98,10 @@ TABLE: dict[frozenset[str], Cell] = {
             "and ZeRO-3, each with LoRA too; each "
             "process samples from an unsharded replica, its weights gathered before each generation)"
         ),
+        ("sharded", "generation_server"): _works(
+            "tests/test_distributed.py::test_sharded_policy_trains_against_a_generation_server (FSDP2 and ZeRO-3 on 2 "
+            "processes beside grouprl serve: each weight sync gathers the shards, the main process sends them)"
+        ),
         ("quantized", "generation_server"): _not_built(
             "sending a quantized model's weights to a separate inference engine (dequantized, with the adapters "
             "merged) is not built; sample in the training process (use_vllm=False, generation_engine='auto'), or train "
