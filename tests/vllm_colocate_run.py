@@ -1,12 +1,13 @@
 """Run by tests/test_vllm_cpu.py under a Python that has vLLM (its CPU build): TRL's quick start with
-use_vllm=True, vllm_mode="colocate", as `python script.py` (no launcher variables set). After every weight sync it
-asks vLLM for the log-probabilities of a fixed sequence and compares them with the trainer's model; prints one JSON
-line with what it saw.
+use_vllm=True, vllm_mode="colocate", as `python script.py` (no launcher variables set) or under `accelerate launch`
+(one vLLM engine in each process). After every weight sync it asks vLLM for the log-probabilities of a fixed sequence
+and compares them with the trainer's model; each process writes what it saw to OUTPUT_DIR/result-rank<r>.json.
 
     python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR {full,lora}
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -78,18 +79,26 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
     backend.sync_weights = checked_sync
     trainer.train()
     history = trainer.state.log_history
-    print(
-        json.dumps(
+    unwrapped = trainer.accelerator.unwrap_model(trainer.run.model)
+    weights = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in unwrapped.parameters()]
+    os.makedirs(output_dir, exist_ok=True)
+    result = os.path.join(output_dir, f"result-rank{trainer.accelerator.process_index}.json")
+    with open(result, "w", encoding="utf-8") as handle:
+        json.dump(
             {
+                "processes": trainer.accelerator.num_processes,
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "sharded": any(hasattr(p, "full_tensor") for p in unwrapped.parameters()),
+                "checksum": sum(w.double().sum().item() for w in weights),
                 "syncs": syncs,
                 "losses": [e["loss"] for e in history if "loss" in e],
                 "sampler_gap": [e.get("sampling/sampling_logp_difference/max") for e in history if "loss" in e],
                 "vllm_dtype": str(backend.llm.llm_engine.model_config.dtype),
                 "reloads_in_place": backend.reloads_in_place,
                 "vllm": vllm.__version__,
-            }
+            },
+            handle,
         )
-    )
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process

