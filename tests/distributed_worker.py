@@ -78,17 +78,29 @@ SCENARIOS = {
         {"gradient_accumulation_steps": 1, "steps_per_generation": 2, "resume": True, "optimizer": "adamw"},
     ),
 }
+# the algorithm variants under sharding: DAPO's dynamic sampling, GFPO's filter, TR-DPO's reference syncing (the
+# policy mixed into the reference after every step; the reference is whole on each process under FSDP2 and sharded in
+# an inference engine of its own under ZeRO-3), resumed from the step-1 checkpoint, which holds the mixed reference
+SCENARIOS.update(
+    fsdp2_dynamic=SCENARIOS["dapo_dynamic"],
+    fsdp2_gfpo=SCENARIOS["gfpo"],
+    fsdp2_sync_ref=(
+        "grpo",
+        False,
+        {"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5, "resume": True},
+    ),
+)
 # the scenarios launched with a sharding config (zero2 / zero3: DeepSpeed's CPU accelerator over gloo), by config
 # (ZeRO-2 shards the optimizer's state only: its processes sample from the policy itself, as DDP's)
 # (the `*_server` ones only where grouprl serve's libraries are installed)
 HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
 SERVED = ("_server",) if HAS_SERVER_LIBRARIES else ()
+VARIANTS = ("_dynamic", "_gfpo", "_sync_ref")
+SHARDED_KINDS = ("", "_resume", "_sampled", "_sampled_lora", "_lockstep", "_lockstep_lora") + VARIANTS + SERVED
 SHARDED = {
-    "fsdp2": ("fsdp2", "fsdp2_resume", "fsdp2_sampled", "fsdp2_sampled_lora", "fsdp2_lockstep", "fsdp2_lockstep_lora")
-    + tuple(f"fsdp2{kind}" for kind in SERVED),
+    "fsdp2": tuple(f"fsdp2{kind}" for kind in SHARDED_KINDS),
     "zero2": ("zero2", "zero2_resume"),
-    "zero3": ("zero3", "zero3_resume", "zero3_sampled", "zero3_sampled_lora", "zero3_lockstep", "zero3_lockstep_lora")
-    + tuple(f"zero3{kind}" for kind in SERVED),
+    "zero3": tuple(f"zero3{kind}" for kind in SHARDED_KINDS),
 }
 for _config, _names in SHARDED.items():
     for _name in _names:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 from conftest import free_port
-from distributed_worker import HAS_SERVER_LIBRARIES, SCENARIOS, SHARDED, run
+from distributed_worker import HAS_SERVER_LIBRARIES, SCENARIOS, SHARDED, VARIANTS, run
 from helpers import max_difference, parameters
 from transformers import AutoModelForCausalLM
 
@@ -187,15 +187,29 @@ def sharded_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, request)
     return launched
 
 
-@pytest.mark.parametrize("config_name", SHARDING)
-def test_sharded_two_processes_train_like_one(sharded_runs, config_name, tiny_model_dir, tmp_path):
+def launched_scenarios(match) -> list:
+    """(sharding config, scenario) for each launched scenario whose name past its config's (`kind`: '', '_sampled',
+    ...) satisfies `match`, marked as its config is."""
+    return [
+        pytest.param(config.values[0], scenario, marks=config.marks, id=scenario)
+        for config in SHARDING
+        for scenario in SHARDED[config.values[0]]
+        if match(scenario.removeprefix(config.values[0]))
+    ]
+
+
+@pytest.mark.parametrize("config_name, scenario", launched_scenarios(lambda kind: kind in ("",) + VARIANTS))
+def test_sharded_two_processes_train_like_one(sharded_runs, config_name, scenario, tiny_model_dir, tmp_path):
     """accelerate's FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 (grouprl's bundled configs; ZeRO-3's gathering in every
     forward, `gathering_every_forward`) over gloo: each really runs
     (the weights sharded, except ZeRO-2's), and 2 steps with a reference model (beta 0.1; under ZeRO-3 in its own
     inference engine) give the 1-process run's weights and logged statistics. GA is 2: the accumulation boundary
-    that grouprl drives."""
-    single = run(config_name, str(tmp_path), str(tiny_model_dir))
-    rank0, rank1 = sharded_runs(config_name)[config_name]
+    that grouprl drives. The same for the algorithm variants (`*_dynamic`, `*_gfpo`, `*_sync_ref`)."""
+    single = run(scenario, str(tmp_path), str(tiny_model_dir))
+    rank0, rank1 = sharded_runs(config_name)[scenario]
+    if "resumed_weights" in single:  # 2 steps == 1 step, checkpoint, resume, 1 step; on each process
+        for result in (single, rank0, rank1):
+            assert max_difference(result["weights"], result["resumed_weights"]) == 0.0
     expected = "DistributedType.FSDP" if config_name == "fsdp2" else "DistributedType.DEEPSPEED"
     assert rank0["distributed_type"] == rank1["distributed_type"] == expected
     assert rank0["sharded"] == rank1["sharded"] == (config_name != "zero2")  # ZeRO-2 shards the optimizer only
@@ -236,17 +250,7 @@ def test_sharded_checkpoint_resumes_and_saves_a_whole_model(sharded_runs, config
         assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)} <= set(shards)
 
 
-def launched_scenarios(kind: str) -> list:
-    """(sharding config, scenario) for each launched scenario whose name has `kind`, marked as its config is."""
-    return [
-        pytest.param(config.values[0], scenario, marks=config.marks, id=scenario)
-        for config in SHARDING
-        for scenario in SHARDED[config.values[0]]
-        if kind in scenario
-    ]
-
-
-SAMPLED = launched_scenarios("_sampled")
+SAMPLED = launched_scenarios(lambda kind: kind.startswith("_sampled"))
 
 
 @pytest.mark.parametrize("config_name, scenario", SAMPLED)
@@ -277,7 +281,7 @@ def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(
     assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
 
 
-LOCKSTEP = launched_scenarios("_lockstep")
+LOCKSTEP = launched_scenarios(lambda kind: kind.startswith("_lockstep"))
 
 
 @pytest.mark.parametrize("config_name, scenario", LOCKSTEP)
@@ -308,7 +312,7 @@ def test_sharded_policy_samples_in_lockstep_without_gathering_its_weights(
     assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
 
 
-SERVED = launched_scenarios("_server")
+SERVED = launched_scenarios(lambda kind: kind == "_server")
 
 
 @pytest.mark.parametrize("config_name, scenario", SERVED)

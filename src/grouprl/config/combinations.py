@@ -136,6 +136,17 @@ TABLE: dict[frozenset[str], Cell] = {
         ("dynamic_sampling", "in_process_sampling"): _works(
             "tests/test_objectives_e2e.py::test_dynamic_sampling_trains_only_on_groups_with_signal"
         ),
+        **{
+            (variant, "sharded"): _works(
+                f"tests/test_distributed.py::test_sharded_two_processes_train_like_one[{{fsdp2,zero3}}_{scenario}] "
+                f"(2 processes give the weights of 1{note})"
+            )
+            for variant, scenario, note in (
+                ("dynamic_sampling", "dynamic", ""),
+                ("gfpo", "gfpo", ""),
+                ("sync_ref_model", "sync_ref", "; also after a resume from a checkpoint, which keeps the mixed reference"),
+            )
+        },
         # ---- LoRA and the reference model ----
         ("sync_ref_model", "lora"): _not_built(
             "with LoRA the reference is the frozen base model (adapters off), which syncing would overwrite; use "

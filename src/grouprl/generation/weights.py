@@ -22,6 +22,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from grouprl.model.adapters import active_adapter, base_model, is_peft_model
+from grouprl.model.full_state import gathered
 
 PEFT_PREFIX = "base_model.model."
 
@@ -44,7 +45,7 @@ def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
                 ):
                     continue  # adapter factors (merged already), frozen originals, other adapters' copies
                 name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(trained_copy, ".")
-            with _gathered([param]):
+            with gathered([param]):
                 tensor = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
                 if id(param) in updates:
                     tensor = tensor + _lora_update(updates[id(param)]).to(tensor.dtype)
@@ -91,17 +92,8 @@ def _lora_update(layer: torch.nn.Module) -> torch.Tensor:
     """The active adapters' update to `layer`'s base weight (what PEFT's merge adds), their factors gathered."""
     adapters = [a for a in layer.active_adapters if a in layer.lora_A]
     factors = [p for a in adapters for p in (layer.lora_A[a].weight, layer.lora_B[a].weight)]
-    with _gathered(factors):
+    with gathered(factors):
         return sum(layer.get_delta_weight(a) for a in adapters)
-
-
-def _gathered(params: list[torch.nn.Parameter]):
-    """DeepSpeed ZeRO-3 keeps a shard per process: gather the whole parameters for the copy."""
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params)
-    return nullcontext()
 
 
 def replica_of(model: torch.nn.Module) -> torch.nn.Module:

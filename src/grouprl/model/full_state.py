@@ -1,4 +1,5 @@
-"""The whole state of a policy whose parameters FSDP2 shards over the processes (DTensors).
+"""The whole state of a model whose parameters are sharded over the processes: FSDP2's DTensors, DeepSpeed ZeRO-3's
+partitioned parameters (`gathered`, `whole`).
 
 A checkpoint and `save_model` hold full tensors, `from_pretrained`-loadable and independent of how the
 weights were sharded; torch's distributed state-dict API gathers them (a collective: every process calls)
@@ -8,7 +9,8 @@ there (`optimizer_keys="names"` in the checkpoint), not by position as `optimize
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -26,6 +28,25 @@ OPTIMIZER_KEYED_BY_NAME = "names"
 def fsdp_sharded(model: torch.nn.Module) -> bool:
     """True when the model's parameters are FSDP2 shards (DTensors)."""
     return any(isinstance(param, DTensor) for param in model.parameters())
+
+
+@contextmanager
+def gathered(params: list[torch.nn.Parameter], modifier_rank: Optional[int] = None) -> Iterator[None]:
+    """DeepSpeed ZeRO-3 keeps a shard of each parameter on each process: inside, the parameters are whole (a
+    collective: every process enters it); with `modifier_rank`, what that process wrote into them is sharded again on
+    the way out. Other parameters are left as they are."""
+    if any(hasattr(param, "ds_id") for param in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+            yield
+    else:
+        yield
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 DTensor gathered whole (a collective), any other tensor as it is (a ZeRO-3 one inside `gathered`)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 def gather_full_state(
@@ -47,4 +68,11 @@ def load_full_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) 
 def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """An optimizer state keyed by parameter name (gather_full_state's) into the optimizer of a model, sharded
     or not."""
+    if not any(torch.is_tensor(value) for entry in state["state"].values() for value in entry.values()):
+        # an optimizer that keeps nothing per parameter (SGD without momentum) has only its groups' settings to
+        # restore; torch's loader takes the device from a state tensor and refuses without one ("Expected device to
+        # be set")
+        for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        return
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

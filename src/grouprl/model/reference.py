@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from grouprl.model.adapters import reference_mode
+from grouprl.model.full_state import gathered, whole
 
 
 @dataclass
@@ -39,23 +40,41 @@ class Reference:
             yield policy
 
     def state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """What a checkpoint must hold to resume exactly: the reference weights, only if they change (sync)."""
-        return None if self.model is None else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        """What a checkpoint must hold to resume exactly: the reference weights, only if they change (sync). A
+        collective for a ZeRO-3 reference (its weights gathered one at a time): every process calls it."""
+        if self.model is None:
+            return None
+        model = inner_model(self.model)
+        state = {}
+        for name, param in model.named_parameters():
+            with gathered([param]):
+                state[name] = param.detach().cpu().clone()
+        state.update((name, buffer.detach().cpu()) for name, buffer in model.named_buffers())
+        return state
 
     def load_state_dict(self, state: Optional[dict[str, torch.Tensor]]) -> None:
-        if state is not None and self.model is not None:
-            self.model.load_state_dict(state)
+        """A `state_dict` back into the reference (every process calls it)."""
+        if state is None or self.model is None:
+            return
+        model = inner_model(self.model)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                with gathered([param], modifier_rank=0):
+                    param.copy_(state[name])
+            for name, buffer in model.named_buffers():
+                if name in state:  # a checkpoint written by state_dict() before it held them all
+                    buffer.copy_(state[name])
+
+
+def inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model itself: a ZeRO-3 reference lives in an inference engine of its own (`zero3_reference`)."""
+    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
 
 
 def whole_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of the model with its whole weights. A model loaded under DeepSpeed ZeRO-3 holds only its shards
     (parameters with a ds_id, empty outside a gather): it is copied inside a gather, else the copy would be empty."""
-    partitioned = [param for param in model.parameters() if hasattr(param, "ds_id")]
-    if not partitioned:
-        return copy.deepcopy(model)
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(partitioned):
+    with gathered(list(model.parameters())):
         return copy.deepcopy(model)
 
 
@@ -69,8 +88,12 @@ def separate_reference_model(model_arg: Any, policy: torch.nn.Module, load: Any)
 
 @torch.no_grad()
 def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
-    """TR-DPO soft update: every reference parameter <- alpha * policy + (1 - alpha) * reference."""
+    """TR-DPO soft update: every reference parameter <- alpha * policy + (1 - alpha) * reference. Under sharding every
+    process calls it: each policy weight is gathered whole (FSDP2, ZeRO-3), and a ZeRO-3 reference's weight is gathered,
+    mixed and sharded again."""
     policy_params = dict(policy.named_parameters())
-    for name, ref_param in reference.named_parameters():
-        source = policy_params[name].detach().to(device=ref_param.device, dtype=ref_param.dtype)
-        ref_param.mul_(1.0 - alpha).add_(source, alpha=alpha)
+    for name, ref_param in inner_model(reference).named_parameters():
+        source = policy_params[name]
+        with gathered([source]), gathered([ref_param], modifier_rank=0):
+            mixed = whole(source).to(device=ref_param.device, dtype=ref_param.dtype)
+            ref_param.mul_(1.0 - alpha).add_(mixed, alpha=alpha)

@@ -37,6 +37,7 @@ def save(run: TrainingRun) -> Optional[str]:
     )
     run.store_flos()
     full_state = gathered_policy_state(run, with_optimizer=not run.config.save_only_model)
+    reference_state = run.reference_state()  # gathered by every process under ZeRO-3
     engine_state = None
     engine = deepspeed_engine(run.accelerator)
     if engine is not None and not run.config.save_only_model:  # a collective: every process writes its shards
@@ -54,7 +55,11 @@ def save(run: TrainingRun) -> Optional[str]:
             optimizer=run.optimizer,
             scheduler=run.scheduler,
             trainer_state=run.state,
-            loop_state={**run.loop_state(), "processes": processes},
+            loop_state={
+                **run.loop_state(with_reference=False),
+                "reference_model": reference_state,
+                "processes": processes,
+            },
             save_total_limit=run.config.save_total_limit,
             model_only=run.config.save_only_model,
             keep=run.state.best_model_checkpoint,

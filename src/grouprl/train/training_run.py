@@ -161,10 +161,13 @@ class TrainingRun:
             "inputs": self.inputs,
         }
         if with_reference:  # a copy of a whole model: only when writing a checkpoint
-            state["reference_model"] = (
-                self.reference.state_dict() if self.reference and self.config.sync_ref_model else None
-            )
+            state["reference_model"] = self.reference_state()
         return state
+
+    def reference_state(self) -> Optional[dict[str, torch.Tensor]]:
+        """The reference's weights when they change (sync_ref_model), else None. A collective for a ZeRO-3 reference:
+        every process calls it."""
+        return self.reference.state_dict() if self.reference and self.config.sync_ref_model else None
 
     def load_loop_state(self, state: dict[str, Any]) -> None:
         self.rollouts.sampler.load_state_dict(state["sampler"])
