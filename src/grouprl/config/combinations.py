@@ -144,7 +144,7 @@ TABLE: dict[frozenset[str], Cell] = {
             for variant, scenario, note in (
                 ("dynamic_sampling", "dynamic", ""),
                 ("gfpo", "gfpo", ""),
-                ("sync_ref_model", "sync_ref", "; also after a resume from a checkpoint, which keeps the mixed reference"),
+                ("sync_ref_model", "sync_ref", "; also resumed from a checkpoint, which keeps the mixed reference"),
             )
         },
         # ---- LoRA and the reference model ----
