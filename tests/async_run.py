@@ -4,8 +4,9 @@
 
 Each optimizer step's prompts (their `idx` column, as the reward function scores them) go to
 OUTPUT_DIR/trained.jsonl (trained-RANK.jsonl on process RANK > 0) as {"step": global step, "idx": [...]}, flushed
-at once, so a SIGKILL loses nothing written. Launched on several processes (accelerate launch), each process
-gets an equal share of the same global batch. kill_worker_at: SIGKILL the generation worker when those steps end
+at once, so a SIGKILL loses nothing written; a run that ends writes its logged history to
+OUTPUT_DIR/log_history.json. Launched on several processes (accelerate launch), each process gets an equal share of
+the same global batch. kill_worker_at: SIGKILL the generation worker when those steps end
 (the crash tests).
 """
 
@@ -93,4 +94,7 @@ if __name__ == "__main__":
     if "kill_worker_at" in options:
         trainer.add_callback(KillWorker(trainer, {int(s) for s in options["kill_worker_at"].split(",")}))
     trainer.train(resume_from_checkpoint=True if "resume" in options else None)
+    if trainer.accelerator.is_main_process:
+        with open(os.path.join(output_dir, "log_history.json"), "w", encoding="utf-8") as handle:
+            json.dump(trainer.state.log_history, handle)
     print("finished at step", trainer.state.global_step, flush=True)

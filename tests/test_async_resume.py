@@ -108,3 +108,28 @@ def test_two_processes_train_on_the_prompts_of_one(tiny_model_dir, tmp_path, uni
     together = {step: sorted(set(shares[0][step]) | set(shares[1][step])) for step in shares[0]}
     assert together == uninterrupted
     assert all(shares[0][step] and shares[1][step] for step in shares[0])  # both processes trained every step
+
+
+@pytest.mark.parametrize("config_name", ["fsdp2", "zero3"])
+def test_sharded_policy_feeds_its_async_worker(tiny_model_dir, tmp_path, uninterrupted, config_name):
+    """FSDP2 / ZeRO-3 (every forward gathering) on 2 processes: the local worker starts from the policy's weights,
+    gathered by both processes (the main process alone gathering them hung the run), and each publish gathers them
+    again; both processes train on the prompts of the 1-process run, and the first step, sampled from the starting
+    weights, has the trainer's logprobs."""
+    from test_distributed import NO_DEEPSPEED, deepspeed_path, launch, sharding_config
+
+    if config_name != "fsdp2" and deepspeed_path() is None:
+        pytest.skip(NO_DEEPSPEED)
+    out = tmp_path / "sharded"
+    result = launch(
+        2, [SCRIPT, str(tiny_model_dir), str(out)], timeout=400, config=sharding_config(config_name, tmp_path)
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    shares = [trained_prompts(out), {}]
+    for line in open(out / "trained-1.jsonl"):
+        entry = json.loads(line)
+        shares[1][entry["step"]] = entry["idx"]
+    assert {step: sorted(set(shares[0][step]) | set(shares[1][step])) for step in shares[0]} == uninterrupted
+    logged = [entry for entry in json.load(open(out / "log_history.json")) if "loss" in entry]
+    assert len(logged) == 8
+    assert logged[0]["sampling/sampling_logp_difference/max"] < 1e-4, logged[0]

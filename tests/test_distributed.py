@@ -39,18 +39,22 @@ LAUNCH_ENV = {
 }
 
 
-def accelerate_launch(nproc: int, flags: list[str], args: list[str]) -> list[str]:
-    """The command line users run: accelerate launch with grouprl's bundled multi_gpu config (on a machine without
-    GPUs the processes join over gloo)."""
-    config = resolve_accelerate_config("multi_gpu")
+def accelerate_launch(nproc: int, flags: list[str], args: list[str], config: str = "") -> list[str]:
+    """The command line users run: accelerate launch with grouprl's bundled multi_gpu config, or the `config` file
+    given (on a machine without GPUs the processes join over gloo)."""
+    config = config or resolve_accelerate_config("multi_gpu")
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
     return [*launcher, "--num_processes", str(nproc), *flags, *args]
 
 
-def launch(nproc: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run a script on `nproc` CPU processes of this machine, 1 thread each."""
-    command = accelerate_launch(nproc, ["--main_process_port", str(free_port())], args)
+def launch(nproc: int, args: list[str], timeout: float = 120, config: str = "") -> subprocess.CompletedProcess:
+    """Run a script on `nproc` CPU processes of this machine, 1 thread each (DeepSpeed importable for a ZeRO
+    config)."""
+    flags = ["--main_process_port", str(free_port())] + (["--mixed_precision", "no"] if config else [])
+    command = accelerate_launch(nproc, flags, args, config)
     env = {**os.environ, **LAUNCH_ENV}
+    if "zero" in os.path.basename(config) and deepspeed_path():
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], deepspeed_path()])
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -129,6 +133,11 @@ SHARDING = [
 ]
 
 
+def sharding_config(name: str, directory) -> str:
+    """The accelerate config file of grouprl's bundled sharding config `name` as the tests launch it."""
+    return gathering_every_forward(directory) if name == "zero3" else resolve_accelerate_config(name)
+
+
 def gathering_every_forward(directory) -> str:
     """The bundled zero3 config with DeepSpeed's settings in a file of their own that sets
     stage3_param_persistence_threshold to 0: by default ZeRO-3 keeps every parameter under 100k elements whole on each
@@ -168,15 +177,12 @@ def sharded_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, request)
     def launched(config_name: str) -> dict:
         if config_name not in done:
             out = tmp_path_factory.mktemp(config_name)
-            command = [sys.executable, "-m", "accelerate.commands.launch"]
-            config = gathering_every_forward(out) if config_name == "zero3" else resolve_accelerate_config(config_name)
-            command += ["--config_file", config, "--num_processes", "2"]
-            command += ["--mixed_precision", "no", "--main_process_port", str(free_port())]
-            command += [WORKER, str(out), str(tiny_model_dir), *SHARDED[config_name]]
-            env = {**os.environ, **LAUNCH_ENV}
-            if config_name.startswith("zero") and deepspeed_path():
-                env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], deepspeed_path()])
-            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
+            result = launch(
+                2,
+                [WORKER, str(out), str(tiny_model_dir), *SHARDED[config_name]],
+                240,
+                sharding_config(config_name, out),
+            )
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
             done[config_name] = {
                 name: [torch.load(out / f"{name}-2p-rank{r}.pt", weights_only=False) for r in range(2)]

@@ -147,6 +147,10 @@ TABLE: dict[frozenset[str], Cell] = {
                 ("sync_ref_model", "sync_ref", "; also resumed from a checkpoint, which keeps the mixed reference"),
             )
         },
+        ("sharded", "async_generation"): _works(
+            "tests/test_async_resume.py::test_sharded_policy_feeds_its_async_worker (FSDP2 and ZeRO-3 on 2 processes: "
+            "the local worker starts from, and is sent, the weights that every process gathers)"
+        ),
         # ---- LoRA and the reference model ----
         ("sync_ref_model", "lora"): _not_built(
             "with LoRA the reference is the frozen base model (adapters off), which syncing would overwrite; use "

@@ -63,6 +63,7 @@ class LocalWorker:
         model: torch.nn.Module,
         tokenizer: Any,
         *,
+        weights: Optional[dict[str, torch.Tensor]] = None,
         threads: Optional[int],
         log_path: str,
         startup_timeout: float,
@@ -72,7 +73,7 @@ class LocalWorker:
         self.device = next(model.parameters()).device.type  # the worker samples where the trainer trains
         self.directory = tempfile.mkdtemp(prefix="grouprl-worker-")
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        write_policy(model, tokenizer, self.directory)
+        write_policy(model, tokenizer, self.directory, weights)
         self.process: Optional[subprocess.Popen] = None
         self.port, self.url, self.version = 0, "", 0
 
@@ -156,8 +157,22 @@ class LocalWorker:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def write_policy(model: torch.nn.Module, tokenizer: Any, directory: str) -> None:
-    """The policy as `from_pretrained` loads it: its configuration, tokenizer and current (merged) weights."""
+def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's current (merged) weights in host memory, under plain transformers names, on the main process; {}
+    on the others. Every process calls it: gathers of sharded weights are collective."""
+    from accelerate import PartialState
+
+    main = PartialState().is_main_process
+    return {
+        name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in inference_weights(model) if main
+    }
+
+
+def write_policy(
+    model: torch.nn.Module, tokenizer: Any, directory: str, weights: Optional[dict[str, torch.Tensor]] = None
+) -> None:
+    """The policy as `from_pretrained` loads it: its configuration, tokenizer and current weights (`policy_weights`,
+    taken here when not given: one process with whole weights)."""
     from safetensors.torch import save_file
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: the wrapped model's config
@@ -166,5 +181,5 @@ def write_policy(model: torch.nn.Module, tokenizer: Any, directory: str) -> None
         base.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    weights = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in inference_weights(model)}
+    weights = policy_weights(model) if weights is None else weights
     save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})

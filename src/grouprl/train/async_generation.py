@@ -20,7 +20,7 @@ import torch
 from grouprl.core.distributed import run_on_main
 from grouprl.generation.remote import RemoteGenerator
 from grouprl.generation.server_client import server_base_url
-from grouprl.generation.workers import LocalWorker, ServerWorker
+from grouprl.generation.workers import LocalWorker, ServerWorker, policy_weights
 from grouprl.rollout.async_rollouts import start_async_rollouts
 from grouprl.train.training_run import TrainingRun
 
@@ -50,7 +50,11 @@ def async_generation(run: TrainingRun, tokenizer: Any) -> Iterator[Optional[Any]
     threads = torch.get_num_threads()
     source = None
     try:
-        run_on_main(lambda: parts.update(start_worker(config, model, tokenizer, run.rollouts.backend, version)))
+        # a local worker starts from the policy's weights, gathered by every process when they are sharded
+        weights = None if uses_server(config) else policy_weights(model)
+        run_on_main(
+            lambda: parts.update(start_worker(config, model, tokenizer, run.rollouts.backend, version, weights))
+        )
         if parts.get("threads"):
             torch.set_num_threads(max(1, threads - parts["threads"]))
         resume = run.async_resume or {
@@ -81,8 +85,16 @@ def async_generation(run: TrainingRun, tokenizer: Any) -> Iterator[Optional[Any]
         torch.set_num_threads(threads)
 
 
-def start_worker(config: Any, model: torch.nn.Module, tokenizer: Any, backend: Any, version: int) -> dict[str, Any]:
-    """The worker and its client (main process): a local `grouprl serve`, or the server the config names."""
+def start_worker(
+    config: Any,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    backend: Any,
+    version: int,
+    weights: Optional[dict[str, torch.Tensor]] = None,
+) -> dict[str, Any]:
+    """The worker and its client (main process): a local `grouprl serve` started from `weights` (`policy_weights`),
+    or the server the config names."""
     if uses_server(config):
         url = server_base_url(config.vllm_server_base_url, config.vllm_server_host, config.vllm_server_port)
         client = backend if isinstance(backend, RemoteGenerator) else None
@@ -93,6 +105,7 @@ def start_worker(config: Any, model: torch.nn.Module, tokenizer: Any, backend: A
         worker = LocalWorker(
             model,
             tokenizer,
+            weights=weights,
             threads=threads,
             log_path=os.path.join(config.output_dir, "generation_worker.log"),
             startup_timeout=config.vllm_server_timeout,
