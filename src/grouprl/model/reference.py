@@ -40,17 +40,22 @@ class Reference:
             yield policy
 
     def state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """What a checkpoint must hold to resume exactly: the reference weights, only if they change (sync). A
-        collective for a ZeRO-3 reference (its weights gathered one at a time): every process calls it."""
+        """What a checkpoint must hold to resume exactly: the reference weights, only if they change (sync), on the
+        main process (which writes checkpoints; None on the others). A collective for a ZeRO-3 reference (its weights
+        gathered one at a time): every process calls it."""
         if self.model is None:
             return None
+        from accelerate import PartialState
+
+        main = PartialState().is_main_process
         model = inner_model(self.model)
         state = {}
         for name, param in model.named_parameters():
             with gathered([param]):
-                state[name] = param.detach().cpu().clone()
+                if main:
+                    state[name] = param.detach().cpu().clone()
         state.update((name, buffer.detach().cpu()) for name, buffer in model.named_buffers())
-        return state
+        return state if main else None
 
     def load_state_dict(self, state: Optional[dict[str, torch.Tensor]]) -> None:
         """A `state_dict` back into the reference (every process calls it)."""
