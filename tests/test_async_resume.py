@@ -38,6 +38,15 @@ def trained_prompts(out):
     return steps
 
 
+def process_shares(out):
+    """([step -> prompts] of process 0, of process 1), and step -> the prompts of both together, of a 2-process run."""
+    shares = [trained_prompts(out), {}]
+    for line in open(os.path.join(out, "trained-1.jsonl")):
+        entry = json.loads(line)
+        shares[1][entry["step"]] = entry["idx"]
+    return shares, {step: sorted(set(shares[0][step]) | set(shares[1][step])) for step in shares[0]}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir, tmp_path_factory):
     """step -> prompts of the run that nothing interrupts: what every interrupted run must train on (one run for
@@ -101,11 +110,7 @@ def test_two_processes_train_on_the_prompts_of_one(tiny_model_dir, tmp_path, uni
     two = tmp_path / "two"
     result = launch(2, [SCRIPT, str(tiny_model_dir), str(two)], timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    shares = [trained_prompts(two), {}]
-    for line in open(two / "trained-1.jsonl"):
-        entry = json.loads(line)
-        shares[1][entry["step"]] = entry["idx"]
-    together = {step: sorted(set(shares[0][step]) | set(shares[1][step])) for step in shares[0]}
+    shares, together = process_shares(two)
     assert together == uninterrupted
     assert all(shares[0][step] and shares[1][step] for step in shares[0])  # both processes trained every step
 
@@ -125,11 +130,7 @@ def test_sharded_policy_feeds_its_async_worker(tiny_model_dir, tmp_path, uninter
         2, [SCRIPT, str(tiny_model_dir), str(out)], timeout=400, config=sharding_config(config_name, tmp_path)
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    shares = [trained_prompts(out), {}]
-    for line in open(out / "trained-1.jsonl"):
-        entry = json.loads(line)
-        shares[1][entry["step"]] = entry["idx"]
-    assert {step: sorted(set(shares[0][step]) | set(shares[1][step])) for step in shares[0]} == uninterrupted
+    assert process_shares(out)[1] == uninterrupted
     logged = [entry for entry in json.load(open(out / "log_history.json")) if "loss" in entry]
     assert len(logged) == 8
     assert logged[0]["sampling/sampling_logp_difference/max"] < 1e-4, logged[0]

@@ -39,11 +39,13 @@ LAUNCH_ENV = {
 }
 
 
-def accelerate_launch(nproc: int, flags: list[str], args: list[str], config: str = "") -> list[str]:
+def accelerate_launch(
+    nproc: int, flags: list[str], args: list[str], config: str = "", python: str = sys.executable
+) -> list[str]:
     """The command line users run: accelerate launch with grouprl's bundled multi_gpu config, or the `config` file
-    given (on a machine without GPUs the processes join over gloo)."""
+    given, under `python` (on a machine without GPUs the processes join over gloo)."""
     config = config or resolve_accelerate_config("multi_gpu")
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+    launcher = [python, "-m", "accelerate.commands.launch", "--config_file", config]
     return [*launcher, "--num_processes", str(nproc), *flags, *args]
 
 

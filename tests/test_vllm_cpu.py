@@ -80,13 +80,14 @@ def test_colocate_on_two_processes_each_with_its_engine(head_dim_64_model, tmp_p
     one vLLM engine in each process (tensor_parallel_size 1): every process's engine gets the trainer's weights at
     each sync, from the shards gathered under FSDP2, and the processes end with the same weights."""
     from conftest import free_port
+    from test_distributed import accelerate_launch
 
     from grouprl.launch import resolve_accelerate_config
 
     out = tmp_path / "out"
-    command = [VLLM_PYTHON, "-m", "accelerate.commands.launch", "--config_file"]
-    command += [resolve_accelerate_config(launch_config), "--num_processes", "2", "--mixed_precision", "no"]
-    command += ["--main_process_port", str(free_port()), str(RUNNER), head_dim_64_model, str(out), "full"]
+    flags = ["--mixed_precision", "no", "--main_process_port", str(free_port())]
+    args = [str(RUNNER), head_dim_64_model, str(out), "full"]
+    command = accelerate_launch(2, flags, args, resolve_accelerate_config(launch_config), VLLM_PYTHON)
     result = subprocess.run(command, capture_output=True, text=True, env=colocate_env(1), timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     runs = [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(2)]

@@ -87,7 +87,6 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         json.dump(
             {
                 "processes": trainer.accelerator.num_processes,
-                "distributed_type": str(trainer.accelerator.distributed_type),
                 "sharded": any(hasattr(p, "full_tensor") for p in unwrapped.parameters()),
                 "checksum": sum(w.double().sum().item() for w in weights),
                 "syncs": syncs,

@@ -54,8 +54,10 @@ class Reference:
             with gathered([param]):
                 if main:
                     state[name] = param.detach().cpu().clone()
+        if not main:
+            return None
         state.update((name, buffer.detach().cpu()) for name, buffer in model.named_buffers())
-        return state if main else None
+        return state
 
     def load_state_dict(self, state: Optional[dict[str, torch.Tensor]]) -> None:
         """A `state_dict` back into the reference (every process calls it)."""
