@@ -40,6 +40,21 @@ def long_context_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory):
+    """The same tiny model with room for tool schemas in the prompt, and a chat template that renders tools."""
+    from transformers import AutoTokenizer
+
+    from grouprl.demo.model import save_tiny_model
+    from grouprl.demo.tokenizer import TOOL_CHAT_TEMPLATE
+
+    path = save_tiny_model(tmp_path_factory.mktemp("tools") / "model", seed=0, max_position_embeddings=1024)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory):
     """A random tiny Qwen2ForSequenceClassification (num_labels=1) with the demo tokenizer, saved as "tiny-rm"."""
     import torch

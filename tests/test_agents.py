@@ -1,6 +1,8 @@
 """Tools, multi-turn rollouts, environments and rollout_func through GRPOTrainer, with a scripted backend
 that calls tools on cue: token-exact sequences, tool masks, limits, metrics, routing and TRL's errors."""
 
+import re
+
 import datasets
 import pytest
 import torch
@@ -8,7 +10,7 @@ from helpers import ScriptedBackend
 from transformers import AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
-from grouprl.demo.tokenizer import IM_END, TOOL_CHAT_TEMPLATE
+from grouprl.demo.tokenizer import IM_END
 
 
 def multiply(a: int, b: int) -> int:
@@ -62,18 +64,6 @@ class Echo:
         """
         self.heard.append(text)
         return text.upper()
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory):
-    """The tiny test model with room for tool schemas in the prompt, and a chat template that renders tools."""
-    from grouprl.demo.model import save_tiny_model
-
-    path = save_tiny_model(tmp_path_factory.mktemp("tools") / "model", seed=0, max_position_embeddings=1024)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -578,6 +568,95 @@ def test_rollout_func_missing_keys_named(tool_model_dir, tmp_path, tok):
     )
     with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
         trainer.run.rollouts.sample()
+
+
+# ---- with dynamic sampling and LoRA --------------------------------------------------------------------------------
+
+
+def number_of(tok, prompt_ids):
+    """The N of a "N times 7?" prompt, from its tokens."""
+    return int(re.search(r"(\d+) times 7", tok.decode(prompt_ids)).group(1))
+
+
+@pytest.mark.parametrize(
+    "kind, lora",
+    [("tools", False), ("tools", True), ("environment_factory", True), ("rollout_func", True)],
+    ids=["tools", "tools-lora", "environment_factory-lora", "rollout_func-lora"],
+)
+def test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters(tool_model_dir, tmp_path, tok, kind, lora):
+    """Only the groups of prompts 0, 4, 8, 12 call a tool (one sample in three), so only they differ in reward and
+    dynamic sampling keeps them alone; every row trained on is then its rollout, token for token, with the tool
+    output masked out of the loss. With LoRA only the adapters move."""
+    import grouprl.train.stages
+
+    tool = "increment" if kind == "environment_factory" else "multiply"
+    call = turn(tok, call_text("increment", step=2) if tool == "increment" else call_text("multiply", a=6, b=7))
+    glue, answer = suffix(tok, 2 if tool == "increment" else 42), turn(tok, "42")
+    direct = [turn(tok, "42"), turn(tok, "42"), turn(tok, "7")]
+
+    def expected(number, sample):  # (completion ids, loss mask) of a prompt's sample
+        if number % 4 == 0 and sample == 0:
+            return call + glue + answer, [True] * len(call) + [False] * len(glue) + [True] * len(answer)
+        return direct[sample], [True] * len(direct[sample])
+
+    def script(prompt_ids, sample):
+        if answered(tok, prompt_ids):
+            return answer
+        return call if number_of(tok, prompt_ids) % 4 == 0 and sample == 0 else direct[sample]
+
+    def rollout_func(prompts, trainer):
+        numbers = [int(re.search(r"(\d+) times", p[-1]["content"]).group(1)) for p in prompts]
+        rows = [expected(n, i % 3) for i, n in enumerate(numbers)]  # G=3 consecutive entries per prompt
+        return {
+            "prompt_ids": [ids(tok, p[-1]["content"]) for p in prompts],
+            "completion_ids": [r[0] for r in rows],
+            "logprobs": None,
+            "env_mask": [r[1] for r in rows],
+            "called": [float(not all(r[1])) for r in rows],
+        }
+
+    def reward(completions, **kwargs):  # tool calls make 3 messages, a direct answer 1
+        if kind == "rollout_func":
+            return kwargs["called"]
+        return [float(len(c)) if kind == "tools" else 0.0 for c in completions]
+
+    trained = {}
+    backward = grouprl.train.stages.backward
+
+    def record(run, loss, micro):
+        for prompt, mask, row, real, loss_mask in zip(
+            micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask, micro.loss_mask
+        ):
+            trained.setdefault(number_of(tok, prompt[mask]), []).append((row[real].tolist(), loss_mask[real].tolist()))
+        return backward(run, loss, micro)
+
+    agent = {"tools": {"tools": [multiply]}, "environment_factory": {"environment_factory": Counter}}.get(kind, {})
+    if kind == "rollout_func":
+        agent = {"rollout_func": rollout_func}
+    peft = pytest.importorskip("peft") if lora else None
+    trainer, _ = make_trainer(
+        tool_model_dir,
+        tmp_path,
+        script,
+        tok,
+        reward_funcs=reward,
+        train_dataset=dataset(16, number=list(range(16))),
+        args=config(tmp_path, dynamic_sampling=True, max_dynamic_sampling_rounds=8, max_steps=2),
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None,
+        **agent,
+    )
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grouprl.train.stages, "backward", record)
+        trainer.train()
+    # 2 prompts a round: (0 1) (2 3) (4 5) fill step 1 with 0 and 4; (6 7) (8 9) (10 11) (12 13) step 2 with 8, 12
+    assert sorted(trained) == [0, 4, 8, 12]
+    for number, rows in trained.items():
+        assert sorted(rows) == sorted(expected(number, s) for s in range(3)), number
+    drawn = [e["dynamic_sampling/completions_drawn"] for e in trainer.state.log_history if "loss" in e]
+    assert drawn == [18.0, 24.0]
+    changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and all(("lora_" in name) == lora for name in changed)
 
 
 # ---- errors TRL raises, and ours -------------------------------------------------------------------------------------

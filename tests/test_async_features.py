@@ -12,8 +12,7 @@ import datasets
 import pytest
 from helpers import ScriptedBackend, distinct_tokens
 from test_agents import Counter, answered, call_text, multiply, suffix, turn
-from test_agents import tok as tok  # noqa: F401  (the module-scoped fixtures of test_agents.py)
-from test_agents import tool_model_dir as tool_model_dir  # noqa: F401
+from test_agents import tok as tok  # noqa: F401  (test_agents.py's module-scoped fixture)
 from test_async import PROMPTS, async_config, step_entries
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOTrainer

@@ -16,6 +16,7 @@ import grouprl.generation.factory
 from grouprl import GFPOConfig, GFPOTrainer, GRPOTrainer
 from grouprl.compat.gfpo import shortest_k_filter
 from grouprl.config.combinations import (
+    EXCLUSIVE,
     FEATURES,
     NOT_BUILT,
     TABLE,
@@ -36,8 +37,8 @@ DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "combinations.m
 def test_every_declared_pair_names_known_features_and_says_why():
     for pair, found in TABLE.items():
         assert len(pair) == 2 and pair <= set(FEATURES), pair
-        assert found.status in (WORKS, NOT_BUILT) and found.note, pair  # untested pairs are simply not declared
-    assert cell("tools", "lora").status == UNTESTED
+        assert found.status in (WORKS, NOT_BUILT, EXCLUSIVE) and found.note, pair  # untested: simply not declared
+    assert cell("quantized", "sharded").status == UNTESTED
     with pytest.raises(KeyError, match="'telepathy' is not a feature"):
         cell("telepathy", "lora")
 
@@ -52,6 +53,31 @@ def test_the_check_refuses_exactly_the_pairs_marked_not_built(a, b):
     message = str(raised.value)
     assert FEATURES[a] in message and FEATURES[b] in message and cell(a, b).note in message
     assert isinstance(raised.value, NotImplementedError) and isinstance(raised.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},
+        {"generation_engine": "server"},
+        {"use_vllm": True, "vllm_mode": "server"},
+        {"use_vllm": True, "vllm_mode": "colocate"},
+        {"async_generation": True},
+        {"async_generation": True, "use_vllm": True, "vllm_mode": "server"},
+    ],
+)
+def test_a_run_samples_in_one_place_so_no_exclusive_pair_is_ever_active(sampling, tmp_path, monkeypatch):
+    from grouprl import GRPOConfig
+
+    monkeypatch.setattr(grouprl.compat.trainer_parts, "sharded_weights", lambda: False)
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, **sampling)
+    none = dict.fromkeys(("model", "train_dataset", "tools", "environment_factory", "rollout_func"), None)
+    active = grouprl.compat.trainer_parts.active_features(
+        args, **none, peft_config=None, quantization_config=None, generation_backend=None
+    )
+    assert len(active & {"in_process_sampling", "generation_server", "vllm_colocate"}) == 1, active
+    assert not [pair for pair, found in TABLE.items() if found.status == EXCLUSIVE and pair <= active]
 
 
 def test_the_docs_render_the_table():

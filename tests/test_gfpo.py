@@ -204,3 +204,78 @@ def test_evaluation_samples_every_completion_without_filtering(tiny_model_dir, t
     # samples 0..3 have 2..5 distinct tokens (EOS included): all G scored give a mean reward of 3.5, the 2 shortest 2.5
     assert metrics["eval_reward"] == pytest.approx(3.5)
     assert sum(len(prompts) * n for prompts, n in backend.calls) == 4 * G
+
+
+@pytest.mark.parametrize("feature", ["lora", "qlora", "sync_ref_model"])
+def test_gfpo_keeps_the_shortest_rows_with_lora_quantization_or_a_synced_reference(tiny_model_dir, tmp_path, feature):
+    """Every row trained on is one of the K shortest of its own group, each prompt's K rows once; LoRA and QLoRA move
+    the adapters only; a synced reference ends as the mix of the policy into the starting weights."""
+    import grouprl.train.stages
+
+    peft = pytest.importorskip("peft")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+
+    def script(prompt_ids, sample):
+        length = 1 + (sample * 5 + 3 * prompt_ids[0]) % 7
+        return [(prompt_ids[0] * 11 + sample * 3 + j) % 50 + 20 for j in range(length)] + [eos]
+
+    trained = []
+    backward = grouprl.train.stages.backward
+
+    def record(run, loss, micro):
+        for prompt, mask, row, real in zip(
+            micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask
+        ):
+            trained.append((prompt[mask].tolist(), row[real].tolist()))
+        return backward(run, loss, micro)
+
+    options = {
+        "sync_ref_model": dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.25)
+    }
+    config = GFPOConfig(
+        output_dir=str(tmp_path / "out"),
+        num_generations=G,
+        num_remains_in_group=K,
+        per_device_train_batch_size=6,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        max_completion_length=8,
+        learning_rate=0.05,
+        max_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        bf16=False,
+        shuffle_dataset=False,
+        model_init_kwargs={"quantization_config": {"load_in_4bit": True}} if feature == "qlora" else None,
+        **options.get(feature, {}),
+    )
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if "lora" in feature else None
+    trainer = GFPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=datasets.Dataset.from_dict({"prompt": [f"{i}{i}+{i}=" for i in range(9)]}),
+        generation_backend=ScriptedBackend(script, eos, tokenizer),
+        group_filter_func=shortest_k_filter,
+        peft_config=lora,
+    )
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    reference_before = {name: p.detach().clone() for name, p in (trainer.ref_model or trainer.model).named_parameters()}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grouprl.train.stages, "backward", record)
+        trainer.train()
+    prompts = {tuple(prompt) for prompt, _ in trained}
+    assert len(trained) == 3 * K and len(prompts) == 3  # 3 groups of G, K rows of each
+    for prompt in prompts:
+        rows = sorted(len(ids) for p, ids in trained if tuple(p) == prompt)
+        group = sorted(len(script(list(prompt), s)) for s in range(G))
+        assert rows == group[:K], (rows, group)
+    changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and all(("lora_" in name) == (feature != "sync_ref_model") for name in changed)
+    if feature == "sync_ref_model":
+        policy = dict(trainer.model.named_parameters())
+        for name, param in trainer.ref_model.named_parameters():
+            expected = 0.25 * policy[name] + 0.75 * reference_before[name]
+            assert torch.allclose(param, expected, atol=1e-6), name

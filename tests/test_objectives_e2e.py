@@ -158,11 +158,30 @@ def test_reference_of_a_model_instance_is_a_copy_taken_at_init(tiny_model_dir, t
     assert max_difference(cpu_parameters(trainer.ref_model), initial) == 0.0
 
 
-def test_sync_ref_model_mixes_the_policy_into_the_reference(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tiny_model_dir, tmp_path, dynamic_sampling):
+    """Also with dynamic sampling, whose extra rounds of sampling leave the reference alone (odd prompts tie)."""
+
+    def even_prompts_differ(prompts, completion_ids, **kwargs):
+        return [len(set(ids)) if int(p.split("+")[0]) % 2 == 0 else 1.0 for p, ids in zip(prompts, completion_ids)]
+
     config = make_config(
-        tmp_path, beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.25, max_steps=1
+        tmp_path,
+        beta=0.1,
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+        ref_model_mixup_alpha=0.25,
+        max_steps=1,
+        dynamic_sampling=dynamic_sampling,
+        shuffle_dataset=False,
     )
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts())
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=even_prompts_differ,
+        args=config,
+        train_dataset=prompts(),
+        generation_backend=scripted(AutoTokenizer.from_pretrained(tiny_model_dir)),
+    )
     reference_before = parameters(trainer.ref_model)
     trainer.train()
     policy, reference = parameters(trainer.model), parameters(trainer.ref_model)
@@ -170,6 +189,8 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tiny_model_dir, tmp_
         expected = 0.25 * policy[name] + 0.75 * reference_before[name]
         assert torch.allclose(reference[name], expected, atol=1e-6), name
     assert max_difference(reference, reference_before) > 0
+    if dynamic_sampling:
+        assert history(trainer, "dynamic_sampling/completions_drawn") == [12.0]  # (0 1) then (2 3): 0 and 2 kept
 
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)

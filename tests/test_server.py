@@ -67,16 +67,20 @@ def trainer_logprobs(model, fixed=FIXED):
     return out.logprobs[0].tolist()
 
 
-@pytest.mark.parametrize("weight_transfer", ["http", "broadcast"])
-def test_training_through_the_server_keeps_its_weights_in_sync(server, tiny_model_dir, tmp_path, weight_transfer):
+@pytest.mark.parametrize("weight_transfer, lora", [("http", False), ("broadcast", False), ("http", True)])
+def test_training_through_the_server_keeps_its_weights_in_sync(server, tiny_model_dir, tmp_path, weight_transfer, lora):
+    """With LoRA the server gets the base weights with the adapters merged in, and the trainer scores with the
+    adapters applied unmerged: the two agree."""
     url, _ = server
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    peft = pytest.importorskip("peft") if lora else None
     trainer = GRPOTrainer(
         model=tiny_model_dir,
         reward_funcs=distinct_tokens,
         args=config(tmp_path, url, generation_server_weight_transfer=weight_transfer),
         train_dataset=PROMPTS,
         processing_class=tokenizer,
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None,
     )
     backend = trainer.generation_backend
     assert isinstance(backend, RemoteGenerator) and backend.is_grouprl
@@ -98,6 +102,93 @@ def test_training_through_the_server_keeps_its_weights_in_sync(server, tiny_mode
     # the server sampled from the weights the trainer scores with: importance ratios of 1
     assert all(e["sampling/sampling_logp_difference/max"] < 1e-4 for e in logged)
     assert all(e["sampling/importance_sampling_ratio/min"] > 0.999 for e in logged)
+
+
+def test_tool_calls_continue_on_the_server_from_the_trainers_weights(server, tool_model_dir, tmp_path):
+    """Tools with a generation server: after a (scripted) first turn calls multiply, the server samples the rest of
+    the conversation, prompted with it token for token, from the weights the trainer has at that step."""
+    from helpers import ScriptedBackend
+    from test_agents import IM_END, answered, call_text, multiply, suffix, turn
+    from test_agents import dataset as conversations
+
+    url, _ = server
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    first, glue = turn(tok, call_text("multiply", a=6, b=7)), suffix(tok, 42)
+    trainer = GRPOTrainer(
+        model=tool_model_dir,
+        reward_funcs=distinct_tokens,
+        tools=[multiply],
+        args=config(
+            tmp_path,
+            url,
+            max_steps=2,
+            per_device_train_batch_size=6,
+            num_generations=3,
+            max_completion_length=len(first) + len(glue) + 6,
+        ),
+        train_dataset=conversations(),
+        processing_class=tok,
+    )
+    served = trainer.run.rollouts.backend
+    assert isinstance(served, RemoteGenerator)
+    continued, weights = [], []  # weights: the trainer's logprobs of FIXED at each continuation
+
+    class ScriptedFirstTurn:
+        needs_importance_correction = True
+
+        def sync_weights(self, model):
+            served.sync_weights(model)
+
+        def generate(self, prompt_ids, num_samples, params):
+            if not answered(tok, prompt_ids[0]):
+                scripted = ScriptedBackend(lambda p, s: first, tok.convert_tokens_to_ids(IM_END), tok)
+                return scripted.generate(prompt_ids, num_samples, params)
+            completions = served.generate(prompt_ids, num_samples, params)
+            for c in completions:
+                context = prompt_ids[c.prompt_index]
+                continued.append((context, c.sampler_logprobs, trainer_logprobs(trainer.model, (context, c.token_ids))))
+            weights.append(trainer_logprobs(trainer.model))
+            return completions
+
+    trainer.run.rollouts.backend = ScriptedFirstTurn()
+    trainer.train()
+    assert len(continued) == 2 * 6  # every rollout of both steps was continued on the server
+    for context, served_logprobs, trained_logprobs in continued:
+        assert tok.decode(context).endswith(tok.decode(first + glue))
+        assert served_logprobs == pytest.approx(trained_logprobs, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(weights[0], weights[-1])) > 1e-3  # checked before and after an update
+
+
+def test_rollout_func_samples_from_the_server_after_its_weight_sync(server, tiny_model_dir, tmp_path):
+    """TRL syncs the weights before calling rollout_func: the server it samples from has the trainer's weights at
+    every step (sampler and trainer logprobs agree while the weights move)."""
+    url, _ = server
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    backends = []
+
+    def rollout_func(prompts, trainer):
+        backends.append(trainer.generation_backend)
+        ids = [tokenizer(p)["input_ids"] for p in prompts]
+        completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling)
+        return {
+            "prompt_ids": ids,
+            "completion_ids": [c.token_ids for c in completions],
+            "logprobs": [c.sampler_logprobs for c in completions],
+        }
+
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        rollout_func=rollout_func,
+        args=config(tmp_path, url),
+        train_dataset=PROMPTS,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert len(backends) == 3 and all(isinstance(b, RemoteGenerator) for b in backends)
+    logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/max" in e]
+    assert len(logged) == 3 and all(e["sampling/sampling_logp_difference/max"] < 1e-4 for e in logged)
+    assert logged[0]["loss"] != logged[-1]["loss"]
 
 
 def test_trl_server_mode_fields_reach_a_grouprl_server(server, tiny_model_dir, tmp_path):

@@ -1,11 +1,12 @@
 """Which features combine: one declared table, checked when the trainer is built.
 
-Every pair of features is one of three kinds:
+Every pair of features is one of four kinds:
 
 - works: built and exercised by a test (the cell names it);
 - not built: refused at construction with an error that names both features and says what to do,
   instead of failing (or silently doing something else) in the middle of training;
-- untested: allowed, no test covers the pair yet (docs/combinations.md lists them).
+- untested: allowed, no test covers the pair yet (docs/combinations.md lists them);
+- exclusive: the two are settings of one choice (where a run samples), so no run has both.
 
 The trainer works out which features a run uses (``trainer_parts.active_features``) and calls
 ``check_combinations``; docs/combinations.md is rendered from this table (``rewrite_doc``), and a test
@@ -38,7 +39,7 @@ FEATURES: dict[str, str] = {
     "continuous_batching": "transformers continuous batching (use_transformers_continuous_batching=True)",
 }
 
-WORKS, NOT_BUILT, UNTESTED = "works", "not built", "untested"
+WORKS, NOT_BUILT, UNTESTED, EXCLUSIVE = "works", "not built", "untested", "exclusive"
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ def _works(test: str) -> Cell:
 
 def _not_built(note: str) -> Cell:
     return Cell(NOT_BUILT, note)
+
+
+WHERE_SAMPLING_RUNS = (
+    "both say where the completions are sampled, and a run samples in one place: in the training process, in a "
+    "generation server (the asynchronous worker is one) or in colocated vLLM."
+)
 
 
 # Pairs not listed are UNTESTED. Keys are pairs of FEATURES names.
@@ -151,7 +158,59 @@ TABLE: dict[frozenset[str], Cell] = {
             "tests/test_async_resume.py::test_sharded_policy_feeds_its_async_worker (FSDP2 and ZeRO-3 on 2 processes: "
             "the local worker starts from, and is sent, the weights that every process gathers)"
         ),
+        # ---- where sampling runs: one place per run ----
+        **{
+            pair: Cell(EXCLUSIVE, WHERE_SAMPLING_RUNS)
+            for pair in (
+                ("in_process_sampling", "generation_server"),
+                ("in_process_sampling", "vllm_colocate"),
+                ("in_process_sampling", "async_generation"),
+                ("generation_server", "vllm_colocate"),
+            )
+        },
+        # ---- agents with the other features ----
+        **{
+            (agent, "dynamic_sampling"): _works(
+                "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters (the "
+                "kept groups' rows trained on token for token, tool output out of the loss)"
+            )
+            for agent in ("tools", "environment_factory", "rollout_func")
+        },
+        **{
+            (agent, "lora"): _works(
+                "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters"
+            )
+            for agent in ("tools", "environment_factory", "rollout_func")
+        },
+        ("tools", "generation_server"): _works(
+            "tests/test_server.py::test_tool_calls_continue_on_the_server_from_the_trainers_weights"
+        ),
+        ("rollout_func", "generation_server"): _works(
+            "tests/test_server.py::test_rollout_func_samples_from_the_server_after_its_weight_sync (weights synced "
+            "before rollout_func, as TRL does)"
+        ),
+        # ---- GFPO and dynamic sampling with the other features ----
+        **{
+            ("gfpo", other): _works(
+                "tests/test_gfpo.py::test_gfpo_keeps_the_shortest_rows_with_lora_quantization_or_a_synced_reference"
+            )
+            for other in ("lora", "quantized", "sync_ref_model")
+        },
+        ("dynamic_sampling", "lora"): _works(
+            "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters"
+        ),
+        ("dynamic_sampling", "sync_ref_model"): _works(
+            "tests/test_objectives_e2e.py::test_sync_ref_model_mixes_the_policy_into_the_reference[True]"
+        ),
         # ---- LoRA and the reference model ----
+        ("sync_ref_model", "quantized"): _not_built(
+            "a quantized policy trains LoRA adapters, and with LoRA the reference is the frozen base model "
+            "(adapters off), which syncing would overwrite; use sync_ref_model=False."
+        ),
+        ("generation_server", "lora"): _works(
+            "tests/test_server.py::test_training_through_the_server_keeps_its_weights_in_sync (the adapters merged "
+            "into the weights sent)"
+        ),
         ("sync_ref_model", "lora"): _not_built(
             "with LoRA the reference is the frozen base model (adapters off), which syncing would overwrite; use "
             "sync_ref_model=False."
