@@ -104,20 +104,24 @@ def test_training_through_the_server_keeps_its_weights_in_sync(server, tiny_mode
     assert all(e["sampling/importance_sampling_ratio/min"] > 0.999 for e in logged)
 
 
-def test_tool_calls_continue_on_the_server_from_the_trainers_weights(server, tool_model_dir, tmp_path):
-    """Tools with a generation server: after a (scripted) first turn calls multiply, the server samples the rest of
-    the conversation, prompted with it token for token, from the weights the trainer has at that step."""
+@pytest.mark.parametrize("kind", ["tools", "environment_factory"])
+def test_tool_calls_continue_on_the_server_from_the_trainers_weights(server, tool_model_dir, tmp_path, kind):
+    """Tools (or an environment's) with a generation server: after a (scripted) first turn calls the tool, the server
+    samples the rest of the conversation, prompted with it token for token, from the weights the trainer has at that
+    step."""
     from helpers import ScriptedBackend
-    from test_agents import IM_END, answered, call_text, multiply, suffix, turn
+    from test_agents import IM_END, Counter, answered, call_text, multiply, suffix, turn
     from test_agents import dataset as conversations
 
     url, _ = server
     tok = AutoTokenizer.from_pretrained(tool_model_dir)
-    first, glue = turn(tok, call_text("multiply", a=6, b=7)), suffix(tok, 42)
+    if kind == "tools":
+        agent, first, glue = {"tools": [multiply]}, turn(tok, call_text("multiply", a=6, b=7)), suffix(tok, 42)
+    else:
+        agent, first, glue = {"environment_factory": Counter}, turn(tok, call_text("increment", step=2)), suffix(tok, 2)
     trainer = GRPOTrainer(
         model=tool_model_dir,
         reward_funcs=distinct_tokens,
-        tools=[multiply],
         args=config(
             tmp_path,
             url,
@@ -128,6 +132,7 @@ def test_tool_calls_continue_on_the_server_from_the_trainers_weights(server, too
         ),
         train_dataset=conversations(),
         processing_class=tok,
+        **agent,
     )
     served = trainer.run.rollouts.backend
     assert isinstance(served, RemoteGenerator)
@@ -189,6 +194,52 @@ def test_rollout_func_samples_from_the_server_after_its_weight_sync(server, tiny
     logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/max" in e]
     assert len(logged) == 3 and all(e["sampling/sampling_logp_difference/max"] < 1e-4 for e in logged)
     assert logged[0]["loss"] != logged[-1]["loss"]
+
+
+@pytest.mark.parametrize("feature", ["gfpo", "dynamic_sampling", "sync_ref_model"])
+def test_server_samples_from_the_trainers_weights_with_gfpo_dynamic_sampling_or_a_synced_reference(
+    server, tiny_model_dir, tmp_path, feature
+):
+    """Each step's completions come from the weights the trainer has (GFPO filters them, dynamic sampling draws
+    several rounds of them, a synced reference moves beside them): sampler and trainer logprobs agree every step."""
+    from grouprl import GFPOConfig, GFPOTrainer
+    from grouprl.compat.gfpo import shortest_k_filter
+
+    url, _ = server
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def odd_prompts_tie(prompts, completion_ids, **kwargs):
+        return [len(set(ids)) if int(p.split("+")[0]) % 2 == 0 else 1.0 for p, ids in zip(prompts, completion_ids)]
+
+    args = config(tmp_path, url, shuffle_dataset=False)
+    kwargs = {"reward_funcs": distinct_tokens, "train_dataset": PROMPTS, "processing_class": tokenizer}
+    if feature == "gfpo":
+        args = GFPOConfig(**{**args.to_dict(), "num_remains_in_group": 2})
+        filtered = []
+
+        def shortest(group_completions, group_rewards, **more):
+            filtered.append([len(group) for group in group_completions])
+            return shortest_k_filter(group_completions, group_rewards, **more)
+
+        trainer = GFPOTrainer(tiny_model_dir, args=args, group_filter_func=shortest, **kwargs)
+    else:
+        options = {
+            "dynamic_sampling": {"dynamic_sampling": True},
+            "sync_ref_model": {"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 1},
+        }[feature]
+        kwargs["reward_funcs"] = odd_prompts_tie if feature == "dynamic_sampling" else distinct_tokens
+        trainer = GRPOTrainer(tiny_model_dir, args=config(tmp_path, url, shuffle_dataset=False, **options), **kwargs)
+    reference = [p.detach().clone() for p in trainer.ref_model.parameters()] if trainer.ref_model else None
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/max" in e]
+    assert len(logged) == 3 and all(e["sampling/sampling_logp_difference/max"] < 1e-4 for e in logged)
+    if feature == "gfpo":
+        assert filtered == [[4, 4]] * 3  # each step's 2 groups of 4 server completions, filtered to 2 each
+    if feature == "dynamic_sampling":  # a round of 2 prompts keeps 1 at most (odd prompts tie): 2 rounds or more
+        assert all(e["dynamic_sampling/completions_drawn"] in (16.0, 24.0, 32.0, 40.0, 48.0) for e in logged)
+    if feature == "sync_ref_model":
+        moved = max((p - r).abs().max().item() for p, r in zip(trainer.ref_model.parameters(), reference))
+        assert moved > 0 and all(e["kl"] > 0 for e in logged[1:])
 
 
 def test_trl_server_mode_fields_reach_a_grouprl_server(server, tiny_model_dir, tmp_path):

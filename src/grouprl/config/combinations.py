@@ -182,9 +182,12 @@ TABLE: dict[frozenset[str], Cell] = {
             )
             for agent in ("tools", "environment_factory", "rollout_func")
         },
-        ("tools", "generation_server"): _works(
-            "tests/test_server.py::test_tool_calls_continue_on_the_server_from_the_trainers_weights"
-        ),
+        **{
+            (agent, "generation_server"): _works(
+                "tests/test_server.py::test_tool_calls_continue_on_the_server_from_the_trainers_weights"
+            )
+            for agent in ("tools", "environment_factory")
+        },
         ("rollout_func", "generation_server"): _works(
             "tests/test_server.py::test_rollout_func_samples_from_the_server_after_its_weight_sync (weights synced "
             "before rollout_func, as TRL does)"
@@ -195,6 +198,13 @@ TABLE: dict[frozenset[str], Cell] = {
                 "tests/test_gfpo.py::test_gfpo_keeps_the_shortest_rows_with_lora_quantization_or_a_synced_reference"
             )
             for other in ("lora", "quantized", "sync_ref_model")
+        },
+        **{
+            ("generation_server", other): _works(
+                "tests/test_server.py::test_server_samples_from_the_trainers_weights_with_gfpo_dynamic_sampling_or_a_"
+                "synced_reference"
+            )
+            for other in ("gfpo", "dynamic_sampling", "sync_ref_model")
         },
         ("dynamic_sampling", "lora"): _works(
             "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters"
