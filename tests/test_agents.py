@@ -289,17 +289,33 @@ def test_call_and_failure_frequencies_lengths_and_training(tool_model_dir, tmp_p
     assert metrics["eval_tools/call_frequency"] == pytest.approx(2 / 3)
 
 
-def test_real_backend_continues_after_tool_results(tool_model_dir, tmp_path, tok):
-    """The default sampler (FastGenerator) is prompted with prompt + tokens + suffix and keeps the budget."""
-    first = turn(tok, call_text("multiply", a=6, b=7))
+@pytest.mark.parametrize(
+    "kind, sampler",
+    [("tools", "fast"), ("tools", "continuous_batching"), ("environment_factory", "continuous_batching")],
+)
+def test_real_backend_continues_after_tool_results(tool_model_dir, tmp_path, tok, kind, sampler):
+    """The default sampler (FastGenerator), or transformers' continuous batching, is prompted with prompt + tokens +
+    suffix and keeps the budget."""
+    from grouprl.generation.continuous_batching import ContinuousBatchingGenerator
+
+    if kind == "tools":
+        agent, first, glue = {"tools": [multiply]}, turn(tok, call_text("multiply", a=6, b=7)), suffix(tok, 42)
+    else:
+        agent, first, glue = {"environment_factory": Counter}, turn(tok, call_text("increment", step=2)), suffix(tok, 2)
     trainer = GRPOTrainer(
         model=tool_model_dir,
         reward_funcs=constant_reward,
-        tools=[multiply],
         train_dataset=dataset(),
-        args=config(tmp_path, max_completion_length=len(first) + len(suffix(tok, 42)) + 5),
+        args=config(
+            tmp_path,
+            max_completion_length=len(first) + len(glue) + 5,
+            use_transformers_continuous_batching=sampler == "continuous_batching",
+        ),
+        **agent,
     )
     real = trainer.run.rollouts.backend
+    assert isinstance(real, ContinuousBatchingGenerator) == (sampler == "continuous_batching")
+    continuations = []
 
     class FirstTurnScripted:
         needs_importance_correction = False
@@ -312,13 +328,15 @@ def test_real_backend_continues_after_tool_results(tool_model_dir, tmp_path, tok
                 return ScriptedBackend(lambda p, s: first, tok.convert_tokens_to_ids(IM_END), tok).generate(
                     prompt_ids, num_samples, params
                 )
+            continuations.append(prompt_ids)
             return real.generate(prompt_ids, num_samples, params)
 
     trainer.run.rollouts.backend = FirstTurnScripted()
     trainer.train()
     rollout = trainer.run.rollouts.sample()
+    assert len(continuations) == 2 and all(tok.decode(p).endswith(tok.decode(first + glue)) for p in continuations[-1])
     for c in rollout.completions:
-        assert c.token_ids[: len(first) + len(suffix(tok, 42))] == first + suffix(tok, 42)
+        assert c.token_ids[: len(first) + len(glue)] == first + glue
         assert 0 < sum(c.tool_mask) - len(first) <= 5 and len(c.token_ids) <= trainer.args.max_completion_length
 
 

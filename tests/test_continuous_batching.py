@@ -170,3 +170,74 @@ def test_a_run_with_continuous_batching_learns(tiny_model_dir, tmp_path):
     trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     assert len(rewards) == 8 and sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.1, rewards
+
+
+@pytest.mark.parametrize("feature", ["gfpo", "dynamic_sampling", "sync_ref_model", "qlora", "rollout_func"])
+def test_continuous_batching_samples_for_the_other_features(tiny_model_dir, tmp_path, feature):
+    """Two steps sampled through generate_batch with GFPO (each group filtered), dynamic sampling (tied prompts drawn
+    again), a synced reference (moved by the policy), QLoRA (the 4-bit policy with its adapters sampling) or a
+    rollout_func (sampling through trainer.generation_backend)."""
+    from grouprl import GFPOConfig, GFPOTrainer
+    from grouprl.compat.gfpo import shortest_k_filter
+
+    def varied(prompts, completion_ids, **kwargs):  # differs within a group, unless dynamic sampling ties odd prompts
+        ties = feature == "dynamic_sampling"
+        return [
+            1.0 if ties and int(p.split("+")[0]) % 2 else float(sum(ids) % 7) for p, ids in zip(prompts, completion_ids)
+        ]
+
+    options = {
+        "dynamic_sampling": {"dynamic_sampling": True, "shuffle_dataset": False},
+        "sync_ref_model": {"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 1},
+        "qlora": {"model_init_kwargs": {"quantization_config": {"load_in_4bit": True}}},
+    }.get(feature, {})
+    args = quiet_config(
+        tmp_path,
+        {"use_transformers_continuous_batching": True, **options},
+        max_steps=2,
+        per_device_train_batch_size=6,
+        max_completion_length=6,
+        learning_rate=0.05,
+        bf16=False,
+    )
+    kwargs = {"reward_funcs": varied, "train_dataset": numbered_prompts(12)}
+    seen = []
+    if feature == "gfpo":
+
+        def shortest(group_completions, group_rewards, **more):
+            seen.append([len(group) for group in group_completions])
+            return shortest_k_filter(group_completions, group_rewards, **more)
+
+        args = GFPOConfig(**{**args.to_dict(), "num_remains_in_group": 2})
+        trainer = GFPOTrainer(tiny_model_dir, args=args, group_filter_func=shortest, **kwargs)
+    else:
+        if feature == "rollout_func":
+
+            def rollout_func(prompts, trainer):
+                seen.append(trainer.generation_backend)
+                ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+                completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling)
+                return {"prompt_ids": ids, "completion_ids": [c.token_ids for c in completions], "logprobs": None}
+
+            kwargs["rollout_func"] = rollout_func
+        if feature == "qlora":
+            peft = pytest.importorskip("peft")
+            pytest.importorskip("bitsandbytes")
+            kwargs["peft_config"] = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        trainer = GRPOTrainer(tiny_model_dir, args=args, **kwargs)
+    assert isinstance(trainer.generation_backend, ContinuousBatchingGenerator)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    reference = [p.detach().clone() for p in trainer.ref_model.parameters()] if trainer.ref_model else None
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 2 and all(entry["completions/mean_length"] > 0 for entry in logged)
+    changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and all(("lora_" in name) == (feature == "qlora") for name in changed)
+    if feature == "gfpo":
+        assert seen == [[3, 3]] * 2  # each step's 2 groups of 3, filtered to 2 each
+    if feature == "dynamic_sampling":  # a round of 2 prompts keeps 1 group at most (odd prompts tie): 2 rounds or more
+        assert all(entry["dynamic_sampling/completions_drawn"] in (12.0, 18.0, 24.0, 30.0) for entry in logged)
+    if feature == "sync_ref_model":
+        assert max((p - r).abs().max().item() for p, r in zip(trainer.ref_model.parameters(), reference)) > 0
+    if feature == "rollout_func":
+        assert len(seen) == 2 and all(isinstance(backend, ContinuousBatchingGenerator) for backend in seen)

@@ -281,6 +281,19 @@ TABLE: dict[frozenset[str], Cell] = {
             "continuous batching runs its forwards on a thread of its own, never in step with the other processes; "
             "leave ds3_gather_for_generation=True (continuous batching then samples from each process's replica)."
         ),
+        **{
+            (other, "continuous_batching"): _works(
+                "tests/test_continuous_batching.py::test_continuous_batching_samples_for_the_other_features"
+            )
+            for other in ("gfpo", "dynamic_sampling", "sync_ref_model", "quantized", "rollout_func")
+        },
+        **{
+            (agent, "continuous_batching"): _works(
+                "tests/test_agents.py::test_real_backend_continues_after_tool_results (the turns after a tool's "
+                "result sampled by generate_batch)"
+            )
+            for agent in ("tools", "environment_factory")
+        },
         ("in_process_sampling", "continuous_batching"): _works(
             "tests/test_continuous_batching.py::test_a_run_with_continuous_batching_learns"
         ),
