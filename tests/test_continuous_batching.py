@@ -140,6 +140,21 @@ def test_settings_it_would_not_apply_are_refused_when_the_trainer_is_built(tiny_
     assert named in str(raised.value)
 
 
+def test_generation_kwargs_at_values_that_change_nothing_are_accepted(tiny_model_dir, tmp_path):
+    neutral = {"repetition_penalty": 1.0, "num_beams": 1, "min_new_tokens": 0, "no_repeat_ngram_size": 0}
+    args = quiet_config(
+        tmp_path,
+        {"use_transformers_continuous_batching": True, "generation_kwargs": neutral},
+        per_device_train_batch_size=3,
+        max_steps=1,
+        max_completion_length=4,
+    )
+    trainer = GRPOTrainer(tiny_model_dir, reward_funcs=low_tokens, args=args, train_dataset=numbered_prompts(6))
+    assert isinstance(trainer.generation_backend, ContinuousBatchingGenerator)
+    trainer.train()  # generate_batch takes them
+    assert trainer.state.global_step == 1
+
+
 def test_trls_deprecated_name_turns_it_on_with_a_warning(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

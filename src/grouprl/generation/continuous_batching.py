@@ -25,13 +25,19 @@ from grouprl.generation.protocol import cut_at_eos
 # generation_kwargs that continuous batching applies (its processors for these run per row, or need no state)
 APPLIED_KWARGS = ("temperature", "top_k", "top_p", "min_p", "do_sample", "suppress_tokens")
 SIZING = ("num_blocks", "max_memory_percent")
+# generation_kwargs at values that change nothing: nothing for continuous batching to apply
+NEUTRAL_KWARGS = {"repetition_penalty": 1.0, "num_beams": 1, "min_new_tokens": 0, "no_repeat_ngram_size": 0}
 
 
 def continuous_batching_refusal(params: SamplingParams) -> Optional[str]:
     """Why continuous batching cannot sample with `params` (None when it can)."""
     if params.extra.get("repetition_penalty", params.repetition_penalty) != 1.0:
         return "transformers continuous batching drops the repetition penalty's logits processor (repetition_penalty)"
-    ignored = sorted(set(params.extra) - set(APPLIED_KWARGS))
+    ignored = sorted(
+        key
+        for key, value in params.extra.items()
+        if key not in APPLIED_KWARGS and NEUTRAL_KWARGS.get(key, ...) != value
+    )
     if ignored:
         return (
             f"transformers continuous batching does not apply generation_kwargs {ignored} (it applies {APPLIED_KWARGS})"
