@@ -284,6 +284,71 @@ def test_qwen2_vl_trains_with_multi_image_prompts_reference_and_importance_sampl
         assert torch.equal(param, final[name]), name
 
 
+@pytest.mark.parametrize("feature", ["gfpo", "dynamic_sampling", "sync_ref_model"])
+def test_every_trained_row_keeps_its_prompts_images_with_gfpo_dynamic_sampling_or_a_synced_reference(tmp_path, feature):
+    """GFPO drops rows, dynamic sampling drops groups and joins rounds: each row trained on still carries its own
+    prompt's images (as many image tokens in its prompt as its image grids give, the same pixels for every row of a
+    prompt); a synced reference (which scores the images too) moves with the policy."""
+    import re
+
+    import grouprl.train.stages
+    from grouprl import GFPOConfig, GFPOTrainer
+    from grouprl.compat.gfpo import shortest_k_filter
+
+    model, processor = tiny_qwen2_vl()
+    model.model.visual.requires_grad_(False)
+    rows = [
+        {"prompt": user(f"describe {i}"), "images": [[image(i)], [image(i), image(i + 10, 16, 24)], []][i % 3]}
+        for i in range(12)
+    ]
+
+    def reward(prompts, completions, images, **kwargs):  # even prompts tie under dynamic sampling
+        ties = feature == "dynamic_sampling"
+        text = [p[0]["content"][-1]["text"] if isinstance(p[0]["content"], list) else p[0]["content"] for p in prompts]
+        return [
+            1.0 if ties and int(t.split()[-1]) % 2 == 0 else len(c[0]["content"]) / 10 + len(i)
+            for t, c, i in zip(text, completions, images)
+        ]
+
+    pixels, checked = {}, []
+    backward = grouprl.train.stages.backward
+
+    def record(run, loss, micro):
+        for ids, mask, images in zip(micro.prompt_ids, micro.prompt_mask, micro.multimodal):
+            number = int(re.search(r"describe (\d+)", processor.tokenizer.decode(ids[mask])).group(1))
+            tokens = int((ids[mask] == model.config.image_token_id).sum())
+            grids = images.per_image["image_grid_thw"] if images is not None else torch.zeros(0, 3)
+            assert tokens == int(grids.prod(-1).sum()) // 4, number  # 2x2 patches merged into one token
+            if images is not None:
+                assert torch.equal(
+                    pixels.setdefault(number, images.per_image["pixel_values"]), images.per_image["pixel_values"]
+                )
+            checked.append(number)
+        return backward(run, loss, micro)
+
+    options = {
+        "dynamic_sampling": {"dynamic_sampling": True},
+        "sync_ref_model": {"sync_ref_model": True, "ref_model_sync_steps": 1},
+    }.get(feature, {})
+    args = vlm_config(tmp_path, per_device_train_batch_size=6, num_generations=3, shuffle_dataset=False, **options)
+    kwargs = {"args": args, "train_dataset": datasets.Dataset.from_list(rows), "processing_class": processor}
+    if feature == "gfpo":
+        kwargs["args"] = GFPOConfig(**{**args.to_dict(), "num_remains_in_group": 2})
+        trainer = GFPOTrainer(model, reward, group_filter_func=shortest_k_filter, **kwargs)
+    else:
+        trainer = GRPOTrainer(model, reward, **kwargs)
+    reference = [p.detach().clone() for p in trainer.ref_model.parameters()]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grouprl.train.stages, "backward", record)
+        trainer.train()
+    per_step = {"gfpo": 2 * 2, "dynamic_sampling": 2 * 3, "sync_ref_model": 2 * 3}[feature]
+    assert len(checked) == 2 * per_step and {n % 3 for n in checked} == {0, 1, 2}  # no images, 1 image, 2 images
+    if feature == "dynamic_sampling":  # the second prompt of each round of two is kept
+        assert all(n % 2 == 1 for n in checked)
+    moved = max((p - r).abs().max().item() for p, r in zip(trainer.ref_model.parameters(), reference))
+    assert (moved > 0) == (feature == "sync_ref_model")
+
+
 def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path):
     peft = pytest.importorskip("peft")
     path = save_tiny_llava(tmp_path / "tiny-llava")

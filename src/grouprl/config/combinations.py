@@ -192,6 +192,13 @@ TABLE: dict[frozenset[str], Cell] = {
             "tests/test_server.py::test_rollout_func_samples_from_the_server_after_its_weight_sync (weights synced "
             "before rollout_func, as TRL does)"
         ),
+        **{
+            ("images", other): _works(
+                "tests/test_vlm.py::test_every_trained_row_keeps_its_prompts_images_with_gfpo_dynamic_sampling_or_a_"
+                "synced_reference"
+            )
+            for other in ("gfpo", "dynamic_sampling", "sync_ref_model")
+        },
         # ---- GFPO and dynamic sampling with the other features ----
         **{
             ("gfpo", other): _works(
