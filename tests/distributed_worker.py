@@ -27,13 +27,14 @@ import peft
 import torch
 from accelerate import PartialState
 from helpers import gloo_threads
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
 from grouprl.core.types import Completion
 from grouprl.generation.factory import ShardedPolicySampler
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.weights import inference_weights, load_weights, materialize, replica_of
+from grouprl.model.full_state import gathered, whole
 
 NUM_GENERATIONS = 4
 # scenario -> (loss_type, main process samples for everyone (server-style dispatch;
@@ -64,10 +65,19 @@ SCENARIOS = {
     # the same with LoRA adapters (the replica takes the merged weights; the config's optimizer, built on the adapters;
     # under ZeRO-3 each adapter's update is added to its gathered base weight, which PEFT's merge cannot do)
     "fsdp2_sampled_lora": ("grpo", None, {"beta": 0.1, "lora": True}),
+    # QLoRA: the 4-bit policy with LoRA adapters (FSDP-QLoRA)
+    "fsdp2_qlora": ("grpo", False, {"beta": 0.1, "lora": True, "quantized": True, "resume": True}),
+    # the same with transformers continuous batching sampling from the replica
+    "fsdp2_sampled_cb": ("grpo", None, {"beta": 0.1, "use_transformers_continuous_batching": True}),
     # sampled from the sharded policy itself, the processes in step (ds3_gather_for_generation=False); each also
     # with LoRA (the adapters applied in the sharded forward)
     "fsdp2_lockstep": ("grpo", None, {"beta": 0.1, "ds3_gather_for_generation": False}),
     "fsdp2_lockstep_lora": ("grpo", None, {"beta": 0.1, "lora": True, "ds3_gather_for_generation": False}),
+    "fsdp2_lockstep_qlora": (
+        "grpo",
+        None,
+        {"beta": 0.1, "lora": True, "quantized": True, "ds3_gather_for_generation": False},
+    ),
     # sampled by a real `grouprl serve` (TRL's everyday multi-GPU setup: vLLM's server beside a sharded policy): each
     # weight sync gathers the shards on every process and the main process alone sends them
     "fsdp2_server": ("grpo", None, {"beta": 0.1, "generation_engine": "server", "generation_kwargs": {"seed": 0}}),
@@ -95,8 +105,10 @@ SCENARIOS.update(
 # (the `*_server` ones only where grouprl serve's libraries are installed)
 HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
 SERVED = ("_server",) if HAS_SERVER_LIBRARIES else ()
-VARIANTS = ("_dynamic", "_gfpo", "_sync_ref")
-SHARDED_KINDS = ("", "_resume", "_sampled", "_sampled_lora", "_lockstep", "_lockstep_lora") + VARIANTS + SERVED
+VARIANTS = ("_dynamic", "_gfpo", "_sync_ref", "_qlora")
+SHARDED_KINDS = ("", "_resume", "_sampled", "_sampled_lora", "_sampled_cb", "_lockstep", "_lockstep_lora")
+SHARDED_KINDS += ("_lockstep_qlora",)
+SHARDED_KINDS += VARIANTS + SERVED
 SHARDED = {
     "fsdp2": tuple(f"fsdp2{kind}" for kind in SHARDED_KINDS),
     "zero2": ("zero2", "zero2_resume"),
@@ -155,6 +167,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     resume = extra.pop("resume", False)
     adamw = extra.pop("optimizer", None) == "adamw"
     lora = extra.pop("lora", False)
+    quantized = extra.pop("quantized", False)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     accumulation = extra.pop("gradient_accumulation_steps", 2)
@@ -187,7 +200,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     seen = []
 
     def build() -> GRPOTrainer:
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        quantization = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True)} if quantized else {}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **quantization)
         # SGD: update = gradient, so a gradient bug shows; AdamW: its state must survive a checkpoint
         optimizer = (torch.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=config.learning_rate)
         peft_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if lora else None
@@ -268,6 +282,13 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         def recording_generate(prompt_ids, num_samples, params, **kwargs):
             completions = generate(prompt_ids, num_samples, params, **kwargs)
             model = backend.model
+            if quantized:  # no unsharded copy to compare with: gathering a 4-bit policy's weights is not built
+                samples.append({"rows": len(prompt_ids) * num_samples, "num_samples": num_samples})
+                samples[-1]["lengths"] = [len(c.token_ids) for c in completions]
+                samples[-1]["sharded"] = any(
+                    hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in model.parameters()
+                )
+                return completions
             reference = replica_of(model)  # built outside ZeRO-3's partitioning, as the replica sampler's
             with torch.no_grad():
                 materialize(reference, model)
@@ -322,6 +343,10 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         """The full parameters (FSDP2's and ZeRO-3's shards gathered: every process takes part), as an inference copy
         loads them."""
         model = trainer.accelerator.unwrap_model(trainer.run.model)
+        if quantized:  # the trained part: the adapters (the 4-bit base is frozen)
+            adapters = [(name, p) for name, p in model.named_parameters() if "lora_" in name]
+            with gathered([p for _, p in adapters]):
+                return {name: whole(p).clone() for name, p in adapters}
         return {name: tensor.clone() for name, tensor in inference_weights(model)}
 
     trainer = build()
@@ -332,6 +357,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         "syncs": list(syncs),
         "samples": list(samples),
         "backend": type(trainer.generation_backend).__name__,
+        "replica_sampler": type(getattr(trainer.generation_backend, "backend", None)).__name__,
         "processes": processes,
         "weights": weights(trainer),
         "log_history": trainer.state.log_history,

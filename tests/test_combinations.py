@@ -38,7 +38,7 @@ def test_every_declared_pair_names_known_features_and_says_why():
     for pair, found in TABLE.items():
         assert len(pair) == 2 and pair <= set(FEATURES), pair
         assert found.status in (WORKS, NOT_BUILT, EXCLUSIVE) and found.note, pair  # untested: simply not declared
-    assert cell("quantized", "sharded").status == UNTESTED
+    assert cell("tools", "sharded").status == UNTESTED
     with pytest.raises(KeyError, match="'telepathy' is not a feature"):
         cell("telepathy", "lora")
 
@@ -187,6 +187,28 @@ def test_the_trainer_refuses_each_not_built_pair_before_loading_a_model(a, b, tm
     with pytest.raises(UnsupportedCombination) as raised:
         make(str(tmp_path / "no-model-here"))  # refused before the model is looked for
     assert FEATURES[a] in str(raised.value) and FEATURES[b] in str(raised.value)
+
+
+def test_a_sharded_quantized_policy_samples_in_step_and_a_replica_of_it_is_refused(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """FSDP / ZeRO-3 with a 4-bit policy: the unsharded replica would need its weights gathered dequantized, which is
+    not built, so that sampling is refused naming the setting that samples from the sharded policy itself instead
+    (tests/test_distributed.py trains both ways of a sharded QLoRA run: `*_qlora`, `*_lockstep_qlora`)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, quantization_config=BitsAndBytesConfig(load_in_4bit=True)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(grouprl.generation.factory, "sharded_weights", lambda: True)
+    args = quiet_config(tmp_path, {}, per_device_train_batch_size=3)
+    with pytest.raises(ValueError, match="quantized policy.*ds3_gather_for_generation=False"):
+        build_backend(model, tokenizer, [tokenizer.eos_token_id], args, max_num_seqs=8)
+    args = quiet_config(tmp_path, {"ds3_gather_for_generation": False}, per_device_train_batch_size=3)
+    backend = build_backend(model, tokenizer, [tokenizer.eos_token_id], args, max_num_seqs=8)
+    assert isinstance(backend, TransformersGenerator) and backend.lockstep
 
 
 def test_sampling_from_the_sharded_policy_runs_transformers_generate_in_step(tiny_model_dir, tmp_path, monkeypatch):

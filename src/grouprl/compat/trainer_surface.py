@@ -32,6 +32,7 @@ from grouprl._version import __version__
 from grouprl.config.grpo_config import GRPOConfig
 from grouprl.core.metrics import JsonlWriter
 from grouprl.data.prompt_sampler import TrainPromptBatches
+from grouprl.model import quantization
 from grouprl.model.adapters import save_pretrained
 from grouprl.model.full_state import fsdp_sharded, gather_full_state
 from grouprl.train import stages
@@ -404,7 +405,14 @@ class TrainerSurface:
         engine = deepspeed_engine(self.accelerator)
         if engine is not None and training.get("optimizer_keys") == ENGINE_STATE:
             # each process its shards of the weights and the optimizer state (the schedule is grouprl's)
-            engine.load_checkpoint(os.path.join(path, ENGINE_STATE), tag=ENGINE_STATE, load_lr_scheduler_states=False)
+            # a 4-bit policy's module state holds bitsandbytes' quantization entries (weight.absmax, ...), which
+            # DeepSpeed's strict load refuses as unexpected keys; the trained adapters load either way
+            engine.load_checkpoint(
+                os.path.join(path, ENGINE_STATE),
+                tag=ENGINE_STATE,
+                load_lr_scheduler_states=False,
+                load_module_strict=not quantization.is_quantized(model),
+            )
         else:
             load_policy_weights(model, path)
             load_optimizer_state(model, self.run.optimizer, training)

@@ -199,6 +199,20 @@ TABLE: dict[frozenset[str], Cell] = {
             )
             for other in ("gfpo", "dynamic_sampling", "sync_ref_model")
         },
+        ("quantized", "sharded"): _works(
+            "tests/test_distributed.py::test_sharded_two_processes_train_like_one[{fsdp2,zero3}_qlora] (FSDP-QLoRA "
+            "and ZeRO-3 QLoRA on 2 processes: the 1-process adapters, resumed exactly from a checkpoint); in-process "
+            "sampling then needs ds3_gather_for_generation=False (an unsharded replica of a 4-bit policy is refused "
+            "by name)"
+        ),
+        ("quantized", "lockstep_sampling"): _works(
+            "tests/test_distributed.py::test_sharded_policy_samples_in_lockstep_without_gathering_its_weights "
+            "({fsdp2,zero3}_lockstep_qlora)"
+        ),
+        ("sharded", "continuous_batching"): _works(
+            "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
+            "({fsdp2,zero3}_sampled_cb: generate_batch on each process's replica)"
+        ),
         # ---- GFPO and dynamic sampling with the other features ----
         **{
             ("gfpo", other): _works(

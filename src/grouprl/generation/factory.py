@@ -39,6 +39,7 @@ from grouprl.generation.server_client import server_base_url
 from grouprl.generation.static_decode import CapturedGenerator, captured_supports
 from grouprl.generation.weights import load_weights, materialize, release_storage, replica_of
 from grouprl.model.multimodal import image_token_ids
+from grouprl.model.quantization import is_quantized
 
 
 def build_backend(
@@ -53,6 +54,13 @@ def build_backend(
     if sharded_weights() and not args.ds3_gather_for_generation:
         return lockstep_backend(model, tokenizer, eos_token_ids, args)
     if sharded_weights():
+        if is_quantized(model):
+            raise ValueError(
+                "In-process sampling under FSDP / DeepSpeed ZeRO-3 samples from an unsharded replica loaded with the "
+                "policy's gathered weights, and gathering a quantized policy's weights (dequantized, with its adapters "
+                "merged) is not built. Set GRPOConfig.ds3_gather_for_generation=False: each process then samples "
+                "from the sharded quantized policy itself, the processes in step."
+            )
         return ShardedPolicySampler(lambda replica: in_process_backend(replica, tokenizer, eos_token_ids, args))
     return in_process_backend(model, tokenizer, eos_token_ids, args)
 
