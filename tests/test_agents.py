@@ -596,15 +596,13 @@ def number_of(tok, prompt_ids):
     return int(re.search(r"(\d+) times 7", tok.decode(prompt_ids)).group(1))
 
 
-@pytest.mark.parametrize(
-    "kind, lora",
-    [("tools", False), ("tools", True), ("environment_factory", True), ("rollout_func", True)],
-    ids=["tools", "tools-lora", "environment_factory-lora", "rollout_func-lora"],
-)
-def test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters(tool_model_dir, tmp_path, tok, kind, lora):
+@pytest.mark.parametrize("kind", ["tools", "environment_factory", "rollout_func"])
+@pytest.mark.parametrize("policy", ["full", "lora", "qlora", "sync_ref"])
+def test_multi_turn_rows_survive_dynamic_sampling_with_each_kind_of_policy(tool_model_dir, tmp_path, tok, kind, policy):
     """Only the groups of prompts 0, 4, 8, 12 call a tool (one sample in three), so only they differ in reward and
     dynamic sampling keeps them alone; every row trained on is then its rollout, token for token, with the tool
-    output masked out of the loss. With LoRA only the adapters move."""
+    output masked out of the loss. With LoRA, and QLoRA (a 4-bit base), only the adapters move; a synced reference
+    moves with the policy."""
     import grouprl.train.stages
 
     tool = "increment" if kind == "environment_factory" else "multiply"
@@ -651,7 +649,12 @@ def test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters(tool_m
     agent = {"tools": {"tools": [multiply]}, "environment_factory": {"environment_factory": Counter}}.get(kind, {})
     if kind == "rollout_func":
         agent = {"rollout_func": rollout_func}
+    lora = policy in ("lora", "qlora")
     peft = pytest.importorskip("peft") if lora else None
+    options = {
+        "qlora": {"model_init_kwargs": {"quantization_config": {"load_in_4bit": True}}},
+        "sync_ref": {"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 1},
+    }.get(policy, {})
     trainer, _ = make_trainer(
         tool_model_dir,
         tmp_path,
@@ -659,11 +662,12 @@ def test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters(tool_m
         tok,
         reward_funcs=reward,
         train_dataset=dataset(16, number=list(range(16))),
-        args=config(tmp_path, dynamic_sampling=True, max_dynamic_sampling_rounds=8, max_steps=2),
+        args=config(tmp_path, dynamic_sampling=True, max_dynamic_sampling_rounds=8, max_steps=2, **options),
         peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None,
         **agent,
     )
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    reference = [p.detach().clone() for p in trainer.ref_model.parameters()] if policy == "sync_ref" else []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(grouprl.train.stages, "backward", record)
         trainer.train()
@@ -675,6 +679,8 @@ def test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters(tool_m
     assert drawn == [18.0, 24.0]
     changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
     assert changed and all(("lora_" in name) == lora for name in changed)
+    if reference:
+        assert max((p - r).abs().max().item() for p, r in zip(trainer.ref_model.parameters(), reference)) > 0
 
 
 # ---- errors TRL raises, and ours -------------------------------------------------------------------------------------

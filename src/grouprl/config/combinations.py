@@ -171,16 +171,17 @@ TABLE: dict[frozenset[str], Cell] = {
         # ---- agents with the other features ----
         **{
             (agent, "dynamic_sampling"): _works(
-                "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters (the "
+                "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_with_each_kind_of_policy (the "
                 "kept groups' rows trained on token for token, tool output out of the loss)"
             )
             for agent in ("tools", "environment_factory", "rollout_func")
         },
         **{
-            (agent, "lora"): _works(
-                "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters"
+            (agent, other): _works(
+                "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_with_each_kind_of_policy"
             )
             for agent in ("tools", "environment_factory", "rollout_func")
+            for other in ("lora", "quantized", "sync_ref_model")
         },
         **{
             (agent, "generation_server"): _works(
@@ -227,9 +228,12 @@ TABLE: dict[frozenset[str], Cell] = {
             )
             for other in ("gfpo", "dynamic_sampling", "sync_ref_model")
         },
-        ("dynamic_sampling", "lora"): _works(
-            "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_and_train_lora_adapters"
-        ),
+        **{
+            ("dynamic_sampling", other): _works(
+                "tests/test_agents.py::test_multi_turn_rows_survive_dynamic_sampling_with_each_kind_of_policy"
+            )
+            for other in ("lora", "quantized")
+        },
         ("dynamic_sampling", "sync_ref_model"): _works(
             "tests/test_objectives_e2e.py::test_sync_ref_model_mixes_the_policy_into_the_reference[True]"
         ),
