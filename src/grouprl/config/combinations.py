@@ -89,6 +89,11 @@ TABLE: dict[frozenset[str], Cell] = {
             "and training would then fail in multimodal.py; train image prompts without environment_factory, or "
             "environments on text prompts."
         ),
+        ("images", "rollout_func"): _not_built(
+            "rollout_func returns prompt_ids of its own, to which the images' inputs (their token positions and "
+            "pixels, computed from the dataset's prompt) cannot be matched, so training would fail in "
+            "multimodal.py; train image prompts without rollout_func, or rollout_func on text prompts."
+        ),
         ("images", "generation_server"): _not_built(
             "the server client sends token ids only, not images; sample in the training process "
             "(generation_engine='auto' or 'transformers', use_vllm=False)."
