@@ -349,12 +349,15 @@ def test_every_trained_row_keeps_its_prompts_images_with_gfpo_dynamic_sampling_o
     assert (moved > 0) == (feature == "sync_ref_model")
 
 
-def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path):
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
+def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path, quantized):
+    """Also QLoRA: the model's linear layers loaded in 4 bits, the adapters on the language model's."""
     peft = pytest.importorskip("peft")
     path = save_tiny_llava(tmp_path / "tiny-llava")
     data = datasets.Dataset.from_list([{"prompt": user(f"what is {i}?"), "image": image(i)} for i in range(8)])
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)")
-    config = vlm_config(tmp_path, log_multimodal=False)
+    quantization = {"model_init_kwargs": {"quantization_config": {"load_in_4bit": True}}} if quantized else {}
+    config = vlm_config(tmp_path, log_multimodal=False, **quantization)
     trainer = GRPOTrainer(
         path,
         lambda completions, image, **k: [len(c[0]["content"]) / 10 for c in completions],
@@ -364,6 +367,8 @@ def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path)
     )
     assert type(trainer.processing_class).__name__ == "LlavaProcessor"  # loaded with AutoProcessor
     policy = trainer.accelerator.unwrap_model(trainer.run.model)
+    four_bit = [name for name, module in policy.named_modules() if type(module).__name__ == "Linear4bit"]
+    assert any(".language_model." in name and name.endswith("q_proj.base_layer") for name in four_bit) == quantized
     before = {name: p.detach().clone() for name, p in policy.named_parameters()}
     trainer.train()
     for name, param in policy.named_parameters():

@@ -104,6 +104,9 @@ TABLE: dict[frozenset[str], Cell] = {
         ),
         ("images", "in_process_sampling"): _works("tests/test_vlm.py"),
         ("images", "lora"): _works("tests/test_vlm.py (peft_config on the language model)"),
+        ("images", "quantized"): _works(
+            "tests/test_vlm.py::test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model[qlora]"
+        ),
         # ---- generation ----
         ("sharded", "in_process_sampling"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights (FSDP2 "
