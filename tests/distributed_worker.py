@@ -88,6 +88,7 @@ SCENARIOS = {
         {"gradient_accumulation_steps": 1, "steps_per_generation": 2, "resume": True, "optimizer": "adamw"},
     ),
 }
+VARIANTS = ("_dynamic", "_gfpo", "_sync_ref", "_qlora")
 # the algorithm variants under sharding: DAPO's dynamic sampling, GFPO's filter, TR-DPO's reference syncing (the
 # policy mixed into the reference after every step; the reference is whole on each process under FSDP2 and sharded in
 # an inference engine of its own under ZeRO-3), resumed from the step-1 checkpoint, which holds the mixed reference
@@ -100,14 +101,30 @@ SCENARIOS.update(
         {"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5, "resume": True},
     ),
 )
+# the same variants sampled in step from the sharded policy (ds3_gather_for_generation=False): dynamic sampling's
+# extra rounds and GFPO's filter must keep the processes' forwards in step
+SCENARIOS.update(
+    {
+        f"fsdp2_lockstep{variant}": (
+            SCENARIOS[f"fsdp2{variant}"][0],
+            None,
+            {
+                **SCENARIOS[f"fsdp2{variant}"][2],
+                "ds3_gather_for_generation": False,
+                "resume": False,
+                "odd_prompts_tie": variant == "_dynamic",
+            },
+        )
+        for variant in VARIANTS[:3]
+    }
+)
 # the scenarios launched with a sharding config (zero2 / zero3: DeepSpeed's CPU accelerator over gloo), by config
 # (ZeRO-2 shards the optimizer's state only: its processes sample from the policy itself, as DDP's)
 # (the `*_server` ones only where grouprl serve's libraries are installed)
 HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
 SERVED = ("_server",) if HAS_SERVER_LIBRARIES else ()
-VARIANTS = ("_dynamic", "_gfpo", "_sync_ref", "_qlora")
 SHARDED_KINDS = ("", "_resume", "_sampled", "_sampled_lora", "_sampled_cb", "_lockstep", "_lockstep_lora")
-SHARDED_KINDS += ("_lockstep_qlora",)
+SHARDED_KINDS += ("_lockstep_qlora", "_lockstep_dynamic", "_lockstep_gfpo", "_lockstep_sync_ref")
 SHARDED_KINDS += VARIANTS + SERVED
 SHARDED = {
     "fsdp2": tuple(f"fsdp2{kind}" for kind in SHARDED_KINDS),
@@ -161,6 +178,13 @@ def distinct_tokens(completion_ids, **kwargs):
     return [float(len(set(ids)) + sum(ids) % 5) for ids in completion_ids]
 
 
+def odd_prompts_tie(prompts, completion_ids, **kwargs):
+    """distinct_tokens, but every completion of an odd-numbered prompt scores 1: dynamic sampling drops those groups
+    and draws again."""
+    scores = distinct_tokens(completion_ids)
+    return [1.0 if int(prompt.split("+")[0]) % 2 else score for prompt, score in zip(prompts, scores)]
+
+
 def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     loss_type, main_only, extra = SCENARIOS[scenario]
     extra = dict(extra)
@@ -168,6 +192,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     adamw = extra.pop("optimizer", None) == "adamw"
     lora = extra.pop("lora", False)
     quantized = extra.pop("quantized", False)
+    ties = extra.pop("odd_prompts_tie", False)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     accumulation = extra.pop("gradient_accumulation_steps", 2)
@@ -208,7 +233,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         backend = None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling)
         trainer = (GFPOTrainer if gfpo else GRPOTrainer)(
             model=model,
-            reward_funcs=distinct_tokens,
+            reward_funcs=odd_prompts_tie if ties else distinct_tokens,
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,

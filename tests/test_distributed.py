@@ -317,7 +317,7 @@ def test_sharded_policy_samples_from_a_replica_of_its_gathered_weights(
     assert max_difference(parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), rank0["weights"]) > 1e-3
 
 
-LOCKSTEP = launched_scenarios(lambda kind: kind.startswith("_lockstep"))
+LOCKSTEP = launched_scenarios(lambda kind: kind in ("_lockstep", "_lockstep_lora", "_lockstep_qlora"))
 
 
 @pytest.mark.parametrize("config_name, scenario", LOCKSTEP)
@@ -348,6 +348,30 @@ def test_sharded_policy_samples_in_lockstep_without_gathering_its_weights(
         assert [sample["without_rows"] for sample in rank1["samples"]] == [6, 6]
     logged = [entry for entry in rank0["log_history"] if "loss" in entry]
     assert len(logged) == 2 and not any(name.startswith("sampling/") for name in logged[0]), logged[0]
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert trained_away_from_the_start(rank0["weights"], tiny_model_dir)
+
+
+@pytest.mark.parametrize(
+    "config_name, scenario",
+    launched_scenarios(lambda kind: kind in ("_lockstep_dynamic", "_lockstep_gfpo", "_lockstep_sync_ref")),
+)
+def test_the_algorithm_variants_sample_in_lockstep(sharded_runs, config_name, scenario, tiny_model_dir):
+    """Dynamic sampling (its extra rounds), GFPO (its filter) and a synced reference, each process sampling from the
+    sharded policy in step (process 1's rows stop early): the runs end, as many sampling calls on both processes (one
+    alone would hang), each one's seeded samples those of an unsharded copy of the gathered weights, the same
+    weights on both processes, moved from the start."""
+    rank0, rank1 = sharded_runs(config_name)[scenario]
+    for result in (rank0, rank1):
+        assert result["backend"] == "TransformersGenerator" and result["samples"]
+        for sample in result["samples"]:
+            assert sample["sharded"] and sample["seeded"] == sample["unsharded_seeded"]
+    assert len(rank0["samples"]) == len(rank1["samples"])
+    logged = [entry for entry in rank0["log_history"] if "loss" in entry]
+    assert len(logged) == 2
+    if scenario.endswith("_dynamic"):  # odd prompts tie: a second round of 12 completions, in step (2 at most)
+        drawn = [entry["dynamic_sampling/completions_drawn"] for entry in logged]
+        assert max(drawn) == 24 and sum(drawn) / 12 == len(rank0["samples"]), drawn
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
     assert trained_away_from_the_start(rank0["weights"], tiny_model_dir)
 

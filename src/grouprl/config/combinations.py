@@ -218,6 +218,13 @@ TABLE: dict[frozenset[str], Cell] = {
             "tests/test_distributed.py::test_sharded_policy_samples_in_lockstep_without_gathering_its_weights "
             "({fsdp2,zero3}_lockstep_qlora)"
         ),
+        **{
+            (variant, "lockstep_sampling"): _works(
+                "tests/test_distributed.py::test_the_algorithm_variants_sample_in_lockstep (FSDP2 and ZeRO-3 on 2 "
+                "processes; dynamic sampling's second round in step)"
+            )
+            for variant in ("gfpo", "dynamic_sampling", "sync_ref_model")
+        },
         ("sharded", "continuous_batching"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
             "({fsdp2,zero3}_sampled_cb: generate_batch on each process's replica)"
