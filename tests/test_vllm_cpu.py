@@ -58,8 +58,9 @@ def check_syncs(run: dict) -> None:
     assert all(gap is not None and gap < 0.1 for gap in run["sampler_gap"]), run["sampler_gap"]
 
 
-@pytest.mark.parametrize("variant", ["full", "lora"])
+@pytest.mark.parametrize("variant", ["full", "lora", "dynamic", "gfpo", "sync_ref", "rollout_func"])
 def test_colocate_trains_and_vllm_serves_the_synced_weights(head_dim_64_model, tmp_path, variant):
+    """Also with dynamic sampling, GFPO, a synced reference, and a rollout_func sampling through the engine."""
     out = tmp_path / "out"
     result = subprocess.run(
         [VLLM_PYTHON, str(RUNNER), head_dim_64_model, str(out), variant],

@@ -3,7 +3,10 @@ use_vllm=True, vllm_mode="colocate", as `python script.py` (no launcher variable
 (one vLLM engine in each process). After every weight sync it asks vLLM for the log-probabilities of a fixed sequence
 and compares them with the trainer's model; each process writes what it saw to OUTPUT_DIR/result-rank<r>.json.
 
-    python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR {full,lora}
+    python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR {full,lora,dynamic,gfpo,sync_ref,rollout_func}
+
+The variants besides full and lora train with dynamic sampling, GFPO's filter, a synced reference, or a rollout_func
+that samples through trainer.generation_backend (the vLLM engine).
 """
 
 import json
@@ -37,10 +40,16 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
     import vllm
     from datasets import Dataset
 
-    from grouprl import GRPOConfig, GRPOTrainer
+    from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
+    from grouprl.compat.gfpo import shortest_k_filter
 
     dataset = Dataset.from_dict({"prompt": ["The sky is", "Once upon a time", "def add(a, b):", "Hello"]})
-    args = GRPOConfig(
+    options = {
+        "dynamic": {"dynamic_sampling": True, "max_dynamic_sampling_rounds": 2},
+        "gfpo": {"num_remains_in_group": 2},
+        "sync_ref": {"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 1},
+    }.get(variant, {})
+    args = (GFPOConfig if variant == "gfpo" else GRPOConfig)(
         output_dir=output_dir,
         use_vllm=True,
         vllm_mode="colocate",
@@ -48,25 +57,40 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         vllm_max_model_length=128,
         max_steps=3,
         logging_steps=1,
-        learning_rate=0.05 if variant == "full" else 0.2,  # weights that move: a missed sync shows
+        learning_rate=0.2 if variant == "lora" else 0.05,  # weights that move: a missed sync shows
         max_completion_length=16,
         per_device_train_batch_size=4,
         num_generations=4,
         report_to="none",
         bf16=False,
         seed=0,
+        **options,
     )
     peft_config = None
     if variant == "lora":
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
-    trainer = GRPOTrainer(
+    extra = {"group_filter_func": shortest_k_filter} if variant == "gfpo" else {}
+    if variant == "rollout_func":
+
+        def rollout_func(prompts, trainer):
+            ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+            completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling)
+            return {
+                "prompt_ids": ids,
+                "completion_ids": [c.token_ids for c in completions],
+                "logprobs": [c.sampler_logprobs for c in completions],
+            }
+
+        extra = {"rollout_func": rollout_func}
+    trainer = (GFPOTrainer if variant == "gfpo" else GRPOTrainer)(
         model=model_dir,
         reward_funcs=reward_num_unique_chars,
         args=args,
         train_dataset=dataset,
         peft_config=peft_config,
+        **extra,
     )
     backend = trainer.generation_backend
     real_sync, syncs = backend.sync_weights, []

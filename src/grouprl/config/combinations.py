@@ -225,6 +225,13 @@ TABLE: dict[frozenset[str], Cell] = {
             )
             for variant in ("gfpo", "dynamic_sampling", "sync_ref_model")
         },
+        **{
+            (other, "vllm_colocate"): _works(
+                "tests/test_vllm_cpu.py::test_colocate_trains_and_vllm_serves_the_synced_weights (vLLM's CPU build: "
+                "its logprobs of a fixed sequence follow the trainer's at every sync)"
+            )
+            for other in ("gfpo", "dynamic_sampling", "sync_ref_model", "rollout_func")
+        },
         ("sharded", "continuous_batching"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
             "({fsdp2,zero3}_sampled_cb: generate_batch on each process's replica)"
