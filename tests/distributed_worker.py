@@ -67,6 +67,8 @@ SCENARIOS = {
     "fsdp2_sampled_lora": ("grpo", None, {"beta": 0.1, "lora": True}),
     # QLoRA: the 4-bit policy with LoRA adapters (FSDP-QLoRA)
     "fsdp2_qlora": ("grpo", False, {"beta": 0.1, "lora": True, "quantized": True, "resume": True}),
+    # a rollout_func sampling through trainer.generation_backend (the replica sampler)
+    "fsdp2_sampled_rollout_func": ("grpo", None, {"beta": 0.1, "rollout_func": True}),
     # the same with transformers continuous batching sampling from the replica
     "fsdp2_sampled_cb": ("grpo", None, {"beta": 0.1, "use_transformers_continuous_batching": True}),
     # sampled from the sharded policy itself, the processes in step (ds3_gather_for_generation=False); each also
@@ -123,7 +125,8 @@ SCENARIOS.update(
 # (the `*_server` ones only where grouprl serve's libraries are installed)
 HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
 SERVED = ("_server",) if HAS_SERVER_LIBRARIES else ()
-SHARDED_KINDS = ("", "_resume", "_sampled", "_sampled_lora", "_sampled_cb", "_lockstep", "_lockstep_lora")
+SHARDED_KINDS = ("", "_resume", "_sampled", "_sampled_lora", "_sampled_cb", "_sampled_rollout_func", "_lockstep")
+SHARDED_KINDS += ("_lockstep_lora",)
 SHARDED_KINDS += ("_lockstep_qlora", "_lockstep_dynamic", "_lockstep_gfpo", "_lockstep_sync_ref")
 SHARDED_KINDS += VARIANTS + SERVED
 SHARDED = {
@@ -193,6 +196,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     lora = extra.pop("lora", False)
     quantized = extra.pop("quantized", False)
     ties = extra.pop("odd_prompts_tie", False)
+    custom_rollouts = extra.pop("rollout_func", False)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     accumulation = extra.pop("gradient_accumulation_steps", 2)
@@ -224,6 +228,15 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     dataset = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(12)]})
     seen = []
 
+    def rollout_func(prompts: list, trainer: GRPOTrainer) -> dict:
+        ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+        completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling)
+        return {
+            "prompt_ids": ids,
+            "completion_ids": [c.token_ids for c in completions],
+            "logprobs": [c.sampler_logprobs for c in completions],
+        }
+
     def build() -> GRPOTrainer:
         quantization = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True)} if quantized else {}
         model = AutoModelForCausalLM.from_pretrained(model_dir, **quantization)
@@ -241,6 +254,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
             peft_config=peft_config,
             generation_backend=backend,
             **({"group_filter_func": first_two} if gfpo else {}),
+            **({"rollout_func": rollout_func} if custom_rollouts else {}),
         )
         score = trainer.run.rollouts.score
 

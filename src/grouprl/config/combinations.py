@@ -232,6 +232,10 @@ TABLE: dict[frozenset[str], Cell] = {
             )
             for other in ("gfpo", "dynamic_sampling", "sync_ref_model", "rollout_func")
         },
+        ("rollout_func", "sharded"): _works(
+            "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
+            "({fsdp2,zero3}_sampled_rollout_func: trainer.generation_backend is each process's replica sampler)"
+        ),
         ("sharded", "continuous_batching"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
             "({fsdp2,zero3}_sampled_cb: generate_batch on each process's replica)"
