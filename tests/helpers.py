@@ -66,6 +66,12 @@ def distinct_tokens(completion_ids, **kwargs) -> list[float]:
     return [float(len(set(ids))) for ids in completion_ids]
 
 
+def odd_prompts_tie(prompts, completion_ids, **kwargs) -> list[float]:
+    """distinct_tokens for the prompts "i+j=" of an even i, 1 for every completion of the others: their groups tie, so
+    dynamic sampling drops them and draws again."""
+    return [1.0 if int(p.split("+")[0]) % 2 else float(len(set(ids))) for p, ids in zip(prompts, completion_ids)]
+
+
 def numbered_prompts(n: int = 12):
     """`n` standard prompts "i+(i % 5)=" as a datasets.Dataset."""
     import datasets

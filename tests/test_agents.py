@@ -97,6 +97,27 @@ def answered(tok, prompt_ids):
     return "<tool_response>" in tok.decode(prompt_ids)
 
 
+class ScriptedFirstTurn:
+    """A generation backend whose conversations' first turn is `first` (token ids: the model calling a tool, which the
+    tiny random model never does) and whose turns after the tool results `real` samples; `on_continuation(prompt_ids,
+    completions)` sees each of those calls as it returns."""
+
+    def __init__(self, tok, first, real, on_continuation=lambda prompt_ids, completions: None):
+        self.tok, self.first, self.real, self.on_continuation = tok, first, real, on_continuation
+        self.needs_importance_correction = getattr(real, "needs_importance_correction", False)
+
+    def sync_weights(self, model):
+        self.real.sync_weights(model)
+
+    def generate(self, prompt_ids, num_samples, params):
+        if not answered(self.tok, prompt_ids[0]):
+            scripted = ScriptedBackend(lambda p, s: self.first, self.tok.convert_tokens_to_ids(IM_END), self.tok)
+            return scripted.generate(prompt_ids, num_samples, params)
+        completions = self.real.generate(prompt_ids, num_samples, params)
+        self.on_continuation(prompt_ids, completions)
+        return completions
+
+
 def dataset(n=4, **columns):
     rows = {"prompt": [[{"role": "user", "content": f"{i} times 7?"}] for i in range(n)], **columns}
     return datasets.Dataset.from_dict(rows)
@@ -316,22 +337,7 @@ def test_real_backend_continues_after_tool_results(tool_model_dir, tmp_path, tok
     real = trainer.run.rollouts.backend
     assert isinstance(real, ContinuousBatchingGenerator) == (sampler == "continuous_batching")
     continuations = []
-
-    class FirstTurnScripted:
-        needs_importance_correction = False
-
-        def sync_weights(self, model):
-            pass
-
-        def generate(self, prompt_ids, num_samples, params):
-            if not answered(tok, prompt_ids[0]):
-                return ScriptedBackend(lambda p, s: first, tok.convert_tokens_to_ids(IM_END), tok).generate(
-                    prompt_ids, num_samples, params
-                )
-            continuations.append(prompt_ids)
-            return real.generate(prompt_ids, num_samples, params)
-
-    trainer.run.rollouts.backend = FirstTurnScripted()
+    trainer.run.rollouts.backend = ScriptedFirstTurn(tok, first, real, lambda ids, _: continuations.append(ids))
     trainer.train()
     rollout = trainer.run.rollouts.sample()
     assert len(continuations) == 2 and all(tok.decode(p).endswith(tok.decode(first + glue)) for p in continuations[-1])

@@ -9,7 +9,7 @@ import sys
 import datasets
 import pytest
 import torch
-from helpers import GradientRecorder, ScriptedBackend, cpu_parameters, max_difference, parameters
+from helpers import GradientRecorder, ScriptedBackend, cpu_parameters, max_difference, odd_prompts_tie, parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
@@ -162,9 +162,6 @@ def test_reference_of_a_model_instance_is_a_copy_taken_at_init(tiny_model_dir, t
 def test_sync_ref_model_mixes_the_policy_into_the_reference(tiny_model_dir, tmp_path, dynamic_sampling):
     """Also with dynamic sampling, whose extra rounds of sampling leave the reference alone (odd prompts tie)."""
 
-    def even_prompts_differ(prompts, completion_ids, **kwargs):
-        return [len(set(ids)) if int(p.split("+")[0]) % 2 == 0 else 1.0 for p, ids in zip(prompts, completion_ids)]
-
     config = make_config(
         tmp_path,
         beta=0.1,
@@ -177,7 +174,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tiny_model_dir, tmp_
     )
     trainer = GRPOTrainer(
         model=tiny_model_dir,
-        reward_funcs=even_prompts_differ,
+        reward_funcs=odd_prompts_tie,
         args=config,
         train_dataset=prompts(),
         generation_backend=scripted(AutoTokenizer.from_pretrained(tiny_model_dir)),

@@ -7,6 +7,7 @@ import datasets
 import pytest
 import torch
 from conftest import free_port
+from helpers import odd_prompts_tie
 from transformers import AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
@@ -109,8 +110,7 @@ def test_tool_calls_continue_on_the_server_from_the_trainers_weights(server, too
     """Tools (or an environment's) with a generation server: after a (scripted) first turn calls the tool, the server
     samples the rest of the conversation, prompted with it token for token, from the weights the trainer has at that
     step."""
-    from helpers import ScriptedBackend
-    from test_agents import IM_END, Counter, answered, call_text, multiply, suffix, turn
+    from test_agents import Counter, ScriptedFirstTurn, call_text, multiply, suffix, turn
     from test_agents import dataset as conversations
 
     url, _ = server
@@ -138,24 +138,13 @@ def test_tool_calls_continue_on_the_server_from_the_trainers_weights(server, too
     assert isinstance(served, RemoteGenerator)
     continued, weights = [], []  # weights: the trainer's logprobs of FIXED at each continuation
 
-    class ScriptedFirstTurn:
-        needs_importance_correction = True
+    def compare(prompt_ids, completions):  # as the server returns them: the trainer has the weights it sampled with
+        for c in completions:
+            context = prompt_ids[c.prompt_index]
+            continued.append((context, c.sampler_logprobs, trainer_logprobs(trainer.model, (context, c.token_ids))))
+        weights.append(trainer_logprobs(trainer.model))
 
-        def sync_weights(self, model):
-            served.sync_weights(model)
-
-        def generate(self, prompt_ids, num_samples, params):
-            if not answered(tok, prompt_ids[0]):
-                scripted = ScriptedBackend(lambda p, s: first, tok.convert_tokens_to_ids(IM_END), tok)
-                return scripted.generate(prompt_ids, num_samples, params)
-            completions = served.generate(prompt_ids, num_samples, params)
-            for c in completions:
-                context = prompt_ids[c.prompt_index]
-                continued.append((context, c.sampler_logprobs, trainer_logprobs(trainer.model, (context, c.token_ids))))
-            weights.append(trainer_logprobs(trainer.model))
-            return completions
-
-    trainer.run.rollouts.backend = ScriptedFirstTurn()
+    trainer.run.rollouts.backend = ScriptedFirstTurn(tok, first, served, compare)
     trainer.train()
     assert len(continued) == 2 * 6  # every rollout of both steps was continued on the server
     for context, served_logprobs, trained_logprobs in continued:
@@ -207,9 +196,6 @@ def test_server_samples_from_the_trainers_weights_with_gfpo_dynamic_sampling_or_
 
     url, _ = server
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-
-    def odd_prompts_tie(prompts, completion_ids, **kwargs):
-        return [len(set(ids)) if int(p.split("+")[0]) % 2 == 0 else 1.0 for p, ids in zip(prompts, completion_ids)]
 
     args = config(tmp_path, url, shuffle_dataset=False)
     kwargs = {"reward_funcs": distinct_tokens, "train_dataset": PROMPTS, "processing_class": tokenizer}
