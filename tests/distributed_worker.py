@@ -125,10 +125,16 @@ SCENARIOS.update(
 # (the `*_server` ones only where grouprl serve's libraries are installed)
 HAS_SERVER_LIBRARIES = all(importlib.util.find_spec(name) is not None for name in ("fastapi", "uvicorn"))
 SERVED = ("_server",) if HAS_SERVER_LIBRARIES else ()
-SHARDED_KINDS = ("", "_resume", "_sampled", "_sampled_lora", "_sampled_cb", "_sampled_rollout_func", "_lockstep")
-SHARDED_KINDS += ("_lockstep_lora",)
-SHARDED_KINDS += ("_lockstep_qlora", "_lockstep_dynamic", "_lockstep_gfpo", "_lockstep_sync_ref")
-SHARDED_KINDS += VARIANTS + SERVED
+SAMPLED_KINDS = ("_sampled", "_sampled_lora", "_sampled_cb", "_sampled_rollout_func")
+LOCKSTEP_KINDS = (
+    "_lockstep",
+    "_lockstep_lora",
+    "_lockstep_qlora",
+    "_lockstep_dynamic",
+    "_lockstep_gfpo",
+    "_lockstep_sync_ref",
+)
+SHARDED_KINDS = ("", "_resume") + SAMPLED_KINDS + LOCKSTEP_KINDS + VARIANTS + SERVED
 SHARDED = {
     "fsdp2": tuple(f"fsdp2{kind}" for kind in SHARDED_KINDS),
     "zero2": ("zero2", "zero2_resume"),

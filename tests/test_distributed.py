@@ -110,12 +110,6 @@ def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path
     if "resumed_weights" in single:  # 2 steps == 1 step, checkpoint, resume, 1 step; on each process
         for result in (single, rank0, rank1):
             assert max_difference(result["weights"], result["resumed_weights"]) == 0.0
-    if scenario.endswith("_qlora"):  # save_model wrote the adapters, whole, for PEFT to load onto the 4-bit base
-        from safetensors.torch import load_file
-
-        saved = load_file(os.path.join(rank0["saved_model"], "adapter_model.safetensors"))
-        assert {name.replace(".default", "") for name in rank0["weights"]} == set(saved)
-        assert all(torch.equal(t, saved[name.replace(".default", "")]) for name, t in rank0["weights"].items())
         return  # one generation split over 2 optimizer steps: which rows share a step depends on the process count
     assert max_difference(single["weights"], rank0["weights"]) < 2e-6
     logged = [e for e in single["log_history"] if "loss" in e]
