@@ -26,7 +26,7 @@ import datasets
 import peft
 import torch
 from accelerate import PartialState
-from helpers import gloo_threads
+from helpers import gloo_threads, sample_through_the_backend
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
@@ -234,15 +234,6 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     dataset = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(12)]})
     seen = []
 
-    def rollout_func(prompts: list, trainer: GRPOTrainer) -> dict:
-        ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
-        completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling)
-        return {
-            "prompt_ids": ids,
-            "completion_ids": [c.token_ids for c in completions],
-            "logprobs": [c.sampler_logprobs for c in completions],
-        }
-
     def build() -> GRPOTrainer:
         quantization = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True)} if quantized else {}
         model = AutoModelForCausalLM.from_pretrained(model_dir, **quantization)
@@ -260,7 +251,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
             peft_config=peft_config,
             generation_backend=backend,
             **({"group_filter_func": first_two} if gfpo else {}),
-            **({"rollout_func": rollout_func} if custom_rollouts else {}),
+            **({"rollout_func": sample_through_the_backend} if custom_rollouts else {}),
         )
         score = trainer.run.rollouts.score
 

@@ -66,6 +66,18 @@ def distinct_tokens(completion_ids, **kwargs) -> list[float]:
     return [float(len(set(ids))) for ids in completion_ids]
 
 
+def sample_through_the_backend(prompts, trainer) -> dict:
+    """A rollout_func (TRL's contract) that samples one completion per entry through trainer.generation_backend, with
+    the sampler's logprobs (None where the backend gives none)."""
+    ids = [trainer.processing_class(prompt)["input_ids"] for prompt in prompts]
+    completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling)
+    return {
+        "prompt_ids": ids,
+        "completion_ids": [c.token_ids for c in completions],
+        "logprobs": [c.sampler_logprobs for c in completions],
+    }
+
+
 def odd_prompts_tie(prompts, completion_ids, **kwargs) -> list[float]:
     """distinct_tokens for the prompts "i+j=" of an even i, 1 for every completion of the others: their groups tie, so
     dynamic sampling drops them and draws again."""

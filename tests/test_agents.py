@@ -118,6 +118,14 @@ class ScriptedFirstTurn:
         return completions
 
 
+def calling_agent(tok, kind):
+    """(the GRPOTrainer argument of `kind`, tools or environment_factory; a first turn that calls its tool; the
+    template glue around that tool's result)."""
+    if kind == "tools":
+        return {"tools": [multiply]}, turn(tok, call_text("multiply", a=6, b=7)), suffix(tok, 42)
+    return {"environment_factory": Counter}, turn(tok, call_text("increment", step=2)), suffix(tok, 2)
+
+
 def dataset(n=4, **columns):
     rows = {"prompt": [[{"role": "user", "content": f"{i} times 7?"}] for i in range(n)], **columns}
     return datasets.Dataset.from_dict(rows)
@@ -319,10 +327,7 @@ def test_real_backend_continues_after_tool_results(tool_model_dir, tmp_path, tok
     suffix and keeps the budget."""
     from grouprl.generation.continuous_batching import ContinuousBatchingGenerator
 
-    if kind == "tools":
-        agent, first, glue = {"tools": [multiply]}, turn(tok, call_text("multiply", a=6, b=7)), suffix(tok, 42)
-    else:
-        agent, first, glue = {"environment_factory": Counter}, turn(tok, call_text("increment", step=2)), suffix(tok, 2)
+    agent, first, glue = calling_agent(tok, kind)
     trainer = GRPOTrainer(
         model=tool_model_dir,
         reward_funcs=constant_reward,

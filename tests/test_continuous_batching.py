@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from chi_square import chi_square_rejects
-from helpers import numbered_prompts, quiet_config
+from helpers import numbered_prompts, quiet_config, sample_through_the_backend
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
@@ -230,9 +230,7 @@ def test_continuous_batching_samples_for_the_other_features(tiny_model_dir, tmp_
 
             def rollout_func(prompts, trainer):
                 seen.append(trainer.generation_backend)
-                ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
-                completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling)
-                return {"prompt_ids": ids, "completion_ids": [c.token_ids for c in completions], "logprobs": None}
+                return sample_through_the_backend(prompts, trainer)
 
             kwargs["rollout_func"] = rollout_func
         if feature == "qlora":

@@ -7,7 +7,7 @@ import datasets
 import pytest
 import torch
 from conftest import free_port
-from helpers import odd_prompts_tie
+from helpers import odd_prompts_tie, sample_through_the_backend
 from transformers import AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
@@ -110,15 +110,12 @@ def test_tool_calls_continue_on_the_server_from_the_trainers_weights(server, too
     """Tools (or an environment's) with a generation server: after a (scripted) first turn calls the tool, the server
     samples the rest of the conversation, prompted with it token for token, from the weights the trainer has at that
     step."""
-    from test_agents import Counter, ScriptedFirstTurn, call_text, multiply, suffix, turn
+    from test_agents import ScriptedFirstTurn, calling_agent
     from test_agents import dataset as conversations
 
     url, _ = server
     tok = AutoTokenizer.from_pretrained(tool_model_dir)
-    if kind == "tools":
-        agent, first, glue = {"tools": [multiply]}, turn(tok, call_text("multiply", a=6, b=7)), suffix(tok, 42)
-    else:
-        agent, first, glue = {"environment_factory": Counter}, turn(tok, call_text("increment", step=2)), suffix(tok, 2)
+    agent, first, glue = calling_agent(tok, kind)
     trainer = GRPOTrainer(
         model=tool_model_dir,
         reward_funcs=distinct_tokens,
@@ -162,13 +159,7 @@ def test_rollout_func_samples_from_the_server_after_its_weight_sync(server, tiny
 
     def rollout_func(prompts, trainer):
         backends.append(trainer.generation_backend)
-        ids = [tokenizer(p)["input_ids"] for p in prompts]
-        completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling)
-        return {
-            "prompt_ids": ids,
-            "completion_ids": [c.token_ids for c in completions],
-            "logprobs": [c.sampler_logprobs for c in completions],
-        }
+        return sample_through_the_backend(prompts, trainer)
 
     trainer = GRPOTrainer(
         model=tiny_model_dir,

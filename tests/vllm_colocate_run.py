@@ -73,17 +73,9 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     extra = {"group_filter_func": shortest_k_filter} if variant == "gfpo" else {}
     if variant == "rollout_func":
+        from helpers import sample_through_the_backend  # beside this script
 
-        def rollout_func(prompts, trainer):
-            ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
-            completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling)
-            return {
-                "prompt_ids": ids,
-                "completion_ids": [c.token_ids for c in completions],
-                "logprobs": [c.sampler_logprobs for c in completions],
-            }
-
-        extra = {"rollout_func": rollout_func}
+        extra = {"rollout_func": sample_through_the_backend}
     trainer = (GFPOTrainer if variant == "gfpo" else GRPOTrainer)(
         model=model_dir,
         reward_funcs=reward_num_unique_chars,
