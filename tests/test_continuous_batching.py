@@ -187,6 +187,33 @@ def test_a_run_with_continuous_batching_learns(tiny_model_dir, tmp_path):
     assert len(rewards) == 8 and sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.1, rewards
 
 
+def test_continuous_batching_samples_fp32_weights_under_bf16_mixed_precision(tiny_model_dir, tmp_path):
+    """TRL's defaults, fp32 weights and bf16=True: transformers sizes the paged cache in the weights' dtype while
+    accelerate's wrapper computes in bf16 autocast, so the sampler runs the forward without the wrapper (a first cache
+    write failed otherwise), and the training forward keeps it."""
+    args = quiet_config(
+        tmp_path,
+        {"use_transformers_continuous_batching": True},
+        max_steps=2,
+        per_device_train_batch_size=6,
+        max_completion_length=6,
+        bf16=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # where bf16 is emulated, the explicit bf16=True warns that it is slow
+        trainer = GRPOTrainer(tiny_model_dir, reward_funcs=low_tokens, args=args, train_dataset=numbered_prompts(12))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert next(model.parameters()).dtype == torch.float32 and hasattr(model, "_original_forward")
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.run.rollouts.generations_made == 2
+    assert model.forward != model._original_forward  # the training forward is bf16 autocast's again
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([[5, 6, 7]], device=model.device)).last_hidden_state
+        assert hidden.dtype == torch.float32  # the plain forward (fp32) ...
+        wrapped = model(torch.tensor([[5, 6, 7]], device=model.device)).logits
+    assert not torch.equal(wrapped, model.lm_head(hidden))  # ... differs from the wrapper's rounded one
+
+
 @pytest.mark.parametrize("feature", ["gfpo", "dynamic_sampling", "sync_ref_model", "qlora", "rollout_func"])
 def test_continuous_batching_samples_for_the_other_features(tiny_model_dir, tmp_path, feature):
     """Two steps sampled through generate_batch with GFPO (each group filtered), dynamic sampling (tied prompts drawn

@@ -127,7 +127,9 @@ class ModelAndSamplingFields:
         default=False,
         metadata=_meta(
             "Sample with transformers continuous batching (model.generate_batch) in place of generation_engine's "
-            "sampler; refused with settings it would not apply (repetition_penalty, most generation_kwargs)."
+            "sampler; refused with settings it would not apply (repetition_penalty, most generation_kwargs). It "
+            "samples in the weights' dtype (transformers sizes its paged cache so): fp32 weights under bf16=True are "
+            "sampled in fp32; load the model in bf16 (model_init_kwargs dtype) to sample in bf16."
         ),
     )
     transformers_continuous_batching_config: Optional[Union[dict, str]] = field(

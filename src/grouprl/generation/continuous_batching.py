@@ -14,7 +14,8 @@ builds its cache and frees it at the end. Two things differ from TRL's use of it
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -45,6 +46,26 @@ def continuous_batching_refusal(params: SamplingParams) -> Optional[str]:
     if params.extra.get("do_sample", True) is not True:
         return "GRPO samples: generation_kwargs do_sample must stay True"
     return None
+
+
+@contextmanager
+def in_the_weights_dtype(model: torch.nn.Module) -> Iterator[None]:
+    """The model's forward without accelerate's mixed-precision wrapper, for the length of the block.
+
+    transformers allocates the paged cache in `model.dtype` (the weights'), while the wrapper computes keys and
+    values in bf16 autocast: with fp32 weights and bf16=True (TRL's defaults) the first cache write fails ("self and
+    source expected to have the same dtype"). Without the wrapper the rows are sampled in the weights' dtype.
+    """
+    original = getattr(model, "_original_forward", None)  # set by accelerate's prepare under mixed precision
+    if original is None:
+        yield
+        return
+    wrapped = model.forward
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapped
 
 
 class ContinuousBatchingGenerator:
@@ -117,12 +138,13 @@ class ContinuousBatchingGenerator:
         was_training = self.model.training
         self.model.eval()  # the KV cache, which gradient checkpointing turns off in train mode
         try:
-            results = self.model.generate_batch(
-                rows,
-                generation_config=config,
-                continuous_batching_config=self.batching_config(rows, params.max_new_tokens),
-                progress_bar=False,
-            )
+            with in_the_weights_dtype(self.model):
+                results = self.model.generate_batch(
+                    rows,
+                    generation_config=config,
+                    continuous_batching_config=self.batching_config(rows, params.max_new_tokens),
+                    progress_bar=False,
+                )
         except MemoryError as err:
             raise RuntimeError(
                 f"transformers continuous batching could not size its cache for {len(rows)} rows: {err}. Give it a "
