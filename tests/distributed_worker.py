@@ -16,11 +16,13 @@ whether the process group is still initialized and which gloo threads are left t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import os
 import sys
+from unittest import mock
 
 import datasets
 import peft
@@ -34,6 +36,7 @@ from grouprl.core.types import Completion
 from grouprl.generation.factory import ShardedPolicySampler
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.weights import inference_weights, load_weights, materialize, replica_of
+from grouprl.model import quantization as quantization_module
 from grouprl.model.full_state import gathered, whole
 
 NUM_GENERATIONS = 4
@@ -241,18 +244,23 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         optimizer = (torch.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=config.learning_rate)
         peft_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if lora else None
         backend = None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling)
-        trainer = (GFPOTrainer if gfpo else GRPOTrainer)(
-            model=model,
-            reward_funcs=odd_prompts_tie if ties else distinct_tokens,
-            args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            optimizers=(None, None) if lora else (optimizer, None),
-            peft_config=peft_config,
-            generation_backend=backend,
-            **({"group_filter_func": first_two} if gfpo else {}),
-            **({"rollout_func": sample_through_the_backend} if custom_rollouts else {}),
-        )
+        # Adapters kept in fp32 on every machine. As TRL, grouprl casts a 4-bit policy's adapters to bf16 where bf16
+        # is native (GPUs, AVX512-BF16 CPUs); there AdamW's first step turns a gradient element that the 2-process
+        # reduction rounds to the other side of zero into +-lr (1.77 apart at lr 0.5, measured): no sharding check.
+        fp32_adapters = mock.patch.object(quantization_module, "cast_adapters_to_bf16", lambda model: None)
+        with fp32_adapters if quantized else contextlib.nullcontext():
+            trainer = (GFPOTrainer if gfpo else GRPOTrainer)(
+                model=model,
+                reward_funcs=odd_prompts_tie if ties else distinct_tokens,
+                args=config,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                optimizers=(None, None) if lora else (optimizer, None),
+                peft_config=peft_config,
+                generation_backend=backend,
+                **({"group_filter_func": first_two} if gfpo else {}),
+                **({"rollout_func": sample_through_the_backend} if custom_rollouts else {}),
+            )
         score = trainer.run.rollouts.score
 
         def recording_score(rollout, trainer_state, window):
