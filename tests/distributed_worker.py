@@ -87,6 +87,10 @@ SCENARIOS = {
     # weight sync gathers the shards on every process and the main process alone sends them
     "fsdp2_server": ("grpo", None, {"beta": 0.1, "generation_engine": "server", "generation_kwargs": {"seed": 0}}),
     # AdamW's state in the checkpoint; the final model saved with save_model
+    # multi-turn rollouts: the first turn of every other sample calls a tool (TRL's tools / environment_factory),
+    # the turn after the tool's result follows the conversation so far; the tool results stay out of the loss
+    "fsdp2_tools": ("grpo", False, {"beta": 0.1, "agent": "tools", "max_completion_length": 160}),
+    "fsdp2_environment": ("grpo", False, {"beta": 0.1, "agent": "environment_factory", "max_completion_length": 160}),
     "fsdp2_resume": (
         "dapo",
         False,
@@ -137,7 +141,8 @@ LOCKSTEP_KINDS = (
     "_lockstep_gfpo",
     "_lockstep_sync_ref",
 )
-SHARDED_KINDS = ("", "_resume") + SAMPLED_KINDS + LOCKSTEP_KINDS + VARIANTS + SERVED
+AGENT_KINDS = ("_tools", "_environment")
+SHARDED_KINDS = ("", "_resume") + SAMPLED_KINDS + LOCKSTEP_KINDS + VARIANTS + AGENT_KINDS + SERVED
 SHARDED = {
     "fsdp2": tuple(f"fsdp2{kind}" for kind in SHARDED_KINDS),
     "zero2": ("zero2", "zero2_resume"),
@@ -179,11 +184,63 @@ class GroupScript:
         for p, ids in enumerate(prompt_ids):
             for s in range(offset, offset + num_samples):
                 s = 0 if self.ties and sum(ids) % 2 == 0 else s  # every sample alike: the group's rewards tie
-                body = [(ids[-1] + 7 * s + k) % 200 + 3 for k in range(1 + (s * 3 + len(ids)) % 6)]
-                tokens = (body + ([self.eos] if s % 3 else []))[: params.max_new_tokens]
-                finish = "stop" if tokens[-1] == self.eos else "length"
+                tokens = self.tokens(ids, s)[: params.max_new_tokens]
+                finish = "stop" if tokens[-1] in (self.eos, self.end_of_turn) else "length"
                 out.append(Completion(p, tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), finish))
         return out
+
+    end_of_turn = None
+
+    def tokens(self, ids: list[int], s: int) -> list[int]:
+        body = [(ids[-1] + 7 * s + k) % 200 + 3 for k in range(1 + (s * 3 + len(ids)) % 6)]
+        return body + ([self.eos] if s % 3 else [])
+
+
+class ToolScript(GroupScript):
+    """GroupScript for multi-turn rollouts: the first turn of every even sample calls `tool` (its argument follows the
+    prompt and the sample), and a turn after a tool's result follows the conversation so far, whatever process or
+    call it falls to."""
+
+    def __init__(self, tokenizer, tool: str):
+        super().__init__(tokenizer, main_process_only=False)
+        self.tool, self.end_of_turn = tool, tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def text(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.end_of_turn]
+
+    def tokens(self, ids: list[int], s: int) -> list[int]:
+        if "<tool_response>" in self.tokenizer.decode(ids):  # the turn after the result
+            return self.text(f"It is {sum(ids) % 97}.")
+        if s % 2:
+            return super().tokens(ids, s)
+        argument = {"multiply": {"a": ids[-1] % 9, "b": s}, "increment": {"step": 1 + (ids[-1] + s) % 4}}[self.tool]
+        return self.text("<tool_call>" + json.dumps({"name": self.tool, "arguments": argument}) + "</tool_call>")
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+class Counter:
+    """An environment whose tool adds to a count."""
+
+    def reset(self, **row):
+        self.count = 0
+
+    def increment(self, step: int) -> int:
+        """Add to the count.
+
+        Args:
+            step: how much to add
+        """
+        self.count += step
+        return self.count
 
 
 def distinct_tokens(completion_ids, **kwargs):
@@ -206,6 +263,9 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     quantized = extra.pop("quantized", False)
     ties = extra.pop("odd_prompts_tie", False)
     custom_rollouts = extra.pop("rollout_func", False)
+    agent = extra.pop("agent", None)
+    if agent:  # room in the prompt for the tools' schemas, a chat template that renders them (conftest's tool model)
+        model_dir = os.environ["GROUPRL_TEST_TOOL_MODEL"]
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     accumulation = extra.pop("gradient_accumulation_steps", 2)
@@ -218,7 +278,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         per_device_train_batch_size=12 // (processes * micro_steps),
         gradient_accumulation_steps=accumulation,
         num_generations=NUM_GENERATIONS,
-        max_completion_length=8,
+        max_completion_length=extra.pop("max_completion_length", 8),
         learning_rate=0.5,
         max_steps=2,
         logging_steps=1,
@@ -234,7 +294,10 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         loss_type=loss_type,
         **extra,
     )
-    dataset = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(12)]})
+    prompts = [f"{i}+{i % 5}=" for i in range(12)]
+    if agent:
+        prompts = [[{"role": "user", "content": prompt}] for prompt in prompts]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts})
     seen = []
 
     def build() -> GRPOTrainer:
@@ -244,6 +307,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         optimizer = (torch.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=config.learning_rate)
         peft_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if lora else None
         backend = None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling)
+        if agent:
+            backend = ToolScript(tokenizer, "multiply" if agent == "tools" else "increment")
         # Adapters kept in fp32 on every machine. As TRL, grouprl casts a 4-bit policy's adapters to bf16 where bf16
         # is native (GPUs, AVX512-BF16 CPUs); there AdamW's first step turns a gradient element that the 2-process
         # reduction rounds to the other side of zero into +-lr (1.77 apart at lr 0.5, measured): no sharding check.
@@ -260,6 +325,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
                 generation_backend=backend,
                 **({"group_filter_func": first_two} if gfpo else {}),
                 **({"rollout_func": sample_through_the_backend} if custom_rollouts else {}),
+                **({"tools": [multiply]} if agent == "tools" else {}),
+                **({"environment_factory": Counter} if agent == "environment_factory" else {}),
             )
         score = trainer.run.rollouts.score
 
@@ -269,6 +336,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
                 {
                     "advantages": advantages.clone(),
                     "completions": [c.token_ids for c in rollout.completions],
+                    "tool_masks": [c.tool_mask for c in rollout.completions],
                     "group_ids": list(rollout.prompts.group_ids),
                     "num_samples": list(rollout.prompts.num_samples),
                 }

@@ -175,6 +175,7 @@ def sharded_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, request)
     done = {}
     if HAS_SERVER_LIBRARIES:
         monkeypatch_session.setenv("GROUPRL_TEST_SERVER", request.getfixturevalue("grouprl_server")[0])
+    monkeypatch_session.setenv("GROUPRL_TEST_TOOL_MODEL", str(request.getfixturevalue("tool_model_dir")))
 
     def launched(config_name: str) -> dict:
         if config_name not in done:
@@ -248,6 +249,36 @@ def test_sharded_two_processes_train_like_one(sharded_runs, config_name, scenari
     for one, two in zip(logged, logged2):
         for name in ("loss", "reward", "grad_norm"):
             assert one[name] == pytest.approx(two[name], abs=1e-5), name
+
+
+@pytest.mark.parametrize("config_name, scenario", launched_scenarios(lambda kind: kind in ("_tools", "_environment")))
+def test_tool_calling_rollouts_train_like_one_process(sharded_runs, config_name, scenario, tool_model_dir, tmp_path):
+    """TRL's tools and environment_factory under FSDP2 / ZeRO-3: every even sample's first turn calls the tool and the
+    turn after its result follows the conversation, on whichever process the row falls (the middle group straddles
+    them). 2 processes train on the 1-process run's completions and tool masks and give its weights; the tool results
+    and the template's glue around them are masked out of the loss."""
+    single = run(scenario, str(tmp_path), str(tool_model_dir))
+    rank0, rank1 = sharded_runs(config_name)[scenario]
+    assert rank0["sharded"] and rank1["sharded"]
+    assert len(single["seen"]) == len(rank0["seen"]) == len(rank1["seen"]) == 2
+    for whole, part0, part1 in zip(single["seen"], rank0["seen"], rank1["seen"]):
+        assert part0["completions"] + part1["completions"] == whole["completions"]
+        assert part0["tool_masks"] + part1["tool_masks"] == whole["tool_masks"]
+        masked = [mask.count(False) for mask in whole["tool_masks"]]
+        # the even samples of each group called the tool: the result's glue is masked, the odd ones are all sampled
+        assert all(count > 0 for count in masked[::2]) and not any(masked[1::2]), masked
+        for part in (part0, part1):
+            assert part["advantages"].abs().sum() > 0
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert max_difference(single["weights"], rank0["weights"]) < 2e-6
+    assert trained_away_from_the_start(rank0["weights"], tool_model_dir)
+    logged = [e for e in single["log_history"] if "loss" in e]
+    logged2 = [e for e in rank0["log_history"] if "loss" in e]
+    assert len(logged) == len(logged2) == 2
+    for one, two in zip(logged, logged2):
+        for name in ("loss", "reward", "grad_norm", "tools/call_frequency"):
+            assert one[name] == pytest.approx(two[name], abs=1e-5), name
+        assert one["tools/call_frequency"] > 0
 
 
 @pytest.mark.parametrize("config_name", SHARDING)

@@ -236,6 +236,14 @@ TABLE: dict[frozenset[str], Cell] = {
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
             "({fsdp2,zero3}_sampled_rollout_func: trainer.generation_backend is each process's replica sampler)"
         ),
+        **{
+            (agent, "sharded"): _works(
+                "tests/test_distributed.py::test_tool_calling_rollouts_train_like_one_process (FSDP2 and ZeRO-3 on 2 "
+                "processes, the tool-calling group cut by the process boundary: the 1-process run's completions, tool "
+                "masks and weights)"
+            )
+            for agent in ("tools", "environment_factory")
+        },
         ("sharded", "continuous_batching"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
             "({fsdp2,zero3}_sampled_cb: generate_batch on each process's replica)"
