@@ -55,6 +55,14 @@ def tool_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen2_vl_model_dir(tmp_path_factory):
+    """The tiny Qwen2-VL of tests/vlm_models.py, saved (for processes that load rather than build it)."""
+    from vlm_models import save_tiny_qwen2_vl
+
+    return save_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl") / "model")
+
+
+@pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory):
     """A random tiny Qwen2ForSequenceClassification (num_labels=1) with the demo tokenizer, saved as "tiny-rm"."""
     import torch

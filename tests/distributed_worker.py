@@ -27,6 +27,7 @@ from unittest import mock
 import datasets
 import peft
 import torch
+import vlm_models
 from accelerate import PartialState
 from helpers import gloo_threads, sample_through_the_backend
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
@@ -91,6 +92,9 @@ SCENARIOS = {
     # the turn after the tool's result follows the conversation so far; the tool results stay out of the loss
     "fsdp2_tools": ("grpo", False, {"beta": 0.1, "agent": "tools", "max_completion_length": 160}),
     "fsdp2_environment": ("grpo", False, {"beta": 0.1, "agent": "environment_factory", "max_completion_length": 160}),
+    # image prompts (a tiny Qwen2-VL): in each generation only the first prompt has an image, so process 1's rows have
+    # none while process 0's have: under sharding process 1's forwards run the vision tower on a probe image
+    "fsdp2_images": ("grpo", False, {"beta": 0.1, "images": True, "shuffle_dataset": False}),
     "fsdp2_resume": (
         "dapo",
         False,
@@ -142,7 +146,7 @@ LOCKSTEP_KINDS = (
     "_lockstep_sync_ref",
 )
 AGENT_KINDS = ("_tools", "_environment")
-SHARDED_KINDS = ("", "_resume") + SAMPLED_KINDS + LOCKSTEP_KINDS + VARIANTS + AGENT_KINDS + SERVED
+SHARDED_KINDS = ("", "_resume") + SAMPLED_KINDS + LOCKSTEP_KINDS + VARIANTS + AGENT_KINDS + ("_images",) + SERVED
 SHARDED = {
     "fsdp2": tuple(f"fsdp2{kind}" for kind in SHARDED_KINDS),
     "zero2": ("zero2", "zero2_resume"),
@@ -176,7 +180,7 @@ class GroupScript:
     def sync_weights(self, model):
         pass
 
-    def generate(self, prompt_ids, num_samples, params):
+    def generate(self, prompt_ids, num_samples, params, multimodal=None):
         offset = (
             NUM_GENERATIONS - num_samples if PartialState().process_index > 0 and num_samples < NUM_GENERATIONS else 0
         )
@@ -264,6 +268,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     ties = extra.pop("odd_prompts_tie", False)
     custom_rollouts = extra.pop("rollout_func", False)
     agent = extra.pop("agent", None)
+    images = extra.pop("images", False)
     if agent:  # room in the prompt for the tools' schemas, a chat template that renders them (conftest's tool model)
         model_dir = os.environ["GROUPRL_TEST_TOOL_MODEL"]
     processes = int(os.environ.get("WORLD_SIZE", "1"))
@@ -295,14 +300,23 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         **extra,
     )
     prompts = [f"{i}+{i % 5}=" for i in range(12)]
-    if agent:
+    if agent or images:
         prompts = [[{"role": "user", "content": prompt}] for prompt in prompts]
-    dataset = datasets.Dataset.from_dict({"prompt": prompts})
+    columns = {"prompt": prompts}
+    if images:
+        columns["images"] = [[vlm_models.image(i)] if i % 3 == 0 else [] for i in range(12)]
+        processor = vlm_models.tiny_qwen2_vl(model_from=os.environ["GROUPRL_TEST_VLM_MODEL"])[1]
+        tokenizer = processor.tokenizer
+    dataset = datasets.Dataset.from_dict(columns)
     seen = []
 
     def build() -> GRPOTrainer:
         quantization = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True)} if quantized else {}
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **quantization)
+        model = (
+            vlm_models.tiny_qwen2_vl(model_from=os.environ["GROUPRL_TEST_VLM_MODEL"])[0]
+            if images
+            else AutoModelForCausalLM.from_pretrained(model_dir, **quantization)
+        )
         # SGD: update = gradient, so a gradient bug shows; AdamW: its state must survive a checkpoint
         optimizer = (torch.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=config.learning_rate)
         peft_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if lora else None
@@ -319,7 +333,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
                 reward_funcs=odd_prompts_tie if ties else distinct_tokens,
                 args=config,
                 train_dataset=dataset,
-                processing_class=tokenizer,
+                processing_class=processor if images else tokenizer,
                 optimizers=(None, None) if lora else (optimizer, None),
                 peft_config=peft_config,
                 generation_backend=backend,
@@ -337,6 +351,9 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
                     "advantages": advantages.clone(),
                     "completions": [c.token_ids for c in rollout.completions],
                     "tool_masks": [c.tool_mask for c in rollout.completions],
+                    "with_images": [
+                        m is not None for m in rollout.prompts.multimodal or [None] * len(rollout.prompts.prompts)
+                    ],
                     "group_ids": list(rollout.prompts.group_ids),
                     "num_samples": list(rollout.prompts.num_samples),
                 }

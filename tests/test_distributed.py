@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import vlm_models
 import yaml
 from conftest import free_port
 from distributed_worker import HAS_SERVER_LIBRARIES, SCENARIOS, SHARDED, VARIANTS, run
@@ -176,6 +177,7 @@ def sharded_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, request)
     if HAS_SERVER_LIBRARIES:
         monkeypatch_session.setenv("GROUPRL_TEST_SERVER", request.getfixturevalue("grouprl_server")[0])
     monkeypatch_session.setenv("GROUPRL_TEST_TOOL_MODEL", str(request.getfixturevalue("tool_model_dir")))
+    monkeypatch_session.setenv("GROUPRL_TEST_VLM_MODEL", str(request.getfixturevalue("qwen2_vl_model_dir")))
 
     def launched(config_name: str) -> dict:
         if config_name not in done:
@@ -279,6 +281,28 @@ def test_tool_calling_rollouts_train_like_one_process(sharded_runs, config_name,
         for name in ("loss", "reward", "grad_norm", "tools/call_frequency"):
             assert one[name] == pytest.approx(two[name], abs=1e-5), name
         assert one["tools/call_frequency"] > 0
+
+
+@pytest.mark.parametrize("config_name, scenario", launched_scenarios(lambda kind: kind == "_images"))
+def test_image_prompts_train_like_one_process(sharded_runs, config_name, scenario, tiny_model_dir, tmp_path):
+    """Image prompts (a tiny Qwen2-VL) under FSDP2 / ZeRO-3: only the first prompt of each generation has an image, so
+    process 1's rows have none. Its forwards still run the sharded vision tower (on a probe image whose row is
+    dropped: without it process 0 waited for ever in the tower's weight gathers), and logging gathers the images
+    column on both processes (a process without images skipped it: a hang too). 2 processes give the 1-process run's
+    completions, advantages and weights, vision tower included."""
+    single = run(scenario, str(tmp_path), str(tiny_model_dir))
+    rank0, rank1 = sharded_runs(config_name)[scenario]
+    assert rank0["sharded"] and rank1["sharded"]
+    for whole, part0, part1 in zip(single["seen"], rank0["seen"], rank1["seen"], strict=True):
+        assert (part0["with_images"], part1["with_images"]) == ([True, False], [False, False])
+        assert part0["completions"] + part1["completions"] == whole["completions"]
+        joined = torch.cat([part0["advantages"], part1["advantages"]])
+        assert torch.allclose(joined, whole["advantages"], atol=1e-6) and joined.abs().sum() > 0
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert max_difference(single["weights"], rank0["weights"]) < 2e-6
+    start = {name: p.detach() for name, p in vlm_models.tiny_qwen2_vl()[0].named_parameters()}
+    moved = {name for name, t in rank0["weights"].items() if not torch.equal(t, start[name])}
+    assert any(".visual." in name for name in moved) and any(".language_model." in name for name in moved)
 
 
 @pytest.mark.parametrize("config_name", SHARDING)

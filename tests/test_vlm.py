@@ -178,6 +178,63 @@ def test_a_samples_logprobs_are_the_same_batched_with_shorter_or_longer_prompts(
     assert (logprobs([2, 1, 0], control) - alone).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_a_forward_without_images_on_sharded_weights_runs_the_vision_tower_on_the_probe(arch, monkeypatch):
+    """On sharded weights every process must run the vision tower in every forward (model/multimodal.py): rows without
+    images carry the probe's row, which changes none of their logprobs and puts the tower in the backward (zero
+    gradients). On whole weights, or with images in the forward, no probe row is added."""
+    import grouprl.model.logprobs as logprobs_module
+    from grouprl.compat.trainer_parts import keep_vision_towers_in_step
+
+    model, processor = BUILDERS[arch]()
+    sharpen(model, 5.0)
+    tower = model.model.visual if arch == "qwen2_vl" else model.model.vision_tower
+    calls = []
+    tower.register_forward_hook(lambda module, args, output: calls.append(1))
+    encode = encoder(processor)
+    encoded = [encode.encode_row({"prompt": user(text)}, i) for i, text in enumerate(("hi", "a longer one"))]
+    prompt_ids, prompt_mask = left_pad([ids for _, ids, _ in encoded], 0)
+    completion_ids = torch.tensor([[65, 66, 67], [70, 71, 0]])
+    completion_mask = completion_ids != 0
+
+    def logprobs(multimodal=None):
+        return completion_logprobs(
+            model,
+            prompt_ids,
+            prompt_mask.bool(),
+            completion_ids,
+            completion_mask,
+            temperature=1.0,
+            multimodal=multimodal,
+        ).logprobs
+
+    whole = logprobs()
+    assert calls == []
+    monkeypatch.setattr(logprobs_module, "sharded_parameters", lambda model: True)
+    monkeypatch.setattr("grouprl.compat.trainer_parts.sharded_parameters", lambda model: True)
+    keep_vision_towers_in_step(encode, [model, None])
+    probed = logprobs()
+    assert calls == [1]
+    torch.testing.assert_close(probed, whole, atol=1e-6, rtol=1e-6)
+    model.zero_grad()
+    probed.sum().backward()
+    grads = [p.grad for p in tower.parameters()]
+    # in the backward, with nothing to add (LLaVA's tower output is its next-to-last layer's: its last gets no grad)
+    assert any(g is not None for g in grads) and all(g is None or not g.any() for g in grads)
+    with_image = encode.encode_row({"prompt": user("look"), "images": [image(0)]}, 2)
+    with torch.no_grad():
+        completion_logprobs(
+            model,
+            torch.tensor([with_image[1]]),
+            torch.ones(1, len(with_image[1]), dtype=torch.bool),
+            completion_ids[:1],
+            completion_mask[:1],
+            temperature=1.0,
+            multimodal=[with_image[2]],
+        )
+    assert calls == [1, 1]  # one tower call: the row's own image, no probe beside it
+
+
 # ---- generation ---------------------------------------------------------------------------------------
 
 

@@ -72,8 +72,9 @@ def _image_only(processor_class):
     return ImageOnly
 
 
-def tiny_qwen2_vl(seed: int = 0):
-    """Qwen2-VL: 4x4-pixel patches merged 2x2, so a 16x16 image is 4 image tokens, 16x24 is 6."""
+def tiny_qwen2_vl(seed: int = 0, model_from: str | None = None):
+    """Qwen2-VL: 4x4-pixel patches merged 2x2, so a 16x16 image is 4 image tokens, 16x24 is 6. `model_from`: the
+    model loaded from a directory `save_tiny_qwen2_vl` wrote (built here, it cannot be under DeepSpeed ZeRO-3)."""
     from transformers import (
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
@@ -122,8 +123,11 @@ def tiny_qwen2_vl(seed: int = 0):
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
-    with _seeded(seed):
-        model = Qwen2VLForConditionalGeneration(config)
+    if model_from is not None:
+        model = Qwen2VLForConditionalGeneration.from_pretrained(model_from)
+    else:
+        with _seeded(seed):
+            model = Qwen2VLForConditionalGeneration(config)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     image_processor = Qwen2VLImageProcessorPil(
@@ -191,6 +195,12 @@ def tiny_llava(seed: int = 0):
         chat_template=tokenizer.chat_template,
     )
     return model, processor
+
+
+def save_tiny_qwen2_vl(path) -> str:
+    """The tiny Qwen2-VL's weights (seed 0), for tiny_qwen2_vl(model_from=path)."""
+    tiny_qwen2_vl()[0].save_pretrained(path)
+    return str(path)
 
 
 def save_tiny_llava(path) -> str:

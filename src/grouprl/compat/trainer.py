@@ -32,6 +32,7 @@ from grouprl.compat.trainer_parts import (
     collect_reward_sources,
     default_args,
     init_trackers,
+    keep_vision_towers_in_step,
     load_policy,
     load_rewards,
     make_trainer_state,
@@ -232,6 +233,7 @@ class GRPOTrainer(TrainerSurface, OverridePoints):
         if reference_model is not None:
             reference_model = zero3_reference(reference_model, self.accelerator)
         reference, self.ref_model = build_reference(args, reference_model, reference_adapter, self.accelerator.device)
+        keep_vision_towers_in_step(rollouts.tokenize, [prepared_model, reference_model])
         entropy_controller = build_entropy_controller(args)
         self.run = TrainingRun(
             config=args,

@@ -33,7 +33,7 @@ from grouprl.config.combinations import check_combinations
 from grouprl.config.grpo_config import BatchPlan, GRPOConfig, resolve_steps
 from grouprl.config.training_arguments import refusal
 from grouprl.core.entropy import EntropyController
-from grouprl.data.multimodal_prompts import make_prompt_tokenizer
+from grouprl.data.multimodal_prompts import MultimodalPromptTokenizer, make_prompt_tokenizer
 from grouprl.data.prompt_sampler import PromptSampler, workers_for
 from grouprl.data.prompts import KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_dataset
 from grouprl.generation.factory import sampling_params, sharded_weights
@@ -47,6 +47,7 @@ from grouprl.model.adapters import (
     require_peft,
     wrap_with_lora,
 )
+from grouprl.model.forward import sharded_parameters
 from grouprl.model.loading import (
     cast_lm_head_to_fp32,
     disable_dropout,
@@ -54,6 +55,7 @@ from grouprl.model.loading import (
     load_model,
     router_aux_loss_coef,
 )
+from grouprl.model.multimodal import VisionProbe, is_vision_language_config, set_vision_probe
 from grouprl.model.reference import Reference, separate_reference_model
 from grouprl.rewards.models import check_reward_funcs, is_reward_model, load_reward_functions
 from grouprl.rewards.scoring import RewardFunction, prepare_reward_functions
@@ -320,6 +322,32 @@ def prepare_for_training(
         reference_adapter = add_reference_adapter(policy)
     quantization.prepare_policy(policy, bf16_capable=bf16_capable)
     return policy, reference_adapter, aux_loss_coef
+
+
+def keep_vision_towers_in_step(tokenize: Any, models: list[Optional[torch.nn.Module]]) -> None:
+    """Give each vision-language model on sharded weights its VisionProbe (model/multimodal.py): a blank image
+    through the processor, which a forward without images carries so that every process runs the vision tower."""
+    sharded = [  # (a DeepSpeed engine's own `config` is DeepSpeed's: the model's is its module's)
+        model
+        for model in models
+        if model is not None
+        and is_vision_language_config(getattr(getattr(model, "module", model), "config", None))
+        and sharded_parameters(model)
+    ]
+    if not sharded or not isinstance(tokenize, MultimodalPromptTokenizer):
+        return
+    from PIL import Image
+
+    row = {PROMPT_COLUMN: [{"role": "user", "content": ""}], "images": [Image.new("RGB", (64, 64), (128, 128, 128))]}
+    try:
+        _, prompt_ids, images = tokenize.encode_row(row, 0)
+    except Exception as err:
+        raise ValueError(
+            "On sharded weights grouprl runs the vision tower in every forward, on a blank 64x64 image where a forward "
+            f"has none, but the processor could not encode one: {err}"
+        ) from err
+    for model in sharded:
+        set_vision_probe(model, VisionProbe(prompt_ids, images))
 
 
 def build_reference(

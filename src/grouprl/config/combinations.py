@@ -244,6 +244,10 @@ TABLE: dict[frozenset[str], Cell] = {
             )
             for agent in ("tools", "environment_factory")
         },
+        ("images", "sharded"): _works(
+            "tests/test_distributed.py::test_image_prompts_train_like_one_process (FSDP2 and ZeRO-3 on 2 processes, "
+            "one of them without images: its forwards run the vision tower on a probe image, model/multimodal.py)"
+        ),
         ("sharded", "continuous_batching"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
             "({fsdp2,zero3}_sampled_cb: generate_batch on each process's replica)"

@@ -47,7 +47,7 @@ from grouprl.model.forward import (
     separable_head,
     sharded_parameters,
 )
-from grouprl.model.multimodal import forward_inputs
+from grouprl.model.multimodal import forward_inputs, vision_probe
 from grouprl.model.prompt_packing import shared_prompt_logprobs
 
 # The chunked head reductions, the buckets and the head check live in forward.py (so prompt_packing
@@ -169,8 +169,10 @@ def completion_logprobs(
         empty = completion_ids.new_zeros((n, completion_len), dtype=torch.float32)
         return TokenLogprobs(empty, empty if with_entropy else None, None)
     entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
+    probe = None
     if sharded_parameters(model):  # forwards cut by row count alone, the same on every process: not by the rows'
         pack_prompts, bucket_by_length = False, False  # lengths nor by shared prompts, which differ between processes
+        probe = vision_probe(model)  # and each runs the vision tower, with or without images (multimodal.py)
     if pack_prompts and multimodal is None and not with_aux_loss and not pad_to_multiple_of:
         packed = shared_prompt_logprobs(
             model,
@@ -200,25 +202,41 @@ def completion_logprobs(
             p = min(padded_width(p, pad_to_multiple_of), prompt_ids.shape[1])
             t = min(padded_width(t, pad_to_multiple_of), completion_len)
         index = torch.tensor(rows, device=prompt_ids.device)
-        images = (
-            {}
-            if multimodal is None
-            else forward_inputs(model, [multimodal[r] for r in rows], p, p + t, prompt_ids.device)
-        )
-        kwargs = _bucket_inputs(
-            prompt_ids[index, -p:], prompt_mask[index, -p:], completion_ids[index, :t], completion_mask[index, :t]
-        )
-        kwargs.update(images)
+        row_images = [None] * len(rows) if multimodal is None else [multimodal[r] for r in rows]
+        probed = probe is not None and all(m is None for m in row_images)
+        if probed:
+            p = max(p, len(probe.prompt_ids))
+        bucket = [
+            _left_padded(prompt_ids[index], p),
+            _left_padded(prompt_mask[index], p),
+            completion_ids[index, :t],
+            completion_mask[index, :t],
+        ]
+        if probed:  # one more row: the probe's prompt, an empty completion
+            probe_prompt = torch.tensor([probe.prompt_ids], dtype=prompt_ids.dtype, device=prompt_ids.device)
+            extra = [_left_padded(probe_prompt, p), _left_padded(torch.ones_like(probe_prompt), p)]
+            extra += [torch.zeros_like(bucket[2][:1]), torch.zeros_like(bucket[3][:1])]
+            bucket = [torch.cat([part, more]) for part, more in zip(bucket, extra)]
+            row_images = row_images + [probe.images]
+        kwargs = _bucket_inputs(*bucket)
+        if any(m is not None for m in row_images):
+            kwargs.update(forward_inputs(model, row_images, p, p + t, prompt_ids.device))
         if with_aux_loss:
             kwargs["output_router_logits"] = True
-        forwards.append((rows, index, t, kwargs))
+        forwards.append((rows, index, t, kwargs, probed))
     head = separable_head(model)
-    weight, inputs = head_weight_and_inputs(model, head, [forward[-1] for forward in forwards])  # before the bodies
+    weight, inputs = head_weight_and_inputs(model, head, [forward[3] for forward in forwards])  # before the bodies
     logps_parts, entropy_parts, aux_parts, order = [], [], [], []
-    for (rows, index, t, _), kwargs in zip(forwards, inputs):
+    for (rows, index, t, _, probed), kwargs in zip(forwards, inputs):
+        targets = completion_ids[index, :t]
+        if probed:
+            targets = torch.cat([targets, torch.zeros_like(targets[:1])])
         logps, entropy, aux = _bucket_logprobs(
-            model, head, weight, kwargs, completion_ids[index, :t], temperature, entropy_mode, with_aux_loss
+            model, head, weight, kwargs, targets, temperature, entropy_mode, with_aux_loss
         )
+        if probed:  # the probe's row dropped; times zero in the graph, so its backward runs the vision tower's too
+            logps = logps[:-1] + 0.0 * logps[-1].sum()
+            entropy = None if entropy is None else entropy[:-1]
         logps_parts.append(F.pad(logps, (0, completion_len - t)))
         if entropy is not None:
             entropy_parts.append(F.pad(entropy, (0, completion_len - t)))
@@ -228,6 +246,11 @@ def completion_logprobs(
     logps, entropy = in_row_order(logps_parts, order), (in_row_order(entropy_parts, order) if with_entropy else None)
     aux_loss = torch.stack(aux_parts).mean() if aux_parts else None
     return TokenLogprobs(logps, entropy, aux_loss)
+
+
+def _left_padded(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """The last `width` columns of left-padded rows, zeros (padding) added on the left where they are narrower."""
+    return rows[:, -width:] if rows.shape[1] >= width else F.pad(rows, (width - rows.shape[1], 0))
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,13 @@ chunk of rows is collated on the spot (`collate`), so no pixel tensor ever has t
 image counts. Models with multimodal rotary positions (M-RoPE: Qwen2-VL, Qwen2.5-VL, ...) compute
 their positions from the image grids and the attention mask themselves; every other model gets
 positions counted over real tokens, as for text.
+
+On sharded weights (FSDP2, DeepSpeed ZeRO-3) every forward gathers the weights of each module it runs, from every
+process, so the processes must run the same modules: a forward whose rows have no image skips the vision tower,
+and a process whose rows have none would wait forever for the others' vision-tower gathers (or pair its gathers
+with the wrong module's). Such a forward carries one more row, a `VisionProbe` (a prompt with one blank image,
+encoded by the processor when the trainer is built), whose outputs are dropped and whose logprobs join the graph
+times zero, so its backward runs the vision tower's gradient reductions too (`vision_probe`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,28 @@ class PromptImages:
 
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (P,), aligned with the prompt ids
     per_image: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (images or patches, ...)
+
+
+@dataclass
+class VisionProbe:
+    """One prompt with one image: the extra row of a forward without images on sharded weights (module doc)."""
+
+    prompt_ids: list[int]
+    images: PromptImages
+
+
+PROBE_ATTRIBUTE = "grouprl_vision_probe"
+
+
+def set_vision_probe(model: torch.nn.Module, probe: VisionProbe) -> None:
+    """Give a sharded vision-language model its probe (on the module a DeepSpeed engine wraps, too)."""
+    for module in (model, getattr(model, "module", None)):
+        if module is not None:
+            setattr(module, PROBE_ATTRIBUTE, probe)
+
+
+def vision_probe(model: torch.nn.Module) -> VisionProbe | None:
+    return getattr(model, PROBE_ATTRIBUTE, None)
 
 
 def is_processor(processing_class: Any) -> bool:

@@ -27,7 +27,7 @@ from grouprl.core.distributed import (
 )
 from grouprl.core.metrics import MetricWindow, completion_length_stats, reward_stats
 from grouprl.core.types import Completion, GroupLayout, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
-from grouprl.data.multimodal_prompts import rows_images
+from grouprl.data.multimodal_prompts import logged_images
 from grouprl.data.prompt_sampler import GenerationInputs, PromptSampler
 from grouprl.data.prompts import PromptTokenizer, is_conversational, local_prompt_batch
 from grouprl.generation.protocol import GenerationBackend, sample_for_processes, sample_groups
@@ -227,13 +227,13 @@ class RolloutMaker:
             rewards={name: rewards.per_function[rows, k] for k, name in enumerate(rewards.names)},
             advantages=advantages,
             extras=self.completion_extras,
-            images=rows_images(batch.columns, rollout.row_prompt) if batch.multimodal is not None else None,
+            images=logged_images(batch.columns, rollout.row_prompt),
         )
 
     def record_recent(self, rollout: Rollout, rewards: Rewards, advantages: torch.Tensor) -> None:
         """TRL's trainer._logs: prompts and completions as reward functions saw them, global rewards and advantages."""
         batch = rollout.prompts
-        images = rows_images(batch.columns, rollout.row_prompt) if batch.multimodal is not None else None
+        images = logged_images(batch.columns, rollout.row_prompt)
         self.recent.record(
             self.accelerator,
             prompts=[batch.prompts[b] for b in rollout.row_prompt],
