@@ -87,7 +87,6 @@ SCENARIOS = {
     # sampled by a real `grouprl serve` (TRL's everyday multi-GPU setup: vLLM's server beside a sharded policy): each
     # weight sync gathers the shards on every process and the main process alone sends them
     "fsdp2_server": ("grpo", None, {"beta": 0.1, "generation_engine": "server", "generation_kwargs": {"seed": 0}}),
-    # AdamW's state in the checkpoint; the final model saved with save_model
     # multi-turn rollouts: the first turn of every other sample calls a tool (TRL's tools / environment_factory),
     # the turn after the tool's result follows the conversation so far; the tool results stay out of the loss
     "fsdp2_tools": ("grpo", False, {"beta": 0.1, "agent": "tools", "max_completion_length": 160}),
@@ -95,6 +94,7 @@ SCENARIOS = {
     # image prompts (a tiny Qwen2-VL): in each generation only the first prompt has an image, so process 1's rows have
     # none while process 0's have: under sharding process 1's forwards run the vision tower on a probe image
     "fsdp2_images": ("grpo", False, {"beta": 0.1, "images": True, "shuffle_dataset": False}),
+    # AdamW's state in the checkpoint; the final model saved with save_model
     "fsdp2_resume": (
         "dapo",
         False,
@@ -172,6 +172,7 @@ class GroupScript:
     """
 
     needs_importance_correction = False
+    end_of_turn = None  # ToolScript's turns end with the chat template's end-of-turn token
 
     def __init__(self, tokenizer, main_process_only: bool, ties: bool = False):
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
@@ -192,8 +193,6 @@ class GroupScript:
                 finish = "stop" if tokens[-1] in (self.eos, self.end_of_turn) else "length"
                 out.append(Completion(p, tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), finish))
         return out
-
-    end_of_turn = None
 
     def tokens(self, ids: list[int], s: int) -> list[int]:
         body = [(ids[-1] + 7 * s + k) % 200 + 3 for k in range(1 + (s * 3 + len(ids)) % 6)]
