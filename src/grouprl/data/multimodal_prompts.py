@@ -135,13 +135,6 @@ def rows_images(columns: dict[str, list[Any]], rows: Sequence[int]) -> list[list
     return [row_images({name: values[b] for name, values in image_columns.items()}, b) for b in rows]
 
 
-def logged_images(columns: dict[str, list[Any]], rows: Sequence[int]) -> list[list[Any]] | None:
-    """(n,) each row's prompt images where the data has an image column, else None. Decided by the columns, the
-    same on every process, and not by whether this process's rows have images: logging gathers them, and a process
-    that skipped the gather would leave the others waiting for it."""
-    return rows_images(columns, rows) if any(name in columns for name in ("image", "images")) else None
-
-
 def check_multimodal_setup(dataset: Any, processing_class: Any, name: str = "train_dataset") -> None:
     """Images need the model's processor: fail before training, naming the column."""
     columns = getattr(dataset, "column_names", None) or []

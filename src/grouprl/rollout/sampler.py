@@ -27,7 +27,7 @@ from grouprl.core.distributed import (
 )
 from grouprl.core.metrics import MetricWindow, completion_length_stats, reward_stats
 from grouprl.core.types import Completion, GroupLayout, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
-from grouprl.data.multimodal_prompts import logged_images
+from grouprl.data.multimodal_prompts import rows_images
 from grouprl.data.prompt_sampler import GenerationInputs, PromptSampler
 from grouprl.data.prompts import PromptTokenizer, is_conversational, local_prompt_batch
 from grouprl.generation.protocol import GenerationBackend, sample_for_processes, sample_groups
@@ -227,13 +227,13 @@ class RolloutMaker:
             rewards={name: rewards.per_function[rows, k] for k, name in enumerate(rewards.names)},
             advantages=advantages,
             extras=self.completion_extras,
-            images=logged_images(batch.columns, rollout.row_prompt),
+            images=logged_images(batch, rollout.row_prompt),
         )
 
     def record_recent(self, rollout: Rollout, rewards: Rewards, advantages: torch.Tensor) -> None:
         """TRL's trainer._logs: prompts and completions as reward functions saw them, global rewards and advantages."""
         batch = rollout.prompts
-        images = logged_images(batch.columns, rollout.row_prompt)
+        images = logged_images(batch, rollout.row_prompt)
         self.recent.record(
             self.accelerator,
             prompts=[batch.prompts[b] for b in rollout.row_prompt],
@@ -318,3 +318,12 @@ def generate_on_main_process(
     group_prompts = layout.join(gather_objects(prompts.prompt_ids))  # the main process needs every group's prompt
     shares = run_on_main(lambda: sample_for_processes(backend, layout, group_prompts, params))
     return [replace(c, prompt_index=b) for c, b in zip(shares[layout.process_index], prompts.row_index())]
+
+
+def logged_images(batch: PromptBatch, rows: list[int]) -> Optional[list[list[Any]]]:
+    """(n,) each row's prompt images where the data has an image column, else None. Decided by the columns, the
+    same on every process, and not by whether this process's rows have images: logging gathers them, and a process
+    that skipped the gather would leave the others waiting for it."""
+    if not any(name in batch.columns for name in ("image", "images")):
+        return None
+    return rows_images(batch.columns, rows)
