@@ -287,7 +287,7 @@ def test_tool_calling_rollouts_train_like_one_process(sharded_runs, config_name,
 def test_image_prompts_train_like_one_process(sharded_runs, config_name, scenario, tiny_model_dir, tmp_path):
     """Image prompts (a tiny Qwen2-VL) under FSDP2 / ZeRO-3: only the first prompt of each generation has an image, so
     process 1's rows have none. Its forwards still run the sharded vision tower (on a probe image whose row is
-    dropped: without it process 0 waited for ever in the tower's weight gathers), and logging gathers the images
+    dropped: without it the processes' weight gathers came apart and the run aborted), and logging gathers the images
     column on both processes (a process without images skipped it: a hang too). 2 processes give the 1-process run's
     completions, advantages and weights, vision tower included."""
     single = run(scenario, str(tmp_path), str(tiny_model_dir))
