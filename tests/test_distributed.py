@@ -254,7 +254,9 @@ def test_sharded_two_processes_train_like_one(sharded_runs, config_name, scenari
 
 
 @pytest.mark.parametrize("config_name, scenario", launched_scenarios(lambda kind: kind in ("_tools", "_environment")))
-def test_tool_calling_rollouts_train_like_one_process(sharded_runs, config_name, scenario, tool_model_dir, tmp_path):
+def test_sharded_tool_calling_rollouts_train_like_one_process(
+    sharded_runs, config_name, scenario, tool_model_dir, tmp_path
+):
     """TRL's tools and environment_factory under FSDP2 / ZeRO-3: every even sample's first turn calls the tool and the
     turn after its result follows the conversation, on whichever process the row falls (the middle group straddles
     them). 2 processes train on the 1-process run's completions and tool masks and give its weights; the tool results
@@ -284,7 +286,7 @@ def test_tool_calling_rollouts_train_like_one_process(sharded_runs, config_name,
 
 
 @pytest.mark.parametrize("config_name, scenario", launched_scenarios(lambda kind: kind == "_images"))
-def test_image_prompts_train_like_one_process(sharded_runs, config_name, scenario, tiny_model_dir, tmp_path):
+def test_sharded_image_prompts_train_like_one_process(sharded_runs, config_name, scenario, tiny_model_dir, tmp_path):
     """Image prompts (a tiny Qwen2-VL) under FSDP2 / ZeRO-3: only the first prompt of each generation has an image, so
     process 1's rows have none. Its forwards still run the sharded vision tower (on a probe image whose row is
     dropped: without it the processes' weight gathers came apart and the run aborted), and logging gathers the images

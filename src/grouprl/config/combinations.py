@@ -238,15 +238,16 @@ TABLE: dict[frozenset[str], Cell] = {
         ),
         **{
             (agent, "sharded"): _works(
-                "tests/test_distributed.py::test_tool_calling_rollouts_train_like_one_process (FSDP2 and ZeRO-3 on 2 "
-                "processes, the tool-calling group cut by the process boundary: the 1-process run's completions, tool "
-                "masks and weights)"
+                "tests/test_distributed.py::test_sharded_tool_calling_rollouts_train_like_one_process (FSDP2 and "
+                "ZeRO-3 on 2 processes, the tool-calling group cut by the process boundary: the 1-process run's "
+                "completions, tool masks and weights)"
             )
             for agent in ("tools", "environment_factory")
         },
         ("images", "sharded"): _works(
-            "tests/test_distributed.py::test_image_prompts_train_like_one_process (FSDP2 and ZeRO-3 on 2 processes, "
-            "one of them without images: its forwards run the vision tower on a probe image, model/multimodal.py)"
+            "tests/test_distributed.py::test_sharded_image_prompts_train_like_one_process (FSDP2 and ZeRO-3 on 2 "
+            "processes, one of them without images: its forwards run the vision tower on a probe image, "
+            "model/multimodal.py)"
         ),
         ("sharded", "continuous_batching"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
