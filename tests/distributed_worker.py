@@ -29,7 +29,7 @@ import peft
 import torch
 import vlm_models
 from accelerate import PartialState
-from helpers import gloo_threads, sample_through_the_backend
+from helpers import gloo_threads, multiply, sample_through_the_backend
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
@@ -218,16 +218,6 @@ class ToolScript(GroupScript):
             return super().tokens(ids, s)
         argument = {"multiply": {"a": ids[-1] % 9, "b": s}, "increment": {"step": 1 + (ids[-1] + s) % 4}}[self.tool]
         return self.text("<tool_call>" + json.dumps({"name": self.tool, "arguments": argument}) + "</tool_call>")
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    return a * b
 
 
 class Counter:

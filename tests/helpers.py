@@ -78,6 +78,17 @@ def sample_through_the_backend(prompts, trainer) -> dict:
     }
 
 
+# the tool of the tool-calling tests (test_agents, the distributed worker): its docstring is its schema
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
 def odd_prompts_tie(prompts, completion_ids, **kwargs) -> list[float]:
     """distinct_tokens for the prompts "i+j=" of an even i, 1 for every completion of the others: their groups tie, so
     dynamic sampling drops them and draws again."""

@@ -6,21 +6,11 @@ import re
 import datasets
 import pytest
 import torch
-from helpers import ScriptedBackend
+from helpers import ScriptedBackend, multiply
 from transformers import AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.demo.tokenizer import IM_END
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    return a * b
 
 
 class Counter:
