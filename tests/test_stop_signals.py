@@ -75,11 +75,15 @@ def test_a_signal_checkpoints_then_exits_and_the_run_resumes_exactly(tiny_model_
 
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, tmp_path):
     out = tmp_path / "aborted"
-    child = start_and_wait([sys.executable, SCRIPT, str(tiny_model_dir), str(out)], out)
+    child = start_and_wait([sys.executable, SCRIPT, str(tiny_model_dir), str(out), "--linger"], out)
     child.send_signal(signal.SIGINT)
-    time.sleep(0.01)
+    before = []  # the second Ctrl-C goes once the first one is announced: the run is stopping then
+    for line in child.stdout:
+        before.append(line)
+        if "SIGINT received: finishing step" in line:
+            break
     child.send_signal(signal.SIGINT)
-    output = child.communicate(timeout=60)[0]
+    output = "".join(before) + child.communicate(timeout=60)[0]
     assert child.returncode == 130, output[-3000:]  # whether torch._dynamo was imported by then or not (loop.train)
     assert "grouprl: a second Ctrl-C: stopped at once, without a checkpoint." in output
     assert list_checkpoints(str(out)) == []
