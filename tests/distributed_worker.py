@@ -29,7 +29,7 @@ import peft
 import torch
 import vlm_models
 from accelerate import PartialState
-from helpers import gloo_threads, multiply, sample_through_the_backend
+from helpers import Counter, gloo_threads, multiply, sample_through_the_backend
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
@@ -218,22 +218,6 @@ class ToolScript(GroupScript):
             return super().tokens(ids, s)
         argument = {"multiply": {"a": ids[-1] % 9, "b": s}, "increment": {"step": 1 + (ids[-1] + s) % 4}}[self.tool]
         return self.text("<tool_call>" + json.dumps({"name": self.tool, "arguments": argument}) + "</tool_call>")
-
-
-class Counter:
-    """An environment whose tool adds to a count."""
-
-    def reset(self, **row):
-        self.count = 0
-
-    def increment(self, step: int) -> int:
-        """Add to the count.
-
-        Args:
-            step: how much to add
-        """
-        self.count += step
-        return self.count
 
 
 def distinct_tokens(completion_ids, **kwargs):

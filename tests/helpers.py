@@ -89,6 +89,23 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+class Counter:
+    """An environment whose tool adds to a count (the distributed worker's and the vLLM runner's
+    environment_factory)."""
+
+    def reset(self, **row):
+        self.count = 0
+
+    def increment(self, step: int) -> int:
+        """Add to the count.
+
+        Args:
+            step: how much to add
+        """
+        self.count += step
+        return self.count
+
+
 def odd_prompts_tie(prompts, completion_ids, **kwargs) -> list[float]:
     """distinct_tokens for the prompts "i+j=" of an even i, 1 for every completion of the others: their groups tie, so
     dynamic sampling drops them and draws again."""

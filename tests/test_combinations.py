@@ -95,13 +95,13 @@ def test_rewrite_doc_replaces_only_the_generated_part(tmp_path):
     from grouprl.config.combinations import TABLE_BEGIN, TABLE_END
 
     path = tmp_path / "doc.md"
-    path.write_text(f"before\n{TABLE_BEGIN}\nold\n{TABLE_END}\nafter\n")
+    path.write_text(f"before\n{TABLE_BEGIN}\nSTALE TABLE\n{TABLE_END}\nafter\n")
     assert rewrite_doc(str(path)) and not rewrite_doc(str(path))
     text = path.read_text()
     assert (
         text.startswith("before\n")
         and text.endswith("after\n")
-        and "old" not in text
+        and "STALE TABLE" not in text
         and combinations_markdown() in text
     )
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import GradientRecorder, ScriptedBackend, cpu_parameters, max_difference, odd_prompts_tie, parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.core.losses import LOSSES
@@ -362,6 +363,32 @@ def test_sampler_importance_sampling_from_a_scripted_backend(tiny_model_dir, tmp
         assert entry[name] is not None, name
     assert entry["sampling/sampling_logp_difference/mean"] > 0
     assert max_difference(before, parameters(trainer.model)) > 0
+
+
+@pytest.mark.parametrize("declared_in_process", [False, True])
+def test_a_separate_sampler_without_logprobs_is_named_once(tiny_model_dir, tmp_path, caplog, declared_in_process):
+    """A backend that counts as a separate sampler (needs_importance_correction, the protocol's default) but returns
+    no logprobs trains uncorrected: said once, with the three ways out; a backend declared in-process is not told."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    backend = scripted(tokenizer)
+    if declared_in_process:
+        backend.needs_importance_correction = False
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=make_config(tmp_path, max_steps=2),
+        train_dataset=prompts(),
+        generation_backend=backend,
+    )
+    transformers_logging.warning_once.cache_clear()  # once per process: an earlier test may have been told
+    with caplog.at_level(logging.WARNING, logger="grouprl"):
+        trainer.train()
+    told = [r.getMessage() for r in caplog.records if "came without the sampled tokens' logprobs" in r.getMessage()]
+    assert len(told) == (0 if declared_in_process else 1), told
+    if told:
+        assert "needs_importance_correction = False" in told[0]
+        assert "vllm_importance_sampling_correction=False" in told[0]
+    assert "sampling/importance_sampling_ratio/mean" not in trainer.state.log_history[0]
 
 
 def test_sampler_weights_outside_the_band_remove_every_token(tiny_model_dir, tmp_path):

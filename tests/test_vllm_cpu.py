@@ -75,6 +75,28 @@ def test_colocate_trains_and_vllm_serves_the_synced_weights(head_dim_64_model, t
     check_syncs(run)
 
 
+@pytest.mark.parametrize("variant, tool_result", [("tools", 42), ("environment", 2)])
+def test_colocate_vllm_samples_the_turns_after_a_tool_result(head_dim_64_model, tmp_path, variant, tool_result):
+    """tools= (multiply) and environment_factory= (Counter): the first turn of every even sample calls the tool
+    (scripted, with vLLM's logprobs of its tokens: the runner's FirstTurnCallsTheTool), and vLLM samples the turn after
+    the tool's result from the synced weights; the importance-sampling correction holds across both turns."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [VLLM_PYTHON, str(RUNNER), head_dim_64_model, str(out), variant],
+        capture_output=True,
+        text=True,
+        env=colocate_env(2),
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = json.loads((out / "result-rank0.json").read_text())
+    check_syncs(run)
+    assert run["tool_calls"] == [0.5, 0.5, 0.5]  # samples 0 and 2 of each group of 4 call the tool once
+    continuations = run["continuations"]
+    assert len(continuations) == 6  # the two calling samples of each step's group, continued by vLLM
+    assert all(f"<tool_response>\n{tool_result}\n</tool_response>" in prompt for prompt in continuations), continuations
+
+
 @pytest.mark.parametrize("launch_config", ["multi_gpu", "fsdp2"])
 def test_colocate_on_two_processes_each_with_its_engine(head_dim_64_model, tmp_path, launch_config):
     """TRL's multi-GPU colocate setup: `accelerate launch --num_processes 2` (DDP, or FSDP2 with the weights sharded),

@@ -3,10 +3,12 @@ use_vllm=True, vllm_mode="colocate", as `python script.py` (no launcher variable
 (one vLLM engine in each process). After every weight sync it asks vLLM for the log-probabilities of a fixed sequence
 and compares them with the trainer's model; each process writes what it saw to OUTPUT_DIR/result-rank<r>.json.
 
-    python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR {full,lora,dynamic,gfpo,sync_ref,rollout_func}
+    python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR {full,lora,dynamic,gfpo,sync_ref,rollout_func,tools,environment}
 
-The variants besides full and lora train with dynamic sampling, GFPO's filter, a synced reference, or a rollout_func
-that samples through trainer.generation_backend (the vLLM engine).
+The variants besides full and lora train with dynamic sampling, GFPO's filter, a synced reference, a rollout_func
+that samples through trainer.generation_backend (the vLLM engine), or tools / an environment_factory: in those, the
+first turn of every even sample calls the tool (`FirstTurnCallsTheTool`) and vLLM samples the turns after the tool's
+result.
 """
 
 import json
@@ -29,6 +31,46 @@ def vllm_logprobs(llm, vllm) -> torch.Tensor:
     return torch.tensor([step[token].logprob for step, token in zip(output.prompt_logprobs[1:], FIXED[1:])])
 
 
+class FirstTurnCallsTheTool:
+    """The vLLM backend, except that the first turn of every even sample is `call` (token ids of a tool call, which a
+    random tiny model never writes), with the logprobs vLLM gives those tokens, as if it had sampled them. Turns after
+    a tool's result are vLLM's own; `continuations` keeps their prompts, one per continued sample."""
+
+    needs_importance_correction = True
+
+    def __init__(self, real, tokenizer, call: list[int]):
+        import vllm
+
+        self.real, self.tokenizer, self.call, self.vllm = real, tokenizer, call, vllm
+        self.continuations: list[str] = []
+
+    def sync_weights(self, model):
+        self.real.sync_weights(model)
+
+    def generate(self, prompt_ids, num_samples, params):
+        from grouprl.core.types import Completion
+
+        completions = self.real.generate(prompt_ids, num_samples, params)
+        if "<tool_response>" in self.tokenizer.decode(prompt_ids[0]):
+            self.continuations += [self.tokenizer.decode(ids) for ids in prompt_ids for _ in range(num_samples)]
+            return completions
+        for i, completion in enumerate(completions):
+            if i % num_samples % 2 == 0:
+                logprobs = self.scored(prompt_ids[completion.prompt_index], self.call)
+                text = self.tokenizer.decode(self.call, skip_special_tokens=True)
+                completions[i] = Completion(completion.prompt_index, list(self.call), text, "stop", logprobs)
+        return completions
+
+    def scored(self, prompt: list[int], tokens: list[int]) -> list[float]:
+        params = self.vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        (output,) = self.real.llm.generate([{"prompt_token_ids": prompt + tokens}], params, use_tqdm=False)
+        return [output.prompt_logprobs[len(prompt) + k][token].logprob for k, token in enumerate(tokens)]
+
+
+def reward_num_unique_characters_of_the_conversation(completions, **kwargs):
+    return [len(set(str(c))) for c in completions]
+
+
 def trainer_logprobs(model) -> torch.Tensor:
     ids = torch.tensor([FIXED], device=next(model.parameters()).device)
     with torch.no_grad():
@@ -44,6 +86,9 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
     from grouprl.compat.gfpo import shortest_k_filter
 
     dataset = Dataset.from_dict({"prompt": ["The sky is", "Once upon a time", "def add(a, b):", "Hello"]})
+    agents = variant in ("tools", "environment")
+    if agents:
+        dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{i} times 7?"}] for i in range(4)]})
     options = {
         "dynamic": {"dynamic_sampling": True, "max_dynamic_sampling_rounds": 2},
         "gfpo": {"num_remains_in_group": 2},
@@ -54,11 +99,12 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         use_vllm=True,
         vllm_mode="colocate",
         vllm_enable_sleep_mode=False,  # vLLM's CPU build has no sleep mode (docs/scaling.md)
-        vllm_max_model_length=128,
+        vllm_max_model_length=256 if agents else 128,
         max_steps=3,
         logging_steps=1,
-        learning_rate=0.2 if variant == "lora" else 0.05,  # weights that move: a missed sync shows
-        max_completion_length=16,
+        # weights that move: a missed sync shows (agents' longer rows move them further)
+        learning_rate={"lora": 0.2, "tools": 0.02, "environment": 0.02}.get(variant, 0.05),
+        max_completion_length=136 if agents else 16,  # a call (75 tokens), its result (44), 17 tokens after it
         per_device_train_batch_size=4,
         num_generations=4,
         report_to="none",
@@ -72,13 +118,23 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     extra = {"group_filter_func": shortest_k_filter} if variant == "gfpo" else {}
+    if agents:
+        from helpers import Counter, multiply  # beside this script
+        from transformers import AutoTokenizer
+
+        from grouprl.demo.tokenizer import COMPACT_TOOL_CHAT_TEMPLATE
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer.chat_template = COMPACT_TOOL_CHAT_TEMPLATE
+        extra = {"tools": [multiply]} if variant == "tools" else {"environment_factory": Counter}
+        extra["processing_class"] = tokenizer
     if variant == "rollout_func":
         from helpers import sample_through_the_backend  # beside this script
 
         extra = {"rollout_func": sample_through_the_backend}
     trainer = (GFPOTrainer if variant == "gfpo" else GRPOTrainer)(
         model=model_dir,
-        reward_funcs=reward_num_unique_chars,
+        reward_funcs=reward_num_unique_characters_of_the_conversation if agents else reward_num_unique_chars,
         args=args,
         train_dataset=dataset,
         peft_config=peft_config,
@@ -93,6 +149,11 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         syncs.append({"trainer": ours.tolist(), "vllm": theirs.tolist(), "gap": float((ours - theirs).abs().max())})
 
     backend.sync_weights = checked_sync
+    if agents:
+        call = {"tools": ("multiply", {"a": 6, "b": 7}), "environment": ("increment", {"step": 2})}[variant]
+        text = "<tool_call>" + json.dumps({"name": call[0], "arguments": call[1]}) + "</tool_call><|im_end|>"
+        call_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        trainer.run.rollouts.backend = FirstTurnCallsTheTool(backend, tokenizer, call_ids)
     trainer.train()
     history = trainer.state.log_history
     unwrapped = trainer.accelerator.unwrap_model(trainer.run.model)
@@ -111,6 +172,8 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
                 "vllm_dtype": str(backend.llm.llm_engine.model_config.dtype),
                 "reloads_in_place": backend.reloads_in_place,
                 "vllm": vllm.__version__,
+                "tool_calls": [e.get("tools/call_frequency") for e in history if "loss" in e],
+                "continuations": getattr(trainer.run.rollouts.backend, "continuations", []),
             },
             handle,
         )

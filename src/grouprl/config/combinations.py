@@ -232,6 +232,14 @@ TABLE: dict[frozenset[str], Cell] = {
             )
             for other in ("gfpo", "dynamic_sampling", "sync_ref_model", "rollout_func")
         },
+        **{
+            (agent, "vllm_colocate"): _works(
+                "tests/test_vllm_cpu.py::test_colocate_vllm_samples_the_turns_after_a_tool_result (vLLM's CPU build "
+                "samples the turn after the tool's result from the synced weights; the importance-sampling correction "
+                "holds across both turns)"
+            )
+            for agent in ("tools", "environment_factory")
+        },
         ("rollout_func", "sharded"): _works(
             "tests/test_distributed.py::test_sharded_policy_samples_from_a_replica_of_its_gathered_weights "
             "({fsdp2,zero3}_sampled_rollout_func: trainer.generation_backend is each process's replica sampler)"

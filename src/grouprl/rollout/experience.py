@@ -109,6 +109,14 @@ def score_generation(
     correct_sampler = (
         batch.sampler_logprobs is not None and config.vllm_importance_sampling_correction and separate_sampler
     )
+    if config.vllm_importance_sampling_correction and separate_sampler and batch.sampler_logprobs is None:
+        logger.warning_once(
+            "vllm_importance_sampling_correction: the sampler is a separate copy of the weights, but some completions "
+            "came without the sampled tokens' logprobs (a rollout_func returning logprobs=None, or a generation "
+            "backend that returns none), so such batches train without the correction. Return the logprobs, set "
+            "needs_importance_correction = False on a backend that samples from the training weights, or set "
+            "vllm_importance_sampling_correction=False."
+        )
     # Asynchronous generation, trained once with the weights it is taken at: pi_old is what the training forward
     # computes anyway, so the correction is made there (micro_step.py) instead of in a forward pass of its own.
     in_forward = correct_sampler and config.async_generation and not plan.old_logprobs_needed
