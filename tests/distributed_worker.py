@@ -62,6 +62,9 @@ SCENARIOS = {
     # GFPO keeping the first 2 samples of each group: with 2 processes process 0 keeps 4 rows (group 0's and both kept
     # rows of the cut group 1) and process 1 keeps 2, so the kept rows are gathered and dealt out again, 3 each
     "gfpo": ("grpo", False, {"num_remains_in_group": 2, "gradient_accumulation_steps": 1}),
+    # image prompts (a tiny Qwen2-VL) under DDP: in each generation only the first prompt has an image, so process 1's
+    # rows have none (the logs gather the images column on both processes all the same)
+    "grpo_images": ("grpo", False, {"beta": 0.1, "images": True, "shuffle_dataset": False}),
     # launched with the bundled fsdp2 config (the weights sharded over the processes); with a reference model
     "fsdp2": ("grpo", False, {"beta": 0.1}),
     # sampled in the training processes (generation_engine='auto'): under sharding, from an unsharded replica

@@ -71,6 +71,7 @@ def monkeypatch_session():
 def two_process_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, request):
     if HAS_SERVER_LIBRARIES:
         monkeypatch_session.setenv("GROUPRL_TEST_SERVER", request.getfixturevalue("grouprl_server")[0])
+    monkeypatch_session.setenv("GROUPRL_TEST_VLM_MODEL", str(request.getfixturevalue("qwen2_vl_model_dir")))
     out = tmp_path_factory.mktemp("two_process")
     result = launch(2, [WORKER, str(out), str(tiny_model_dir), *RUNNABLE])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -108,6 +109,8 @@ def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path
         assert torch.allclose(joined, whole["advantages"], atol=1e-6), (joined, whole["advantages"])
         assert whole["advantages"].abs().sum() > 0
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0  # DDP kept the replicas identical
+    if scenario == "grpo_images":  # process 1's forwards run the vision tower on a probe image (a DDP abort without)
+        check_image_runs(rank0, rank1)
     if "resumed_weights" in single:  # 2 steps == 1 step, checkpoint, resume, 1 step; on each process
         for result in (single, rank0, rank1):
             assert max_difference(result["weights"], result["resumed_weights"]) == 0.0
@@ -296,12 +299,18 @@ def test_sharded_image_prompts_train_like_one_process(sharded_runs, config_name,
     rank0, rank1 = sharded_runs(config_name)[scenario]
     assert rank0["sharded"] and rank1["sharded"]
     for whole, part0, part1 in zip(single["seen"], rank0["seen"], rank1["seen"], strict=True):
-        assert (part0["with_images"], part1["with_images"]) == ([True, False], [False, False])
         assert part0["completions"] + part1["completions"] == whole["completions"]
         joined = torch.cat([part0["advantages"], part1["advantages"]])
         assert torch.allclose(joined, whole["advantages"], atol=1e-6) and joined.abs().sum() > 0
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
     assert max_difference(single["weights"], rank0["weights"]) < 2e-6
+    check_image_runs(rank0, rank1)
+
+
+def check_image_runs(rank0: dict, rank1: dict) -> None:
+    """Process 1 had no image in either generation, process 0 one group's; the vision tower trained all the same."""
+    for part0, part1 in zip(rank0["seen"], rank1["seen"], strict=True):
+        assert (part0["with_images"], part1["with_images"]) == ([True, False], [False, False])
     start = {name: p.detach() for name, p in vlm_models.tiny_qwen2_vl()[0].named_parameters()}
     moved = {name for name, t in rank0["weights"].items() if not torch.equal(t, start[name])}
     assert any(".visual." in name for name in moved) and any(".language_model." in name for name in moved)

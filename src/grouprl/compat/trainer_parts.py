@@ -325,16 +325,17 @@ def prepare_for_training(
 
 
 def keep_vision_towers_in_step(tokenize: Any, models: list[Optional[torch.nn.Module]]) -> None:
-    """Give each vision-language model on sharded weights its VisionProbe (model/multimodal.py): a blank image
-    through the processor, which a forward without images carries so that every process runs the vision tower."""
-    sharded = [  # (a DeepSpeed engine's own `config` is DeepSpeed's: the model's is its module's)
+    """Give each vision-language model whose processes must run the same modules (sharded weights, or DDP's gradient
+    reduction) its VisionProbe (model/multimodal.py): a blank image through the processor, which a forward without
+    images carries so that every process runs the vision tower."""
+    in_step = [  # (a DeepSpeed engine's own `config` is DeepSpeed's: the model's is its module's)
         model
         for model in models
         if model is not None
         and is_vision_language_config(getattr(getattr(model, "module", model), "config", None))
-        and sharded_parameters(model)
+        and (sharded_parameters(model) or isinstance(model, torch.nn.parallel.DistributedDataParallel))
     ]
-    if not sharded or not isinstance(tokenize, MultimodalPromptTokenizer):
+    if not in_step or not isinstance(tokenize, MultimodalPromptTokenizer):
         return
     from PIL import Image
 
@@ -343,10 +344,10 @@ def keep_vision_towers_in_step(tokenize: Any, models: list[Optional[torch.nn.Mod
         _, prompt_ids, images = tokenize.encode_row(row, 0)
     except Exception as err:
         raise ValueError(
-            "On sharded weights grouprl runs the vision tower in every forward, on a blank 64x64 image where a forward "
-            f"has none, but the processor could not encode one: {err}"
+            "On several processes grouprl runs the vision tower in every forward, on a blank 64x64 image where a "
+            f"forward has none, but the processor could not encode one: {err}"
         ) from err
-    for model in sharded:
+    for model in in_step:
         set_vision_probe(model, VisionProbe(prompt_ids, images))
 
 

@@ -169,10 +169,9 @@ def completion_logprobs(
         empty = completion_ids.new_zeros((n, completion_len), dtype=torch.float32)
         return TokenLogprobs(empty, empty if with_entropy else None, None)
     entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
-    probe = None
     if sharded_parameters(model):  # forwards cut by row count alone, the same on every process: not by the rows'
         pack_prompts, bucket_by_length = False, False  # lengths nor by shared prompts, which differ between processes
-        probe = vision_probe(model)  # and each runs the vision tower, with or without images (multimodal.py)
+    probe = vision_probe(model)  # where processes run in step, each forward runs the vision tower (multimodal.py)
     if pack_prompts and multimodal is None and not with_aux_loss and not pad_to_multiple_of:
         packed = shared_prompt_logprobs(
             model,

@@ -23,12 +23,13 @@ image counts. Models with multimodal rotary positions (M-RoPE: Qwen2-VL, Qwen2.5
 their positions from the image grids and the attention mask themselves; every other model gets
 positions counted over real tokens, as for text.
 
-On sharded weights (FSDP2, DeepSpeed ZeRO-3) every forward gathers the weights of each module it runs, from every
-process, so the processes must run the same modules: a forward whose rows have no image skips the vision tower,
-and a process whose rows have none would wait forever for the others' vision-tower gathers (or pair its gathers
-with the wrong module's). Such a forward carries one more row, a `VisionProbe` (a prompt with one blank image,
+On several processes the processes must run the same modules: on sharded weights (FSDP2, DeepSpeed ZeRO-3) every
+forward gathers the weights of each module it runs from every process, and under DDP every backward reduces the
+gradients of each trained module's parameters. A forward whose rows have no image skips the vision tower, so a
+process whose rows have none would wait forever for the others' vision-tower gathers, or pair its collectives with
+the wrong module's and abort. Such a forward carries one more row, a `VisionProbe` (a prompt with one blank image,
 encoded by the processor when the trainer is built), whose outputs are dropped and whose logprobs join the graph
-times zero, so its backward runs the vision tower's gradient reductions too (`vision_probe`).
+times zero, so its backward gives the vision tower (zero) gradients and runs their reductions too (`vision_probe`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class PromptImages:
 
 @dataclass
 class VisionProbe:
-    """One prompt with one image: the extra row of a forward without images on sharded weights (module doc)."""
+    """One prompt with one image: the extra row of a forward without images on several processes (module doc)."""
 
     prompt_ids: list[int]
     images: PromptImages
@@ -60,7 +61,7 @@ PROBE_ATTRIBUTE = "grouprl_vision_probe"
 
 
 def set_vision_probe(model: torch.nn.Module, probe: VisionProbe) -> None:
-    """Give a sharded vision-language model its probe (on the module a DeepSpeed engine wraps, too)."""
+    """Give a vision-language model its probe (on the module a DeepSpeed engine or DDP wraps, too)."""
     for module in (model, getattr(model, "module", None)):
         if module is not None:
             setattr(module, PROBE_ATTRIBUTE, probe)
