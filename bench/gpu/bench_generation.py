@@ -77,11 +77,15 @@ class Case:
     runs: tuple[str, ...]  # "trl" and grouprl's engines
 
 
-ENGINES = ("transformers", "engine", "captured", "captured+compile")  # +compile: GRPOConfig.compile_decode_step
+# +compile: GRPOConfig.compile_decode_step; continuous_batching: use_transformers_continuous_batching (TRL's
+# use_transformers_paged), transformers' generate_batch with its paged cache
+ENGINES = ("transformers", "engine", "captured", "captured+compile", "continuous_batching")
 
 
 def engine_config(engine: str) -> dict:
     """grouprl's GRPOConfig fields for one of ENGINES."""
+    if engine == "continuous_batching":
+        return {"use_transformers_continuous_batching": True}
     return {"generation_engine": engine.split("+")[0], "compile_decode_step": engine.endswith("+compile")}
 
 
@@ -267,6 +271,7 @@ def decode_run(engine: str, case: Case, model_dir: str, dtype: torch.dtype, devi
     from transformers import AutoModelForCausalLM
 
     from grouprl.core.types import SamplingParams
+    from grouprl.generation.continuous_batching import ContinuousBatchingGenerator
     from grouprl.generation.engine import FastGenerator
     from grouprl.generation.hf import TransformersGenerator
     from grouprl.generation.static_decode import CapturedGenerator
@@ -274,7 +279,12 @@ def decode_run(engine: str, case: Case, model_dir: str, dtype: torch.dtype, devi
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     tokenizer = load_tokenizer(model_dir)
     eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
-    backend_class = {"transformers": TransformersGenerator, "engine": FastGenerator, "captured": CapturedGenerator}
+    backend_class = {
+        "transformers": TransformersGenerator,
+        "engine": FastGenerator,
+        "captured": CapturedGenerator,
+        "continuous_batching": ContinuousBatchingGenerator,
+    }
     if engine == "captured+compile":
         backend = CapturedGenerator(model, tokenizer, eos, pad, compile_step=True)
     else:
@@ -353,7 +363,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default="",
-        help="runs to keep, comma-separated: trl, transformers, engine, captured, captured+compile",
+        help="runs to keep, comma-separated: trl and ENGINES (transformers, engine, captured, captured+compile, "
+        "continuous_batching)",
     )
     parser.add_argument("--kinds", default="train,decode", help="which measurements: train, decode or both")
     parser.add_argument("--cases", default="", help="comma-separated case numbers of the plan to run (1-based; all)")
@@ -422,21 +433,21 @@ def print_table(results: dict) -> None:
         trl = next((r for r in runs if r["case"] == case and r["run"] == "trl" and "s_per_step" in r), None)
         for r in (r for r in runs if r["case"] == case):
             if "error" in r:
-                print(f"  {r['run']:16s} {r['kind']:6s} {r['error']}")
+                print(f"  {r['run']:19s} {r['kind']:6s} {r['error']}")
             elif r["kind"] == "train":
                 ratio = f" ({trl['s_per_step'] / r['s_per_step']:.2f}x TRL)" if trl else ""
                 peak = r.get("peak_gpu_memory_gb") or r.get("peak_rss_above_start_gb")
                 memory = f", peak {peak:.2f} GB" if peak else ""
                 mfu = f", train MFU {r['train_mfu']:.1%}" if r.get("train_mfu") else ""
                 print(
-                    f"  {r['run']:16s} train  {r['s_per_step']:.2f} s/step{ratio}, "
+                    f"  {r['run']:19s} train  {r['s_per_step']:.2f} s/step{ratio}, "
                     f"{r['generated_tokens_per_s']:.0f} tok/s{memory}{mfu}"
                 )
             else:
                 kernels = r.get("kernels_per_decode_step")
                 kernels = f", {kernels:.0f} kernels/step" if kernels else ""
                 seconds = f"{r['decode_ms_per_step']:.2f} ms/step ({r['generation_s']:.2f} s)"
-                print(f"  {r['run']:16s} decode {seconds}{kernels}")
+                print(f"  {r['run']:19s} decode {seconds}{kernels}")
     print(f"\nwall {results['wall_s']:.0f} s")
 
 
