@@ -464,7 +464,8 @@ def test_sharded_policy_trains_against_a_generation_server(
 def test_the_steps_change_the_weights(two_process_runs, tiny_model_dir):
     base = parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     for name in RUNNABLE:
-        assert max_difference(base, two_process_runs[name][0]["weights"]) > 1e-3, name
+        if name != "grpo_images":  # another model's weights: check_image_runs sees them move
+            assert max_difference(base, two_process_runs[name][0]["weights"]) > 1e-3, name
 
 
 @pytest.mark.skipif(

@@ -58,19 +58,24 @@ def check_syncs(run: dict) -> None:
     assert all(gap is not None and gap < 0.1 for gap in run["sampler_gap"]), run["sampler_gap"]
 
 
-@pytest.mark.parametrize("variant", ["full", "lora", "dynamic", "gfpo", "sync_ref", "rollout_func"])
-def test_colocate_trains_and_vllm_serves_the_synced_weights(head_dim_64_model, tmp_path, variant):
-    """Also with dynamic sampling, GFPO, a synced reference, and a rollout_func sampling through the engine."""
+def run_alone(model_dir: str, tmp_path, variant: str) -> dict:
+    """The runner's `variant` as `python script.py` (one process, no launcher): what it saw."""
     out = tmp_path / "out"
     result = subprocess.run(
-        [VLLM_PYTHON, str(RUNNER), head_dim_64_model, str(out), variant],
+        [VLLM_PYTHON, str(RUNNER), model_dir, str(out), variant],
         capture_output=True,
         text=True,
         env=colocate_env(2),
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    run = json.loads((out / "result-rank0.json").read_text())
+    return json.loads((out / "result-rank0.json").read_text())
+
+
+@pytest.mark.parametrize("variant", ["full", "lora", "dynamic", "gfpo", "sync_ref", "rollout_func"])
+def test_colocate_trains_and_vllm_serves_the_synced_weights(head_dim_64_model, tmp_path, variant):
+    """Also with dynamic sampling, GFPO, a synced reference, and a rollout_func sampling through the engine."""
+    run = run_alone(head_dim_64_model, tmp_path, variant)
     assert run["processes"] == 1
     check_syncs(run)
 
@@ -80,16 +85,7 @@ def test_colocate_vllm_samples_the_turns_after_a_tool_result(head_dim_64_model, 
     """tools= (multiply) and environment_factory= (Counter): the first turn of every even sample calls the tool
     (scripted, with vLLM's logprobs of its tokens: the runner's FirstTurnCallsTheTool), and vLLM samples the turn after
     the tool's result from the synced weights; the importance-sampling correction holds across both turns."""
-    out = tmp_path / "out"
-    result = subprocess.run(
-        [VLLM_PYTHON, str(RUNNER), head_dim_64_model, str(out), variant],
-        capture_output=True,
-        text=True,
-        env=colocate_env(2),
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    run = json.loads((out / "result-rank0.json").read_text())
+    run = run_alone(head_dim_64_model, tmp_path, variant)
     check_syncs(run)
     assert run["tool_calls"] == [0.5, 0.5, 0.5]  # samples 0 and 2 of each group of 4 call the tool once
     continuations = run["continuations"]

@@ -47,7 +47,7 @@ from grouprl.model.forward import (
     separable_head,
     sharded_parameters,
 )
-from grouprl.model.multimodal import forward_inputs, vision_probe
+from grouprl.model.multimodal import PROBE_ATTRIBUTE, VisionProbe, forward_inputs
 from grouprl.model.prompt_packing import shared_prompt_logprobs
 
 # The chunked head reductions, the buckets and the head check live in forward.py (so prompt_packing
@@ -171,7 +171,9 @@ def completion_logprobs(
     entropy_mode = "grad" if entropy_grad else ("value" if with_entropy else "none")
     if sharded_parameters(model):  # forwards cut by row count alone, the same on every process: not by the rows'
         pack_prompts, bucket_by_length = False, False  # lengths nor by shared prompts, which differ between processes
-    probe = vision_probe(model)  # where processes run in step, each forward runs the vision tower (multimodal.py)
+    # where processes run in step, each forward runs the vision tower (multimodal.py); an attribute read, so a text
+    # run's step enters no multimodal code
+    probe: VisionProbe | None = getattr(model, PROBE_ATTRIBUTE, None)
     if pack_prompts and multimodal is None and not with_aux_loss and not pad_to_multiple_of:
         packed = shared_prompt_logprobs(
             model,

@@ -29,7 +29,8 @@ gradients of each trained module's parameters. A forward whose rows have no imag
 process whose rows have none would wait forever for the others' vision-tower gathers, or pair its collectives with
 the wrong module's and abort. Such a forward carries one more row, a `VisionProbe` (a prompt with one blank image,
 encoded by the processor when the trainer is built), whose outputs are dropped and whose logprobs join the graph
-times zero, so its backward gives the vision tower (zero) gradients and runs their reductions too (`vision_probe`).
+times zero, so its backward gives the vision tower (zero) gradients and runs their reductions too (the model's
+PROBE_ATTRIBUTE, read by model/logprobs.py).
 """
 
 from __future__ import annotations
@@ -65,10 +66,6 @@ def set_vision_probe(model: torch.nn.Module, probe: VisionProbe) -> None:
     for module in (model, getattr(model, "module", None)):
         if module is not None:
             setattr(module, PROBE_ATTRIBUTE, probe)
-
-
-def vision_probe(model: torch.nn.Module) -> VisionProbe | None:
-    return getattr(model, PROBE_ATTRIBUTE, None)
 
 
 def is_processor(processing_class: Any) -> bool:
