@@ -180,7 +180,9 @@ def test_dynamic_sampling_in_async_mode(tiny_model_dir, tmp_path):
     assert any(e["dynamic_sampling/generation_rounds"] > 1 for e in entries)
 
 
-def test_lora_merged_weights_reach_the_worker(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
+def test_lora_merged_weights_reach_the_worker(tiny_model_dir, tmp_path, quantized):
+    """QLoRA too: the worker gets the 4-bit base dequantized with the adapters' update added."""
     from peft import LoraConfig
 
     trainer = GRPOTrainer(
@@ -189,12 +191,16 @@ def test_lora_merged_weights_reach_the_worker(tiny_model_dir, tmp_path):
         train_dataset=PROMPTS,
         peft_config=LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
         args=async_config(tmp_path, max_staleness=0, learning_rate=0.2, max_steps=3),
+        quantization_config={"load_in_4bit": True} if quantized else None,
     )
     trainer.train()
     entries = step_entries(trainer)
     assert len(entries) == 3
-    # the worker samples with the merged adapters of each step: the trainer sees no mismatch at all
-    assert all(e["sampling/sampling_logp_difference/max"] < 1e-4 for e in entries)
+    # the worker samples with the merged adapters of each step: the trainer sees no mismatch at all; a QLoRA policy's
+    # adapters compute in bf16 where bf16 is native (as TRL's), which the fp32 update sent leaves ~5e-3 apart (an
+    # update left out: ~0.5)
+    tolerance = 0.05 if quantized else 1e-4
+    assert all(e["sampling/sampling_logp_difference/max"] < tolerance for e in entries)
     assert entries[-1]["loss"] != 0.0
 
 

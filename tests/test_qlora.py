@@ -187,22 +187,34 @@ def test_a_pre_quantized_instance_trains_with_peft_and_a_config_for_it_is_ignore
     trainer.train()
 
 
-@pytest.mark.parametrize("generation", [dict(use_vllm=True, vllm_mode="server"), dict(generation_engine="server")])
-def test_sampling_in_a_separate_engine_is_refused_for_a_quantized_model(tiny_model_dir, tmp_path, generation):
-    # refused from the combination table (combinations.py), before the model is loaded
-    with pytest.raises(
-        NotImplementedError,
-        match=r"a generation server .* cannot be combined with a quantized policy .*: sending a "
-        r"quantized model's weights",
-    ):
-        GRPOTrainer(
-            model=tiny_model_dir,
-            reward_funcs=distinct_tokens,
-            args=make_config(tmp_path, **generation),
-            train_dataset=prompts(),
-            quantization_config=BitsAndBytesConfig(**FOUR_BIT),
-            peft_config=peft.LoraConfig(**LORA),
-        )
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_a_separate_engine_gets_the_dequantized_base_with_the_adapters_update(tiny_model_dir, bits):
+    """What a generation server, vLLM or an asynchronous worker is sent for a QLoRA policy (inference_weights): full
+    weights under the plain names, the quantized ones dequantized with the adapters' update added. A plain model loaded
+    with them gives the QLoRA policy's logits; the policy's own quantized layers are left as they were (not merged)."""
+    from grouprl.generation.weights import inference_weights
+
+    policy = peft.get_peft_model(quantized_base(tiny_model_dir, bits), peft.LoraConfig(**LORA))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)  # an update that shows (lora_B starts at zero)
+    packed = {name: p.detach().clone() for name, p in policy.named_parameters() if p.dtype in (torch.uint8, torch.int8)}
+    weights = dict(inference_weights(policy))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert set(weights) == set(dict(plain.named_parameters()))
+    plain.load_state_dict(weights, strict=False)
+    ids = torch.tensor([[5, 17, 42, 9, 33, 7, 61]])
+    policy.eval()
+    with torch.no_grad():
+        served, trained = plain(ids).logits, policy(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits
+    # 4-bit layers compute x @ dequantized W, as the served copy does; LLM.int8 layers also round the activations to
+    # int8 (~1% of the logits' scale here), which an engine given full weights does not
+    assert (served - trained).abs().max() < {"4bit": 1e-3, "8bit": 2e-2}[bits] * trained.abs().max()
+    assert (served - base).abs().max() > 0.05 * base.abs().max()  # the update is in (and the base moved by rounding)
+    assert all(torch.equal(p, packed[name]) for name, p in policy.named_parameters() if name in packed)
 
 
 def test_missing_bitsandbytes_gives_an_install_hint(tiny_model_dir, tmp_path, monkeypatch):
@@ -550,3 +562,24 @@ def test_qlora_run_learns(tmp_path):
     first, last = sum(rewards[:37]) / 37, sum(rewards[-37:]) / 37
     assert last > first + 0.15, (first, last)
     assert outcome["after"] > outcome["before"] + 0.2, outcome
+
+
+def test_vllm_colocate_refuses_a_checkpoint_saved_quantized(tiny_model_dir, tmp_path):
+    """vLLM would load such a checkpoint quantized and could not take the full weights each sync sends."""
+    from grouprl.generation.vllm import refuse_a_quantized_checkpoint
+
+    refuse_a_quantized_checkpoint(tiny_model_dir)  # full precision: vLLM loads it, QLoRA or not
+    quantized_base(tiny_model_dir).save_pretrained(tmp_path / "saved-4bit")
+    with pytest.raises(ValueError, match=r"saved quantized \(bitsandbytes\).*full-precision checkpoint"):
+        refuse_a_quantized_checkpoint(str(tmp_path / "saved-4bit"))
+
+
+def test_a_sharded_quantized_policy_is_not_sent_to_an_engine(tiny_model_dir):
+    """Under FSDP / ZeRO-3 a quantized policy's weights are packed shards: refused by name at the first sync (sharding
+    faked here by ZeRO-3's parameter mark)."""
+    from grouprl.generation.weights import inference_weights
+
+    policy = peft.get_peft_model(quantized_base(tiny_model_dir), peft.LoraConfig(**LORA))
+    next(policy.parameters()).ds_id = 0
+    with pytest.raises(NotImplementedError, match="ds3_gather_for_generation=False"):
+        next(inference_weights(policy))

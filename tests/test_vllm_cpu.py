@@ -72,9 +72,10 @@ def run_alone(model_dir: str, tmp_path, variant: str) -> dict:
     return json.loads((out / "result-rank0.json").read_text())
 
 
-@pytest.mark.parametrize("variant", ["full", "lora", "dynamic", "gfpo", "sync_ref", "rollout_func"])
+@pytest.mark.parametrize("variant", ["full", "lora", "qlora", "dynamic", "gfpo", "sync_ref", "rollout_func"])
 def test_colocate_trains_and_vllm_serves_the_synced_weights(head_dim_64_model, tmp_path, variant):
-    """Also with dynamic sampling, GFPO, a synced reference, and a rollout_func sampling through the engine."""
+    """With LoRA and QLoRA (a 4-bit base: vLLM gets it dequantized with the adapters' update added), dynamic
+    sampling, GFPO, a synced reference, and a rollout_func sampling through the engine."""
     run = run_alone(head_dim_64_model, tmp_path, variant)
     assert run["processes"] == 1
     check_syncs(run)

@@ -3,9 +3,11 @@ use_vllm=True, vllm_mode="colocate", as `python script.py` (no launcher variable
 (one vLLM engine in each process). After every weight sync it asks vLLM for the log-probabilities of a fixed sequence
 and compares them with the trainer's model; each process writes what it saw to OUTPUT_DIR/result-rank<r>.json.
 
-    python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR {full,lora,dynamic,gfpo,sync_ref,rollout_func,tools,environment}
+    python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR VARIANT
+    (VARIANT: full, lora, qlora, dynamic, gfpo, sync_ref, rollout_func, tools or environment)
 
-The variants besides full and lora train with dynamic sampling, GFPO's filter, a synced reference, a rollout_func
+qlora loads the policy in 4 bits (vLLM is sent the base dequantized with the adapters' update added). The variants
+besides full, lora and qlora train with dynamic sampling, GFPO's filter, a synced reference, a rollout_func
 that samples through trainer.generation_backend (the vLLM engine), or tools / an environment_factory: in those, the
 first turn of every even sample calls the tool (`FirstTurnCallsTheTool`) and vLLM samples the turns after the tool's
 result.
@@ -103,7 +105,7 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         max_steps=3,
         logging_steps=1,
         # weights that move: a missed sync shows (agents' longer rows move them further)
-        learning_rate={"lora": 0.2, "tools": 0.02, "environment": 0.02}.get(variant, 0.05),
+        learning_rate={"lora": 0.2, "qlora": 0.2, "tools": 0.02, "environment": 0.02}.get(variant, 0.05),
         max_completion_length=136 if agents else 16,  # a call (75 tokens), its result (44), 17 tokens after it
         per_device_train_batch_size=4,
         num_generations=4,
@@ -113,7 +115,7 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         **options,
     )
     peft_config = None
-    if variant == "lora":
+    if variant in ("lora", "qlora"):
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
@@ -138,6 +140,7 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         args=args,
         train_dataset=dataset,
         peft_config=peft_config,
+        quantization_config={"load_in_4bit": True} if variant == "qlora" else None,
         **extra,
     )
     backend = trainer.generation_backend

@@ -117,10 +117,9 @@ TABLE: dict[frozenset[str], Cell] = {
             "tests/test_distributed.py::test_sharded_policy_trains_against_a_generation_server (FSDP2 and ZeRO-3 on 2 "
             "processes beside grouprl serve: each weight sync gathers the shards, the main process sends them)"
         ),
-        ("quantized", "generation_server"): _not_built(
-            "sending a quantized model's weights to a separate inference engine (dequantized, with the adapters "
-            "merged) is not built; sample in the training process (use_vllm=False, generation_engine='auto'), or train "
-            "without quantization_config."
+        ("quantized", "generation_server"): _works(
+            "tests/test_server.py::test_training_through_the_server_keeps_its_weights_in_sync[http-qlora] (the "
+            "server gets the base dequantized with the adapters' update added: generation/weights.py)"
         ),
         ("sharded", "vllm_colocate"): _works(
             "tests/test_vllm_cpu.py::test_colocate_on_two_processes_each_with_its_engine (FSDP2 on 2 processes, one "
@@ -129,9 +128,9 @@ TABLE: dict[frozenset[str], Cell] = {
         ("lora", "vllm_colocate"): _works(
             "tests/test_vllm_cpu.py::test_colocate_trains_and_vllm_serves_the_synced_weights (the merged weights)"
         ),
-        ("quantized", "vllm_colocate"): _not_built(
-            "sending a quantized model's weights to vLLM (dequantized, with the adapters merged) is not built; sample "
-            "in the training process (use_vllm=False, generation_engine='auto'), or train without quantization_config."
+        ("quantized", "vllm_colocate"): _works(
+            "tests/test_vllm_cpu.py::test_colocate_trains_and_vllm_serves_the_synced_weights[qlora] (vLLM serves the "
+            "base dequantized with the adapters' update added)"
         ),
         ("quantized", "in_process_sampling"): _works("tests/test_qlora.py"),
         # ---- algorithm variants ----
@@ -380,9 +379,9 @@ TABLE: dict[frozenset[str], Cell] = {
         ("images", "async_generation"): _not_built(
             "the worker is sent token ids only, not images; train image prompts with async_generation=False."
         ),
-        ("quantized", "async_generation"): _not_built(
-            "sending a quantized model's weights to the worker (dequantized, adapters merged) is not built; train "
-            "with async_generation=False, or without quantization_config."
+        ("quantized", "async_generation"): _works(
+            "tests/test_async_features.py::test_lora_merged_weights_reach_the_worker[qlora] (the worker gets the base "
+            "dequantized with the adapters' update added)"
         ),
         ("generation_server", "async_generation"): _works("tests/test_async.py"),
         ("tools", "async_generation"): _works("tests/test_async_features.py::test_tools_run_in_async_rollouts"),

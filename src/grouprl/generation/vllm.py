@@ -109,6 +109,7 @@ class VLLMColocateGenerator:
 
     def __init__(self, model_path: str, tokenizer: Any, config: Any, max_num_seqs: int):
         self.vllm = require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")
+        refuse_a_quantized_checkpoint(model_path)
         state = PartialState()
         describe_process_to_vllm(state)
         self.tokenizer = tokenizer
@@ -190,6 +191,25 @@ class VLLMColocateGenerator:
                     )
                 )
         return completions
+
+
+def refuse_a_quantized_checkpoint(model_path: str) -> None:
+    """vLLM loads the policy's checkpoint and is then sent full weights (a quantized policy's dequantized, with its
+    adapters' update added: weights.py), which an engine that loaded a checkpoint saved quantized cannot take."""
+    from transformers import PretrainedConfig
+
+    try:
+        saved = PretrainedConfig.get_config_dict(model_path)[0]
+    except (OSError, ValueError):
+        return  # vLLM says what is wrong with the path itself
+    if saved.get("quantization_config"):
+        method = saved["quantization_config"].get("quant_method", "quantized")
+        raise ValueError(
+            f"vLLM colocate would load {model_path}, a checkpoint saved quantized ({method}), and grouprl sends it "
+            "full weights (a quantized policy's dequantized, with its adapters' update added), which a quantized "
+            "engine cannot load. Start from the full-precision checkpoint with quantization_config=... (QLoRA), or "
+            "sample in the training process (use_vllm=False)."
+        )
 
 
 def check_trainer_weight_transfer(vllm: Any) -> None:

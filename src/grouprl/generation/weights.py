@@ -3,6 +3,10 @@ transformers names.
 
 - LoRA policies: adapters merged into the base weights for the copy, names without PEFT's
   prefixes, adapter tensors left out; the adapters are unmerged afterwards.
+- Quantized policies (bitsandbytes 4-bit / 8-bit, QLoRA): each quantized weight dequantized (peft's
+  `dequantize_bnb_weight`) in the dtype of the model's embeddings, with its adapters' update added to that copy:
+  the engine serves full weights, and the policy is never merged (PEFT's merge into a quantized layer quantizes the
+  sum again, which loses the update's small values).
 - Sharded training (FSDP2 DTensors, DeepSpeed ZeRO-3): each parameter is gathered whole. These
   are collectives, so every process must iterate the weights, even though only the main process
   sends them.
@@ -23,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from grouprl.model.adapters import active_adapter, base_model, is_peft_model
 from grouprl.model.full_state import gathered
+from grouprl.model.quantization import is_quantized
 
 PEFT_PREFIX = "base_model.model."
 
@@ -31,11 +36,24 @@ def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     """(name, full tensor) for every weight of `model` an inference copy loads, one at a time."""
     peft = is_peft_model(model)
     trained_copy = f".modules_to_save.{active_adapter(model)}." if peft else ""
-    # ZeRO-3 holds a LoRA layer's base weight as an empty shard, which PEFT's in-place merge cannot add to: there the
-    # adapters' updates are added to each gathered copy instead
+    # ZeRO-3 holds a LoRA layer's base weight as an empty shard, and a quantized layer packed values, which PEFT's
+    # in-place merge cannot add to: there the adapters' updates are added to each copy handed out instead
     zero3 = any(hasattr(param, "ds_id") for param in model.parameters())
-    updates = _lora_layers(model) if peft and zero3 else {}
-    with nullcontext() if updates else merged_adapters(model):
+    if is_quantized(model) and (zero3 or any(hasattr(param, "full_tensor") for param in model.parameters())):
+        raise NotImplementedError(
+            "Sending a quantized policy's weights to an inference engine under FSDP / DeepSpeed ZeRO-3 would gather "
+            "its packed shards and dequantize them, which is not built. Sample from the sharded policy itself "
+            "(use_vllm=False, no generation server or asynchronous generation, ds3_gather_for_generation=False), or "
+            "train the quantized policy on one process per model copy (DDP)."
+        )
+    quantized = quantized_layers(model)
+    updates = (
+        _lora_layers(model, "under DeepSpeed ZeRO-3" if zero3 else "of a quantized policy")
+        if peft and (zero3 or quantized)
+        else {}
+    )
+    dtype = base_model(model).get_input_embeddings().weight.dtype
+    with nullcontext() if updates or quantized else merged_adapters(model):
         for name, param in model.named_parameters():
             if peft:
                 if (
@@ -47,11 +65,28 @@ def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
                 name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(trained_copy, ".")
             with gathered([param]):
                 tensor = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+                if id(param) in quantized:
+                    tensor = dequantized(quantized[id(param)]).to(dtype)
                 if id(param) in updates:
                     tensor = tensor + _lora_update(updates[id(param)]).to(tensor.dtype)
                 # merged LoRA values vanish at unmerge, a gathered ZeRO-3 parameter when its context
                 # closes: hand out a copy that outlives them
                 yield name, tensor.clone() if peft or hasattr(param, "ds_id") else tensor
+
+
+def quantized_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """id(packed weight) -> its bitsandbytes layer (Linear4bit / Linear8bitLt), for every quantized layer."""
+    return {
+        id(module.weight): module
+        for module in model.modules()
+        if type(getattr(module, "weight", None)).__name__ in ("Params4bit", "Int8Params")
+    }
+
+
+def dequantized(layer: torch.nn.Module) -> torch.Tensor:
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    return dequantize_bnb_weight(layer.weight, getattr(layer, "state", None))
 
 
 @contextmanager
@@ -66,8 +101,8 @@ def merged_adapters(model: torch.nn.Module) -> Iterator[None]:
         model.unmerge_adapter()
 
 
-def _lora_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """id(base weight) -> its LoRA layer, for every layer with an active adapter."""
+def _lora_layers(model: torch.nn.Module, where: str) -> dict[int, torch.nn.Module]:
+    """id(base weight) -> its LoRA layer, for every layer with an active adapter (`where`: for the error)."""
     from peft.tuners.lora import LoraLayer
 
     layers = {}
@@ -81,8 +116,9 @@ def _lora_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
             ]
             if unsupported:
                 raise NotImplementedError(
-                    f"Sending a LoRA policy's weights under DeepSpeed ZeRO-3: its adapters use {unsupported[0]}, "
-                    "whose merge into gathered weights is not built. Train plain LoRA adapters, or with ZeRO-2 / FSDP."
+                    f"Sending the weights of a LoRA policy {where}: its adapters use {unsupported[0]}, whose merge "
+                    "into a copy of the base weight is not built. Train plain LoRA adapters, or sample in the "
+                    "training process."
                 )
             layers[id(module.get_base_layer().weight)] = module
     return layers

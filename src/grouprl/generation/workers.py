@@ -10,6 +10,7 @@ it can be watched but not restarted. Both say who they are in errors (`describe`
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import signal
@@ -176,7 +177,10 @@ def write_policy(
     from safetensors.torch import save_file
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: the wrapped model's config
-    base.config.save_pretrained(directory)
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):  # the weights written are full ones (a quantized policy's dequantized)
+        del config.quantization_config
+    config.save_pretrained(directory)
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(directory)
     if tokenizer is not None:

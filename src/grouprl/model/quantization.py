@@ -23,8 +23,8 @@ grouprl's own fast paths need nothing special: the in-process sampler (generatio
 its weight-major CPU products (which leave quantized layers, subclasses of nn.Linear, alone), the
 chunked logprobs with the hand-written LM-head backward (the head is never quantized by
 transformers) and prompt packing run on bitsandbytes layers and match the plain paths
-(tests/test_qlora.py). Sampling in a separate engine (a generation server, vLLM) is refused: it
-would need the base dequantized with the adapters merged, which is not built.
+(tests/test_qlora.py). A separate engine (a generation server, vLLM, an asynchronous worker) is sent the base
+dequantized with the adapters' update added (generation/weights.py).
 """
 
 from __future__ import annotations
