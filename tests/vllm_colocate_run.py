@@ -120,6 +120,8 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     extra = {"group_filter_func": shortest_k_filter} if variant == "gfpo" else {}
+    if variant == "qlora":
+        extra["quantization_config"] = {"load_in_4bit": True}
     if agents:
         from helpers import Counter, multiply  # beside this script
         from transformers import AutoTokenizer
@@ -140,7 +142,6 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         args=args,
         train_dataset=dataset,
         peft_config=peft_config,
-        quantization_config={"load_in_4bit": True} if variant == "qlora" else None,
         **extra,
     )
     backend = trainer.generation_backend
