@@ -35,7 +35,7 @@ from grouprl.config.training_arguments import refusal
 from grouprl.core.entropy import EntropyController
 from grouprl.data.multimodal_prompts import MultimodalPromptTokenizer, make_prompt_tokenizer
 from grouprl.data.prompt_sampler import PromptSampler, workers_for
-from grouprl.data.prompts import KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_dataset
+from grouprl.data.prompts import IMAGE_COLUMNS, KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_dataset
 from grouprl.generation.factory import sampling_params, sharded_weights
 from grouprl.generation.vllm import require_vllm
 from grouprl.model import quantization
@@ -112,7 +112,7 @@ def active_features(
         "tools": bool(tools),
         "environment_factory": environment_factory is not None,
         "rollout_func": rollout_func is not None,
-        "images": any(c in columns for c in ("image", "images")),
+        "images": any(c in columns for c in IMAGE_COLUMNS),
         "in_process_sampling": not own_backend and not server and not args.use_vllm,
         "async_generation": args.async_generation,
         "generation_server": server,

@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from grouprl.data.prompts import PROMPT_COLUMN, PromptTokenizer, check_prompt, is_conversational, row_images
+from grouprl.data.prompts import (
+    IMAGE_COLUMNS,
+    PROMPT_COLUMN,
+    PromptTokenizer,
+    check_prompt,
+    is_conversational,
+    row_images,
+)
 from grouprl.model.multimodal import PromptImages, is_processor
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
@@ -131,14 +138,14 @@ def make_prompt_tokenizer(processing_class: Any, **kwargs: Any) -> PromptTokeniz
 
 def rows_images(columns: dict[str, list[Any]], rows: Sequence[int]) -> list[list[Any]]:
     """(n,) the images of each row's prompt (empty lists for text prompts), from the image/images columns."""
-    image_columns = {name: values for name, values in columns.items() if name in ("image", "images")}
+    image_columns = {name: values for name, values in columns.items() if name in IMAGE_COLUMNS}
     return [row_images({name: values[b] for name, values in image_columns.items()}, b) for b in rows]
 
 
 def check_multimodal_setup(dataset: Any, processing_class: Any, name: str = "train_dataset") -> None:
     """Images need the model's processor: fail before training, naming the column."""
     columns = getattr(dataset, "column_names", None) or []
-    found = [c for c in ("image", "images") if c in columns]
+    found = [c for c in IMAGE_COLUMNS if c in columns]
     if found and not is_processor(processing_class):
         raise ValueError(
             f"{name} has an {found[0]!r} column but processing_class is a {type(processing_class).__name__}, "

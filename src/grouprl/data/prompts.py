@@ -24,7 +24,8 @@ import datasets
 from grouprl.core.types import GroupLayout, PromptBatch
 
 PROMPT_COLUMN = "prompt"
-KEPT_WHEN_REMOVING = ("prompt", "image", "images")
+IMAGE_COLUMNS = ("image", "images")  # a row's images: one image, or a list (TRL)
+KEPT_WHEN_REMOVING = (PROMPT_COLUMN, *IMAGE_COLUMNS)
 LARGE_DATASET = 100_000  # rows: a larger dataset's prompts are checked by worker processes (datasets' map)
 CHECK_BATCH = 10_000  # rows read at a time by the up-front check
 _checked_fingerprints: set[str] = set()  # datasets whose every prompt passed: not read again (evaluate() re-checks)

@@ -29,7 +29,7 @@ from grouprl.core.metrics import MetricWindow, completion_length_stats, reward_s
 from grouprl.core.types import Completion, GroupLayout, PromptBatch, Rewards, Rollout, SamplingParams, TrainBatch
 from grouprl.data.multimodal_prompts import rows_images
 from grouprl.data.prompt_sampler import GenerationInputs, PromptSampler
-from grouprl.data.prompts import PromptTokenizer, is_conversational, local_prompt_batch
+from grouprl.data.prompts import IMAGE_COLUMNS, PromptTokenizer, is_conversational, local_prompt_batch
 from grouprl.generation.protocol import GenerationBackend, sample_for_processes, sample_groups
 from grouprl.rewards.scoring import RewardFunction, score_completions
 from grouprl.rollout.completion_log import CompletionLog, RecentCompletions
@@ -324,6 +324,6 @@ def logged_images(batch: PromptBatch, rows: list[int]) -> Optional[list[list[Any
     """(n,) each row's prompt images where the data has an image column, else None. Decided by the columns, the
     same on every process, and not by whether this process's rows have images: logging gathers them, and a process
     that skipped the gather would leave the others waiting for it."""
-    if not any(name in batch.columns for name in ("image", "images")):
+    if not any(name in batch.columns for name in IMAGE_COLUMNS):
         return None
     return rows_images(batch.columns, rows)
