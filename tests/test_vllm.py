@@ -71,6 +71,9 @@ def test_vllm_sampling_params_mirror_the_config():
         regex=None,
     )
     assert (params.n, params.max_tokens, params.temperature, params.logprobs, params.min_tokens) == (4, 16, 0.7, 0, 2)
+    assert params.logit_bias is None
+    suppressed = vllm_sampling_params(vllm, 1, SamplingParams(max_new_tokens=4), None, suppress_token_ids=[7, 9])
+    assert suppressed.logit_bias == {7: -100.0, 9: -100.0}  # a VLM's image placeholders, never sampled
 
 
 @needs_gpu_vllm

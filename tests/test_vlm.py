@@ -94,6 +94,28 @@ def test_processor_encodes_each_prompt_once_with_its_image_inputs():
         )
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_engines_that_process_images_get_the_images_and_one_placeholder_for_each(arch):
+    """vLLM expands each image placeholder itself (an expanded one it expands again): a prompt goes to it with its
+    images and its ids before the processor's expansion, which here is a run of image tokens per image."""
+    from grouprl.generation.vllm import engine_prompts
+
+    model, processor = BUILDERS[arch]()
+    images = [image(0), image(1)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    _, ids, inputs = encoder(processor).encode_row({"prompt": messages, "images": images}, 0)
+    image_id = model.config.image_token_id
+    collapsed = [t for k, t in enumerate(ids) if t != image_id or k == 0 or ids[k - 1] != image_id]
+    assert inputs.placeholder_ids == collapsed and collapsed.count(image_id) == 2 and len(ids) > len(collapsed)
+    assert inputs.images == images
+    _, text_ids, none = encoder(processor).encode_row({"prompt": user("hi")}, 1)
+    assert engine_prompts([ids, text_ids], [inputs, none]) == [
+        {"prompt_token_ids": collapsed, "multi_modal_data": {"image": images}},
+        {"prompt_token_ids": text_ids},
+    ]
+    assert engine_prompts([text_ids], None) == [{"prompt_token_ids": text_ids}]
+
+
 def test_collate_left_aligns_per_token_fields_with_the_prompt_and_concatenates_image_fields():
     a = PromptImages(per_token={"types": torch.tensor([0, 1, 1])}, per_image={"pixels": torch.ones(2, 3)})
     b = PromptImages(per_token={"types": torch.tensor([1, 0])}, per_image={"pixels": torch.zeros(1, 3)})

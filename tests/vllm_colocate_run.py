@@ -4,13 +4,14 @@ use_vllm=True, vllm_mode="colocate", as `python script.py` (no launcher variable
 and compares them with the trainer's model; each process writes what it saw to OUTPUT_DIR/result-rank<r>.json.
 
     python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR VARIANT
-    (VARIANT: full, lora, qlora, dynamic, gfpo, sync_ref, rollout_func, tools or environment)
+    (VARIANT: full, lora, qlora, dynamic, gfpo, sync_ref, rollout_func, tools, environment or images)
 
 qlora loads the policy in 4 bits (vLLM is sent the base dequantized with the adapters' update added). The variants
 besides full, lora and qlora train with dynamic sampling, GFPO's filter, a synced reference, a rollout_func
 that samples through trainer.generation_backend (the vLLM engine), or tools / an environment_factory: in those, the
 first turn of every even sample calls the tool (`FirstTurnCallsTheTool`) and vLLM samples the turns after the tool's
-result.
+result. images trains a vision-language model (MODEL_DIR an Idefics3) on image prompts and scores one image prompt
+in vLLM and in the trainer after a last sync (`image_gaps`).
 """
 
 import json
@@ -69,6 +70,37 @@ class FirstTurnCallsTheTool:
         return [output.prompt_logprobs[len(prompt) + k][token].logprob for k, token in enumerate(tokens)]
 
 
+def image_gaps(trainer, sync, llm, vllm) -> dict:
+    """After training and a sync, one image prompt and 4 tokens after it scored by vLLM (from the placeholders it
+    expands) and by the trainer's model (from the processor's ids and pixels), the most they differ: with the prompt's
+    image, and with another image given to vLLM (how much the image moves the scores, so a dropped image would
+    show). The image is one the run sampled with, whose embeddings vLLM cached before the sync."""
+    from vlm_models import image
+
+    processor = trainer.processing_class
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[image(0, 32, 32)]], return_tensors="pt")
+    tail = [5, 17, 42, 9]
+    ids = inputs["input_ids"][0].tolist() + tail
+    model = trainer.accelerator.unwrap_model(trainer.run.model)
+    sync(model)  # the last step's update, which no generation has synced yet
+    with torch.no_grad():
+        pixels = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        logits = model(input_ids=torch.tensor([ids]), **pixels).logits[0, :-1].float()
+    ours = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    placeholders = processor.tokenizer(text, add_special_tokens=False)["input_ids"] + tail
+    params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    gaps = {}
+    for name, seed in (("same", 0), ("other", 8)):
+        prompt = {"prompt_token_ids": placeholders, "multi_modal_data": {"image": [image(seed, 32, 32)]}}
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+        assert list(output.prompt_token_ids) == ids, "vLLM expanded the placeholders unlike the processor"
+        theirs = torch.tensor([step[token].logprob for step, token in zip(output.prompt_logprobs[1:], ids[1:])])
+        gaps[name] = float((ours - theirs).abs().max())
+    return gaps
+
+
 def reward_num_unique_characters_of_the_conversation(completions, **kwargs):
     return [len(set(str(c))) for c in completions]
 
@@ -89,6 +121,13 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
 
     dataset = Dataset.from_dict({"prompt": ["The sky is", "Once upon a time", "def add(a, b):", "Hello"]})
     agents = variant in ("tools", "environment")
+    images = variant == "images"
+    if images:
+        from vlm_models import image  # beside this script
+
+        prompts = [[{"role": "user", "content": f"What is in picture {i}?"}] for i in range(4)]
+        # two images over three steps: one comes back after a sync (vLLM caches an image's embeddings)
+        dataset = Dataset.from_dict({"prompt": prompts, "image": [image(i % 2, 32, 32) for i in range(4)]})
     if agents:
         dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{i} times 7?"}] for i in range(4)]})
     options = {
@@ -138,7 +177,7 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         extra = {"rollout_func": sample_through_the_backend}
     trainer = (GFPOTrainer if variant == "gfpo" else GRPOTrainer)(
         model=model_dir,
-        reward_funcs=reward_num_unique_characters_of_the_conversation if agents else reward_num_unique_chars,
+        reward_funcs=reward_num_unique_characters_of_the_conversation if agents or images else reward_num_unique_chars,
         args=args,
         train_dataset=dataset,
         peft_config=peft_config,
@@ -178,6 +217,7 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
                 "vllm": vllm.__version__,
                 "tool_calls": [e.get("tools/call_frequency") for e in history if "loss" in e],
                 "continuations": getattr(trainer.run.rollouts.backend, "continuations", []),
+                "image_gaps": image_gaps(trainer, real_sync, backend.llm, vllm) if images else None,
             },
             handle,
         )

@@ -197,6 +197,72 @@ def tiny_llava(seed: int = 0):
     return model, processor
 
 
+def tiny_idefics3(seed: int = 0, hidden_size: int = 32):
+    """Idefics3 (SmolVLM's architecture): a 1-layer SigLIP-style vision tower on 32x32 images (8x8 patches, merged
+    2x2: 4 image tokens, between `<fake_token_around_image><global-img>` and `<fake_token_around_image>`) and a tiny
+    Llama. `hidden_size` 128 gives the text model heads of 32 (vLLM's CPU attention needs >= 32). vLLM's CPU build
+    serves this architecture without torchvision (its LLaVA and Qwen2-VL modules import it)."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        LlamaConfig,
+    )
+    from transformers.models.idefics3.configuration_idefics3 import (
+        Idefics3VisionConfig,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    tokenizer = build_vlm_tokenizer(
+        ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"), "<image>"
+    )
+    eos, image_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids("<image>")
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        tie_word_embeddings=True,
+    )
+    vision = Idefics3VisionConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        image_token_id=image_id,
+        scale_factor=2,
+        tie_word_embeddings=True,
+    )
+    with _seeded(seed):
+        model = Idefics3ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 32}, max_image_size={"longest_edge": 32}, do_image_splitting=False
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=tokenizer.chat_template
+    )
+    return model, processor
+
+
+def save_tiny_idefics3(path, hidden_size: int = 32) -> str:
+    """The tiny Idefics3 and its processor saved like a Hub checkpoint."""
+    model, processor = tiny_idefics3(hidden_size=hidden_size)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
 def save_tiny_qwen2_vl(path) -> str:
     """The tiny Qwen2-VL's weights (seed 0), for tiny_qwen2_vl(model_from=path)."""
     tiny_qwen2_vl()[0].save_pretrained(path)

@@ -98,9 +98,9 @@ TABLE: dict[frozenset[str], Cell] = {
             "the server client sends token ids only, not images; sample in the training process "
             "(generation_engine='auto' or 'transformers', use_vllm=False)."
         ),
-        ("images", "vllm_colocate"): _not_built(
-            "grouprl's vLLM generator passes token ids only, not images; sample in the training process "
-            "(use_vllm=False)."
+        ("images", "vllm_colocate"): _works(
+            "tests/test_vllm_cpu.py::test_colocate_vllm_samples_image_prompts_with_their_images (Idefics3 on vLLM's "
+            "CPU build: each prompt goes with its images and the chat template's placeholders, which vLLM expands)"
         ),
         ("images", "in_process_sampling"): _works("tests/test_vlm.py"),
         ("images", "lora"): _works("tests/test_vlm.py (peft_config on the language model)"),

@@ -104,7 +104,7 @@ class MultimodalPromptTokenizer(PromptTokenizer):
         self.check_fits(ids, prompt, index)
         if not images:
             return prompt, ids, None  # reward functions see the prompt as given (TRL), and so does the log
-        inputs = PromptImages()
+        inputs = PromptImages(images=list(images), placeholder_ids=self.placeholder_ids(blocks, continue_final))
         for name, value in out.items():
             if name in ("input_ids", "attention_mask"):
                 continue
@@ -118,6 +118,20 @@ class MultimodalPromptTokenizer(PromptTokenizer):
             else:
                 inputs.per_image[name] = value
         return blocks, ids, inputs  # reward functions see the messages with their image blocks, as in TRL
+
+    def placeholder_ids(self, blocks: list[dict], continue_final: bool) -> list[int]:
+        """The prompt's token ids before the processor expands its image placeholders: the template's text encoded
+        with special tokens as the processor encodes it (none where the text starts with the BOS token)."""
+        text = self.processor.apply_chat_template(
+            blocks,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            **self.chat_template_kwargs,
+        )
+        bos = self.processor.tokenizer.bos_token
+        special = not (bos is not None and text.startswith(bos))
+        return self.processor.tokenizer(text, add_special_tokens=special)["input_ids"]
 
     def prompt_text(self, prompt: Any, prompt_ids: list[int]) -> str:
         """The rendered prompt, each run of image tokens shown as one."""

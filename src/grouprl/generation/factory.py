@@ -48,7 +48,13 @@ def build_backend(
     if args.use_vllm and args.vllm_mode == "colocate":
         from grouprl.generation.vllm import VLLMColocateGenerator
 
-        return VLLMColocateGenerator(model.config._name_or_path, tokenizer, args, max_num_seqs=max_num_seqs)
+        return VLLMColocateGenerator(
+            model.config._name_or_path,
+            tokenizer,
+            args,
+            max_num_seqs=max_num_seqs,
+            suppress_token_ids=image_token_ids(model.config),
+        )
     if args.use_vllm or args.generation_engine == "server":
         return connect_server(tokenizer, args)
     if sharded_weights() and not args.ds3_gather_for_generation:

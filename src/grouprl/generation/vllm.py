@@ -22,6 +22,7 @@ processes, weight naming) is tested there.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -48,8 +49,18 @@ def require_vllm(what: str) -> Any:
     return vllm
 
 
-def vllm_sampling_params(vllm: Any, num_samples: int, params: SamplingParams, regex: Optional[str]) -> Any:
+# vLLM's strongest logit bias: e^-100 of a token's probability, so a suppressed token is never drawn
+SUPPRESS = -100.0
+
+
+def vllm_sampling_params(
+    vllm: Any, num_samples: int, params: SamplingParams, regex: Optional[str], suppress_token_ids: Sequence[int] = ()
+) -> Any:
+    """`suppress_token_ids`: ids never to sample (a vision-language model's image placeholders, as in-process
+    sampling suppresses them: a sampled one has no image behind it and the training forward would fail)."""
     extra = dict(params.extra)
+    if suppress_token_ids:
+        extra["logit_bias"] = {token: SUPPRESS for token in suppress_token_ids}
     if "min_new_tokens" in extra:
         extra["min_tokens"] = extra.pop("min_new_tokens")
     if regex is not None:
@@ -92,8 +103,13 @@ def refresh_tied_head(worker: Any) -> None:
     """
     model = worker.model_runner.get_model()
     head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
-    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)  # vLLM's decoder-only layout
-    if head is None or embedding is None or not getattr(config, "tie_word_embeddings", False):
+    # vLLM's decoder-only layout (model.embed_tokens), or a vision-language model's language model
+    language = model.get_language_model() if hasattr(model, "get_language_model") else model
+    embedding = getattr(getattr(language, "model", language), "embed_tokens", None)
+    tied = config is not None and (
+        getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False)
+    )
+    if head is None or embedding is None or not tied:
         return
     head.weight = embedding.weight
     method = getattr(head, "quant_method", None)
@@ -107,8 +123,11 @@ class VLLMColocateGenerator:
     main_process_only = False
     needs_importance_correction = True
 
-    def __init__(self, model_path: str, tokenizer: Any, config: Any, max_num_seqs: int):
+    def __init__(
+        self, model_path: str, tokenizer: Any, config: Any, max_num_seqs: int, suppress_token_ids: Sequence[int] = ()
+    ):
         self.vllm = require_vllm("GRPOConfig.use_vllm=True (vllm_mode='colocate')")
+        self.suppress_token_ids = list(suppress_token_ids)
         refuse_a_quantized_checkpoint(model_path)
         state = PartialState()
         describe_process_to_vllm(state)
@@ -160,16 +179,23 @@ class VLLMColocateGenerator:
         else:
             self.llm.apply_model(lambda served: served.load_weights(weights=weights))
         self.llm.reset_prefix_cache()
+        # a vision-language model's cached image embeddings came from the old weights (and an in-place reload
+        # empties the runner's store behind the scheduler's back: "Encoder cache miss" at the next image prompt)
+        if hasattr(self.llm.llm_engine, "reset_encoder_cache"):
+            self.llm.llm_engine.reset_encoder_cache()
 
-    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, multimodal: list[Any] | None = None
+    ) -> list[Completion]:
+        """`multimodal`: (prompts,) each prompt's `multimodal.PromptImages` or None (vision-language models)."""
         if self.weights_asleep and self.model is not None:  # a second generation in the same optimizer step
             self.sync_weights(self.model)
         if self.sleep:
             self.llm.wake_up(tags=["kv_cache"])
         try:
             outputs = self.llm.generate(
-                [{"prompt_token_ids": list(ids)} for ids in prompt_ids],
-                vllm_sampling_params(self.vllm, num_samples, params, self.regex),
+                engine_prompts(prompt_ids, multimodal),
+                vllm_sampling_params(self.vllm, num_samples, params, self.regex, self.suppress_token_ids),
                 use_tqdm=False,
             )
         finally:
@@ -191,6 +217,19 @@ class VLLMColocateGenerator:
                     )
                 )
         return completions
+
+
+def engine_prompts(prompt_ids: list[list[int]], multimodal: list[Any] | None) -> list[dict]:
+    """vLLM's prompts. A prompt with images goes with its images and the chat template's placeholders, which vLLM's
+    processing expands as the model's processor did (vLLM takes ids already expanded for a placeholder again)."""
+    prompts = []
+    for b, ids in enumerate(prompt_ids):
+        images = None if multimodal is None else multimodal[b]
+        if images is None:
+            prompts.append({"prompt_token_ids": list(ids)})
+        else:
+            prompts.append({"prompt_token_ids": images.placeholder_ids, "multi_modal_data": {"image": images.images}})
+    return prompts
 
 
 def refuse_a_quantized_checkpoint(model_path: str) -> None:
