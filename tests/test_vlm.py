@@ -1,8 +1,8 @@
 """Vision-language models: image prompts through the processor, padding-proof batching, generation, training.
 
-Two architectures, built locally (tests/vlm_models.py): Qwen2-VL (M-RoPE positions from image grids,
-per-token mm_token_type_ids, pixel patches) and LLaVA (CLIP vision tower, 1-D positions, one pixel
-tensor per image).
+Three architectures, built locally (tests/vlm_models.py): Qwen2-VL (M-RoPE positions from image grids,
+per-token mm_token_type_ids, pixel patches), LLaVA (CLIP vision tower, 1-D positions, one pixel
+tensor per image) and Idefics3 (SmolVLM: one (1, images, C, H, W) tensor per prompt, zero-padded in a batch).
 """
 
 import io
@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
-from vlm_models import image, save_tiny_llava, sharpen, tiny_llava, tiny_qwen2_vl
+from vlm_models import image, save_tiny_llava, sharpen, tiny_idefics3, tiny_llava, tiny_qwen2_vl
 
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.core.types import Completion, PromptBatch, Rollout, SamplingParams
@@ -27,7 +27,7 @@ from grouprl.model.logprobs import completion_logprobs
 from grouprl.model.multimodal import PromptImages, collate
 from grouprl.rollout.train_batch import pack_rollout
 
-BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava}
+BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava, "idefics3": tiny_idefics3}
 
 
 def user(text):
@@ -125,6 +125,16 @@ def test_collate_left_aligns_per_token_fields_with_the_prompt_and_concatenates_i
     assert batched["types"].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]]
     assert batched["pixels"].tolist() == [[1.0] * 3, [1.0] * 3, [0.0] * 3]
     assert collate([None, None], 4, 6) == {}
+    # Idefics3's (1, images, H, W)-like fields: padded with zeros at the end of the other dimensions, as its
+    # processor pads a batch (one image of 1 x 2 against two of 2 x 1)
+    one = PromptImages(per_image={"pixels": torch.tensor([[[[1.0, 2.0]]]])})
+    two = PromptImages(per_image={"pixels": torch.tensor([[[[3.0], [4.0]], [[5.0], [6.0]]]])})
+    assert collate([one, two], 1, 1)["pixels"].tolist() == [
+        [[[1.0, 2.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]]],
+        [[[3.0, 0.0], [4.0, 0.0]], [[5.0, 0.0], [6.0, 0.0]]],
+    ]
+    with pytest.raises(ValueError, match="'pixels' of shapes .* different ranks"):
+        collate([one, PromptImages(per_image={"pixels": torch.ones(2, 3)})], 1, 1)
 
 
 # ---- padding: a sample's logprobs do not depend on its batch ---------------------------------------------
@@ -196,7 +206,7 @@ def test_a_samples_logprobs_are_the_same_batched_with_shorter_or_longer_prompts(
             logprobs([2, 1, 0], bucket_by_length=bucket_by_length, multiple=7), alone, atol=1e-5, rtol=1e-5
         )
     # The check can fail: the same batch with the images' positions or rows wrong gives other logprobs.
-    control = Misaligned(model, "images in reverse row order" if arch == "llava" else "text positions")
+    control = Misaligned(model, "text positions" if arch == "qwen2_vl" else "images in reverse row order")
     assert (logprobs([2, 1, 0], control) - alone).abs().max() > 1e-3
 
 
@@ -210,7 +220,7 @@ def test_a_forward_without_images_on_sharded_weights_runs_the_vision_tower_on_th
 
     model, processor = BUILDERS[arch]()
     sharpen(model, 5.0)
-    tower = model.model.visual if arch == "qwen2_vl" else model.model.vision_tower
+    tower = getattr(model.model, {"qwen2_vl": "visual", "llava": "vision_tower", "idefics3": "vision_model"}[arch])
     calls = []
     tower.register_forward_hook(lambda module, args, output: calls.append(1))
     encode = encoder(processor)

@@ -98,20 +98,21 @@ def collate(inputs: Sequence[PromptImages | None], prompt_width: int, total_widt
     """Model inputs for rows whose prompts are left-padded to `prompt_width` inside sequences of `total_width`.
 
     Per-token fields end where each row's prompt ends (column prompt_width - 1), zeros elsewhere;
-    per-image fields are concatenated in row order. Rows without images (None) add nothing.
+    per-image fields are concatenated in row order, padded with zeros along their other dimensions where the rows'
+    sizes differ, as a processor pads a batch (Idefics3 / SmolVLM: (1, images, C, H, W) per prompt, whose model
+    drops the all-zero images). Rows without images (None) add nothing.
     """
     present = [m for m in inputs if m is not None]
     batched: dict[str, torch.Tensor] = {}
     for name in dict.fromkeys(k for m in present for k in m.per_image):
         parts = [m.per_image[name] for m in present if name in m.per_image]
-        try:
-            batched[name] = torch.cat(parts)
-        except RuntimeError as err:
+        if len({p.ndim for p in parts}) > 1:
             shapes = sorted({tuple(p.shape) for p in parts})
             raise ValueError(
-                f"Cannot batch the processor's {name!r} of shapes {shapes} along their first dimension; this "
-                "processor's outputs are not supported yet."
-            ) from err
+                f"Cannot batch the processor's {name!r} of shapes {shapes}: the prompts' images come in tensors of "
+                "different ranks; this processor's outputs are not supported yet."
+            )
+        batched[name] = torch.cat(zero_padded(parts))
     for name in dict.fromkeys(k for m in present for k in m.per_token):
         first = next(m.per_token[name] for m in present if name in m.per_token)
         values = torch.zeros((len(inputs), total_width), dtype=first.dtype)
@@ -120,6 +121,20 @@ def collate(inputs: Sequence[PromptImages | None], prompt_width: int, total_widt
                 values[r, prompt_width - len(m.per_token[name]) : prompt_width] = m.per_token[name]
         batched[name] = values
     return batched
+
+
+def zero_padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parts, each padded with zeros at the end of every dimension but the first to the largest part's size."""
+    largest = [max(sizes) for sizes in zip(*(p.shape[1:] for p in parts))]
+    padded = []
+    for part in parts:
+        if list(part.shape[1:]) == largest:
+            padded.append(part)
+            continue
+        grown = part.new_zeros((part.shape[0], *largest))
+        grown[(slice(None), *(slice(0, n) for n in part.shape[1:]))] = part
+        padded.append(grown)
+    return padded
 
 
 def computes_own_positions(model: torch.nn.Module) -> bool:
