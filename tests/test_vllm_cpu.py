@@ -111,6 +111,7 @@ def test_colocate_vllm_samples_image_prompts_with_their_images(tmp_path):
     processor.save_pretrained(tmp_path / "idefics3")
     run = run_alone(str(tmp_path / "idefics3"), tmp_path, "images")
     check_syncs(run)
+    assert sorted(set(run["images_per_prompt"])) == [1, 2], run["images_per_prompt"]  # one- and two-image prompts
     gaps = run["image_gaps"]
     # vLLM computes in bf16: the image's embeddings add their rounding to the text's (measured 0.048 and 0.012; a
     # dropped image left the sampler gap at 0.44, an image cached from the old weights stops vLLM, "Encoder cache miss")

@@ -126,8 +126,10 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         from vlm_models import image  # beside this script
 
         prompts = [[{"role": "user", "content": f"What is in picture {i}?"}] for i in range(4)]
-        # two images over three steps: one comes back after a sync (vLLM caches an image's embeddings)
-        dataset = Dataset.from_dict({"prompt": prompts, "image": [image(i % 2, 32, 32) for i in range(4)]})
+        # two images over three steps, so one comes back after a sync (vLLM caches an image's embeddings); prompts of
+        # one image and of both
+        pictures = [[image(0, 32, 32)], [image(1, 32, 32), image(0, 32, 32)], [image(1, 32, 32)], [image(0, 32, 32)]]
+        dataset = Dataset.from_dict({"prompt": prompts, "images": pictures})
     if agents:
         dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{i} times 7?"}] for i in range(4)]})
     options = {
@@ -192,6 +194,13 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         syncs.append({"trainer": ours.tolist(), "vllm": theirs.tolist(), "gap": float((ours - theirs).abs().max())})
 
     backend.sync_weights = checked_sync
+    real_generate, images_per_prompt = backend.generate, []
+
+    def counted_generate(*args, multimodal=None, **kwargs):
+        images_per_prompt.extend(0 if m is None else len(m.images) for m in multimodal or [])
+        return real_generate(*args, multimodal=multimodal, **kwargs)
+
+    backend.generate = counted_generate
     if agents:
         call = {"tools": ("multiply", {"a": 6, "b": 7}), "environment": ("increment", {"step": 2})}[variant]
         text = "<tool_call>" + json.dumps({"name": call[0], "arguments": call[1]}) + "</tool_call><|im_end|>"
@@ -218,6 +227,7 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
                 "tool_calls": [e.get("tools/call_frequency") for e in history if "loss" in e],
                 "continuations": getattr(trainer.run.rollouts.backend, "continuations", []),
                 "image_gaps": image_gaps(trainer, real_sync, backend.llm, vllm) if images else None,
+                "images_per_prompt": images_per_prompt,
             },
             handle,
         )
