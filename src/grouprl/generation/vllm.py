@@ -49,7 +49,7 @@ def require_vllm(what: str) -> Any:
     return vllm
 
 
-# vLLM's strongest logit bias: e^-100 of a token's probability, so a suppressed token is never drawn
+# vLLM's strongest logit bias: it multiplies a token's probability by e^-100, so a suppressed token is never drawn
 SUPPRESS = -100.0
 
 
@@ -106,9 +106,9 @@ def refresh_tied_head(worker: Any) -> None:
     # vLLM's decoder-only layout (model.embed_tokens), or a vision-language model's language model
     language = model.get_language_model() if hasattr(model, "get_language_model") else model
     embedding = getattr(getattr(language, "model", language), "embed_tokens", None)
-    tied = config is not None and (
-        getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False)
-    )
+    # what vLLM's vision-language models read to tie theirs (for a decoder-only model it is the config itself)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = getattr(text_config, "tie_word_embeddings", False)
     if head is None or embedding is None or not tied:
         return
     head.weight = embedding.weight
