@@ -1,5 +1,6 @@
 """Shared fixtures: tiny locally built models (no hub access) and a scripted generation backend."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -92,6 +93,13 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def grouprl_server(tiny_model_dir):
     """`grouprl serve` of the tiny model in a subprocess: (base url, process). test_server.py's last test kills it."""
+    with serving(tiny_model_dir) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def serving(model_dir):
+    """`grouprl serve --model model_dir` in a subprocess, once it answers: (base url, process); killed after."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     from grouprl.generation.remote import RemoteGenerator, ServerError
@@ -105,7 +113,7 @@ def grouprl_server(tiny_model_dir):
             "grouprl.cli",
             "serve",
             "--model",
-            str(tiny_model_dir),
+            str(model_dir),
             "--host",
             "127.0.0.1",
             "--port",

@@ -204,6 +204,27 @@ def test_lora_merged_weights_reach_the_worker(tiny_model_dir, tmp_path, quantize
     assert entries[-1]["loss"] != 0.0
 
 
+def test_image_prompts_sample_on_the_worker_with_their_processor_outputs(tmp_path):
+    """A vision-language model (Idefics3; prompts of one image and of two): the worker, started from the policy, loads
+    it as one, is sent each prompt's processor outputs and samples with them from the weights the trainer sent; its
+    logprobs are the trainer's."""
+    from vlm_models import image, save_tiny_idefics3
+
+    path = save_tiny_idefics3(tmp_path / "idefics3")
+    pictures = [[image(i, 32, 32)] if i % 2 else [image(i, 32, 32), image(i + 1, 32, 32)] for i in range(8)]
+    prompts = [[{"role": "user", "content": f"What is in picture {i}?"}] for i in range(8)]
+    trainer = GRPOTrainer(
+        model=path,
+        reward_funcs=lambda completions, **kwargs: [len(set(c[0]["content"])) for c in completions],
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts, "images": pictures}),
+        args=async_config(tmp_path, max_staleness=0, max_steps=3, per_device_train_batch_size=4, num_generations=2),
+    )
+    trainer.train()
+    entries = step_entries(trainer)
+    assert len(entries) == 3
+    assert all(e["sampling/sampling_logp_difference/max"] < 1e-4 for e in entries), entries
+
+
 def test_sync_ref_model_in_async_mode(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(
         model=tiny_model_dir,

@@ -257,6 +257,38 @@ def test_completions_api(server):
     with pytest.raises(ServerError, match="answered 400.*unsupported request fields \\['best_of'\\]"):
         client.generate([[5]], 1, SamplingParams(max_new_tokens=2, extra={"best_of": 2}))
 
+    from grouprl.model.multimodal import PromptImages
+
+    images = [PromptImages(per_image={"pixel_values": torch.zeros(1, 3)})]
+    with pytest.raises(ServerError, match="answered 400.*multimodal: .* is not a vision-language model"):
+        client.generate([[5]], 1, SamplingParams(max_new_tokens=2), multimodal=images)
+    elsewhere = RemoteGenerator(url, connect=False)  # a server that did not say it is grouprl's (vLLM's)
+    with pytest.raises(NotImplementedError, match="not a grouprl server.*vllm_mode='colocate'"):
+        elsewhere.generate([[5]], 1, SamplingParams(max_new_tokens=2), multimodal=images)
+
+
+def test_image_prompts_sample_on_the_server_with_their_processor_outputs(tmp_path):
+    """generation_engine='server' with a vision-language model (Idefics3; prompts of one image and of two): each
+    prompt's processor outputs go to the server, which samples with them (transformers generate, image placeholders
+    suppressed) and scores its samples with them, from the synced weights: its logprobs are the trainer's."""
+    from conftest import serving
+    from vlm_models import image, save_tiny_idefics3
+
+    path = save_tiny_idefics3(tmp_path / "idefics3")
+    pictures = [[image(i, 32, 32)] if i % 2 else [image(i, 32, 32), image(i + 1, 32, 32)] for i in range(8)]
+    prompts = [[{"role": "user", "content": f"What is in picture {i}?"}] for i in range(8)]
+    data = datasets.Dataset.from_dict({"prompt": prompts, "images": pictures})
+    with serving(path) as (url, _):
+        trainer = GRPOTrainer(
+            model=path,
+            reward_funcs=lambda completions, **kwargs: [len(set(c[0]["content"])) for c in completions],
+            args=config(tmp_path, url, num_generations=2, per_device_train_batch_size=4),
+            train_dataset=data,
+        )
+        trainer.train()
+    logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/max" in e]
+    assert len(logged) == 3 and all(e["sampling/sampling_logp_difference/max"] < 1e-4 for e in logged), logged
+
 
 def test_unreachable_server_fails_fast_with_the_settings(tiny_model_dir, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there

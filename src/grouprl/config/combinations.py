@@ -94,9 +94,9 @@ TABLE: dict[frozenset[str], Cell] = {
             "pixels, computed from the dataset's prompt) cannot be matched, so training would fail in "
             "multimodal.py; train image prompts without rollout_func, or rollout_func on text prompts."
         ),
-        ("images", "generation_server"): _not_built(
-            "the server client sends token ids only, not images; sample in the training process "
-            "(generation_engine='auto' or 'transformers', use_vllm=False)."
+        ("images", "generation_server"): _works(
+            "tests/test_server.py::test_image_prompts_sample_on_the_server_with_their_processor_outputs (`grouprl "
+            "serve` is sent each prompt's processor outputs; vLLM's server is refused at the first generation)"
         ),
         ("images", "vllm_colocate"): _works(
             "tests/test_vllm_cpu.py::test_colocate_vllm_samples_image_prompts_with_their_images (Idefics3 on vLLM's "
@@ -376,8 +376,8 @@ TABLE: dict[frozenset[str], Cell] = {
             "asynchronous generation samples in a worker process of its own, while colocated vLLM lives in the "
             "training process; use vllm_mode='server' (or the local `grouprl serve` worker: use_vllm=False)."
         ),
-        ("images", "async_generation"): _not_built(
-            "the worker is sent token ids only, not images; train image prompts with async_generation=False."
+        ("images", "async_generation"): _works(
+            "tests/test_async_features.py::test_image_prompts_sample_on_the_worker_with_their_processor_outputs"
         ),
         ("quantized", "async_generation"): _works(
             "tests/test_async_features.py::test_lora_merged_weights_reach_the_worker[qlora] (the worker gets the base "

@@ -97,10 +97,15 @@ def sample_groups(
 
 
 def sample_for_processes(
-    backend: Any, layout: GroupLayout, group_prompt_ids: Sequence[list[int]], params: SamplingParams
+    backend: Any,
+    layout: GroupLayout,
+    group_prompt_ids: Sequence[list[int]],
+    params: SamplingParams,
+    group_images: Sequence[Any] | None = None,
 ) -> list[list[Completion]]:
-    """Every whole group of `layout` sampled at once (one prompt per group), then cut into each process's rows."""
-    per_group = sample_groups(backend, group_prompt_ids, layout.group_sizes, params)
+    """Every whole group of `layout` sampled at once (one prompt per group), then cut into each process's rows.
+    `group_images`: each group's prompt's `multimodal.PromptImages` or None; None when no prompt has images."""
+    per_group = sample_groups(backend, group_prompt_ids, layout.group_sizes, params, group_images)
     return layout.deal([completion for group in per_group for completion in group])
 
 

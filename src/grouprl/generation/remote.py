@@ -16,6 +16,7 @@ shapes going over HTTP. `send_weights` sends weights already gathered (a snapsho
 
 from __future__ import annotations
 
+import base64
 import threading
 from contextlib import contextmanager
 from datetime import timedelta
@@ -28,6 +29,7 @@ from grouprl.core.distributed import run_on_main
 from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation.server_client import ServerClient, ServerError, own_address
 from grouprl.generation.weights import chunks, inference_weights
+from grouprl.model.multimodal import images_to_bytes
 
 
 class RemoteGenerator(ServerClient):
@@ -92,10 +94,16 @@ class RemoteGenerator(ServerClient):
         body.update(extra)  # generation_kwargs override the named fields, as in TRL
         return body
 
-    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, multimodal: list[Any] | None = None
+    ) -> list[Completion]:
+        """`multimodal`: (prompts,) each prompt's `multimodal.PromptImages` or None; a grouprl server takes them."""
         if not prompt_ids:
             return []
-        response = self.request("POST", "/v1/completions", self.completion_request(prompt_ids, num_samples, params))
+        body = self.completion_request(prompt_ids, num_samples, params)
+        if multimodal is not None:
+            body["multimodal"] = self.images_field(multimodal)
+        response = self.request("POST", "/v1/completions", body)
         seen = getattr(self._seen, "versions", None)
         if seen is not None:  # a grouprl server names the weights that sampled; others: the last version sent
             seen.append(response.get("weight_version", self.sent_version))
@@ -128,6 +136,17 @@ class RemoteGenerator(ServerClient):
                 )
             )
         return completions
+
+    def images_field(self, multimodal: list[Any]) -> list[Optional[str]]:
+        """Each prompt's processor outputs (safetensors, base64), None for a prompt without images. The server samples
+        from the very inputs the trainer scores with, so it needs no processor of its own."""
+        if not self.is_grouprl:
+            raise NotImplementedError(
+                f"{self.base_url} is not a grouprl server, and grouprl sends image prompts to grouprl's own server "
+                "only (`grouprl serve --model PATH`). With vLLM, use vllm_mode='colocate'; or sample in the "
+                "training process (use_vllm=False, generation_engine='auto')."
+            )
+        return [None if m is None else base64.b64encode(images_to_bytes(m)).decode("ascii") for m in multimodal]
 
     @contextmanager
     def versions_seen(self) -> Iterator[list[Optional[int]]]:

@@ -14,7 +14,9 @@ Endpoints (FastAPI; `pip install 'grouprl[serve]'`):
                               sampled tokens' logprobs under the processed sampling distribution
                               (vLLM's processed_logprobs); `echo: true, max_tokens: 0` scores the
                               prompt instead (logprob of each prompt token, the first is null);
-                              the response's "weight_version" is the version that sampled it
+                              the response's "weight_version" is the version that sampled it;
+                              `multimodal` (grouprl's): each prompt's processor outputs for a
+                              vision-language model, sampled with transformers generate
     POST /load_weights        body = safetensors bytes of some named weights; loads them (?last=1 ends an
                               update; ?version=k names its version)
     POST /init_weight_broadcast  {"host", "port", "backend", "timeout"}: join a 2-process group
@@ -27,6 +29,7 @@ land in the middle of a generation.
 """
 
 import argparse
+import base64
 import threading
 from typing import Any, Optional, Union
 
@@ -34,8 +37,10 @@ import torch
 
 from grouprl.core.types import SamplingParams
 from grouprl.generation.engine import FastGenerator
-from grouprl.generation.server_choices import sample_choice, score_choice, token_prompts
+from grouprl.generation.hf import TransformersGenerator
+from grouprl.generation.server_choices import sample_choice, score_choice, token_prompts, with_logprobs
 from grouprl.generation.server_weights import WeightReceiver
+from grouprl.model.multimodal import image_token_ids, images_from_bytes, is_vision_language_config
 
 # Request fields accepted without effect here: formatting switches of vLLM's API.
 INERT_FIELDS = {"return_token_ids", "return_tokens_as_token_ids", "stream", "user", "model"}
@@ -71,6 +76,8 @@ def create_app(
         logprobs: Optional[int] = None
         echo: bool = False
         seed: Optional[int] = None
+        # grouprl's extension: each prompt's processor outputs (safetensors, base64) or None (vision-language models)
+        multimodal: Optional[list[Optional[str]]] = None
 
     class BroadcastInit(BaseModel):
         host: str
@@ -84,11 +91,14 @@ def create_app(
         shapes: list[list[int]]
         version: Optional[int] = None
 
-    generator = FastGenerator(
-        model,
-        tokenizer,
-        eos_token_ids,
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0],
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+    vision = is_vision_language_config(model.config)
+    generator: Any = (  # the fast engine is text-only; generate takes the image inputs and suppresses placeholders
+        TransformersGenerator(
+            model, tokenizer, eos_token_ids, pad_token_id, suppress_token_ids=image_token_ids(model.config)
+        )
+        if vision
+        else FastGenerator(model, tokenizer, eos_token_ids, pad_token_id)
     )
     weights = WeightReceiver(model, version=weight_version)
     lock = threading.Lock()
@@ -111,7 +121,8 @@ def create_app(
         if unsupported:
             raise bad_request(
                 f"unsupported request fields {unsupported}; grouprl serve samples with n, max_tokens, temperature, "
-                "top_p, top_k, min_p, repetition_penalty, min_tokens, logprobs (0), echo (with max_tokens 0), seed."
+                "top_p, top_k, min_p, repetition_penalty, min_tokens, logprobs (0), echo (with max_tokens 0), seed, "
+                "multimodal."
             )
         prompts = token_prompts(request.prompt, tokenizer)
         if request.n < 1 or request.logprobs not in (None, 0):
@@ -136,7 +147,13 @@ def create_app(
                     repetition_penalty=request.repetition_penalty,
                     extra={"min_new_tokens": request.min_tokens} if request.min_tokens else {},
                 )
-                sampled = generator.generate(prompts, request.n, params)
+                images = prompt_images(request.multimodal, len(prompts), vision)
+                if images is None:
+                    sampled = generator.generate(prompts, request.n, params)
+                else:
+                    sampled = generator.generate(prompts, request.n, params, multimodal=images)
+                if vision and request.logprobs is not None:  # generate gives none: one scoring forward
+                    sampled = with_logprobs(model, prompts, sampled, request.temperature, images)
                 choices = [
                     sample_choice(i, c, prompts[c.prompt_index], request.logprobs is not None)
                     for i, c in enumerate(sampled)
@@ -155,6 +172,18 @@ def create_app(
                 "total_tokens": usage_prompt + usage_completion,
             },
         }
+
+    def prompt_images(encoded: Optional[list[Optional[str]]], count: int, vision: bool) -> Optional[list[Any]]:
+        if encoded is None:
+            return None
+        if not vision:
+            raise bad_request(f"multimodal: {model_name} is not a vision-language model; send text prompts only.")
+        if len(encoded) != count:
+            raise bad_request(f"multimodal has {len(encoded)} entries for {count} prompts; give one per prompt.")
+        try:
+            return [None if e is None else images_from_bytes(base64.b64decode(e)) for e in encoded]
+        except ValueError as err:
+            raise bad_request(f"multimodal: not base64 safetensors of processor outputs ({err}).") from None
 
     @app.post("/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -199,7 +228,7 @@ def create_app(
 
 def serve(args: argparse.Namespace) -> None:
     _, uvicorn = require_server_libraries()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from grouprl.model.loading import eos_token_ids
 
@@ -209,11 +238,9 @@ def serve(args: argparse.Namespace) -> None:
         exit_with(args.parent_pid)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = (
-        AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
-        .to(device)
-        .eval()
-    )
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    loader = AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
+    model = loader.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     torch.manual_seed(args.seed)
     app = create_app(model, tokenizer, eos_token_ids(tokenizer, model), args.model, args.weight_version)

@@ -1,10 +1,13 @@
 """The OpenAI completion choices `grouprl serve` returns: sampled completions, and scored prompts (echo)."""
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from grouprl.model.logprobs import position_ids_from_mask
+from grouprl.core.types import Completion
+from grouprl.generation.protocol import left_pad
+from grouprl.model.logprobs import completion_logprobs, position_ids_from_mask
 
 
 def token_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
@@ -39,6 +42,43 @@ def sample_choice(index: int, completion: Any, prompt_ids: list[int], with_logpr
         "token_ids": completion.token_ids,
         "prompt_token_ids": prompt_ids,
     }
+
+
+@torch.no_grad()
+def with_logprobs(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    completions: list[Completion],
+    temperature: float,
+    images: list[Any] | None,
+) -> list[Completion]:
+    """The completions with their tokens' logprobs under the temperature-scaled model (a forward with each prompt's
+    images), for a sampler that gives none (transformers generate). The sampling filters (top-k, top-p, min-p) are
+    not applied to these, unlike the fast engine's."""
+    rows = [c for c in completions if c.token_ids]
+    if not rows:
+        return completions
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = left_pad([prompts[c.prompt_index] for c in rows], 0)
+    completion_ids, completion_mask = left_pad([c.token_ids[::-1] for c in rows], 0)  # reversed: right-padded
+    completion_ids, completion_mask = completion_ids.flip(1), completion_mask.flip(1)
+    was_training = model.training
+    model.eval()
+    try:
+        scored = completion_logprobs(
+            model,
+            prompt_ids.to(device),
+            prompt_mask.bool().to(device),
+            completion_ids.to(device),
+            completion_mask.bool().to(device),
+            temperature=temperature,
+            with_entropy=False,
+            multimodal=None if images is None else [images[c.prompt_index] for c in rows],
+        ).logprobs.tolist()
+    finally:
+        model.train(was_training)
+    logprobs = {id(c): values[: len(c.token_ids)] for c, values in zip(rows, scored)}
+    return [replace(c, sampler_logprobs=logprobs.get(id(c), [])) for c in completions]
 
 
 @torch.no_grad()

@@ -123,6 +123,27 @@ def collate(inputs: Sequence[PromptImages | None], prompt_width: int, total_widt
     return batched
 
 
+def images_to_bytes(images: PromptImages) -> bytes:
+    """A prompt's processor outputs as safetensors bytes (what a generation server is sent with the prompt's ids)."""
+    from safetensors.torch import save
+
+    tensors = {f"per_token/{k}": v for k, v in images.per_token.items()}
+    tensors.update({f"per_image/{k}": v for k, v in images.per_image.items()})
+    return save({k: v.contiguous() for k, v in tensors.items()})
+
+
+def images_from_bytes(data: bytes) -> PromptImages:
+    from safetensors.torch import load
+
+    images = PromptImages()
+    for name, value in load(data).items():
+        kind, _, field_name = name.partition("/")
+        if kind not in ("per_token", "per_image"):
+            raise ValueError(f"{name!r} is not a processor output (per_token/... or per_image/...)")
+        getattr(images, kind)[field_name] = value
+    return images
+
+
 def zero_padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     """The parts, each padded with zeros at the end of every dimension but the first to the largest part's size."""
     largest = [max(sizes) for sizes in zip(*(p.shape[1:] for p in parts))]

@@ -138,5 +138,5 @@ def sample_slot(maker: Any, backend: Any, slot: Slot) -> list[Completion]:
     )
     if maker.agent is not None:
         return maker.agent.generate(backend, prompts, maker.sampling, fresh_environments=True)
-    per_prompt = sample_groups(backend, prompts.prompt_ids, prompts.num_samples, maker.sampling)
+    per_prompt = sample_groups(backend, prompts.prompt_ids, prompts.num_samples, maker.sampling, prompts.multimodal)
     return [replace(c, prompt_index=b) for b, completions in enumerate(per_prompt) for c in completions]

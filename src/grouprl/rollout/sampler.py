@@ -309,14 +309,11 @@ def generate_on_main_process(
 
     An exception there is raised on every process (run_on_main), so no process waits in a collective for ever.
     """
-    if prompts.multimodal is not None:
-        raise NotImplementedError(
-            f"{type(backend).__name__} samples text prompts only; prompts with images need an in-process "
-            "backend (generation_engine='auto' or 'transformers')."
-        )
     layout = layout_of(prompts)
     group_prompts = layout.join(gather_objects(prompts.prompt_ids))  # the main process needs every group's prompt
-    shares = run_on_main(lambda: sample_for_processes(backend, layout, group_prompts, params))
+    images = layout.join(gather_objects(prompts.multimodal or [None] * len(prompts.prompt_ids)))
+    group_images = images if any(m is not None for m in images) else None
+    shares = run_on_main(lambda: sample_for_processes(backend, layout, group_prompts, params, group_images))
     return [replace(c, prompt_index=b) for c, b in zip(shares[layout.process_index], prompts.row_index())]
 
 
