@@ -257,11 +257,18 @@ def test_completions_api(server):
     with pytest.raises(ServerError, match="answered 400.*unsupported request fields \\['best_of'\\]"):
         client.generate([[5]], 1, SamplingParams(max_new_tokens=2, extra={"best_of": 2}))
 
-    from grouprl.model.multimodal import PromptImages
+    from grouprl.model.multimodal import PromptImages, images_from_bytes, images_to_bytes
 
     images = [PromptImages(per_image={"pixel_values": torch.zeros(1, 3)})]
     with pytest.raises(ServerError, match="answered 400.*multimodal: .* is not a vision-language model"):
         client.generate([[5]], 1, SamplingParams(max_new_tokens=2), multimodal=images)
+    with pytest.raises(ValueError, match="per_token/... or per_image/"):
+        from safetensors.torch import save
+
+        images_from_bytes(save({"weights": torch.zeros(1)}))
+    with pytest.raises(ValueError):
+        images_from_bytes(b"not safetensors")
+    assert images_from_bytes(images_to_bytes(images[0])).per_image["pixel_values"].shape == (1, 3)
     elsewhere = RemoteGenerator(url, connect=False)  # a server that did not say it is grouprl's (vLLM's)
     with pytest.raises(NotImplementedError, match="not a grouprl server.*vllm_mode='colocate'"):
         elsewhere.generate([[5]], 1, SamplingParams(max_new_tokens=2), multimodal=images)

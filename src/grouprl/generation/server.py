@@ -1,4 +1,5 @@
-"""`grouprl serve`: a generation server hosting the fast engine, with weight updates from a trainer.
+"""`grouprl serve`: a generation server hosting the fast engine (transformers generate for a vision-language model),
+with weight updates from a trainer.
 
 This module is the app and its start-up; the choices it returns are built in `server_choices.py`,
 the weights it receives are loaded by `server_weights.py`.

@@ -133,10 +133,16 @@ def images_to_bytes(images: PromptImages) -> bytes:
 
 
 def images_from_bytes(data: bytes) -> PromptImages:
+    """`images_to_bytes`'s inverse; ValueError for bytes that are not such a file."""
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
+    try:
+        tensors = load(data)
+    except SafetensorError as err:
+        raise ValueError(str(err)) from None
     images = PromptImages()
-    for name, value in load(data).items():
+    for name, value in tensors.items():
         kind, _, field_name = name.partition("/")
         if kind not in ("per_token", "per_image"):
             raise ValueError(f"{name!r} is not a processor output (per_token/... or per_image/...)")
