@@ -64,6 +64,13 @@ def qwen2_vl_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen2_vl_server(qwen2_vl_model_dir):
+    """`grouprl serve` of the saved tiny Qwen2-VL in a subprocess: (base url, process)."""
+    with serving(qwen2_vl_model_dir) as started:
+        yield started
+
+
+@pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory):
     """A random tiny Qwen2ForSequenceClassification (num_labels=1) with the demo tokenizer, saved as "tiny-rm"."""
     import torch

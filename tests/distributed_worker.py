@@ -65,6 +65,20 @@ SCENARIOS = {
     # image prompts (a tiny Qwen2-VL) under DDP: in each generation only the first prompt has an image, so process 1's
     # rows have none (the logs gather the images column on both processes all the same)
     "grpo_images": ("grpo", False, {"beta": 0.1, "images": True, "shuffle_dataset": False}),
+    # sampled by `grouprl serve` of the tiny Qwen2-VL ($GROUPRL_TEST_VLM_SERVER), the image on each generation's last
+    # prompt, so on process 1's rows: the main process sends every group's prompt with its processor outputs, gathered
+    "grpo_images_server": (
+        "grpo",
+        None,
+        {
+            "beta": 0.1,
+            "images": True,
+            "image_group": 2,
+            "shuffle_dataset": False,
+            "generation_engine": "server",
+            "generation_kwargs": {"seed": 0},
+        },
+    ),
     # launched with the bundled fsdp2 config (the weights sharded over the processes); with a reference model
     "fsdp2": ("grpo", False, {"beta": 0.1}),
     # sampled in the training processes (generation_engine='auto'): under sharding, from an unsharded replica
@@ -245,6 +259,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     custom_rollouts = extra.pop("rollout_func", False)
     agent = extra.pop("agent", None)
     images = extra.pop("images", False)
+    image_group = extra.pop("image_group", 0)  # which of each generation's 3 prompts has an image
     if agent:  # room in the prompt for the tools' schemas, a chat template that renders them (conftest's tool model)
         model_dir = os.environ["GROUPRL_TEST_TOOL_MODEL"]
     processes = int(os.environ.get("WORLD_SIZE", "1"))
@@ -252,7 +267,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     accumulation = extra.pop("gradient_accumulation_steps", 2)
     micro_steps = extra.get("steps_per_generation") or accumulation
     if extra.get("generation_engine") == "server":
-        extra["vllm_server_base_url"] = os.environ["GROUPRL_TEST_SERVER"]
+        extra["vllm_server_base_url"] = os.environ["GROUPRL_TEST_VLM_SERVER" if images else "GROUPRL_TEST_SERVER"]
     gfpo = "num_remains_in_group" in extra
     config = (GFPOConfig if gfpo else GRPOConfig)(
         output_dir=os.path.join(out_dir, f"{scenario}-{processes}p"),
@@ -280,7 +295,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
         prompts = [[{"role": "user", "content": prompt}] for prompt in prompts]
     columns = {"prompt": prompts}
     if images:
-        columns["images"] = [[vlm_models.image(i)] if i % 3 == 0 else [] for i in range(12)]
+        columns["images"] = [[vlm_models.image(i)] if i % 3 == image_group else [] for i in range(12)]
         processor = vlm_models.tiny_qwen2_vl(model_from=os.environ["GROUPRL_TEST_VLM_MODEL"])[1]
         tokenizer = processor.tokenizer
     dataset = datasets.Dataset.from_dict(columns)

@@ -264,8 +264,11 @@ def save_tiny_idefics3(path, hidden_size: int = 32) -> str:
 
 
 def save_tiny_qwen2_vl(path) -> str:
-    """The tiny Qwen2-VL's weights (seed 0), for tiny_qwen2_vl(model_from=path)."""
-    tiny_qwen2_vl()[0].save_pretrained(path)
+    """The tiny Qwen2-VL's weights (seed 0), for tiny_qwen2_vl(model_from=path), and its tokenizer (what `grouprl
+    serve` loads besides the model)."""
+    model, processor = tiny_qwen2_vl()
+    model.save_pretrained(path)
+    processor.tokenizer.save_pretrained(path)
     return str(path)
 
 
