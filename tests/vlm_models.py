@@ -139,11 +139,29 @@ def tiny_qwen2_vl(seed: int = 0, model_from: str | None = None):
     return model, processor
 
 
+def tiny_llama_config(vocab_size: int, eos: int, hidden_size: int = 32, **more):
+    """The language model of the tiny VLMs: 2 layers, 4 query / 2 key-value heads, EOS for BOS and padding."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        **more,
+    )
+
+
 def tiny_llava(seed: int = 0):
     """LLaVA: a 1-layer CLIP vision tower on 16x16 images (4x4 patches: 16 image tokens) and a tiny Llama."""
     from transformers import (
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -164,18 +182,7 @@ def tiny_llava(seed: int = 0):
             patch_size=4,
             projection_dim=16,
         ),
-        text_config=LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            bos_token_id=eos,
-            eos_token_id=eos,
-            pad_token_id=eos,
-        ),
+        text_config=tiny_llama_config(len(tokenizer), eos),
         image_token_id=image_id,
         image_seq_length=16,
         vision_feature_layer=-2,
@@ -206,7 +213,6 @@ def tiny_idefics3(seed: int = 0, hidden_size: int = 32):
         Idefics3Config,
         Idefics3ForConditionalGeneration,
         Idefics3Processor,
-        LlamaConfig,
     )
     from transformers.models.idefics3.configuration_idefics3 import (
         Idefics3VisionConfig,
@@ -219,19 +225,7 @@ def tiny_idefics3(seed: int = 0, hidden_size: int = 32):
         ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"), "<image>"
     )
     eos, image_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids("<image>")
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        tie_word_embeddings=True,
-    )
+    text = tiny_llama_config(len(tokenizer), eos, hidden_size, tie_word_embeddings=True)
     vision = Idefics3VisionConfig(
         hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
     )
