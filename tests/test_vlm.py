@@ -114,6 +114,8 @@ def test_engines_that_process_images_get_the_images_and_one_placeholder_for_each
         {"prompt_token_ids": text_ids},
     ]
     assert engine_prompts([text_ids], None) == [{"prompt_token_ids": text_ids}]
+    # a conversation continued past the prompt (a completion, a tool's result): its ids follow the placeholders
+    assert engine_prompts([ids + [7, 8]], [inputs])[0]["prompt_token_ids"] == collapsed + [7, 8]
 
 
 def test_collate_left_aligns_per_token_fields_with_the_prompt_and_concatenates_image_fields():

@@ -104,7 +104,9 @@ class MultimodalPromptTokenizer(PromptTokenizer):
         self.check_fits(ids, prompt, index)
         if not images:
             return prompt, ids, None  # reward functions see the prompt as given (TRL), and so does the log
-        inputs = PromptImages(images=list(images), placeholder_ids=self.placeholder_ids(blocks, continue_final))
+        inputs = PromptImages(
+            images=list(images), placeholder_ids=self.placeholder_ids(blocks, continue_final), expanded_length=len(ids)
+        )
         for name, value in out.items():
             if name in ("input_ids", "attention_mask"):
                 continue

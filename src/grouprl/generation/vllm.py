@@ -221,14 +221,16 @@ class VLLMColocateGenerator:
 
 def engine_prompts(prompt_ids: list[list[int]], multimodal: list[Any] | None) -> list[dict]:
     """vLLM's prompts. A prompt with images goes with its images and the chat template's placeholders, which vLLM's
-    processing expands as the model's processor did (vLLM takes ids already expanded for a placeholder again)."""
+    processing expands as the model's processor did (vLLM takes ids already expanded for a placeholder again); the
+    ids after the expanded prompt (a conversation continued past it) follow the placeholders as they are."""
     prompts = []
     for b, ids in enumerate(prompt_ids):
         images = None if multimodal is None else multimodal[b]
         if images is None:
             prompts.append({"prompt_token_ids": list(ids)})
         else:
-            prompts.append({"prompt_token_ids": images.placeholder_ids, "multi_modal_data": {"image": images.images}})
+            placeholders = images.placeholder_ids + list(ids[images.expanded_length :])
+            prompts.append({"prompt_token_ids": placeholders, "multi_modal_data": {"image": images.images}})
     return prompts
 
 

@@ -49,9 +49,11 @@ class PromptImages:
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (P,), aligned with the prompt ids
     per_image: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (images or patches, ...)
     # For engines that process images themselves (vLLM): the prompt's images as given, and its token ids with each
-    # image still the chat template's placeholder (the engine expands it, as the processor did for the prompt ids).
+    # image still the chat template's placeholder (the engine expands it, as the processor did for the prompt ids,
+    # which are `expanded_length` long).
     images: list[Any] = field(default_factory=list)
     placeholder_ids: list[int] = field(default_factory=list)
+    expanded_length: int = 0
 
 
 @dataclass
