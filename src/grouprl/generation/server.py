@@ -148,7 +148,7 @@ def create_app(
                     repetition_penalty=request.repetition_penalty,
                     extra={"min_new_tokens": request.min_tokens} if request.min_tokens else {},
                 )
-                images = prompt_images(request.multimodal, len(prompts), vision)
+                images = prompt_images(request.multimodal, len(prompts))
                 if images is None:
                     sampled = generator.generate(prompts, request.n, params)
                 else:
@@ -174,7 +174,7 @@ def create_app(
             },
         }
 
-    def prompt_images(encoded: Optional[list[Optional[str]]], count: int, vision: bool) -> Optional[list[Any]]:
+    def prompt_images(encoded: Optional[list[Optional[str]]], count: int) -> Optional[list[Any]]:
         if encoded is None:
             return None
         if not vision:

@@ -310,9 +310,11 @@ def generate_on_main_process(
     An exception there is raised on every process (run_on_main), so no process waits in a collective for ever.
     """
     layout = layout_of(prompts)
-    group_prompts = layout.join(gather_objects(prompts.prompt_ids))  # the main process needs every group's prompt
-    images = layout.join(gather_objects(prompts.multimodal or [None] * len(prompts.prompt_ids)))
-    group_images = images if any(m is not None for m in images) else None
+    # the main process needs every group's prompt, and its processor outputs where it has images: one gather
+    entries = list(zip(prompts.prompt_ids, prompts.multimodal or [None] * len(prompts.prompt_ids)))
+    groups = layout.join(gather_objects(entries))
+    group_prompts = [ids for ids, _ in groups]
+    group_images = [images for _, images in groups] if any(images is not None for _, images in groups) else None
     shares = run_on_main(lambda: sample_for_processes(backend, layout, group_prompts, params, group_images))
     return [replace(c, prompt_index=b) for c, b in zip(shares[layout.process_index], prompts.row_index())]
 
