@@ -242,17 +242,6 @@ def test_sampling_in_step_without_sharded_weights_is_named_as_changing_nothing(t
     assert not getattr(trainer.generation_backend, "lockstep", False)
 
 
-def test_environment_factory_with_image_prompts_is_refused_at_construction(tiny_model_dir, tmp_path, monkeypatch):
-    # It used to generate without the images and then fail deep in multimodal.py ("The
-    # expanded size of the tensor (0) ...").
-    with pytest.raises(
-        ValueError,
-        match=r"environment_factory .* cannot be combined with image prompts|image prompts .* cannot be "
-        r"combined with environment_factory",
-    ):
-        build(tmp_path, monkeypatch, {"environment_factory", "images"})(tiny_model_dir)
-
-
 def test_gfpo_with_dynamic_sampling_is_refused(tiny_model_dir, tmp_path):
     args = GFPOConfig(
         output_dir=str(tmp_path),

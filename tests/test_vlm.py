@@ -24,7 +24,7 @@ from grouprl.data.prompts import PromptTokenizer
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.protocol import left_pad
 from grouprl.model.logprobs import completion_logprobs
-from grouprl.model.multimodal import PromptImages, collate
+from grouprl.model.multimodal import PromptImages, collate, continuation_inputs, with_tool_images
 from grouprl.rollout.train_batch import pack_rollout
 
 BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava, "idefics3": tiny_idefics3}
@@ -137,6 +137,44 @@ def test_collate_left_aligns_per_token_fields_with_the_prompt_and_concatenates_i
     ]
     with pytest.raises(ValueError, match="'pixels' of shapes .* different ranks"):
         collate([one, PromptImages(per_image={"pixels": torch.ones(2, 3)})], 1, 1)
+
+
+def test_a_tools_images_follow_the_prompts_and_their_token_values_sit_in_the_completion():
+    """A prompt of 3 tokens (an image at its second), a 2-token model turn, then a tool result of 3 tokens with an
+    image token at its second; then a second tool image 1 token later (a text prompt's rollout starts from zeros)."""
+    prompt = PromptImages(
+        per_token={"types": torch.tensor([0, 1, 0])},
+        per_image={"pixels": torch.ones(1, 2)},
+        images=["p"],
+        placeholder_ids=[5, 9],
+        expanded_length=3,
+    )
+    tool = PromptImages(
+        per_token={"types": torch.tensor([0, 1, 0])}, per_image={"pixels": torch.zeros(1, 2)}, images=["t"]
+    )
+    rollout = with_tool_images(prompt, [5, 6, 7], offset=2, part=tool)
+    assert rollout.per_token["types"].tolist() == [0, 1, 0]
+    assert rollout.completion_per_token["types"].tolist() == [0, 0, 0, 1, 0]
+    assert rollout.per_image["pixels"].tolist() == [[1.0, 1.0], [0.0, 0.0]] and rollout.images == ["p", "t"]
+    # training: per-token values over prompt and completion, completion padding after them
+    assert collate([rollout, None], prompt_width=4, total_width=10)["types"].tolist() == [
+        [0, 0, 1, 0, 0, 0, 0, 1, 0, 0],
+        [0] * 10,
+    ]
+    # the next turn's prompt is prompt + 5 completion tokens + 1 sampled token; the placeholder form (vLLM) is the
+    # prompt's placeholders + the completion so far with the tool image as its placeholder
+    turn = continuation_inputs(rollout, 6, [1, 2, 3, 4, 8])
+    assert turn.per_token["types"].tolist() == [0, 1, 0, 0, 0, 0, 1, 0, 0] and turn.completion_per_token == {}
+    assert turn.placeholder_ids == [5, 9, 1, 2, 3, 4, 8] and turn.expanded_length == 9
+    # a text prompt: zeros over it, its ids as its own placeholder form
+    text = with_tool_images(None, [5, 6], offset=1, part=tool)
+    assert text.per_token["types"].tolist() == [0, 0] and text.completion_per_token["types"].tolist() == [0, 0, 1, 0]
+    assert text.placeholder_ids == [5, 6] and text.expanded_length == 2
+    again = with_tool_images(text, [5, 6], offset=5, part=tool)
+    assert again.completion_per_token["types"].tolist() == [0, 0, 1, 0, 0, 0, 1, 0]
+    assert again.images == ["t", "t"] and len(again.per_image["pixels"]) == 2
+    with pytest.raises(ValueError, match="more than the rows' 3 completion positions"):
+        collate([again], prompt_width=2, total_width=5)
 
 
 # ---- padding: a sample's logprobs do not depend on its batch ---------------------------------------------

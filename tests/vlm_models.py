@@ -36,6 +36,48 @@ CHAT_TEMPLATE = (
 )
 
 
+# The same with tools (the tiny models' short contexts: the system turn names them), Hermes-style calls, and content
+# blocks in every role, tool results included: a tool that returns an image shows it to the model.
+TOOL_CHAT_TEMPLATE = (
+    "{%- macro render(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- else %}{%- for block in content %}"
+    "{%- if block['type'] == 'image' %}{{- IMAGE_MARKUP }}"
+    "{%- elif block['type'] == 'text' %}{{- block['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- endmacro %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\ntools: ' + (tools | map(attribute='function') | map(attribute='name') | join(', ')) }}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + render(message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set fn = call['function'] %}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) %}"
+    "{{- '<tool_call>{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + args + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + render(message['content']) + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def with_tool_template(processor):
+    """The processor (and its tokenizer) rendering tools and image blocks in tool results (TOOL_CHAT_TEMPLATE)."""
+    template = TOOL_CHAT_TEMPLATE.replace("IMAGE_MARKUP", repr(processor.tokenizer.image_markup))
+    processor.chat_template = processor.tokenizer.chat_template = template
+    return processor
+
+
 def build_vlm_tokenizer(image_tokens: tuple[str, ...], image_markup: str) -> PreTrainedTokenizerFast:
     vocab, merges = _vocab_and_merges()
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -49,6 +91,7 @@ def build_vlm_tokenizer(image_tokens: tuple[str, ...], image_markup: str) -> Pre
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE_MARKUP", repr(image_markup))
+    tokenizer.image_markup = image_markup  # what the chat template writes for an image block
     return tokenizer
 
 

@@ -95,10 +95,11 @@ class Agent:
         instances: list[Any] = []
         if self.spec.environments is None:
             toolbox = {t.name: t for t in self.spec.tools}
-            transcripts = [Transcript(prompts.prompt_ids[b], toolbox, self.tokenize.tools) for b in rows]
+            images = prompts.multimodal or [None] * len(prompts)
+            transcripts = [Transcript(prompts.prompt_ids[b], toolbox, self.tokenize.tools, images[b]) for b in rows]
         else:
             transcripts, instances = self.reset_environments(prompts, rows, fresh_environments)
-        first = generate_rows(backend, [t.prompt_ids for t in transcripts], params)
+        first = generate_rows(backend, [t.prompt_ids for t in transcripts], params, [t.images for t in transcripts])
         for transcript, completion in zip(transcripts, first):
             transcript.add_model_turn(completion, self.settings)
         if self.has_tools:
@@ -143,14 +144,21 @@ class Agent:
                         f"{type(instance).__name__}.reset() returned a {type(observation).__name__}; it must return a "
                         "string (appended to the prompt's last message) or None."
                     )
-                prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+                prompt = prompt[:-1] + [{**prompt[-1], "content": with_observation(prompt[-1]["content"], observation)}]
             tools = environments.tools[name]
             schemas = [t.schema for t in tools] or None
             toolbox = {t.name: t if t.name in standalone else replace(t, fn=getattr(instance, t.name)) for t in tools}
-            transcripts.append(
-                Transcript(self.tokenize(prompt, prompts.dataset_indices[b], tools=schemas), toolbox, schemas)
-            )
+            # an image prompt's messages hold their images, which the processor encodes again with the observation
+            ids, images = self.tokenize.encode_messages(prompt, prompts.dataset_indices[b], tools=schemas)
+            transcripts.append(Transcript(ids, toolbox, schemas, images))
         return transcripts, instances
+
+
+def with_observation(content: Any, observation: str) -> Any:
+    """A message's content with reset()'s observation appended: to its text, or as a text block (image prompts)."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": observation}]
+    return content + observation
 
 
 def tool_call_stats(calls: torch.Tensor, failures: torch.Tensor) -> dict[str, float]:

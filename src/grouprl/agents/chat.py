@@ -14,6 +14,10 @@ follows. `check_tool_template` tests that, and that the template renders tool ca
 messages at all, once at start-up. When the tokenizer carries the exact template of a family
 grouprl has a training template for (training_templates.py: Qwen3), the suffixes are rendered with
 that one instead, and `check_tool_template` returns it; prompts keep the tokenizer's template.
+
+Tool results with images (content blocks ``{"type": "image", "image": ...}``, TRL's multimodal tool responses) are
+rendered through the model's processor instead (`tool_suffix_with_images`): the same difference of two renderings,
+with each image expanded to its image tokens, plus the processor's outputs for the images.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any, Optional
 
 from grouprl.agents.parsing import TOOL_CALL_OPEN
 from grouprl.agents.training_templates import known_families, training_template_for
+from grouprl.data.multimodal_prompts import placeholder_encoding
+from grouprl.model.multimodal import PromptImages
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +74,68 @@ def tool_suffix_ids(
     render = dict(chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
     prefix = render_ids(tokenizer, before, add_generation_prompt=False, **render)
     full = render_ids(tokenizer, before + tool_messages, add_generation_prompt=True, **render)
+    return full[_suffix_start(prefix, full, stop_ids) :]
+
+
+def image_blocks(tool_messages: list[dict]) -> list[Any]:
+    """The images in tool messages' content blocks, in order ([] for text results)."""
+    return [
+        block.get("image")
+        for message in tool_messages
+        if isinstance(message.get("content"), list)
+        for block in message["content"]
+        if isinstance(block, dict) and block.get("type") == "image"
+    ]
+
+
+def tool_suffix_with_images(
+    processor: Any,
+    tool_messages: list[dict],
+    *,
+    stop_ids: set[int],
+    chat_template_kwargs: dict,
+    chat_template: Optional[str] = None,
+) -> tuple[list[int], PromptImages, list[int]]:
+    """`tool_suffix_ids` for tool results with images, rendered by the processor: the suffix's token ids (each image
+    expanded to its image tokens), its processor outputs (per-token values over the suffix, the images' tensors and
+    the images themselves) and the suffix with each image as the template's placeholder (for engines that expand
+    placeholders themselves: vLLM)."""
+    before = _dummy_turn(tool_messages[0]["name"])
+    options = dict(chat_template_kwargs, **({"chat_template": chat_template} if chat_template is not None else {}))
+
+    def render(messages: list[dict], add_generation_prompt: bool) -> dict:
+        return processor.apply_chat_template(
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            add_generation_prompt=add_generation_prompt,
+            **options,
+        )
+
+    def placeholders(messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        text = processor.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **options
+        )
+        return placeholder_encoding(processor.tokenizer, text)
+
+    full = render(before + tool_messages, True)
+    ids = full["input_ids"][0].tolist()
+    start = _suffix_start(render(before, False)["input_ids"][0].tolist(), ids, stop_ids)
+    part = PromptImages(images=image_blocks(tool_messages))
+    for name, value in full.items():
+        if name in ("input_ids", "attention_mask"):
+            continue
+        if tuple(value.shape) == tuple(full["input_ids"].shape):
+            part.per_token[name] = value[0, start:]
+        else:
+            part.per_image[name] = value
+    unexpanded = placeholders(before + tool_messages, True)
+    return ids[start:], part, unexpanded[_suffix_start(placeholders(before, False), unexpanded, stop_ids) :]
+
+
+def _suffix_start(prefix: list[int], full: list[int], stop_ids: set[int]) -> int:
+    """Where a tool suffix starts in `full`: after `prefix` cut at its last stop token (module doc)."""
     ends = [i for i, token in enumerate(prefix) if token in stop_ids]
     if ends:
         prefix = prefix[: ends[-1] + 1]
@@ -76,7 +144,7 @@ def tool_suffix_ids(
             "The chat template is not prefix-preserving: a conversation renders differently once tool messages follow "
             "it, so tool results cannot be appended as tokens."
         )
-    return full[len(prefix) :]
+    return len(prefix)
 
 
 def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwargs: dict) -> Optional[str]:

@@ -8,6 +8,10 @@
             prompt ids + every token so far + suffix ids
         cut it to the rollout's remaining budget; parse it for further calls (parsing.py)
 
+Vision-language models: each turn is sampled with the rollout's images, the prompt's and those tool results
+returned (content blocks ``{"type": "image", "image": ...}``, rendered by the processor: chat.py), in the order the
+sequence shows them; the rollout's `Completion.images` carries them all to training.
+
 A rollout's completion is the concatenation of its model turns and suffixes, never re-tokenised:
 `token_ids` are exactly what the model sampled plus what the template inserted, and `tool_mask`
 says which is which (True = sampled, trained on; False = tool results and template glue, which
@@ -21,11 +25,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from grouprl.agents.chat import tool_suffix_ids
+from grouprl.agents.chat import image_blocks, tool_suffix_ids, tool_suffix_with_images
 from grouprl.agents.parsing import parse_turn
 from grouprl.agents.tools import Tool, execute_tool_calls
 from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation.protocol import GenerationBackend, sample_groups
+from grouprl.model.multimodal import PromptImages, continuation_inputs, with_tool_images
 
 
 @dataclass
@@ -36,6 +41,7 @@ class TurnSettings:
     max_tool_calling_iterations: Optional[int]  # None = until no rollout calls a tool (or the budget is spent)
     chat_template_kwargs: dict = field(default_factory=dict)
     tool_chat_template: Optional[str] = None  # renders tool results (chat.py); None = the tokenizer's own template
+    processor: Any = None  # a vision-language model's processor: renders tool results with images; None: text only
 
 
 @dataclass
@@ -45,7 +51,11 @@ class Transcript:
     prompt_ids: list[int]
     toolbox: dict[str, Tool]  # name -> tool this rollout may call
     schemas: Optional[list[dict]]  # the tools' schemas, as rendered into the prompt (for response_template parsers)
+    images: Optional[PromptImages] = None  # the prompt's processed images, then the tool results' (None: none yet)
     token_ids: list[int] = field(default_factory=list)
+    # the completion with each tool image as the template's placeholder, not its image tokens (for engines that
+    # expand placeholders themselves: vLLM)
+    placeholder_ids: list[int] = field(default_factory=list)
     tool_mask: list[bool] = field(default_factory=list)
     logprobs: Optional[list[float]] = field(default_factory=list)  # None once a turn came without sampler logprobs
     messages: list[dict] = field(default_factory=list)
@@ -63,6 +73,7 @@ class Transcript:
         ids = list(completion.token_ids)
         self.messages.append(parse_turn(settings.tokenizer, ids, self.prompt_ids + self.token_ids, self.schemas))
         self.token_ids += ids
+        self.placeholder_ids += ids
         self.tool_mask += [True] * len(ids)
         if self.logprobs is not None and completion.sampler_logprobs is not None:
             self.logprobs += list(completion.sampler_logprobs)
@@ -70,12 +81,29 @@ class Transcript:
             self.logprobs = None
         self.finish_reason = completion.finish_reason
 
-    def add_tool_turn(self, tool_messages: list[dict], suffix: list[int]) -> None:
+    def add_tool_turn(
+        self,
+        tool_messages: list[dict],
+        suffix: list[int],
+        images: Optional[PromptImages] = None,
+        placeholder_suffix: Optional[list[int]] = None,
+    ) -> None:
+        """The tools' results as `suffix` tokens; with images, `images` are their processor outputs and
+        `placeholder_suffix` the suffix with each image as its placeholder (chat.tool_suffix_with_images)."""
         self.messages += tool_messages
+        if images is not None:
+            self.images = with_tool_images(self.images, self.prompt_ids, len(self.token_ids), images)
+        self.placeholder_ids += suffix if placeholder_suffix is None else placeholder_suffix
         self.token_ids += suffix
         self.tool_mask += [False] * len(suffix)
         if self.logprobs is not None:
             self.logprobs += [0.0] * len(suffix)  # never used: these positions are outside the loss mask
+
+    def continuation_images(self) -> Optional[PromptImages]:
+        """The image inputs of the next turn's prompt (this prompt + the completion so far); None without images."""
+        if self.images is None:
+            return None
+        return continuation_inputs(self.images, len(self.token_ids), self.placeholder_ids)
 
     def completion(self, prompt_index: int, tokenizer: Any) -> Completion:
         return Completion(
@@ -89,17 +117,31 @@ class Transcript:
             messages=self.messages,
             tool_calls=self.tool_calls,
             tool_failures=self.tool_failures,
+            images=self.images,
         )
 
 
-def generate_rows(backend: GenerationBackend, row_prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-    """One completion per row; rows with the same prompt are sampled together (n = their count), sharing the prefill."""
-    rows_of: dict[tuple[int, ...], list[int]] = defaultdict(list)
+def generate_rows(
+    backend: GenerationBackend,
+    row_prompts: list[list[int]],
+    params: SamplingParams,
+    row_images: Optional[list[Optional[PromptImages]]] = None,
+) -> list[Completion]:
+    """One completion per row; rows with the same prompt (and the same images object) are sampled together (n =
+    their count), sharing the prefill. `row_images`: each row's image inputs or None; None: no row has images."""
+    images = row_images if row_images is not None and any(m is not None for m in row_images) else None
+    rows_of: dict[tuple, list[int]] = defaultdict(list)
     for row, prompt in enumerate(row_prompts):
-        rows_of[tuple(prompt)].append(row)
+        rows_of[(tuple(prompt), id(images[row]) if images else None)].append(row)
     unique = list(rows_of)
     out: list[Optional[Completion]] = [None] * len(row_prompts)
-    per_prompt = sample_groups(backend, [list(p) for p in unique], [len(rows_of[p]) for p in unique], params)
+    per_prompt = sample_groups(
+        backend,
+        [list(prompt) for prompt, _ in unique],
+        [len(rows_of[key]) for key in unique],
+        params,
+        None if images is None else [images[rows_of[key][0]] for key in unique],
+    )
     for prompt, completions in zip(unique, per_prompt):
         for row, completion in zip(rows_of[prompt], completions):
             out[row] = completion
@@ -120,26 +162,50 @@ def continue_with_tools(
             transcript.tool_calls += len(turn_results)
             transcript.tool_failures += sum(r.failed for r in turn_results)
             tool_messages = [r.message() for r in turn_results]
-            suffix = tool_suffix_ids(
-                settings.tokenizer,
-                tool_messages,
+            images, placeholders = None, None
+            render = dict(
                 stop_ids=settings.stop_ids,
                 chat_template_kwargs=settings.chat_template_kwargs,
                 chat_template=settings.tool_chat_template,
             )
+            if image_blocks(tool_messages):
+                check_image_results(turn_results, settings)
+                suffix, images, placeholders = tool_suffix_with_images(settings.processor, tool_messages, **render)
+            else:
+                suffix = tool_suffix_ids(settings.tokenizer, tool_messages, **render)
             if len(transcript.token_ids) + len(suffix) >= settings.max_completion_length:
                 continue  # rolled back: the rollout ends with its calls (they ran and count), without their results
-            transcript.add_tool_turn(tool_messages, suffix)
+            transcript.add_tool_turn(tool_messages, suffix, images, placeholders)
             continuing.append(transcript)
         if not continuing:
             break
         room = [settings.max_completion_length - len(t.token_ids) for t in continuing]
         completions = generate_rows(
-            backend, [t.prompt_ids + t.token_ids for t in continuing], replace(params, max_new_tokens=max(room))
+            backend,
+            [t.prompt_ids + t.token_ids for t in continuing],
+            replace(params, max_new_tokens=max(room)),
+            [t.continuation_images() for t in continuing],
         )
         for transcript, completion, budget in zip(continuing, completions, room):
             transcript.add_model_turn(cut_to(completion, budget), settings)
         active = [t for t in continuing if t.pending_calls]
+
+
+def check_image_results(results: list[Any], settings: TurnSettings) -> None:
+    """Images in tool results need a vision-language model's processor, and each image block its image."""
+    for result in results:
+        blocks = result.content if isinstance(result.content, list) else []
+        if any(isinstance(b, dict) and b.get("type") == "image" and b.get("image") is None for b in blocks):
+            raise ValueError(
+                f"Tool {result.name!r} returned an image block without its image; return "
+                "{'type': 'image', 'image': <PIL image or array>} blocks."
+            )
+        if blocks and settings.processor is None and image_blocks([result.message()]):
+            raise ValueError(
+                f"Tool {result.name!r} returned an image, but the model is trained with a tokenizer, not a "
+                "vision-language model's processor, so it cannot see images; return text from the tool, or train a "
+                "vision-language model (its processor is loaded by default)."
+            )
 
 
 def cut_to(completion: Completion, budget: int) -> Completion:

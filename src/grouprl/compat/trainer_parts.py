@@ -55,7 +55,7 @@ from grouprl.model.loading import (
     load_model,
     router_aux_loss_coef,
 )
-from grouprl.model.multimodal import VisionProbe, is_vision_language_config, set_vision_probe
+from grouprl.model.multimodal import VisionProbe, is_processor, is_vision_language_config, set_vision_probe
 from grouprl.model.reference import Reference, separate_reference_model
 from grouprl.rewards.models import check_reward_funcs, is_reward_model, load_reward_functions
 from grouprl.rewards.scoring import RewardFunction, prepare_reward_functions
@@ -510,6 +510,7 @@ def build_rollouts(
                 max_completion_length=args.max_completion_length,
                 max_tool_calling_iterations=args.max_tool_calling_iterations,
                 chat_template_kwargs=args.chat_template_kwargs or {},
+                processor=processing_class if is_processor(processing_class) else None,
             ),
             trainer=rollout_func_trainer,
         )

@@ -80,14 +80,13 @@ TABLE: dict[frozenset[str], Cell] = {
         ("environment_factory", "in_process_sampling"): _works("tests/test_agents.py"),
         ("rollout_func", "in_process_sampling"): _works("tests/test_agents.py"),
         # ---- images (vision-language prompts) ----
-        ("images", "tools"): _not_built(
-            "multi-turn rollouts render and sample text only, so the images would be dropped from generation; train "
-            "image prompts without tools, or tools on text prompts."
+        ("images", "tools"): _works(
+            "tests/test_vlm_tools.py::test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives_it "
+            "(every turn is sampled with the prompt's images, and with those the tools returned)"
         ),
-        ("images", "environment_factory"): _not_built(
-            "multi-turn rollouts render and sample text only: the completions would be generated without the images "
-            "and training would then fail in multimodal.py; train image prompts without environment_factory, or "
-            "environments on text prompts."
+        ("images", "environment_factory"): _works(
+            "tests/test_vlm_tools.py::test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives_it "
+            "(reset()'s observation joins the image prompt, which the processor encodes again)"
         ),
         ("images", "rollout_func"): _not_built(
             "rollout_func returns prompt_ids of its own, to which the images' inputs (their token positions and "

@@ -260,6 +260,9 @@ class Completion:
     )
     tool_calls: int = 0  # tool calls made (failed ones included)
     tool_failures: int = 0  # calls that returned an error to the model
+    # this rollout's image inputs (multimodal.PromptImages) when a multi-turn rollout has images: its prompt's, then
+    # those its tool results returned; None: its PromptBatch entry's
+    images: Optional[Any] = None
     reward_kwargs: dict[str, Any] = field(
         default_factory=dict
     )  # per-completion extras for reward functions (environments, ...)

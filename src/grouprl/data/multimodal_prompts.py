@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -89,51 +89,61 @@ class MultimodalPromptTokenizer(PromptTokenizer):
             return super().encode_row(row, index)
         self.check(prompt, index)
         blocks = attach_images(prompt, images, index)
-        continue_final = prompt[-1]["role"] == "assistant"
-        out = self.processor.apply_chat_template(
-            blocks,
-            tokenize=True,
-            return_dict=True,
-            return_tensors="pt",
+        ids, inputs = self.encode_messages(blocks, index)
+        # reward functions see the messages with their image blocks (TRL), a text prompt as given; so does the log
+        return (blocks if images else prompt), ids, inputs
+
+    def encode_messages(
+        self, messages: Any, row: int, tools: Optional[list[dict]] = None
+    ) -> tuple[list[int], PromptImages | None]:
+        """Token ids of messages whose image blocks hold their images, rendered by the processor, and the processor's
+        outputs for the images (None without images). `tools`: as for `__call__`."""
+        if not is_conversational(messages):
+            return super().encode_messages(messages, row, tools)
+        self.check(messages, row)
+        images = [
+            block["image"]
+            for message in messages
+            if isinstance(message.get("content"), list)
+            for block in message["content"]
+            if block.get("type") == "image" and "image" in block
+        ]
+        continue_final = messages[-1]["role"] == "assistant"
+        options = dict(
             add_generation_prompt=not continue_final,
             continue_final_message=continue_final,
+            tools=tools or self.tools,
             **self.chat_template_kwargs,
         )
-        input_ids = out["input_ids"]  # (1, P)
-        ids = input_ids[0].tolist()
-        self.check_fits(ids, prompt, index)
-        if not images:
-            return prompt, ids, None  # reward functions see the prompt as given (TRL), and so does the log
-        inputs = PromptImages(
-            images=list(images), placeholder_ids=self.placeholder_ids(blocks, continue_final), expanded_length=len(ids)
-        )
+        with self.lock:
+            out = self.processor.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_tensors="pt", **options
+            )
+            input_ids = out["input_ids"]  # (1, P)
+            ids = input_ids[0].tolist()
+            self.check_fits(ids, messages, row)
+            if not images:
+                return ids, None
+            # the ids before the processor expands each image placeholder (engines that expand them: vLLM)
+            text = self.processor.apply_chat_template(messages, tokenize=False, **options)
+            inputs = PromptImages(
+                images=images,
+                placeholder_ids=placeholder_encoding(self.processor.tokenizer, text),
+                expanded_length=len(ids),
+            )
         for name, value in out.items():
             if name in ("input_ids", "attention_mask"):
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
-                    f"Row {index}: the processor returned {name!r} as {type(value).__name__}; grouprl batches tensors "
+                    f"Row {row}: the processor returned {name!r} as {type(value).__name__}; grouprl batches tensors "
                     "only."
                 )
             if value.shape == input_ids.shape:
                 inputs.per_token[name] = value[0]
             else:
                 inputs.per_image[name] = value
-        return blocks, ids, inputs  # reward functions see the messages with their image blocks, as in TRL
-
-    def placeholder_ids(self, blocks: list[dict], continue_final: bool) -> list[int]:
-        """The prompt's token ids before the processor expands its image placeholders: the template's text encoded
-        with special tokens as the processor encodes it (none where the text starts with the BOS token)."""
-        text = self.processor.apply_chat_template(
-            blocks,
-            tokenize=False,
-            add_generation_prompt=not continue_final,
-            continue_final_message=continue_final,
-            **self.chat_template_kwargs,
-        )
-        bos = self.processor.tokenizer.bos_token
-        special = not (bos is not None and text.startswith(bos))
-        return self.processor.tokenizer(text, add_special_tokens=special)["input_ids"]
+        return ids, inputs
 
     def prompt_text(self, prompt: Any, prompt_ids: list[int]) -> str:
         """The rendered prompt, each run of image tokens shown as one."""
@@ -141,6 +151,13 @@ class MultimodalPromptTokenizer(PromptTokenizer):
         if self.image_token:
             text = re.sub(f"(?:{re.escape(self.image_token)})+", lambda _: self.image_token, text)
         return text
+
+
+def placeholder_encoding(tokenizer: Any, text: str) -> list[int]:
+    """A rendered chat template's token ids with its image placeholders unexpanded: the text encoded with special
+    tokens as a processor encodes it (none where the text starts with the BOS token)."""
+    bos = tokenizer.bos_token
+    return tokenizer(text, add_special_tokens=not (bos is not None and text.startswith(bos)))["input_ids"]
 
 
 def make_prompt_tokenizer(processing_class: Any, **kwargs: Any) -> PromptTokenizer:

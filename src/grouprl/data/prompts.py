@@ -209,6 +209,11 @@ class PromptTokenizer:
             return list(ids)
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
+    def encode_messages(self, messages: Any, row: int, tools: Optional[list[dict]] = None) -> tuple[list[int], Any]:
+        """Token ids of a prompt, and its processed images: None here (a tokenizer encodes no images; a processor
+        does, `MultimodalPromptTokenizer`)."""
+        return self(messages, row, tools), None
+
     def encode_row(self, row: dict, index: int) -> tuple[Any, list[int], Any | None]:
         """The prompt as reward functions see it, its token ids, and its processed images (None: text only)."""
         if row_images(row, index):

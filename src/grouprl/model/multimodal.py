@@ -54,6 +54,12 @@ class PromptImages:
     images: list[Any] = field(default_factory=list)
     placeholder_ids: list[int] = field(default_factory=list)
     expanded_length: int = 0
+    # Tool results with images (agents/multiturn.py) put image tokens in the completion: their per-token values over
+    # the completion's first tokens (zeros past them); their images follow the prompt's in `per_image` and `images`.
+    completion_per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (C,)
+
+    def has_token_field(self, name: str) -> bool:
+        return name in self.per_token or name in self.completion_per_token
 
 
 @dataclass
@@ -99,7 +105,8 @@ def image_token_ids(config: Any) -> list[int]:
 def collate(inputs: Sequence[PromptImages | None], prompt_width: int, total_width: int) -> dict[str, torch.Tensor]:
     """Model inputs for rows whose prompts are left-padded to `prompt_width` inside sequences of `total_width`.
 
-    Per-token fields end where each row's prompt ends (column prompt_width - 1), zeros elsewhere;
+    Per-token fields end where each row's prompt ends (column prompt_width - 1), and their completion values (tool
+    results with images) start there, zeros elsewhere;
     per-image fields are concatenated in row order, padded with zeros along their other dimensions where the rows'
     sizes differ, as a processor pads a batch (Idefics3 / SmolVLM: (1, images, C, H, W) per prompt, whose model
     drops the all-zero images). Rows without images (None) add nothing.
@@ -115,14 +122,71 @@ def collate(inputs: Sequence[PromptImages | None], prompt_width: int, total_widt
                 "different ranks; this processor's outputs are not supported yet."
             )
         batched[name] = torch.cat(zero_padded(parts))
-    for name in dict.fromkeys(k for m in present for k in m.per_token):
-        first = next(m.per_token[name] for m in present if name in m.per_token)
+    for name in dict.fromkeys(k for m in present for k in (*m.per_token, *m.completion_per_token)):
+        first = next(
+            m.per_token.get(name, m.completion_per_token.get(name)) for m in present if m.has_token_field(name)
+        )
         values = torch.zeros((len(inputs), total_width), dtype=first.dtype)
         for r, m in enumerate(inputs):
             if m is not None and name in m.per_token:
                 values[r, prompt_width - len(m.per_token[name]) : prompt_width] = m.per_token[name]
+            if m is not None and name in m.completion_per_token:
+                after = m.completion_per_token[name]
+                if len(after) > total_width - prompt_width:
+                    raise ValueError(
+                        f"collate: {name!r} has {len(after)} completion values, more than the rows' "
+                        f"{total_width - prompt_width} completion positions."
+                    )
+                values[r, prompt_width : prompt_width + len(after)] = after
         batched[name] = values
     return batched
+
+
+def with_tool_images(
+    images: PromptImages | None, prompt_ids: Sequence[int], offset: int, part: PromptImages
+) -> PromptImages:
+    """A rollout's image inputs once a tool result with images sits at completion position `offset`: `part` holds
+    that result's processor outputs (per-token values over its tokens, its images). `images`: the inputs so far
+    (None: a text prompt, whose placeholder form is its ids). A new PromptImages; the arguments are not changed."""
+    if images is None:
+        images = PromptImages(placeholder_ids=list(prompt_ids), expanded_length=len(prompt_ids))
+    per_token = dict(images.per_token)
+    after = dict(images.completion_per_token)
+    for name, values in part.per_token.items():
+        per_token.setdefault(name, values.new_zeros(len(prompt_ids)))
+        before = after.get(name, values.new_zeros(0))[:offset]
+        after[name] = torch.cat([before, before.new_zeros(offset - len(before)), values.to(before.dtype)])
+    per_image = dict(images.per_image)
+    for name, value in part.per_image.items():
+        per_image[name] = torch.cat(zero_padded([per_image[name], value])) if name in per_image else value
+    return PromptImages(
+        per_token=per_token,
+        per_image=per_image,
+        images=[*images.images, *part.images],
+        placeholder_ids=images.placeholder_ids,
+        expanded_length=images.expanded_length,
+        completion_per_token=after,
+    )
+
+
+def continuation_inputs(
+    images: PromptImages, completion_length: int, completion_placeholder_ids: Sequence[int]
+) -> PromptImages:
+    """The inputs of a prompt continued by the first `completion_length` completion tokens, taken as one prompt (the
+    next turn of a multi-turn rollout): per-token values over all of it; for engines that expand placeholders
+    themselves, the completion so far with each tool image as its placeholder (`completion_placeholder_ids`)."""
+    per_token = {}
+    for name in dict.fromkeys((*images.per_token, *images.completion_per_token)):
+        prompt = images.per_token[name]
+        after = images.completion_per_token.get(name, prompt.new_zeros(0))[:completion_length]
+        per_token[name] = torch.cat([prompt, after, after.new_zeros(completion_length - len(after))])
+    return PromptImages(
+        per_token=per_token,
+        per_image=images.per_image,
+        images=images.images,
+        placeholder_ids=[*images.placeholder_ids, *completion_placeholder_ids],
+        expanded_length=images.expanded_length + completion_length,
+    )
 
 
 def images_to_bytes(images: PromptImages) -> bytes:

@@ -31,6 +31,17 @@ def row_prompt_ids(rollout: Rollout) -> list[list[int]]:
     ]
 
 
+def row_images(rollout: Rollout, rows: list[int]) -> Optional[list]:
+    """(N,) each row's image inputs: its completion's own (a multi-turn rollout with images), else its prompt's; None
+    when no row has any."""
+    prompts = rollout.prompts.multimodal
+    images = [
+        c.images if c.images is not None else (None if prompts is None else prompts[b])
+        for c, b in zip(rollout.completions, rows)
+    ]
+    return images if any(m is not None for m in images) else None
+
+
 def pack_rollout(
     rollout: Rollout,
     advantages: torch.Tensor,
@@ -80,7 +91,7 @@ def pack_rollout(
         loss_mask=loss_mask,
         advantages=advantages.float(),
         sampler_logprobs=sampler_logprobs,
-        multimodal=None if rollout.prompts.multimodal is None else [rollout.prompts.multimodal[b] for b in rows],
+        multimodal=row_images(rollout, rows),
         pad_to_multiple_of=pad_to_multiple_of,
     )
 
