@@ -56,7 +56,7 @@ class FirstTurnCalls:
     prompts and image inputs are kept in `continuations`."""
 
     def __init__(self, tokenizer, real):
-        self.tokenizer, self.real, self.continuations = tokenizer, real, []
+        self.tokenizer, self.real, self.continuations, self.answers = tokenizer, real, [], []
         self.needs_importance_correction = getattr(real, "needs_importance_correction", False)
         self.call = tokenizer(CALL_TEXT, add_special_tokens=False)["input_ids"] + [
             tokenizer.convert_tokens_to_ids(IM_END)
@@ -70,7 +70,9 @@ class FirstTurnCalls:
             scripted = ScriptedBackend(lambda p, s: self.call, self.call[-1], self.tokenizer)
             return scripted.generate(prompt_ids, num_samples, params)
         self.continuations.append((prompt_ids, multimodal))
-        return self.real.generate(prompt_ids, num_samples, params, multimodal=multimodal)
+        answers = self.real.generate(prompt_ids, num_samples, params, multimodal=multimodal)
+        self.answers += answers
+        return answers
 
 
 def vlm_tool_run(tmp_path, arch, prompt_images, kind):
@@ -125,6 +127,46 @@ def conversation(row, kind):
     ]
 
 
+def schemas_of(trainer, kind):
+    """The tool schemas the prompts render: the trainer's tools, or the environment's."""
+    spec = trainer.run.rollouts.agent.spec
+    tools = spec.tools if kind == "tools" else spec.environments.tools[None]
+    return [t.schema for t in tools]
+
+
+def encoded_prompts(trainer, rows, prompt_images):
+    """The rows as the trainer encodes them: each prompt sampled twice."""
+    encoded = [trainer.run.rollouts.tokenize.encode_row(row, i) for i, row in enumerate(rows)]
+    prompts = PromptBatch(
+        prompts=[e[0] for e in encoded],
+        prompt_ids=[e[1] for e in encoded],
+        columns={},
+        dataset_indices=list(range(len(rows))),
+        group_ids=list(range(len(rows))),
+        num_samples=[2] * len(rows),
+        multimodal=[e[2] for e in encoded] if prompt_images else None,
+    )
+    return prompts, encoded
+
+
+def one_forward(model, processor, messages, schemas, completion):
+    """Logprobs of a rollout's completion tokens from one forward over the processor's inputs of `messages` (the
+    conversation up to the last turn) followed by that turn's sampled tokens."""
+    inputs = processed(processor, messages, schemas)
+    answer = completion.token_ids[len(inputs["input_ids"][0]) - len(completion.prompt_ids) :]
+    inputs = {k: extended(v, len(answer)) if v.shape == inputs["input_ids"].shape else v for k, v in inputs.items()}
+    inputs["input_ids"][0, -len(answer) :] = torch.tensor(answer)
+    inputs["attention_mask"][0, -len(answer) :] = 1
+    with torch.no_grad():
+        logits = model(**inputs).logits[0, :-1].float()
+    scores = logits.log_softmax(-1).gather(-1, inputs["input_ids"][0, 1:, None])[:, 0]
+    return scores[-len(completion.token_ids) :]
+
+
+def extended(values, length):
+    return torch.cat([values, values.new_zeros(1, length)], 1)
+
+
 def processed(processor, messages, schemas):
     return processor.apply_chat_template(
         messages, tools=schemas, tokenize=True, return_dict=True, return_tensors="pt", add_generation_prompt=True
@@ -145,20 +187,8 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
     tmp_path, arch, prompt_images, kind
 ):
     trainer, model, processor, rows, backend = vlm_tool_run(tmp_path, arch, prompt_images, kind)
-    schemas = [trainer.run.rollouts.agent.spec.tools[0].schema] if kind == "tools" else None
-    if kind == "environment_factory":
-        schemas = [t.schema for t in trainer.run.rollouts.agent.spec.environments.tools[None]]
-    encode = trainer.run.rollouts.tokenize
-    encoded = [encode.encode_row(row, i) for i, row in enumerate(rows)]
-    prompts = PromptBatch(
-        prompts=[e[0] for e in encoded],
-        prompt_ids=[e[1] for e in encoded],
-        columns={},
-        dataset_indices=[0, 1],
-        group_ids=[0, 1],
-        num_samples=[2, 2],
-        multimodal=[e[2] for e in encoded] if prompt_images else None,
-    )
+    schemas = schemas_of(trainer, kind)
+    prompts, encoded = encoded_prompts(trainer, rows, prompt_images)
     completions = trainer.run.rollouts.agent.generate(backend, prompts, trainer.run.rollouts.sampling)
 
     # The next turn is prompted with what the processor makes of the whole conversation so far: the same ids, the
@@ -198,28 +228,14 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
             multimodal=batch.multimodal,
         ).logprobs
 
-    def one_forward(row, completion, tool_image_seed=TOOL_IMAGE_SEED):
-        messages = conversation(row, kind)
-        messages[-1]["content"][0]["image"] = image(tool_image_seed)
-        inputs = processed(processor, messages, schemas)
-        answer = completion.token_ids[len(inputs["input_ids"][0]) - len(completion.prompt_ids) :]
-        extend = lambda t: torch.cat([t, t.new_zeros(1, len(answer))], 1)  # noqa: E731
-        inputs = {k: extend(v) if v.shape == inputs["input_ids"].shape else v for k, v in inputs.items()}
-        inputs["input_ids"][0, -len(answer) :] = torch.tensor(answer)
-        inputs["attention_mask"][0, -len(answer) :] = 1
-        with torch.no_grad():
-            logits = model(**inputs).logits[0, :-1].float()
-        scores = logits.log_softmax(-1).gather(-1, inputs["input_ids"][0, 1:, None])[:, 0]
-        return scores[-len(completion.token_ids) :]
-
     for r, completion in enumerate(completions):
-        row = rows[r // 2]
         assert completion.prompt_ids == encoded[r // 2][1] or kind == "environment_factory"
-        torch.testing.assert_close(
-            trained[r, : len(completion.token_ids)], one_forward(row, completion), atol=1e-4, rtol=1e-4
-        )
+        expected = one_forward(model, processor, conversation(rows[r // 2], kind), schemas, completion)
+        torch.testing.assert_close(trained[r, : len(completion.token_ids)], expected, atol=1e-4, rtol=1e-4)
     # The check can fail: the same conversation with another picture from the tool scores otherwise.
-    other = one_forward(rows[0], completions[0], tool_image_seed=TOOL_IMAGE_SEED + 1)
+    messages = conversation(rows[0], kind)
+    messages[-1]["content"][0]["image"] = image(TOOL_IMAGE_SEED + 1)
+    other = one_forward(model, processor, messages, schemas, completions[0])
     assert (other - trained[0, : len(completions[0].token_ids)]).abs().max() > 1e-3
 
     # And the run trains end to end: every rollout called the tool once, the language model moved.
@@ -228,6 +244,35 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
     log = trainer.state.log_history[0]
     assert log["tools/call_frequency"] == 1.0 and log["tools/failure_frequency"] == 0.0
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lm_head" in n or "embed" in n)
+
+
+def test_a_generation_server_samples_the_turn_after_a_tool_image_with_it(tmp_path):
+    """generation_engine='server' (`grouprl serve`): the turn after a tool's image is sampled on the server with the
+    processor outputs of the whole conversation, so its logprobs are those of one forward over them."""
+    from conftest import serving
+    from vlm_models import save_tiny_qwen2_vl
+
+    from grouprl.generation.remote import RemoteGenerator
+
+    trainer, model, processor, rows, _ = vlm_tool_run(tmp_path, "qwen2_vl", 1, "tools")
+    with serving(save_tiny_qwen2_vl(tmp_path / "served")) as (url, _):
+        server = RemoteGenerator(url)
+        server.sync_weights(model)  # the trainer's (sharpened) weights
+        backend = FirstTurnCalls(processor.tokenizer, server)
+        prompts, _ = encoded_prompts(trainer, rows, prompt_images=1)
+        completions = trainer.run.rollouts.agent.generate(backend, prompts, trainer.run.rollouts.sampling)
+    schemas = schemas_of(trainer, "tools")
+    for r, (completion, answer) in enumerate(zip(completions, backend.answers)):
+        expected = one_forward(model, processor, conversation(rows[r // 2], "tools"), schemas, completion)
+        sampled = torch.tensor(answer.sampler_logprobs)
+        torch.testing.assert_close(sampled, expected[-len(sampled) :], atol=1e-4, rtol=1e-4)
+    # The check can fail: without the tool's image the server's turn scores otherwise.
+    messages = conversation(rows[0], "tools")
+    messages[-1]["content"][0] = {"type": "text", "text": "no picture"}
+    blind = one_forward(model, processor, messages, schemas, completions[0])
+    assert (
+        blind[-len(backend.answers[0].token_ids) :] - torch.tensor(backend.answers[0].sampler_logprobs)
+    ).abs().max() > 1e-3
 
 
 def test_a_tool_image_for_a_text_model_is_refused_naming_the_tool(tool_model_dir, tmp_path):
