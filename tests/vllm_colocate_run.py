@@ -4,14 +4,15 @@ use_vllm=True, vllm_mode="colocate", as `python script.py` (no launcher variable
 and compares them with the trainer's model; each process writes what it saw to OUTPUT_DIR/result-rank<r>.json.
 
     python vllm_colocate_run.py MODEL_DIR OUTPUT_DIR VARIANT
-    (VARIANT: full, lora, qlora, dynamic, gfpo, sync_ref, rollout_func, tools, environment or images)
+    (VARIANT: full, lora, qlora, dynamic, gfpo, sync_ref, rollout_func, tools, environment, images or tool_images)
 
 qlora loads the policy in 4 bits (vLLM is sent the base dequantized with the adapters' update added). The variants
 besides full, lora and qlora train with dynamic sampling, GFPO's filter, a synced reference, a rollout_func
 that samples through trainer.generation_backend (the vLLM engine), or tools / an environment_factory: in those, the
 first turn of every even sample calls the tool (`FirstTurnCallsTheTool`) and vLLM samples the turns after the tool's
 result. images trains a vision-language model (MODEL_DIR an Idefics3) on image prompts and scores one image prompt
-in vLLM and in the trainer after a last sync (`image_gaps`).
+in vLLM and in the trainer after a last sync (`image_gaps`). tool_images gives that model image prompts and a tool
+that returns an image (`look`): vLLM samples the turn after it with the prompt's image and the tool's.
 """
 
 import json
@@ -46,28 +47,42 @@ class FirstTurnCallsTheTool:
 
         self.real, self.tokenizer, self.call, self.vllm = real, tokenizer, call, vllm
         self.continuations: list[str] = []
+        self.continued: list[tuple] = []  # (prompt ids, image inputs) of the turns after a tool's result
 
     def sync_weights(self, model):
         self.real.sync_weights(model)
 
-    def generate(self, prompt_ids, num_samples, params):
+    def generate(self, prompt_ids, num_samples, params, multimodal=None):
         from grouprl.core.types import Completion
 
-        completions = self.real.generate(prompt_ids, num_samples, params)
+        completions = self.real.generate(prompt_ids, num_samples, params, multimodal=multimodal)
         if "<tool_response>" in self.tokenizer.decode(prompt_ids[0]):
             self.continuations += [self.tokenizer.decode(ids) for ids in prompt_ids for _ in range(num_samples)]
+            self.continued += list(zip(prompt_ids, multimodal or [None] * len(prompt_ids)))
             return completions
         for i, completion in enumerate(completions):
             if i % num_samples % 2 == 0:
-                logprobs = self.scored(prompt_ids[completion.prompt_index], self.call)
+                b = completion.prompt_index
+                logprobs = self.scored(prompt_ids[b], self.call, None if multimodal is None else multimodal[b])
                 text = self.tokenizer.decode(self.call, skip_special_tokens=True)
                 completions[i] = Completion(completion.prompt_index, list(self.call), text, "stop", logprobs)
         return completions
 
-    def scored(self, prompt: list[int], tokens: list[int]) -> list[float]:
+    def scored(self, prompt: list[int], tokens: list[int], images=None) -> list[float]:
+        from grouprl.generation.vllm import engine_prompts
+
         params = self.vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        (output,) = self.real.llm.generate([{"prompt_token_ids": prompt + tokens}], params, use_tqdm=False)
-        return [output.prompt_logprobs[len(prompt) + k][token].logprob for k, token in enumerate(tokens)]
+        (request,) = engine_prompts([prompt + tokens], None if images is None else [images])
+        (output,) = self.real.llm.generate([request], params, use_tqdm=False)
+        start = len(output.prompt_token_ids) - len(tokens)
+        return [output.prompt_logprobs[start + k][token].logprob for k, token in enumerate(tokens)]
+
+
+def look() -> list:
+    """Show the picture the question is about."""
+    from vlm_models import image  # beside this script
+
+    return [{"type": "image", "image": image(7, 32, 32)}, {"type": "text", "text": "here it is"}]
 
 
 def image_gaps(trainer, sync, llm, vllm) -> dict:
@@ -101,6 +116,36 @@ def image_gaps(trainer, sync, llm, vllm) -> dict:
     return gaps
 
 
+def tool_image_gaps(trainer, sync, llm, vllm, continued) -> dict:
+    """After training and a sync, the prompt of a turn after a tool's image scored by vLLM (from the placeholders it
+    expands, with the prompt's images and the tool's) and by the trainer's model (from the rollout's ids and processor
+    outputs), the most they differ: as sampled, and with a blank image in the tool's place given to vLLM."""
+    from dataclasses import replace
+
+    from grouprl.generation.vllm import engine_prompts
+    from grouprl.model.multimodal import collate
+
+    ids, images = continued[0]
+    model = trainer.accelerator.unwrap_model(trainer.run.model)
+    sync(model)  # the last step's update, which no generation has synced yet
+    with torch.no_grad():
+        inputs = collate([images], len(ids), len(ids))
+        logits = model(input_ids=torch.tensor([ids]), **inputs).logits[0, :-1].float()
+    ours = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    gaps = {}
+    from PIL import Image
+
+    blank = Image.new("RGB", (32, 32), "white")
+    for name, tool_image in (("same", images.images[-1]), ("other", blank)):
+        (prompt,) = engine_prompts([ids], [replace(images, images=[*images.images[:-1], tool_image])])
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+        assert list(output.prompt_token_ids) == list(ids), "vLLM expanded the placeholders unlike the processor"
+        theirs = torch.tensor([step[token].logprob for step, token in zip(output.prompt_logprobs[1:], ids[1:])])
+        gaps[name] = float((ours - theirs).abs().max())
+    return gaps
+
+
 def reward_num_unique_characters_of_the_conversation(completions, **kwargs):
     return [len(set(str(c))) for c in completions]
 
@@ -120,9 +165,9 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
     from grouprl.compat.gfpo import shortest_k_filter
 
     dataset = Dataset.from_dict({"prompt": ["The sky is", "Once upon a time", "def add(a, b):", "Hello"]})
-    agents = variant in ("tools", "environment")
+    agents = variant in ("tools", "environment", "tool_images")
     images = variant == "images"
-    if images:
+    if images or variant == "tool_images":
         from vlm_models import image  # beside this script
 
         prompts = [[{"role": "user", "content": f"What is in picture {i}?"}] for i in range(4)]
@@ -130,7 +175,7 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         # one image and of both
         pictures = [[image(0, 32, 32)], [image(1, 32, 32), image(0, 32, 32)], [image(1, 32, 32)], [image(0, 32, 32)]]
         dataset = Dataset.from_dict({"prompt": prompts, "images": pictures})
-    if agents:
+    if variant in ("tools", "environment"):
         dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{i} times 7?"}] for i in range(4)]})
     options = {
         "dynamic": {"dynamic_sampling": True, "max_dynamic_sampling_rounds": 2},
@@ -146,7 +191,9 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
         max_steps=3,
         logging_steps=1,
         # weights that move: a missed sync shows (agents' longer rows move them further)
-        learning_rate={"lora": 0.2, "qlora": 0.2, "tools": 0.02, "environment": 0.02}.get(variant, 0.05),
+        learning_rate={"lora": 0.2, "qlora": 0.2, "tools": 0.02, "environment": 0.02, "tool_images": 0.02}.get(
+            variant, 0.05
+        ),
         max_completion_length=136 if agents else 16,  # a call (75 tokens), its result (44), 17 tokens after it
         per_device_train_batch_size=4,
         num_generations=4,
@@ -163,7 +210,15 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
     extra = {"group_filter_func": shortest_k_filter} if variant == "gfpo" else {}
     if variant == "qlora":
         extra["quantization_config"] = {"load_in_4bit": True}
-    if agents:
+    if variant == "tool_images":
+        from transformers import AutoProcessor
+        from vlm_models import with_tool_template
+
+        processor = AutoProcessor.from_pretrained(model_dir)
+        processor.tokenizer.image_markup = "<image>"  # Idefics3's image block (tests/vlm_models.py)
+        tokenizer = with_tool_template(processor).tokenizer
+        extra = {"tools": [look], "processing_class": processor}
+    elif agents:
         from helpers import Counter, multiply  # beside this script
         from transformers import AutoTokenizer
 
@@ -202,7 +257,11 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
 
     backend.generate = counted_generate
     if agents:
-        call = {"tools": ("multiply", {"a": 6, "b": 7}), "environment": ("increment", {"step": 2})}[variant]
+        call = {
+            "tools": ("multiply", {"a": 6, "b": 7}),
+            "environment": ("increment", {"step": 2}),
+            "tool_images": ("look", {}),
+        }[variant]
         text = "<tool_call>" + json.dumps({"name": call[0], "arguments": call[1]}) + "</tool_call><|im_end|>"
         call_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         trainer.run.rollouts.backend = FirstTurnCallsTheTool(backend, tokenizer, call_ids)
@@ -228,6 +287,11 @@ def main(model_dir: str, output_dir: str, variant: str) -> None:
                 "continuations": getattr(trainer.run.rollouts.backend, "continuations", []),
                 "image_gaps": image_gaps(trainer, real_sync, backend.llm, vllm) if images else None,
                 "images_per_prompt": images_per_prompt,
+                "tool_image_gaps": (
+                    tool_image_gaps(trainer, real_sync, backend.llm, vllm, trainer.run.rollouts.backend.continued)
+                    if variant == "tool_images"
+                    else None
+                ),
             },
             handle,
         )
