@@ -310,8 +310,10 @@ def generate_on_main_process(
     An exception there is raised on every process (run_on_main), so no process waits in a collective for ever.
     """
     layout = layout_of(prompts)
-    # the main process needs every group's prompt, and its processor outputs where it has images: one gather
-    entries = list(zip(prompts.prompt_ids, prompts.multimodal or [None] * len(prompts.prompt_ids)))
+    # the main process needs every group's prompt, and its processor outputs where it has images (a server is sent
+    # those, not the images themselves, which stay behind): one gather
+    outputs = [None if m is None else replace(m, images=[]) for m in prompts.multimodal or [None] * len(prompts)]
+    entries = list(zip(prompts.prompt_ids, outputs))
     groups = layout.join(gather_objects(entries))
     group_prompts = [ids for ids, _ in groups]
     group_images = [images for _, images in groups] if any(images is not None for _, images in groups) else None
