@@ -6,12 +6,16 @@ by the trainer's own backend. Every check compares with the processor run over t
 what a model would be given if the rollout had been written out and processed in one go.
 """
 
+import io
 import json
+import os
 
 import datasets
+import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import ScriptedBackend
+from PIL import Image
 from vlm_models import image, sharpen, tiny_idefics3, tiny_llava, tiny_qwen2_vl, with_tool_template
 
 from grouprl import GRPOConfig, GRPOTrainer
@@ -97,6 +101,8 @@ def vlm_tool_run(tmp_path, arch, prompt_images, kind):
         seed=0,
         bf16=False,
         shuffle_dataset=False,
+        log_completions=True,
+        num_completions_to_print=0,
     )
     agent = {"tools": [look]} if kind == "tools" else {"environment_factory": Viewer}
     trainer = GRPOTrainer(
@@ -243,6 +249,12 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
     trainer.train()
     log = trainer.state.log_history[0]
     assert log["tools/call_frequency"] == 1.0 and log["tools/failure_frequency"] == 0.0
+    # the completion log shows each row's images: its prompt's, then the tool's
+    table = pq.read_table(os.path.join(trainer.args.output_dir, "completions", "completions_00001.parquet"))
+    for pngs in table.to_pydict()["image"]:
+        assert [Image.open(io.BytesIO(png)).tobytes() for png in pngs][prompt_images:] == [
+            image(TOOL_IMAGE_SEED).tobytes()
+        ]
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lm_head" in n or "embed" in n)
 
 

@@ -227,13 +227,13 @@ class RolloutMaker:
             rewards={name: rewards.per_function[rows, k] for k, name in enumerate(rewards.names)},
             advantages=advantages,
             extras=self.completion_extras,
-            images=logged_images(batch, rollout.row_prompt),
+            images=logged_images(rollout, self.tools_may_return_images),
         )
 
     def record_recent(self, rollout: Rollout, rewards: Rewards, advantages: torch.Tensor) -> None:
         """TRL's trainer._logs: prompts and completions as reward functions saw them, global rewards and advantages."""
         batch = rollout.prompts
-        images = logged_images(batch, rollout.row_prompt)
+        images = logged_images(rollout, self.tools_may_return_images)
         self.recent.record(
             self.accelerator,
             prompts=[batch.prompts[b] for b in rollout.row_prompt],
@@ -243,6 +243,11 @@ class RolloutMaker:
             extras=self.completion_extras,
             images=images,
         )
+
+    @property
+    def tools_may_return_images(self) -> bool:
+        """Whether a rollout may hold images its tools returned: tools, and a vision-language model's processor."""
+        return self.agent is not None and self.agent.has_tools and self.agent.settings.processor is not None
 
     def global_advantages(
         self, rewards: Rewards, group_size: Optional[int] = None
@@ -321,10 +326,13 @@ def generate_on_main_process(
     return [replace(c, prompt_index=b) for c, b in zip(shares[layout.process_index], prompts.row_index())]
 
 
-def logged_images(batch: PromptBatch, rows: list[int]) -> Optional[list[list[Any]]]:
-    """(n,) each row's prompt images where the data has an image column, else None. Decided by the columns, the
-    same on every process, and not by whether this process's rows have images: logging gathers them, and a process
-    that skipped the gather would leave the others waiting for it."""
-    if not any(name in batch.columns for name in IMAGE_COLUMNS):
+def logged_images(rollout: Rollout, tools_may_return_images: bool = False) -> Optional[list[list[Any]]]:
+    """(n,) each row's images, its prompt's then those its tools returned, where the data has an image column or
+    the tools may return images, else None. Decided by the columns and the setup, the same on every process, and not
+    by whether this process's rows have images: logging gathers them, and a process that skipped the gather would
+    leave the others waiting for it."""
+    batch = rollout.prompts
+    if not tools_may_return_images and not any(name in batch.columns for name in IMAGE_COLUMNS):
         return None
-    return rows_images(batch.columns, rows)
+    prompt_images = rows_images(batch.columns, rollout.row_prompt)
+    return [c.images.images if c.images is not None else p for c, p in zip(rollout.completions, prompt_images)]
