@@ -29,7 +29,7 @@ import peft
 import torch
 import vlm_models
 from accelerate import PartialState
-from helpers import Counter, gloo_threads, multiply, sample_through_the_backend
+from helpers import Counter, gloo_threads, look, multiply, sample_through_the_backend
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grouprl import GFPOConfig, GFPOTrainer, GRPOConfig, GRPOTrainer
@@ -78,6 +78,13 @@ SCENARIOS = {
             "generation_engine": "server",
             "generation_kwargs": {"seed": 0},
         },
+    ),
+    # image prompts (the first of each generation's 3) and a tool that returns an image (`look`), called by the first
+    # turn of every even sample: the turn after it and the training forward get the prompt's images and the tool's
+    "grpo_tool_images": (
+        "grpo",
+        False,
+        {"beta": 0.1, "images": True, "agent": "tools", "tool": "look", "max_completion_length": 160},
     ),
     # launched with the bundled fsdp2 config (the weights sharded over the processes); with a reference model
     "fsdp2": ("grpo", False, {"beta": 0.1}),
@@ -233,7 +240,11 @@ class ToolScript(GroupScript):
             return self.text(f"It is {sum(ids) % 97}.")
         if s % 2:
             return super().tokens(ids, s)
-        argument = {"multiply": {"a": ids[-1] % 9, "b": s}, "increment": {"step": 1 + (ids[-1] + s) % 4}}[self.tool]
+        argument = {
+            "multiply": {"a": ids[-1] % 9, "b": s},
+            "increment": {"step": 1 + (ids[-1] + s) % 4},
+            "look": {"index": ids[-1] + s},
+        }[self.tool]
         return self.text("<tool_call>" + json.dumps({"name": self.tool, "arguments": argument}) + "</tool_call>")
 
 
@@ -258,9 +269,10 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     ties = extra.pop("odd_prompts_tie", False)
     custom_rollouts = extra.pop("rollout_func", False)
     agent = extra.pop("agent", None)
+    tool = extra.pop("tool", "multiply")
     images = extra.pop("images", False)
     image_group = extra.pop("image_group", 0)  # which of each generation's 3 prompts has an image
-    if agent:  # room in the prompt for the tools' schemas, a chat template that renders them (conftest's tool model)
+    if agent and not images:  # room for the tools' schemas, a template that renders them (conftest's tool model)
         model_dir = os.environ["GROUPRL_TEST_TOOL_MODEL"]
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -297,6 +309,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
     if images:
         columns["images"] = [[vlm_models.image(i)] if i % 3 == image_group else [] for i in range(12)]
         processor = vlm_models.tiny_qwen2_vl(model_from=os.environ["GROUPRL_TEST_VLM_MODEL"])[1]
+        if agent:
+            vlm_models.with_tool_template(processor)
         tokenizer = processor.tokenizer
     dataset = datasets.Dataset.from_dict(columns)
     seen = []
@@ -308,12 +322,15 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
             if images
             else AutoModelForCausalLM.from_pretrained(model_dir, **quantization)
         )
+        if images and agent:  # turns end with <|im_end|>, which ends generation (as in Qwen's generation configs)
+            end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+            model.generation_config.eos_token_id = [model.generation_config.eos_token_id, end_of_turn]
         # SGD: update = gradient, so a gradient bug shows; AdamW: its state must survive a checkpoint
         optimizer = (torch.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=config.learning_rate)
         peft_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if lora else None
         backend = None if main_only is None else GroupScript(tokenizer, main_only, config.dynamic_sampling)
         if agent:
-            backend = ToolScript(tokenizer, "multiply" if agent == "tools" else "increment")
+            backend = ToolScript(tokenizer, tool if agent == "tools" else "increment")
         # Adapters kept in fp32 on every machine. As TRL, grouprl casts a 4-bit policy's adapters to bf16 where bf16
         # is native (GPUs, AVX512-BF16 CPUs); there AdamW's first step turns a gradient element that the 2-process
         # reduction rounds to the other side of zero into +-lr (1.77 apart at lr 0.5, measured): no sharding check.
@@ -330,7 +347,7 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
                 generation_backend=backend,
                 **({"group_filter_func": first_two} if gfpo else {}),
                 **({"rollout_func": sample_through_the_backend} if custom_rollouts else {}),
-                **({"tools": [multiply]} if agent == "tools" else {}),
+                **({"tools": [{"multiply": multiply, "look": look}[tool]]} if agent == "tools" else {}),
                 **({"environment_factory": Counter} if agent == "environment_factory" else {}),
             )
         score = trainer.run.rollouts.score
@@ -342,6 +359,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
                     "advantages": advantages.clone(),
                     "completions": [c.token_ids for c in rollout.completions],
                     "tool_masks": [c.tool_mask for c in rollout.completions],
+                    # each row's images when its tools returned some (the prompt's, then the tool's)
+                    "rollout_images": [0 if c.images is None else len(c.images.images) for c in rollout.completions],
                     "with_images": [
                         m is not None for m in rollout.prompts.multimodal or [None] * len(rollout.prompts.prompts)
                     ],

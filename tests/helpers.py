@@ -89,6 +89,17 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+def look(index: int) -> list:
+    """Show a picture.
+
+    Args:
+        index: which picture
+    """
+    from vlm_models import image  # beside this module
+
+    return [{"type": "image", "image": image(100 + index % 5)}, {"type": "text", "text": f"picture {index}"}]
+
+
 class Counter:
     """An environment whose tool adds to a count (the distributed worker's and the vLLM runner's
     environment_factory)."""

@@ -110,6 +110,11 @@ def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path
         assert torch.allclose(joined, whole["advantages"], atol=1e-6), (joined, whole["advantages"])
         assert whole["advantages"].abs().sum() > 0
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0  # DDP kept the replicas identical
+    if (
+        scenario == "grpo_tool_images"
+    ):  # both processes train rows with the tool's image, and rows with the prompt's too
+        counts = [step["rollout_images"] for step in rank0["seen"] + rank1["seen"]]
+        assert all(1 in c for c in counts) and any(2 in c for c in counts), counts
     if scenario.startswith("grpo_images"):  # the process without images runs the vision tower on a probe image
         check_image_runs(rank0, rank1, image_on_process=1 if scenario.endswith("_server") else 0)
     if "resumed_weights" in single:  # 2 steps == 1 step, checkpoint, resume, 1 step; on each process
