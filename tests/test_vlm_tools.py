@@ -23,7 +23,7 @@ from grouprl.core.types import PromptBatch, Rollout
 from grouprl.data.multimodal_prompts import placeholder_encoding
 from grouprl.demo.tokenizer import IM_END
 from grouprl.model.logprobs import completion_logprobs
-from grouprl.model.multimodal import collate
+from grouprl.model.multimodal import collate, image_token_ids
 from grouprl.rollout.train_batch import pack_rollout
 
 BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava, "idefics3": tiny_idefics3}
@@ -155,9 +155,9 @@ def encoded_prompts(trainer, rows, prompt_images):
     return prompts, encoded
 
 
-def one_forward(model, processor, messages, schemas, completion):
+def one_forward(model, processor, messages, schemas, completion, suppressed=()):
     """Logprobs of a rollout's completion tokens from one forward over the processor's inputs of `messages` (the
-    conversation up to the last turn) followed by that turn's sampled tokens."""
+    conversation up to the last turn) followed by that turn's sampled tokens; `suppressed` tokens never sampled."""
     inputs = processed(processor, messages, schemas)
     answer = completion.token_ids[len(inputs["input_ids"][0]) - len(completion.prompt_ids) :]
     inputs = {k: extended(v, len(answer)) if v.shape == inputs["input_ids"].shape else v for k, v in inputs.items()}
@@ -165,6 +165,7 @@ def one_forward(model, processor, messages, schemas, completion):
     inputs["attention_mask"][0, -len(answer) :] = 1
     with torch.no_grad():
         logits = model(**inputs).logits[0, :-1].float()
+    logits[:, list(suppressed)] = -float("inf")
     scores = logits.log_softmax(-1).gather(-1, inputs["input_ids"][0, 1:, None])[:, 0]
     return scores[-len(completion.token_ids) :]
 
@@ -274,14 +275,16 @@ def test_a_generation_server_samples_the_turn_after_a_tool_image_with_it(tmp_pat
         prompts, _ = encoded_prompts(trainer, rows, prompt_images=1)
         completions = trainer.run.rollouts.agent.generate(backend, prompts, trainer.run.rollouts.sampling)
     schemas = schemas_of(trainer, "tools")
+    placeholders = image_token_ids(model.config)  # the server samples with them suppressed, and says so
     for r, (completion, answer) in enumerate(zip(completions, backend.answers)):
-        expected = one_forward(model, processor, conversation(rows[r // 2], "tools"), schemas, completion)
+        messages = conversation(rows[r // 2], "tools")
+        expected = one_forward(model, processor, messages, schemas, completion, placeholders)
         sampled = torch.tensor(answer.sampler_logprobs)
         torch.testing.assert_close(sampled, expected[-len(sampled) :], atol=1e-4, rtol=1e-4)
     # The check can fail: without the tool's image the server's turn scores otherwise.
     messages = conversation(rows[0], "tools")
     messages[-1]["content"][0] = {"type": "text", "text": "no picture"}
-    blind = one_forward(model, processor, messages, schemas, completions[0])
+    blind = one_forward(model, processor, messages, schemas, completions[0], placeholders)
     assert (
         blind[-len(backend.answers[0].token_ids) :] - torch.tensor(backend.answers[0].sampler_logprobs)
     ).abs().max() > 1e-3

@@ -154,7 +154,15 @@ def create_app(
                 else:
                     sampled = generator.generate(prompts, request.n, params, multimodal=images)
                 if vision and request.logprobs is not None:  # generate gives none: one scoring forward
-                    sampled = with_logprobs(model, prompts, sampled, request.temperature, images)
+                    sampled = with_logprobs(
+                        model,
+                        prompts,
+                        sampled,
+                        params,
+                        images,
+                        suppress_token_ids=generator.suppress_token_ids,
+                        eos_token_ids=generator.eos_token_ids,
+                    )
                 choices = [
                     sample_choice(i, c, prompts[c.prompt_index], request.logprobs is not None)
                     for i, c in enumerate(sampled)

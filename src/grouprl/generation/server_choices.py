@@ -1,13 +1,15 @@
 """The OpenAI completion choices `grouprl serve` returns: sampled completions, and scored prompts (echo)."""
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from grouprl.core.types import Completion
-from grouprl.generation.protocol import left_pad
-from grouprl.model.logprobs import completion_logprobs, position_ids_from_mask
+from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation.sampling import process_logits
+from grouprl.model.logprobs import position_ids_from_mask
+from grouprl.model.multimodal import forward_inputs
 
 
 def token_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
@@ -49,36 +51,51 @@ def with_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
     completions: list[Completion],
-    temperature: float,
+    params: SamplingParams,
     images: list[Any] | None,
+    *,
+    suppress_token_ids: Sequence[int] = (),
+    eos_token_ids: Sequence[int] = (),
 ) -> list[Completion]:
-    """The completions with their tokens' logprobs under the temperature-scaled model (a forward with each prompt's
-    images), for a sampler that gives none (transformers generate). The sampling filters (top-k, top-p, min-p) are
-    not applied to these, unlike the fast engine's."""
-    rows = [c for c in completions if c.token_ids]
-    if not rows:
-        return completions
+    """The completions with their tokens' logprobs under the distribution transformers `generate` sampled them from
+    (it gives none): one forward per completion with its prompt's images, whose logits go through generate's
+    processing in its order (repetition penalty over the tokens before each position, suppressed tokens, EOS held
+    back until `min_new_tokens`, temperature, top-k, top-p, min-p: `sampling.process_logits`, as the fast engine's)."""
+    named = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+    settings = {name: params.extra.get(name, getattr(params, name)) for name in named}  # extra overrides, as in hf.py
+    min_new_tokens = params.extra.get("min_new_tokens", 0)
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = left_pad([prompts[c.prompt_index] for c in rows], 0)
-    completion_ids, completion_mask = left_pad([c.token_ids[::-1] for c in rows], 0)  # reversed: right-padded
-    completion_ids, completion_mask = completion_ids.flip(1), completion_mask.flip(1)
     was_training = model.training
     model.eval()
     try:
-        scored = completion_logprobs(
-            model,
-            prompt_ids.to(device),
-            prompt_mask.bool().to(device),
-            completion_ids.to(device),
-            completion_mask.bool().to(device),
-            temperature=temperature,
-            with_entropy=False,
-            multimodal=None if images is None else [images[c.prompt_index] for c in rows],
-        ).logprobs.tolist()
+        scored = []
+        for c in completions:
+            prompt = prompts[c.prompt_index]
+            if not c.token_ids:
+                scored.append(c)
+                continue
+            ids = torch.tensor([prompt + c.token_ids], device=device)
+            mask = torch.ones_like(ids)
+            inputs = {"position_ids": position_ids_from_mask(mask)}
+            row_images = [None if images is None else images[c.prompt_index]]
+            inputs.update(forward_inputs(model, row_images, len(prompt), ids.shape[1], device))
+            steps = len(c.token_ids)
+            logits = model(input_ids=ids, attention_mask=mask, **inputs).logits[0, len(prompt) - 1 : -1].float()
+            if suppress_token_ids:
+                logits[:, list(suppress_token_ids)] = -float("inf")
+            if min_new_tokens and eos_token_ids:
+                logits[: min(min_new_tokens, steps), list(eos_token_ids)] = -float("inf")
+            # position t's history: the prompt and the t tokens sampled before it
+            visible = (
+                torch.arange(ids.shape[1], device=device)[None]
+                < len(prompt) + torch.arange(steps, device=device)[:, None]
+            )
+            processed = process_logits(logits, history=ids.expand(steps, -1), history_mask=visible, **settings)
+            tokens = ids[0, len(prompt) :, None]
+            scored.append(replace(c, sampler_logprobs=processed.log_softmax(-1).gather(1, tokens)[:, 0].tolist()))
     finally:
         model.train(was_training)
-    logprobs = {id(c): values[: len(c.token_ids)] for c, values in zip(rows, scored)}
-    return [replace(c, sampler_logprobs=logprobs.get(id(c), [])) for c in completions]
+    return scored
 
 
 @torch.no_grad()
