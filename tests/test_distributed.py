@@ -110,11 +110,8 @@ def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path
         assert torch.allclose(joined, whole["advantages"], atol=1e-6), (joined, whole["advantages"])
         assert whole["advantages"].abs().sum() > 0
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0  # DDP kept the replicas identical
-    if (
-        scenario == "grpo_tool_images"
-    ):  # both processes train rows with the tool's image, and rows with the prompt's too
-        counts = [step["rollout_images"] for step in rank0["seen"] + rank1["seen"]]
-        assert all(1 in c for c in counts) and any(2 in c for c in counts), counts
+    if scenario == "grpo_tool_images":
+        check_tool_image_runs(rank0, rank1)
     if scenario.startswith("grpo_images"):  # the process without images runs the vision tower on a probe image
         check_image_runs(rank0, rank1, image_on_process=1 if scenario.endswith("_server") else 0)
     if "resumed_weights" in single:  # 2 steps == 1 step, checkpoint, resume, 1 step; on each process
@@ -324,6 +321,14 @@ def check_image_runs(rank0: dict, rank1: dict, image_on_process: int = 0) -> Non
     assert any(".visual." in name for name in moved) and any(".language_model." in name for name in moved)
 
 
+def check_tool_image_runs(rank0: dict, rank1: dict) -> None:
+    """Both processes trained rows with a tool's image, some with the prompt's too; the language model moved."""
+    counts = [step["rollout_images"] for step in rank0["seen"] + rank1["seen"]]
+    assert all(1 in c for c in counts) and any(2 in c for c in counts), counts
+    start = {name: p.detach() for name, p in vlm_models.tiny_qwen2_vl()[0].named_parameters()}
+    assert any(".language_model." in n for n, t in rank0["weights"].items() if not torch.equal(t, start[n]))
+
+
 @pytest.mark.parametrize("config_name", SHARDING)
 def test_sharded_checkpoint_resumes_and_saves_a_whole_model(sharded_runs, config_name):
     """A checkpoint of a sharded run holds the whole model (from_pretrained-loadable) and AdamW's whole state (FSDP2:
@@ -472,7 +477,7 @@ def test_sharded_policy_trains_against_a_generation_server(
 def test_the_steps_change_the_weights(two_process_runs, tiny_model_dir):
     base = parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     for name in RUNNABLE:
-        if not name.startswith("grpo_images"):  # another model's weights: check_image_runs sees them move
+        if "images" not in name:  # another model's weights: check_image_runs / check_tool_image_runs see them move
             assert max_difference(base, two_process_runs[name][0]["weights"]) > 1e-3, name
 
 

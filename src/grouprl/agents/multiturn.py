@@ -142,8 +142,8 @@ def generate_rows(
         params,
         None if images is None else [images[rows_of[key][0]] for key in unique],
     )
-    for prompt, completions in zip(unique, per_prompt):
-        for row, completion in zip(rows_of[prompt], completions):
+    for key, completions in zip(unique, per_prompt):
+        for row, completion in zip(rows_of[key], completions):
             out[row] = completion
     return out  # type: ignore[return-value]
 

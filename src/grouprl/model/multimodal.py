@@ -58,9 +58,6 @@ class PromptImages:
     # the completion's first tokens (zeros past them); their images follow the prompt's in `per_image` and `images`.
     completion_per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (C,)
 
-    def has_token_field(self, name: str) -> bool:
-        return name in self.per_token or name in self.completion_per_token
-
 
 @dataclass
 class VisionProbe:
@@ -124,7 +121,7 @@ def collate(inputs: Sequence[PromptImages | None], prompt_width: int, total_widt
         batched[name] = torch.cat(zero_padded(parts))
     for name in dict.fromkeys(k for m in present for k in (*m.per_token, *m.completion_per_token)):
         first = next(
-            m.per_token.get(name, m.completion_per_token.get(name)) for m in present if m.has_token_field(name)
+            fields[name] for m in present for fields in (m.per_token, m.completion_per_token) if name in fields
         )
         values = torch.zeros((len(inputs), total_width), dtype=first.dtype)
         for r, m in enumerate(inputs):
