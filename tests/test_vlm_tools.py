@@ -33,18 +33,36 @@ OBSERVATION = " Look closely."
 
 def look() -> list:
     """Show the picture the question is about."""
-    return [{"type": "image", "image": image(TOOL_IMAGE_SEED)}, {"type": "text", "text": "here it is"}]
+    return shown(image(TOOL_IMAGE_SEED))
 
 
-class Viewer:
-    """An environment whose tool shows a picture; reset() adds an observation to the prompt."""
+def shown(picture) -> list:
+    return [{"type": "image", "image": picture}, {"type": "text", "text": "here it is"}]
 
-    def reset(self, **row):
+
+def zoomed(picture):
+    """The top-left quarter of a picture, enlarged to its size."""
+    return picture.crop((0, 0, picture.width // 2, picture.height // 2)).resize(picture.size)
+
+
+class Zoom:
+    """An environment holding its row's picture (reset() gets the row's images column), whose tool shows a corner of
+    it enlarged: the zoom-in tool of "thinking with images"; reset() adds an observation to the prompt."""
+
+    def reset(self, images=(), **row):
+        self.picture = images[0] if images else image(TOOL_IMAGE_SEED)
         return OBSERVATION
 
     def look(self) -> list:
-        """Show the picture the question is about."""
-        return look()
+        """Zoom in on the picture the question is about."""
+        return shown(zoomed(self.picture))
+
+
+def tool_image(row, kind):
+    """The picture `look` shows for this row."""
+    if kind == "tools":
+        return image(TOOL_IMAGE_SEED)
+    return zoomed(row["images"][0] if row["images"] else image(TOOL_IMAGE_SEED))
 
 
 def user(text):
@@ -104,7 +122,7 @@ def vlm_tool_run(tmp_path, arch, prompt_images, kind):
         log_completions=True,
         num_completions_to_print=0,
     )
-    agent = {"tools": [look]} if kind == "tools" else {"environment_factory": Viewer}
+    agent = {"tools": [look]} if kind == "tools" else {"environment_factory": Zoom}
     trainer = GRPOTrainer(
         model,
         lambda completions, **kw: [float(sum(map(ord, c[-1]["content"])) % 13) for c in completions],
@@ -129,7 +147,7 @@ def conversation(row, kind):
     return [
         {"role": "user", "content": blocks},
         {"role": "assistant", "content": "", "tool_calls": [CALL]},
-        {"role": "tool", "name": "look", "content": look()},
+        {"role": "tool", "name": "look", "content": shown(tool_image(row, kind))},
     ]
 
 
@@ -146,7 +164,7 @@ def encoded_prompts(trainer, rows, prompt_images):
     prompts = PromptBatch(
         prompts=[e[0] for e in encoded],
         prompt_ids=[e[1] for e in encoded],
-        columns={},
+        columns={"images": [row["images"] for row in rows]},  # as the trainer's batches (environments' reset gets it)
         dataset_indices=list(range(len(rows))),
         group_ids=list(range(len(rows))),
         num_samples=[2] * len(rows),
@@ -217,7 +235,7 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
             conversation(row, kind), tools=schemas, tokenize=False, add_generation_prompt=True
         )
         assert images.placeholder_ids == placeholder_encoding(processor.tokenizer, text)  # for vLLM
-        assert images.images == [*row["images"], look()[0]["image"]] and images.expanded_length == len(prompt_ids)
+        assert images.images == [*row["images"], tool_image(row, kind)] and images.expanded_length == len(prompt_ids)
 
     # Training scores every completion token with the rollout's images: as one forward over the processor's inputs
     # of the conversation followed by the sampled answer, row by row, gives them.
@@ -252,10 +270,10 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
     assert log["tools/call_frequency"] == 1.0 and log["tools/failure_frequency"] == 0.0
     # the completion log shows each row's images: its prompt's, then the tool's
     table = pq.read_table(os.path.join(trainer.args.output_dir, "completions", "completions_00001.parquet"))
-    for pngs in table.to_pydict()["image"]:
-        assert [Image.open(io.BytesIO(png)).tobytes() for png in pngs][prompt_images:] == [
-            image(TOOL_IMAGE_SEED).tobytes()
-        ]
+    for pngs, prompt in zip(table.to_pydict()["image"], table.to_pydict()["prompt"]):
+        row = rows[int(prompt.split("what is ")[1][0])]
+        shown_images = [Image.open(io.BytesIO(png)).tobytes() for png in pngs]
+        assert shown_images == [im.tobytes() for im in [*row["images"], tool_image(row, kind)]]
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lm_head" in n or "embed" in n)
 
 
