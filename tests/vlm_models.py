@@ -19,7 +19,7 @@ from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from grouprl.demo.tokenizer import EOS_TOKEN, IM_END, IM_START, _vocab_and_merges
+from grouprl.demo.tokenizer import EOS_TOKEN, IM_END, IM_START, TOOL_CALLS, _vocab_and_merges
 
 # ChatML with content blocks: an image block renders as `image_markup`, a text block as its text.
 CHAT_TEMPLATE = (
@@ -52,13 +52,7 @@ TOOL_CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' + render(message['content'] or '') }}"
-    "{%- for call in message['tool_calls'] or [] %}"
-    "{%- set fn = call['function'] %}"
-    "{%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) %}"
-    "{{- '<tool_call>{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + args + '}</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>assistant\\n' + render(message['content'] or '') }}" + TOOL_CALLS + "{{- '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"
     "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' }}"

@@ -54,17 +54,19 @@ _SYSTEM_TURN = (
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
 )
-_MESSAGES_WITH_TOOLS = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' and loop.first %}"
-    "{%- elif message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+# An assistant message's tool calls, each written `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+TOOL_CALLS = (
     "{%- for call in message['tool_calls'] or [] %}"
     "{%- set fn = call['function'] if call['function'] is defined else call %}"
     "{%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) %}"
     "{{- '<tool_call>{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + args + '}</tool_call>' }}"
     "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
+)
+_MESSAGES_WITH_TOOLS = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}" + TOOL_CALLS + "{{- '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"
     "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' + (message['content'] | string) + '\\n</tool_response>' }}"
