@@ -182,7 +182,8 @@ def one_forward(model, processor, messages, schemas, completion, suppressed=()):
     inputs["input_ids"][0, -len(answer) :] = torch.tensor(answer)
     inputs["attention_mask"][0, -len(answer) :] = 1
     with torch.no_grad():
-        logits = model(**inputs).logits[0, :-1].float()
+        device = next(model.parameters()).device  # the trainer's (CUDA where there is one)
+        logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits[0, :-1].float().cpu()
     logits[:, list(suppressed)] = -float("inf")
     scores = logits.log_softmax(-1).gather(-1, inputs["input_ids"][0, 1:, None])[:, 0]
     return scores[-len(completion.token_ids) :]
@@ -242,16 +243,17 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
     for c in completions:
         assert c.tool_calls == 1 and [m["role"] for m in c.messages] == ["assistant", "tool", "assistant"]
     batch = pack_rollout(Rollout(prompts, completions), torch.zeros(4), 0, mask_truncated=False)
+    device = next(model.parameters()).device
     with torch.no_grad():
         trained = completion_logprobs(
             model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.completion_ids,
-            batch.completion_mask,
+            batch.prompt_ids.to(device),
+            batch.prompt_mask.to(device),
+            batch.completion_ids.to(device),
+            batch.completion_mask.to(device),
             temperature=1.0,
             multimodal=batch.multimodal,
-        ).logprobs
+        ).logprobs.cpu()
 
     for r, completion in enumerate(completions):
         assert completion.prompt_ids == encoded[r // 2][1] or kind == "environment_factory"
