@@ -177,6 +177,20 @@ def test_a_tools_images_follow_the_prompts_and_their_token_values_sit_in_the_com
         collate([again], prompt_width=2, total_width=5)
 
 
+def test_a_checkpoint_written_before_a_field_existed_still_unpickles_with_its_default():
+    """A checkpoint's pending micro-batches hold their rows' PromptImages, pickled; one written before
+    completion_per_token (or the vLLM fields) existed resumes with their defaults."""
+    import pickle
+
+    old = PromptImages(per_token={"types": torch.tensor([0, 1])}, per_image={"pixels": torch.ones(1, 2)})
+    for name in ("completion_per_token", "images", "placeholder_ids", "expanded_length"):
+        del old.__dict__[name]  # as a PromptImages of an older grouprl
+    loaded = pickle.loads(pickle.dumps(old))
+    assert loaded.completion_per_token == {} and loaded.images == [] and loaded.expanded_length == 0
+    assert loaded.per_token["types"].tolist() == [0, 1]
+    assert collate([loaded], 3, 4)["types"].tolist() == [[0, 0, 1, 0]]
+
+
 # ---- padding: a sample's logprobs do not depend on its batch ---------------------------------------------
 
 

@@ -36,7 +36,7 @@ PROBE_ATTRIBUTE, read by model/logprobs.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -57,6 +57,13 @@ class PromptImages:
     # Tool results with images (agents/multiturn.py) put image tokens in the completion: their per-token values over
     # the completion's first tokens (zeros past them); their images follow the prompt's in `per_image` and `images`.
     completion_per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (C,)
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled from a checkpoint (its pending micro-batches) written before a field existed: that field's
+        default, so such a checkpoint still resumes."""
+        missing = [f for f in fields(self) if f.name not in state]
+        self.__dict__.update({f.name: f.default if f.default is not MISSING else f.default_factory() for f in missing})
+        self.__dict__.update(state)
 
 
 @dataclass
