@@ -63,39 +63,51 @@ def with_logprobs(
     back until `min_new_tokens`, temperature, top-k, top-p, min-p: `sampling.process_logits`, as the fast engine's)."""
     named = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
     settings = {name: params.extra.get(name, getattr(params, name)) for name in named}  # extra overrides, as in hf.py
-    min_new_tokens = params.extra.get("min_new_tokens", 0)
-    device = next(model.parameters()).device
+    held_back = {token: params.extra.get("min_new_tokens", 0) for token in eos_token_ids}
+    held_back.update({token: None for token in suppress_token_ids})  # None: at every position
     was_training = model.training
     model.eval()
     try:
-        scored = []
-        for c in completions:
-            prompt = prompts[c.prompt_index]
-            if not c.token_ids:
-                scored.append(c)
-                continue
-            ids = torch.tensor([prompt + c.token_ids], device=device)
-            mask = torch.ones_like(ids)
-            inputs = {"position_ids": position_ids_from_mask(mask)}
-            row_images = [None if images is None else images[c.prompt_index]]
-            inputs.update(forward_inputs(model, row_images, len(prompt), ids.shape[1], device))
-            steps = len(c.token_ids)
-            logits = model(input_ids=ids, attention_mask=mask, **inputs).logits[0, len(prompt) - 1 : -1].float()
-            if suppress_token_ids:
-                logits[:, list(suppress_token_ids)] = -float("inf")
-            if min_new_tokens and eos_token_ids:
-                logits[: min(min_new_tokens, steps), list(eos_token_ids)] = -float("inf")
-            # position t's history: the prompt and the t tokens sampled before it
-            visible = (
-                torch.arange(ids.shape[1], device=device)[None]
-                < len(prompt) + torch.arange(steps, device=device)[:, None]
+        return [
+            replace(
+                c,
+                sampler_logprobs=processed_logprobs(
+                    model,
+                    prompts[c.prompt_index],
+                    c.token_ids,
+                    None if images is None else images[c.prompt_index],
+                    held_back,
+                    settings,
+                )
+                if c.token_ids
+                else [],
             )
-            processed = process_logits(logits, history=ids.expand(steps, -1), history_mask=visible, **settings)
-            tokens = ids[0, len(prompt) :, None]
-            scored.append(replace(c, sampler_logprobs=processed.log_softmax(-1).gather(1, tokens)[:, 0].tolist()))
+            for c in completions
+        ]
     finally:
         model.train(was_training)
-    return scored
+
+
+def processed_logprobs(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int], images: Any, held_back: dict, settings: dict
+) -> list[float]:
+    """Each token's logprob under the processed distribution it was drawn from, from one forward over prompt + tokens
+    (with the prompt's images): tokens in `held_back` are impossible before the position it names (None: always),
+    then `process_logits` with the tokens before each position as its repetition-penalty history."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + tokens], device=device)
+    mask = torch.ones_like(ids)
+    inputs = {
+        "position_ids": position_ids_from_mask(mask),
+        **forward_inputs(model, [images], len(prompt), ids.shape[1], device),
+    }
+    logits = model(input_ids=ids, attention_mask=mask, **inputs).logits[0, len(prompt) - 1 : -1].float()
+    for token, until in held_back.items():
+        logits[:until, token] = -float("inf")
+    steps = torch.arange(len(tokens), device=device)[:, None]
+    before = torch.arange(ids.shape[1], device=device)[None] < len(prompt) + steps  # (T, L) each position's history
+    processed = process_logits(logits, history=ids.expand(len(tokens), -1), history_mask=before, **settings)
+    return processed.log_softmax(-1).gather(1, ids[0, len(prompt) :, None])[:, 0].tolist()
 
 
 @torch.no_grad()
