@@ -136,6 +136,8 @@ def serving(model_dir):
     except ServerError:
         process.kill()
         raise AssertionError(process.stdout.read().decode()[-3000:]) from None
-    yield url, process
-    process.kill()
-    process.wait()
+    try:
+        yield url, process
+    finally:  # also when the test fails inside the block: no server is left running
+        process.kill()
+        process.wait()
