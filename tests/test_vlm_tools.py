@@ -9,6 +9,7 @@ what a model would be given if the rollout had been written out and processed in
 import io
 import json
 import os
+import re
 
 import datasets
 import pyarrow.parquet as pq
@@ -334,3 +335,23 @@ def test_a_tool_image_for_a_text_model_is_refused_naming_the_tool(tool_model_dir
     )
     with pytest.raises(ValueError, match="Tool 'look' returned an image, but the model is trained with a tokenizer"):
         trainer.train()
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_a_template_that_writes_a_tools_images_as_text_is_named(arch):
+    """A chat template that renders a tool message's content as text would show the model the images' Python repr:
+    the first such result stops the run, saying what to change (whether or not the processor checks it itself)."""
+    from grouprl.agents.chat import tool_suffix_with_images
+    from grouprl.demo.tokenizer import TOOL_CHAT_TEMPLATE
+
+    _, processor = BUILDERS[arch]()
+    processor.chat_template = TOOL_CHAT_TEMPLATE  # tool content as `content | string`
+    end_of_turn = processor.tokenizer.convert_tokens_to_ids(IM_END)
+    expected = rf"\['look'\] hold 1 image\(s\).*without an image placeholder \('{re.escape(processor.image_token)}'\)"
+    with pytest.raises(ValueError, match=expected):
+        tool_suffix_with_images(
+            processor,
+            [{"role": "tool", "name": "look", "content": look()}],
+            stop_ids={end_of_turn},
+            chat_template_kwargs={},
+        )

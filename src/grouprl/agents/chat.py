@@ -119,7 +119,10 @@ def tool_suffix_with_images(
         )
         return placeholder_encoding(processor.tokenizer, text)
 
-    full = render(before + tool_messages, True)
+    try:
+        full = render(before + tool_messages, True)
+    except ValueError as err:  # processors check that the text has a placeholder for each image
+        raise ValueError(f"{images_not_rendered(processor, tool_messages)} (the processor: {err})") from err
     ids = full["input_ids"][0].tolist()
     start = _suffix_start(render(before, False)["input_ids"][0].tolist(), ids, stop_ids)
     part = PromptImages(images=image_blocks(tool_messages))
@@ -130,8 +133,20 @@ def tool_suffix_with_images(
             part.per_token[name] = value[0, start:]
         else:
             part.per_image[name] = value
+    if getattr(processor, "image_token_id", None) not in (None, *ids[start:]):
+        raise ValueError(images_not_rendered(processor, tool_messages))
     unexpanded = placeholders(before + tool_messages, True)
     return ids[start:], part, unexpanded[_suffix_start(placeholders(before, False), unexpanded, stop_ids) :]
+
+
+def images_not_rendered(processor: Any, tool_messages: list[dict]) -> str:
+    names = sorted({m["name"] for m in tool_messages})
+    return (
+        f"The results of tool(s) {names} hold {len(image_blocks(tool_messages))} image(s), but the chat template "
+        f"rendered them without an image placeholder ({getattr(processor, 'image_token', None)!r}): it writes a tool "
+        "message's content as text, so the model would not see the images. Use a chat template that renders image "
+        "blocks in tool messages (processor.chat_template), or return text from the tools."
+    )
 
 
 def _suffix_start(prefix: list[int], full: list[int], stop_ids: set[int]) -> int:
