@@ -280,6 +280,108 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lm_head" in n or "embed" in n)
 
 
+def look_at(index: int) -> list:
+    """Show one of several pictures.
+
+    Args:
+        index: which picture
+    """
+    return [{"type": "text", "text": f"picture {index}:"}, {"type": "image", "image": image(20 + index, 16, 24)}]
+
+
+def calls(*indices):
+    return [{"type": "function", "function": {"name": "look_at", "arguments": {"index": i}}} for i in indices]
+
+
+def test_two_tool_images_in_one_turn_then_another_round_keep_their_order(tmp_path):
+    """One turn calls look_at twice (two images in one tool turn), the next calls it once more: the turn after is
+    prompted, and training scores the rollout, with the prompt's image then the tools' in call order, as the processor
+    gives the whole conversation."""
+    model, processor = tiny_qwen2_vl(max_position_embeddings=1024)
+    sharpen(model, 5.0)
+    with_tool_template(processor)
+    end_of_turn = processor.tokenizer.convert_tokens_to_ids(IM_END)
+    model.generation_config.eos_token_id = [model.generation_config.eos_token_id, end_of_turn]
+    trainer = GRPOTrainer(
+        model,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=GRPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            num_generations=2,
+            max_completion_length=400,
+            max_steps=1,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            bf16=False,
+        ),
+        train_dataset=datasets.Dataset.from_list([{"prompt": user("which is red?"), "images": [image(0)]}]),
+        processing_class=processor,
+        tools=[look_at],
+    )
+
+    def text_of(tool_calls):
+        return "".join(
+            "<tool_call>"
+            + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+            + "</tool_call>"
+            for c in tool_calls
+        )
+
+    def script(prompt_ids, sample):
+        rounds = processor.tokenizer.decode(prompt_ids).count("<tool_response>")
+        turn = {0: text_of(calls(1, 2)), 2: text_of(calls(3))}.get(rounds)
+        return processor.tokenizer(turn, add_special_tokens=False)["input_ids"] + [end_of_turn]
+
+    real, seen = trainer.run.rollouts.backend, []
+
+    class Scripted:
+        needs_importance_correction = False
+
+        def generate(self, prompt_ids, num_samples, params, multimodal=None):
+            if processor.tokenizer.decode(prompt_ids[0]).count("<tool_response>") == 3:
+                seen.extend(zip(prompt_ids, multimodal))
+                return real.generate(prompt_ids, num_samples, params, multimodal=multimodal)
+            return ScriptedBackend(script, end_of_turn, processor.tokenizer).generate(prompt_ids, num_samples, params)
+
+    row = {"prompt": user("which is red?"), "images": [image(0)]}
+    prompts, _ = encoded_prompts(trainer, [row], prompt_images=1)
+    completions = trainer.run.rollouts.agent.generate(Scripted(), prompts, trainer.run.rollouts.sampling)
+    schemas = schemas_of(trainer, "tools")
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": image(0)}, {"type": "text", "text": "which is red?"}]},
+        {"role": "assistant", "content": "", "tool_calls": calls(1, 2)},
+        {"role": "tool", "name": "look_at", "content": look_at(1)},
+        {"role": "tool", "name": "look_at", "content": look_at(2)},
+        {"role": "assistant", "content": "", "tool_calls": calls(3)},
+        {"role": "tool", "name": "look_at", "content": look_at(3)},
+    ]
+    expected = processed(processor, messages, schemas)
+    assert len(seen) == 2 and all(c.tool_calls == 3 for c in completions)
+    for prompt_ids, images in seen:
+        assert prompt_ids == expected["input_ids"][0].tolist()
+        assert images.images == [image(0), *(image(20 + i, 16, 24) for i in (1, 2, 3))]
+        inputs = collate([images], len(prompt_ids), len(prompt_ids))
+        for name in ("pixel_values", "image_grid_thw", "mm_token_type_ids"):
+            torch.testing.assert_close(inputs[name], expected[name].to(inputs[name].dtype), msg=name)
+    batch = pack_rollout(Rollout(prompts, completions), torch.zeros(2), 0, mask_truncated=False)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        trained = completion_logprobs(
+            model,
+            batch.prompt_ids.to(device),
+            batch.prompt_mask.to(device),
+            batch.completion_ids.to(device),
+            batch.completion_mask.to(device),
+            temperature=1.0,
+            multimodal=batch.multimodal,
+        ).logprobs.cpu()
+    for r, completion in enumerate(completions):
+        reference = one_forward(model, processor, messages, schemas, completion)
+        torch.testing.assert_close(trained[r, : len(completion.token_ids)], reference, atol=1e-4, rtol=1e-4)
+
+
 def test_a_generation_server_samples_the_turn_after_a_tool_image_with_it(tmp_path):
     """generation_engine='server' (`grouprl serve`): the turn after a tool's image is sampled on the server with the
     processor outputs of the whole conversation, so its logprobs are those of one forward over them."""

@@ -109,7 +109,7 @@ def _image_only(processor_class):
     return ImageOnly
 
 
-def tiny_qwen2_vl(seed: int = 0, model_from: str | None = None):
+def tiny_qwen2_vl(seed: int = 0, model_from: str | None = None, max_position_embeddings: int = 256):
     """Qwen2-VL: 4x4-pixel patches merged 2x2, so a 16x16 image is 4 image tokens, 16x24 is 6. `model_from`: the
     model loaded from a directory `save_tiny_qwen2_vl` wrote (built here, it cannot be under DeepSpeed ZeRO-3)."""
     from transformers import (
@@ -138,7 +138,7 @@ def tiny_qwen2_vl(seed: int = 0, model_from: str | None = None):
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
+            "max_position_embeddings": max_position_embeddings,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
             "bos_token_id": eos,
             "eos_token_id": eos,
