@@ -79,7 +79,7 @@ class FirstTurnCalls:
     prompts and image inputs are kept in `continuations`."""
 
     def __init__(self, tokenizer, real):
-        self.tokenizer, self.real, self.continuations, self.answers = tokenizer, real, [], []
+        self.tokenizer, self.real, self.continuations, self.answers, self.first_turns = tokenizer, real, [], [], []
         self.needs_importance_correction = getattr(real, "needs_importance_correction", False)
         self.call = tokenizer(CALL_TEXT, add_special_tokens=False)["input_ids"] + [
             tokenizer.convert_tokens_to_ids(IM_END)
@@ -90,6 +90,7 @@ class FirstTurnCalls:
 
     def generate(self, prompt_ids, num_samples, params, multimodal=None):
         if "<tool_response>" not in self.tokenizer.decode(prompt_ids[0]):
+            self.first_turns.append((len(prompt_ids), num_samples))
             scripted = ScriptedBackend(lambda p, s: self.call, self.call[-1], self.tokenizer)
             return scripted.generate(prompt_ids, num_samples, params)
         self.continuations.append((prompt_ids, multimodal))
@@ -217,6 +218,9 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
     schemas = schemas_of(trainer, kind)
     prompts, encoded = encoded_prompts(trainer, rows, prompt_images)
     completions = trainer.run.rollouts.agent.generate(backend, prompts, trainer.run.rollouts.sampling)
+    # the first turn: each prompt once with its two samples (an environment's rollouts whose reset() said the same
+    # share their prompt's encoding, so its prefill)
+    assert backend.first_turns == [(2, 2)]
 
     # The next turn is prompted with what the processor makes of the whole conversation so far: the same ids, the
     # tool's image after the prompt's, the per-token fields over the completion too.

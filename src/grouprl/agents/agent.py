@@ -128,6 +128,9 @@ class Agent:
         instances = environments.checkout(names, fresh=fresh)
         standalone = {t.name for t in self.spec.tools}
         transcripts = []
+        # a group's rollouts whose reset() said the same encode their prompt once, and so share its prefill (and, for
+        # an image prompt, one set of processor outputs: the sampler then takes them as one prompt of n samples)
+        encoded: dict[tuple, tuple[list[int], Any]] = {}
         for b, name, instance in zip(rows, names, instances):
             row = {k: copy.deepcopy(v[b]) for k, v in prompts.columns.items()}
             if (
@@ -149,7 +152,10 @@ class Agent:
             schemas = [t.schema for t in tools] or None
             toolbox = {t.name: t if t.name in standalone else replace(t, fn=getattr(instance, t.name)) for t in tools}
             # an image prompt's messages hold their images, which the processor encodes again with the observation
-            ids, images = self.tokenize.encode_messages(prompt, prompts.dataset_indices[b], tools=schemas)
+            key = (b, name, observation)
+            if key not in encoded:
+                encoded[key] = self.tokenize.encode_messages(prompt, prompts.dataset_indices[b], tools=schemas)
+            ids, images = encoded[key]
             transcripts.append(Transcript(ids, toolbox, schemas, images))
         return transcripts, instances
 
