@@ -191,6 +191,23 @@ def one_forward(model, processor, messages, schemas, completion, suppressed=()):
     return scores[-len(completion.token_ids) :]
 
 
+def trained_logprobs(model, prompts, completions):
+    """(rows, T) the completions' logprobs as training computes them: packed into a train batch, each row with its
+    rollout's image inputs."""
+    batch = pack_rollout(Rollout(prompts, completions), torch.zeros(len(completions)), 0, mask_truncated=False)
+    device = next(model.parameters()).device  # the trainer's (CUDA where there is one)
+    with torch.no_grad():
+        return completion_logprobs(
+            model,
+            batch.prompt_ids.to(device),
+            batch.prompt_mask.to(device),
+            batch.completion_ids.to(device),
+            batch.completion_mask.to(device),
+            temperature=1.0,
+            multimodal=batch.multimodal,
+        ).logprobs.cpu()
+
+
 def extended(values, length):
     return torch.cat([values, values.new_zeros(1, length)], 1)
 
@@ -247,18 +264,7 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
     # of the conversation followed by the sampled answer, row by row, gives them.
     for c in completions:
         assert c.tool_calls == 1 and [m["role"] for m in c.messages] == ["assistant", "tool", "assistant"]
-    batch = pack_rollout(Rollout(prompts, completions), torch.zeros(4), 0, mask_truncated=False)
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        trained = completion_logprobs(
-            model,
-            batch.prompt_ids.to(device),
-            batch.prompt_mask.to(device),
-            batch.completion_ids.to(device),
-            batch.completion_mask.to(device),
-            temperature=1.0,
-            multimodal=batch.multimodal,
-        ).logprobs.cpu()
+    trained = trained_logprobs(model, prompts, completions)
 
     for r, completion in enumerate(completions):
         assert completion.prompt_ids == encoded[r // 2][1] or kind == "environment_factory"
@@ -369,18 +375,7 @@ def test_two_tool_images_in_one_turn_then_another_round_keep_their_order(tmp_pat
         inputs = collate([images], len(prompt_ids), len(prompt_ids))
         for name in ("pixel_values", "image_grid_thw", "mm_token_type_ids"):
             torch.testing.assert_close(inputs[name], expected[name].to(inputs[name].dtype), msg=name)
-    batch = pack_rollout(Rollout(prompts, completions), torch.zeros(2), 0, mask_truncated=False)
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        trained = completion_logprobs(
-            model,
-            batch.prompt_ids.to(device),
-            batch.prompt_mask.to(device),
-            batch.completion_ids.to(device),
-            batch.completion_mask.to(device),
-            temperature=1.0,
-            multimodal=batch.multimodal,
-        ).logprobs.cpu()
+    trained = trained_logprobs(model, prompts, completions)
     for r, completion in enumerate(completions):
         reference = one_forward(model, processor, messages, schemas, completion)
         torch.testing.assert_close(trained[r, : len(completion.token_ids)], reference, atol=1e-4, rtol=1e-4)
