@@ -96,6 +96,30 @@ def test_failures_become_error_results_in_call_order():
     assert results[0].message() == {"role": "tool", "name": "add", "content": "5"}
 
 
+def test_an_image_block_given_by_path_is_loaded_and_an_unreadable_one_fails_the_call(tmp_path):
+    from PIL import Image
+
+    picture = Image.new("RGB", (8, 6), (200, 30, 30))
+    picture.save(tmp_path / "shot.png")
+
+    def screenshot(which: str) -> list:
+        """Take a screenshot.
+
+        Args:
+            which: the file name
+        """
+        return [{"type": "text", "text": "the screen:"}, {"type": "image", "path": str(tmp_path / which)}]
+
+    toolbox = {t.name: t for t in make_tools([screenshot])}
+    (results,) = execute_tool_calls(
+        [[call("screenshot", which="shot.png"), call("screenshot", which="gone.png")]], [toolbox]
+    )
+    text, shown = results[0].content
+    assert text == {"type": "text", "text": "the screen:"} and not results[0].failed
+    assert shown["type"] == "image" and shown["image"].tobytes() == picture.tobytes()
+    assert results[1].failed and "gone.png" in results[1].content
+
+
 def test_async_tools_of_every_rollout_run_concurrently():
     toolbox = {t.name: t for t in make_tools([slow_double])}
     calls = [

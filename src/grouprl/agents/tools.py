@@ -8,7 +8,9 @@ Execution (TRL §5): each call is ``{"type": "function", "function": {"name", "a
 Sync tools run in call order in the calling thread; async ones run concurrently on a background
 event loop, all rollouts' calls of the turn together (TRL gathers one rollout at a time). An
 unknown name, arguments that do not fit the signature, a call of another type, or an exception in
-the tool becomes the result ``{"error": "..."}``, which the model reads, and counts as a failure.
+the tool becomes the result ``{"error": "..."}``, which the model reads, and counts as a failure. A result that
+is a list is content blocks; an image block given by ``path`` or ``url`` is loaded here (one that cannot be read
+fails the call).
 Results keep the order of the calls.
 """
 
@@ -116,7 +118,25 @@ def execute_tool_calls(calls: Sequence[Sequence[dict]], toolboxes: Sequence[dict
 
 def _success(name: str, value: Any) -> ToolResult:
     # A list is taken as content blocks (TRL: multimodal tool results); anything else is shown as text.
-    return ToolResult(name, value if isinstance(value, list) else str(value), failed=False)
+    if not isinstance(value, list):
+        return ToolResult(name, str(value), failed=False)
+    try:
+        return ToolResult(name, [with_loaded_image(block) for block in value], failed=False)
+    except Exception as err:  # noqa: BLE001 - an image that cannot be read fails the call, which the model reads
+        return _failure(name, err)
+
+
+def with_loaded_image(block: Any) -> Any:
+    """An image block given by file path or URL ({"type": "image", "path" / "url": ...}) with its image loaded, as
+    {"type": "image", "image": <PIL image>}: every sampler and the completion log take the image itself."""
+    if not isinstance(block, dict) or block.get("type") != "image" or block.get("image") is not None:
+        return block
+    source = block.get("path") or block.get("url")
+    if source is None:
+        return block  # no image at all: multiturn.check_image_results names the tool
+    from transformers.image_utils import load_image
+
+    return {"type": "image", "image": load_image(source)}
 
 
 def _failure(name: str, error: Exception) -> ToolResult:
