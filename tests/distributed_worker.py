@@ -322,9 +322,8 @@ def run(scenario: str, out_dir: str, model_dir: str) -> dict:
             if images
             else AutoModelForCausalLM.from_pretrained(model_dir, **quantization)
         )
-        if images and agent:  # turns end with <|im_end|>, which ends generation (as in Qwen's generation configs)
-            end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-            model.generation_config.eos_token_id = [model.generation_config.eos_token_id, end_of_turn]
+        if images and agent:
+            vlm_models.end_turns_at_im_end(model, tokenizer)
         # SGD: update = gradient, so a gradient bug shows; AdamW: its state must survive a checkpoint
         optimizer = (torch.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=config.learning_rate)
         peft_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if lora else None

@@ -123,20 +123,14 @@ def test_colocate_vllm_samples_the_turn_after_a_tools_image_with_it(tmp_path):
     sample calls `look`, and vLLM samples the turn after its result with the prompt's images and the tool's (sent as
     placeholders, which it expands as the processor did); the importance-sampling gap stays small across both turns."""
     import torch
-    from vlm_models import tiny_idefics3
-
-    from grouprl.demo.tokenizer import IM_END
+    from vlm_models import end_turns_at_im_end, tiny_idefics3
 
     model, processor = tiny_idefics3(hidden_size=128)
     with torch.no_grad():  # a random vision tower barely moves the scores: make the image count
         for name, param in model.named_parameters():
             if param.ndim == 2 and ("connector" in name or "vision_model.encoder" in name):
                 param.mul_(4.0)
-    # turns end with <|im_end|>, which ends generation as in SmolVLM's and Qwen's generation configs
-    model.generation_config.eos_token_id = [
-        model.generation_config.eos_token_id,
-        processor.tokenizer.convert_tokens_to_ids(IM_END),
-    ]
+    end_turns_at_im_end(model, processor.tokenizer)
     model.save_pretrained(tmp_path / "idefics3")
     processor.save_pretrained(tmp_path / "idefics3")
     run = run_alone(str(tmp_path / "idefics3"), tmp_path, "tool_images")

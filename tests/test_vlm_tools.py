@@ -17,7 +17,15 @@ import pytest
 import torch
 from helpers import ScriptedBackend
 from PIL import Image
-from vlm_models import image, sharpen, tiny_idefics3, tiny_llava, tiny_qwen2_vl, with_tool_template
+from vlm_models import (
+    end_turns_at_im_end,
+    image,
+    sharpen,
+    tiny_idefics3,
+    tiny_llava,
+    tiny_qwen2_vl,
+    with_tool_template,
+)
 
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.core.types import PromptBatch, Rollout
@@ -103,9 +111,7 @@ def vlm_tool_run(tmp_path, arch, prompt_images, kind):
     model, processor = BUILDERS[arch]()
     sharpen(model, 5.0)  # outputs that clearly depend on the images
     with_tool_template(processor)
-    # turns end with <|im_end|>, which ends generation as in Qwen's generation configs
-    end_of_turn = processor.tokenizer.convert_tokens_to_ids(IM_END)
-    model.generation_config.eos_token_id = [model.generation_config.eos_token_id, end_of_turn]
+    end_turns_at_im_end(model, processor.tokenizer)
     rows = [{"prompt": user(f"what is {i}?"), "images": [image(i)] * prompt_images} for i in range(2)]
     config = GRPOConfig(
         output_dir=str(tmp_path / "out"),
@@ -310,8 +316,7 @@ def test_two_tool_images_in_one_turn_then_another_round_keep_their_order(tmp_pat
     model, processor = tiny_qwen2_vl(max_position_embeddings=1024)
     sharpen(model, 5.0)
     with_tool_template(processor)
-    end_of_turn = processor.tokenizer.convert_tokens_to_ids(IM_END)
-    model.generation_config.eos_token_id = [model.generation_config.eos_token_id, end_of_turn]
+    end_of_turn = end_turns_at_im_end(model, processor.tokenizer)
     trainer = GRPOTrainer(
         model,
         lambda completions, **kw: [0.0] * len(completions),

@@ -72,6 +72,14 @@ def with_tool_template(processor):
     return processor
 
 
+def end_turns_at_im_end(model, tokenizer) -> int:
+    """Make the chat template's end-of-turn token, <|im_end|>, end generation too, as Qwen's and SmolVLM's generation
+    configs do (the tiny models end at EOS only; multi-turn rollouts need the turns' end); its id."""
+    end_of_turn = tokenizer.convert_tokens_to_ids(IM_END)
+    model.generation_config.eos_token_id = [model.generation_config.eos_token_id, end_of_turn]
+    return end_of_turn
+
+
 def build_vlm_tokenizer(image_tokens: tuple[str, ...], image_markup: str) -> PreTrainedTokenizerFast:
     vocab, merges = _vocab_and_merges()
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from grouprl.agents.parsing import TOOL_CALL_OPEN
 from grouprl.agents.training_templates import known_families, training_template_for
-from grouprl.data.multimodal_prompts import placeholder_encoding
+from grouprl.data.multimodal_prompts import message_images, placeholder_encoding, processor_outputs
 from grouprl.model.multimodal import PromptImages
 
 logger = logging.getLogger(__name__)
@@ -77,17 +77,6 @@ def tool_suffix_ids(
     return full[_suffix_start(prefix, full, stop_ids) :]
 
 
-def image_blocks(tool_messages: list[dict]) -> list[Any]:
-    """The images in tool messages' content blocks, in order ([] for text results)."""
-    return [
-        block.get("image")
-        for message in tool_messages
-        if isinstance(message.get("content"), list)
-        for block in message["content"]
-        if isinstance(block, dict) and block.get("type") == "image"
-    ]
-
-
 def tool_suffix_with_images(
     processor: Any,
     tool_messages: list[dict],
@@ -125,14 +114,8 @@ def tool_suffix_with_images(
         raise ValueError(f"{images_not_rendered(processor, tool_messages)} (the processor: {err})") from err
     ids = full["input_ids"][0].tolist()
     start = _suffix_start(render(before, False)["input_ids"][0].tolist(), ids, stop_ids)
-    part = PromptImages(images=image_blocks(tool_messages))
-    for name, value in full.items():
-        if name in ("input_ids", "attention_mask"):
-            continue
-        if tuple(value.shape) == tuple(full["input_ids"].shape):
-            part.per_token[name] = value[0, start:]
-        else:
-            part.per_image[name] = value
+    part = processor_outputs(full, f"The results of tool(s) {sorted({m['name'] for m in tool_messages})}", start)
+    part.images = message_images(tool_messages)
     if getattr(processor, "image_token_id", None) not in (None, *ids[start:]):
         raise ValueError(images_not_rendered(processor, tool_messages))
     unexpanded = placeholders(before + tool_messages, True)
@@ -142,7 +125,7 @@ def tool_suffix_with_images(
 def images_not_rendered(processor: Any, tool_messages: list[dict]) -> str:
     names = sorted({m["name"] for m in tool_messages})
     return (
-        f"The results of tool(s) {names} hold {len(image_blocks(tool_messages))} image(s), but the chat template "
+        f"The results of tool(s) {names} hold {len(message_images(tool_messages))} image(s), but the chat template "
         f"rendered them without an image placeholder ({getattr(processor, 'image_token', None)!r}): it writes a tool "
         "message's content as text, so the model would not see the images. Use a chat template that renders image "
         "blocks in tool messages (processor.chat_template), or return text from the tools."

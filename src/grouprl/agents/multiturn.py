@@ -25,10 +25,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from grouprl.agents.chat import image_blocks, tool_suffix_ids, tool_suffix_with_images
+from grouprl.agents.chat import tool_suffix_ids, tool_suffix_with_images
 from grouprl.agents.parsing import parse_turn
 from grouprl.agents.tools import Tool, execute_tool_calls
 from grouprl.core.types import Completion, SamplingParams
+from grouprl.data.multimodal_prompts import message_images
 from grouprl.generation.protocol import GenerationBackend, sample_groups
 from grouprl.model.multimodal import PromptImages, continuation_inputs, with_tool_images
 
@@ -168,7 +169,7 @@ def continue_with_tools(
                 chat_template_kwargs=settings.chat_template_kwargs,
                 chat_template=settings.tool_chat_template,
             )
-            if image_blocks(tool_messages):
+            if message_images(tool_messages):
                 check_image_results(turn_results, settings)
                 suffix, images, placeholders = tool_suffix_with_images(settings.processor, tool_messages, **render)
             else:
@@ -200,7 +201,7 @@ def check_image_results(results: list[Any], settings: TurnSettings) -> None:
                 f"Tool {result.name!r} returned an image block without its image; return "
                 "{'type': 'image', 'image': <PIL image or array>} blocks."
             )
-        if blocks and settings.processor is None and image_blocks([result.message()]):
+        if blocks and settings.processor is None and message_images([result.message()]):
             raise ValueError(
                 f"Tool {result.name!r} returned an image, but the model is trained with a tokenizer, not a "
                 "vision-language model's processor, so it cannot see images; return text from the tool, or train a "

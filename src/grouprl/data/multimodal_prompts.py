@@ -101,13 +101,7 @@ class MultimodalPromptTokenizer(PromptTokenizer):
         if not is_conversational(messages):
             return super().encode_messages(messages, row, tools)
         self.check(messages, row)
-        images = [
-            block["image"]
-            for message in messages
-            if isinstance(message.get("content"), list)
-            for block in message["content"]
-            if block.get("type") == "image" and "image" in block
-        ]
+        images = [image for image in message_images(messages) if image is not None]
         continue_final = messages[-1]["role"] == "assistant"
         options = dict(
             add_generation_prompt=not continue_final,
@@ -119,30 +113,16 @@ class MultimodalPromptTokenizer(PromptTokenizer):
             out = self.processor.apply_chat_template(
                 messages, tokenize=True, return_dict=True, return_tensors="pt", **options
             )
-            input_ids = out["input_ids"]  # (1, P)
-            ids = input_ids[0].tolist()
+            ids = out["input_ids"][0].tolist()
             self.check_fits(ids, messages, row)
             if not images:
                 return ids, None
             # the ids before the processor expands each image placeholder (engines that expand them: vLLM)
             text = self.processor.apply_chat_template(messages, tokenize=False, **options)
-            inputs = PromptImages(
-                images=images,
-                placeholder_ids=placeholder_encoding(self.processor.tokenizer, text),
-                expanded_length=len(ids),
-            )
-        for name, value in out.items():
-            if name in ("input_ids", "attention_mask"):
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"Row {row}: the processor returned {name!r} as {type(value).__name__}; grouprl batches tensors "
-                    "only."
-                )
-            if value.shape == input_ids.shape:
-                inputs.per_token[name] = value[0]
-            else:
-                inputs.per_image[name] = value
+        inputs = processor_outputs(out, f"Row {row}")
+        inputs.images = images
+        inputs.placeholder_ids = placeholder_encoding(self.processor.tokenizer, text)
+        inputs.expanded_length = len(ids)
         return ids, inputs
 
     def prompt_text(self, prompt: Any, prompt_ids: list[int]) -> str:
@@ -151,6 +131,36 @@ class MultimodalPromptTokenizer(PromptTokenizer):
         if self.image_token:
             text = re.sub(f"(?:{re.escape(self.image_token)})+", lambda _: self.image_token, text)
         return text
+
+
+def message_images(messages: list[dict]) -> list[Any]:
+    """The image of each image block in the messages' content, in order (None for a block without its image)."""
+    return [
+        block.get("image")
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for block in message["content"]
+        if isinstance(block, dict) and block.get("type") == "image"
+    ]
+
+
+def processor_outputs(out: Any, where: str, start: int = 0) -> PromptImages:
+    """A processor's outputs for one conversation besides its token ids: per-token fields (from position `start`)
+    and per-image ones. `where` names the input in the error for an output that is not a tensor."""
+    shape = out["input_ids"].shape  # (1, P)
+    inputs = PromptImages()
+    for name, value in out.items():
+        if name in ("input_ids", "attention_mask"):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{where}: the processor returned {name!r} as {type(value).__name__}; grouprl batches tensors only."
+            )
+        if value.shape == shape:
+            inputs.per_token[name] = value[0, start:]
+        else:
+            inputs.per_image[name] = value
+    return inputs
 
 
 def placeholder_encoding(tokenizer: Any, text: str) -> list[int]:
