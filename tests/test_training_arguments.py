@@ -10,7 +10,13 @@ import pytest
 import torch
 from helpers import distinct_tokens, quiet_config
 from helpers import numbered_prompts as prompts
-from transformers import AutoModelForCausalLM, EarlyStoppingCallback, HfArgumentParser, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    EarlyStoppingCallback,
+    HfArgumentParser,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 import grouprl.compat.trainer
 import grouprl.compat.trainer_parts
@@ -265,6 +271,92 @@ def test_early_stopping_callback_stops_the_run(tiny_model_dir, tmp_path):
     assert trainer.state.best_metric == pytest.approx(
         max(e["eval_reward"] for e in trainer.state.log_history if "eval_reward" in e)
     )
+
+
+class StopAfter(TrainerCallback):
+    """Ends training after optimizer step `step`, as a preempted run would have stopped there."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == self.step
+
+
+def best_tracking_config(tmp_path, **overrides):
+    return make_config(
+        tmp_path,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        per_device_eval_batch_size=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="reward",
+        **overrides,
+    )
+
+
+def best_tracking_trainer(tiny_model_dir, config, callbacks):
+    return GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=[distinct_tokens, step_shaped_reward],
+        args=config,
+        train_dataset=prompts(),
+        eval_dataset=prompts(2),
+        callbacks=callbacks,
+    )
+
+
+def test_a_resumed_run_keeps_the_best_checkpoint_it_had(tiny_model_dir, tmp_path):
+    config = best_tracking_config(tmp_path, save_total_limit=1)
+    config.max_steps = 4
+    best_tracking_trainer(tiny_model_dir, config, [StopAfter(3)]).train()  # eval rewards -100, 0, -100
+    resumed = best_tracking_trainer(tiny_model_dir, config, [])
+    resumed.train(resume_from_checkpoint=True)  # step 4's -200 is no new best
+    best = os.path.join(config.output_dir, "checkpoint-2")
+    at_step_2 = [e["eval_reward"] for e in resumed.state.log_history if "eval_reward" in e and e["step"] == 2]
+    assert (resumed.state.best_metric, resumed.state.best_global_step, resumed.state.best_model_checkpoint) == (
+        at_step_2[0],
+        2,
+        best,
+    )
+    assert sorted(n for n in os.listdir(config.output_dir) if n.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
+    at_best = dict(AutoModelForCausalLM.from_pretrained(best).named_parameters())
+    final = dict(resumed.model.named_parameters())
+    assert all(torch.equal(final[n].detach(), at_best[n].detach()) for n in at_best)
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_early_stopping_patience_survives_a_resume_when_asked(tiny_model_dir, tmp_path, restore):
+    config = best_tracking_config(tmp_path, restore_callback_states_from_checkpoint=restore)
+    first = best_tracking_trainer(tiny_model_dir, config, [EarlyStoppingCallback(2), StopAfter(3)])
+    first.train()  # eval rewards -100, 0, -100: one evaluation without improvement so far
+    with open(os.path.join(config.output_dir, "checkpoint-3", "trainer_state.json")) as file:
+        stored = json.load(file)["stateful_callbacks"]
+    assert stored["EarlyStoppingCallback"]["attributes"] == {"early_stopping_patience_counter": 1}
+    assert set(stored) == {"EarlyStoppingCallback", "TrainerControl"}  # StopAfter is no ExportableState
+    early_stopping = EarlyStoppingCallback(2)
+    resumed = best_tracking_trainer(tiny_model_dir, config, [early_stopping])
+    resumed.train(resume_from_checkpoint=True)
+    # step 4 (-200) is the second evaluation without improvement; afresh, step 5 (-300) is
+    assert resumed.state.global_step == (4 if restore else 5)
+    (callback,) = [c for c in resumed.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)]
+    assert callback.early_stopping_patience_counter == 2 and (callback is not early_stopping) == restore
+
+
+def test_a_stored_callback_the_resumed_run_lacks_is_named(tiny_model_dir, tmp_path, caplog):
+    config = best_tracking_config(tmp_path, restore_callback_states_from_checkpoint=True)
+    config.max_steps = 1
+    best_tracking_trainer(tiny_model_dir, config, [EarlyStoppingCallback(2)]).train()
+    config.max_steps = 2
+    with caplog.at_level(logging.WARNING, logger="grouprl"):
+        best_tracking_trainer(tiny_model_dir, config, []).train(resume_from_checkpoint=True)
+    assert "callbacks this run does not have (EarlyStoppingCallback)" in caplog.text
 
 
 def test_metric_for_best_model_must_be_logged(tiny_model_dir, tmp_path):

@@ -444,6 +444,17 @@ class TrainerSurface:
             restored.log_history,
         )
         self.state.total_flos, self.state.num_input_tokens_seen = restored.total_flos, restored.num_input_tokens_seen
+        # the best so far, so that the run's later evaluations compare with it and rotation spares its checkpoint
+        self.state.best_metric, self.state.best_global_step = restored.best_metric, restored.best_global_step
+        self.state.best_model_checkpoint = restored.best_model_checkpoint
+        if restored.best_model_checkpoint is not None and not os.path.isdir(restored.best_model_checkpoint):
+            logger.warning(
+                f"The best checkpoint {restored.best_model_checkpoint} recorded in {path} is gone; "
+                "load_best_model_at_end and save_total_limit no longer know it."
+            )
+            self.state.best_model_checkpoint = None
+        if self.args.restore_callback_states_from_checkpoint:
+            self.run.callbacks.restore(restored.stateful_callbacks)
         if self.accelerator.is_main_process:  # drop what the interrupted run logged after this checkpoint
             JsonlWriter(os.path.join(self.args.output_dir, "metrics.jsonl")).rewrite(self.state.log_history)
         logger.warning(f"Resumed from {path} at step {self.state.global_step}.")

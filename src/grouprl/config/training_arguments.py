@@ -70,6 +70,10 @@ HONOURED: dict[str, str] = {
     "load_best_model_at_end": "the checkpoint with the best metric_for_best_model is loaded after training",
     "metric_for_best_model": "state.best_metric / best_model_checkpoint; EarlyStoppingCallback reads it",
     "greater_is_better": "direction of metric_for_best_model",
+    "restore_callback_states_from_checkpoint": (
+        "a resume rebuilds the exportable callbacks (EarlyStoppingCallback's patience counter) and the control from "
+        "the checkpoint's trainer_state.json, which always holds them"
+    ),
     "push_to_hub": "the final model is pushed by push_to_hub() (the CLI calls it after training)",
     "hub_model_id": "repository of push_to_hub()",
     "hub_token": "token of push_to_hub()",
@@ -162,7 +166,6 @@ REFUSED: dict[str, str] = {
     "ignore_data_skip": (
         "resume restores the prompt sampler's exact position; starting the data again would repeat prompts"
     ),
-    "restore_callback_states_from_checkpoint": "callback states are not written into checkpoints yet",
     "parallelism_config": (
         "tensor/context/sequence parallelism is not supported (TRL refuses context and sequence parallelism too); use "
         "fsdp or deepspeed"

@@ -19,16 +19,21 @@ evaluation or a checkpoint at this step on top of the configured schedule, and
 ``should_training_stop`` ends training after this step (its log / save still happen). A callback
 may also return a ``TrainerControl``, which then replaces the current one, as in transformers.
 
-Not carried over: transformers saves the state of "exportable" callbacks (``ExportableState``, e.g.
-EarlyStoppingCallback's patience counter) in ``trainer_state.json``; grouprl's checkpoints do not,
-so such a callback starts afresh after a resume.
+A checkpoint's ``trainer_state.json`` holds the state of every "exportable" callback (``ExportableState``,
+e.g. EarlyStoppingCallback's patience counter) and of the control, under ``stateful_callbacks`` as transformers
+writes it. A resume with ``restore_callback_states_from_checkpoint=True`` rebuilds those callbacks from it
+(``from_state``), each in its place among the others; otherwise they start afresh, as in transformers.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Union
 
 from transformers import TrainerCallback, TrainerControl
+from transformers.trainer_callback import ExportableState
+
+logger = logging.getLogger(__name__)
 
 EVENTS = (
     "on_init_end",
@@ -97,6 +102,40 @@ class CallbackHandler:
             if isinstance(result, TrainerControl):
                 self.control = result
         return self.control
+
+    def states(self) -> dict[str, Any]:
+        """The exportable callbacks' and the control's ``state()`` by class name (a list where a class occurs more
+        than once): transformers' ``TrainerState.stateful_callbacks``."""
+        states: dict[str, Any] = {}
+        for callback in [*self.callbacks, self.control]:
+            if isinstance(callback, ExportableState):
+                name = type(callback).__name__
+                if name not in states:
+                    states[name] = callback.state()
+                elif isinstance(states[name], list):
+                    states[name].append(callback.state())
+                else:
+                    states[name] = [states[name], callback.state()]
+        return states
+
+    def restore(self, states: dict[str, Any]) -> None:
+        """Rebuild the callbacks (and the control) whose class `states` names from their stored state, in order
+        where a class occurs more than once; a stored callback this run lacks is named and left out."""
+        missing = []
+        for name, stored in states.items():
+            stored = stored if isinstance(stored, list) else [stored]
+            places = [i for i, callback in enumerate(self.callbacks) if type(callback).__name__ == name]
+            if type(self.control).__name__ == name:
+                self.control = type(self.control).from_state(stored[0])
+            elif not places:
+                missing.append(name)
+            for place, state in zip(places, stored):
+                self.callbacks[place] = type(self.callbacks[place]).from_state(state)
+        if missing:
+            logger.warning(
+                f"The checkpoint holds the state of callbacks this run does not have ({', '.join(missing)}); "
+                "it is left out. Pass them to GRPOTrainer(callbacks=...) to restore them."
+            )
 
     def new_step(self) -> None:
         """Flags that apply to one step are cleared before the next, as in transformers."""

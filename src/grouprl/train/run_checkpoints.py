@@ -46,6 +46,7 @@ def save(run: TrainingRun) -> Optional[str]:
         run.accelerator.wait_for_everyone()
     if run.state.best_global_step == run.state.global_step and run.state.best_metric is not None:
         run.state.best_model_checkpoint = os.path.join(run.config.output_dir, f"checkpoint-{run.state.global_step}")
+    run.state.stateful_callbacks = run.callbacks.states()
     if run.accelerator.is_main_process:
         path = save_checkpoint(
             run.config.output_dir,
@@ -102,6 +103,7 @@ def write_checkpoint(
             "the policy's weights are sharded over the processes and only this process stopped, so they cannot be "
             "gathered; the latest scheduled checkpoint stands"
         )
+    run.state.stateful_callbacks = run.callbacks.states()
     save_checkpoint(
         run.config.output_dir,
         step,
