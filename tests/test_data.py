@@ -1,10 +1,12 @@
 """Dataset formats, prompt tokenization, the seeded resumable sampler and per-process slices."""
 
+import os
+
 import datasets
 import pytest
 
 from grouprl.core.types import GroupLayout
-from grouprl.data.prompt_sampler import PromptSampler
+from grouprl.data.prompt_sampler import PromptSampler, RowReaders
 from grouprl.data.prompts import PromptTokenizer, check_dataset, local_prompt_batch
 from grouprl.demo.tokenizer import build_tokenizer
 
@@ -274,21 +276,19 @@ def draws(sampler, count):
 
 
 def test_worker_processes_read_the_same_rows_in_the_same_order_and_resume():
-    import os
-
     data = datasets.Dataset.from_dict({"prompt": [str(i) for i in range(10)], "answer": list(range(10))})
     plain = PromptSampler(data, 3, shuffle=True, seed=0)
     expected = draws(plain, 7)  # 3 generations per epoch: crosses two epoch boundaries
-    workers = PromptSampler(data, 3, shuffle=True, seed=0, num_workers=2)
+    workers = PromptSampler(data, 3, shuffle=True, seed=0, readers=RowReaders(2))
     assert workers.loader.num_workers == 2
     assert draws(workers, 7) == expected
     workers.release()
-    resumed = PromptSampler(data, 3, shuffle=True, seed=0, num_workers=2)
+    resumed = PromptSampler(data, 3, shuffle=True, seed=0, readers=RowReaders(2))
     draws(resumed, 1)  # its workers have prefetched generations the restored position skips
     resumed.load_state_dict({"epoch": 0, "position": 2})
     assert draws(resumed, 5) == expected[2:]
     resumed.release()
-    reading = PromptSampler(RowsWithReaderPid(6), 2, shuffle=False, seed=0, num_workers=2)
+    reading = PromptSampler(RowsWithReaderPid(6), 2, shuffle=False, seed=0, readers=RowReaders(2))
     pids = {row["pid"] for _, rows in draws(reading, 3) for row in rows}
     reading.release()  # (a loader left running costs seconds at pytest's exit)
     assert os.getpid() not in pids and len(pids) == 2  # read in the two worker processes
@@ -300,6 +300,62 @@ def test_worker_processes_read_the_same_rows_in_the_same_order_and_resume():
     assert pids == {os.getpid()}
 
 
+def reader_pids(sampler, count):
+    return {row["pid"] for _, rows in draws(sampler, count) for row in rows}
+
+
+def test_persistent_workers_read_every_epoch_and_stop_when_released():
+    sampler = PromptSampler(RowsWithReaderPid(4), 2, shuffle=True, seed=0, readers=RowReaders(2, 1, persistent=True))
+    assert (sampler.loader.prefetch_factor, sampler.loader.persistent_workers) == (1, True)
+    first_epoch, second_epoch = reader_pids(sampler, 2), reader_pids(sampler, 2)
+    assert first_epoch == second_epoch and len(first_epoch) == 2  # the same two processes
+    sampler.release()
+    for pid in first_epoch:  # shut down and joined
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert reader_pids(sampler, 2).isdisjoint(first_epoch)  # a later pass starts new ones
+    sampler.release()
+    fresh = PromptSampler(RowsWithReaderPid(4), 2, shuffle=True, seed=0, readers=RowReaders(2))
+    assert reader_pids(fresh, 2).isdisjoint(reader_pids(fresh, 2))  # not persistent: new workers each epoch
+    fresh.release()
+
+
+def test_the_workers_start_method_is_the_one_asked_for():
+    sampler = PromptSampler(RowsWithReaderPid(2), 2, shuffle=False, seed=0, readers=RowReaders(1, start_method="spawn"))
+    assert sampler.loader.multiprocessing_context.get_start_method() == "spawn"
+    ((_, rows),) = [sampler.next_generation()]
+    sampler.release()
+    assert [row["prompt"] for row in rows] == ["0", "1"] and rows[0]["pid"] != os.getpid()
+
+
+def test_loader_settings_are_checked_by_name():
+    from types import SimpleNamespace
+
+    def readers(**settings):
+        config = {
+            "dataloader_num_workers": 2,
+            "dataloader_prefetch_factor": None,
+            "dataloader_persistent_workers": False,
+            "dataloader_multiprocessing_context": None,
+            **settings,
+        }
+        return RowReaders.of(SimpleNamespace(**config), datasets.Dataset.from_dict({"prompt": ["a"]}))
+
+    assert readers(dataloader_prefetch_factor=4, dataloader_persistent_workers=True) == RowReaders(2, 4, True)
+    with pytest.raises(ValueError, match="dataloader_prefetch_factor=0 must be an integer >= 1"):
+        readers(dataloader_prefetch_factor=0)
+    with pytest.raises(ValueError, match="dataloader_multiprocessing_context='thread' is not a start method"):
+        readers(dataloader_multiprocessing_context="thread")
+    stream = datasets.Dataset.from_dict({"prompt": ["a"]}).to_iterable_dataset()
+    config = SimpleNamespace(
+        dataloader_num_workers=2,
+        dataloader_prefetch_factor=4,
+        dataloader_persistent_workers=True,
+        dataloader_multiprocessing_context="spawn",
+    )
+    assert RowReaders.of(config, stream) == RowReaders()  # a stream is read in this process, so none apply
+
+
 def test_starting_a_loader_leaves_the_global_rng_alone():
     import torch
 
@@ -307,7 +363,7 @@ def test_starting_a_loader_leaves_the_global_rng_alone():
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    sampler = PromptSampler(data, 3, shuffle=True, seed=0, num_workers=1)
+    sampler = PromptSampler(data, 3, shuffle=True, seed=0, readers=RowReaders(1))
     draws(sampler, 4)  # two loader starts (epoch 0, epoch 1)
     sampler.load_state_dict({"epoch": 0, "position": 1})
     draws(sampler, 1)
@@ -320,7 +376,7 @@ def test_bad_worker_counts_and_streams():
 
     data = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
     with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an integer >= 0"):
-        PromptSampler(data, 1, shuffle=False, seed=0, num_workers=-1)
+        PromptSampler(data, 1, shuffle=False, seed=0, readers=RowReaders(-1))
     assert workers_for(data.to_iterable_dataset(), 4) == 0 and workers_for(data, 4) == 4
 
 

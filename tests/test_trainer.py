@@ -459,18 +459,34 @@ def test_all_rewards_none_warns_in_trl_words_during_training(tiny_model_dir, tmp
 def test_dataloader_workers_read_the_prompts_and_change_nothing_else(tiny_model_dir, tmp_path):
     """TRL's test_train_multiple_dataloader_workers; workers must not change which prompts come when, nor the RNG."""
     runs = {}
-    for workers in (0, 2):
+    readers = {
+        "none": {},
+        "two": {"dataloader_num_workers": 2},
+        "persistent": {
+            "dataloader_num_workers": 2,
+            "dataloader_persistent_workers": True,
+            "dataloader_prefetch_factor": 1,
+            "dataloader_multiprocessing_context": "fork",
+        },
+    }
+    for name, settings in readers.items():
         trainer = GRPOTrainer(
             model=tiny_model_dir,
             reward_funcs=distinct_tokens,
             train_dataset=prompts(),
-            args=make_config(tmp_path / str(workers), max_steps=7, dataloader_num_workers=workers),
+            args=make_config(tmp_path / name, max_steps=7, **settings),
         )  # 6 steps per epoch
-        assert trainer.get_train_dataloader().num_workers == workers
+        loader = trainer.get_train_dataloader().loader
+        assert (loader.num_workers, loader.persistent_workers) == (
+            settings.get("dataloader_num_workers", 0),
+            name == "persistent",
+        )
         trainer.train()
-        runs[workers] = (parameters(trainer.model), trainer.state.log_history)
-    assert max_difference(runs[0][0], runs[2][0]) == 0.0
-    assert [e.get("reward") for e in runs[0][1]] == [e.get("reward") for e in runs[2][1]]
+        runs[name] = (parameters(trainer.model), trainer.state.log_history)
+    for name in ("two", "persistent"):
+        assert max_difference(runs["none"][0], runs[name][0]) == 0.0
+        assert [e.get("reward") for e in runs["none"][1]] == [e.get("reward") for e in runs[name][1]]
+    assert loader.prefetch_factor == 1 and loader.multiprocessing_context.get_start_method() == "fork"
 
 
 def test_iterable_train_dataset_forces_zero_workers(tmp_path, caplog):
@@ -504,6 +520,25 @@ def test_iterable_eval_keeps_map_style_train_workers(tiny_model_dir, tmp_path):
     batches = [[index for index, _ in batch] for batch in trainer.get_eval_dataloader(prompts(5))]
     assert batches == [[0, 1], [2, 3], [4]]  # dataset order, one eval batch of prompts (6 completions / G=3) at a time
     assert trainer.evaluate()["eval_reward"] > 0
+
+
+def test_persistent_workers_serve_every_evaluation_of_a_dataset(tiny_model_dir, tmp_path):
+    args = make_config(
+        tmp_path, dataloader_num_workers=2, dataloader_persistent_workers=True, per_device_eval_batch_size=6
+    )
+    eval_prompts = prompts(4)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=args,
+        train_dataset=prompts(),
+        eval_dataset=eval_prompts,
+    )
+    loader = trainer.get_eval_dataloader()
+    assert loader.persistent_workers and trainer.get_eval_dataloader() is loader
+    assert trainer.get_eval_dataloader(prompts(4)) is not loader  # another dataset, another loader
+    first, second = trainer.evaluate(), trainer.evaluate()
+    assert first["eval_reward"] == second["eval_reward"]  # evaluation is seeded: the same prompts, the same samples
 
 
 def test_an_epochs_leftover_micro_batches_make_a_last_shorter_step(tiny_model_dir, tmp_path):

@@ -34,7 +34,7 @@ from grouprl.config.grpo_config import BatchPlan, GRPOConfig, resolve_steps
 from grouprl.config.training_arguments import refusal
 from grouprl.core.entropy import EntropyController
 from grouprl.data.multimodal_prompts import MultimodalPromptTokenizer, make_prompt_tokenizer
-from grouprl.data.prompt_sampler import PromptSampler, workers_for
+from grouprl.data.prompt_sampler import PromptSampler, RowReaders, workers_for
 from grouprl.data.prompts import IMAGE_COLUMNS, KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_dataset
 from grouprl.generation.factory import sampling_params, sharded_weights
 from grouprl.generation.vllm import require_vllm
@@ -491,7 +491,7 @@ def build_rollouts(
         plan.prompts_per_generation,
         shuffle=args.shuffle_dataset,
         seed=args.seed if args.data_seed is None else args.data_seed,
-        num_workers=args.dataloader_num_workers,
+        readers=RowReaders.of(args, train_dataset),
     )
     max_context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
     tokenize = make_prompt_tokenizer(

@@ -87,6 +87,11 @@ HONOURED: dict[str, str] = {
         "dispatch_batches must not be True with an IterableDataset (it is set to False for one, as TRL)"
     ),
     "dataloader_num_workers": "worker processes of the prompt loader",
+    "dataloader_prefetch_factor": "batches each prompt-loader worker reads ahead",
+    "dataloader_persistent_workers": (
+        "the prompt loaders' workers stay up from one epoch (training) or evaluation (each eval dataset) to the next"
+    ),
+    "dataloader_multiprocessing_context": "how the prompt loaders' workers are started (fork, spawn, forkserver)",
     "remove_unused_columns": "drop dataset columns the reward functions do not need (TRL's default False)",
     "resume_from_checkpoint": "read by `grouprl train`; pass it to train() from a script",
     "ddp_find_unused_parameters": "accelerate's DistributedDataParallelKwargs",
@@ -173,9 +178,6 @@ REFUSED: dict[str, str] = {
     "dataloader_drop_last": (
         "prompts are drawn a whole generation at a time; an incomplete last generation is never drawn"
     ),
-    "dataloader_persistent_workers": "the prompt loader's workers are started once per epoch of prompts",
-    "dataloader_prefetch_factor": "not passed to the prompt loader",
-    "dataloader_multiprocessing_context": "not passed to the prompt loader",
     "dataloader_in_order": "the prompt loader always keeps the sampler's order (resume depends on it)",
     "label_names": "GRPO has no labels",
     "train_sampling_strategy": "prompts are shuffled or not by shuffle_dataset",

@@ -17,7 +17,9 @@ carrying the tokenized ``PromptBatch`` the rows came from so that generation doe
 those lists for one epoch, in TRL's layout (each generation batch once per micro-step that trains
 on it, i.e. ``steps_per_generation x num_iterations`` times in a row).
 
-Rows are fetched through torch DataLoaders, so ``dataloader_num_workers`` processes can read them. grouprl
+Rows are fetched through torch DataLoaders, so ``dataloader_num_workers`` processes can read them (``RowReaders``:
+with ``dataloader_prefetch_factor``, ``dataloader_persistent_workers`` and ``dataloader_multiprocessing_context``
+as transformers passes them to its loaders). grouprl
 decides which rows come next itself (PromptSampler; evaluation: dataset order); a loader only fetches those
 rows, in that order, in worker processes and ahead of time when asked to. Collation is the identity: rows stay
 Python dicts and are tokenized in the main process, as TRL's GRPO collator leaves them too (so pinning memory
@@ -29,6 +31,7 @@ which would shift training's sampling by whether, and when, a loader was (re)sta
 
 from __future__ import annotations
 
+import multiprocessing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -49,12 +52,20 @@ class SamplerState:
 class PromptSampler:
     """Seeded, resumable order of prompt rows, one generation (U unique prompts) at a time.
 
-    The rows are fetched by `self.loader`, a torch DataLoader (`batches_loader`): with `num_workers` > 0
-    (map-style data only) worker processes read the next generations' rows ahead of time, in the
-    same order. The order and the resumable position stay the sampler's own.
+    The rows are fetched by `self.loader`, a torch DataLoader (`batches_loader`): with `readers`' worker processes
+    (map-style data only) they read the next generations' rows ahead of time, in the same order. The order and the
+    resumable position stay the sampler's own.
     """
 
-    def __init__(self, dataset: Any, prompts_per_generation: int, *, shuffle: bool, seed: int, num_workers: int = 0):
+    def __init__(
+        self,
+        dataset: Any,
+        prompts_per_generation: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        readers: Optional[RowReaders] = None,
+    ):
         self.dataset = dataset
         self.prompts_per_generation = prompts_per_generation
         self.shuffle = shuffle
@@ -71,7 +82,7 @@ class PromptSampler:
         if self.iterable:
             self.loader = stream_loader(self._open_stream)
         else:
-            self.loader = batches_loader(dataset, RestOfEpoch(self), num_workers=num_workers)
+            self.loader = batches_loader(dataset, RestOfEpoch(self), readers or RowReaders())
 
     @property
     def generations_per_epoch(self) -> Optional[int]:
@@ -143,6 +154,7 @@ class PromptSampler:
     def release(self) -> None:
         """Stop the loader (and its worker processes) now; the next generation starts it again where the sampler is."""
         self._stream = None
+        stop_persistent_workers(self.loader)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.state.epoch, "position": self.state.position}
@@ -282,6 +294,59 @@ class TrainPromptBatches:
             number += 1
 
 
+@dataclass(frozen=True)
+class RowReaders:
+    """Who reads a map-style dataset's rows for a loader: `num_workers` worker processes (0: this process), each
+    fetching `prefetch_factor` batches ahead (None: torch's 2), alive from one pass over the loader to the next when
+    `persistent` (else started for each pass: an epoch of training prompts, an evaluation), started by
+    `start_method` (None: the platform's default)."""
+
+    num_workers: int = 0
+    prefetch_factor: Optional[int] = None
+    persistent: bool = False
+    start_method: Optional[str] = None
+
+    @classmethod
+    def of(cls, config: Any, dataset: Any) -> "RowReaders":
+        """The GRPOConfig's dataloader_* settings for `dataset`, checked; a stream is read in this process."""
+        workers = workers_for(dataset, config.dataloader_num_workers)
+        prefetch, start_method = config.dataloader_prefetch_factor, config.dataloader_multiprocessing_context
+        if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1):
+            raise ValueError(
+                f"GRPOConfig.dataloader_prefetch_factor={prefetch!r} must be an integer >= 1 (batches each worker "
+                "reads ahead), or None for torch's default (2)."
+            )
+        if start_method is not None and start_method not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"GRPOConfig.dataloader_multiprocessing_context={start_method!r} is not a start method of this "
+                f"platform; use one of {multiprocessing.get_all_start_methods()}, or None for its default."
+            )
+        if workers == 0:
+            return cls()
+        return cls(workers, prefetch, bool(config.dataloader_persistent_workers), start_method)
+
+    def loader_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_workers": check_num_workers(self.num_workers)}
+        if self.num_workers:  # torch refuses the others without workers
+            options.update(
+                prefetch_factor=self.prefetch_factor,
+                persistent_workers=self.persistent,
+                multiprocessing_context=self.start_method,
+            )
+        return options
+
+
+def stop_persistent_workers(loader: DataLoader) -> None:
+    """Shut down the worker processes a persistent loader keeps between passes (a later pass starts new ones).
+
+    torch keeps them in the loader's private `_iterator` and offers no public way to stop them; dropping the
+    reference alone waits for the garbage collector, as the loader and its batch sampler may form a cycle."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        loader._iterator = None
+        iterator._shutdown_workers()
+
+
 def check_num_workers(num_workers: Any) -> int:
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(
@@ -328,18 +393,18 @@ def private_generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def batches_loader(dataset: Any, batch_sampler: Iterable[list[int]], *, num_workers: int) -> DataLoader:
+def batches_loader(dataset: Any, batch_sampler: Iterable[list[int]], readers: RowReaders) -> DataLoader:
     """Lists of (index, row) of a map-style dataset, one list per batch of indices `batch_sampler` yields.
 
-    Workers live as long as an iterator over the loader (not persistent): dropping the iterator stops them.
+    Workers live as long as an iterator over the loader unless `readers` are persistent: dropping the iterator
+    stops them.
     """
-    workers = check_num_workers(num_workers)
     return DataLoader(
         IndexedRows(dataset),
         batch_sampler=batch_sampler,
-        num_workers=workers,
         collate_fn=as_is,
         generator=private_generator(),
+        **readers.loader_options(),
     )
 
 
@@ -350,7 +415,7 @@ def stream_loader(open_stream: Callable[[], Iterable[Any]]) -> DataLoader:
     )
 
 
-def sequential_loader(dataset: Any, rows_per_batch: int, *, num_workers: int) -> DataLoader:
+def sequential_loader(dataset: Any, rows_per_batch: int, readers: RowReaders) -> DataLoader:
     """Lists of (index, row) in dataset order, `rows_per_batch` at a time (the last list may be shorter)."""
     if isinstance(dataset, datasets.IterableDataset):
         return DataLoader(
@@ -364,7 +429,7 @@ def sequential_loader(dataset: Any, rows_per_batch: int, *, num_workers: int) ->
         IndexedRows(dataset),
         batch_size=rows_per_batch,
         shuffle=False,
-        num_workers=check_num_workers(num_workers),
         collate_fn=as_is,
         generator=private_generator(),
+        **readers.loader_options(),
     )

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from grouprl.config.grpo_config import GRPOConfig
-from grouprl.data.prompt_sampler import sequential_loader, workers_for
+from grouprl.data.prompt_sampler import RowReaders, sequential_loader
 from grouprl.data.prompts import check_dataset
 
 
@@ -61,14 +62,33 @@ def pick_eval_dataset(default: Any, chosen: Any) -> Any:
     return dataset
 
 
+# id(config) -> {(eval dataset's id, prompts per batch, readers): loader}, for persistent workers: kept while the
+# run's config lives (a loader holds its dataset, so the id stays that dataset's; a GRPOConfig is not hashable)
+_persistent_loaders: dict[int, dict[tuple, DataLoader]] = {}
+
+
+def _persistent_loaders_of(config: GRPOConfig) -> dict[tuple, DataLoader]:
+    if id(config) not in _persistent_loaders:
+        _persistent_loaders[id(config)] = {}
+        weakref.finalize(config, _persistent_loaders.pop, id(config), None)
+    return _persistent_loaders[id(config)]
+
+
 def eval_loader(dataset: Any, config: GRPOConfig, num_processes: int) -> DataLoader:
     """The eval prompts' rows in dataset order, one eval batch of prompts at a time, as lists of (index, row).
 
     Map-style data is read by dataloader_num_workers worker processes; a stream in this process (prompt_sampler.py).
+    With dataloader_persistent_workers every evaluation of a dataset reads it through one loader, whose workers
+    stay up between evaluations (transformers keeps its eval loaders so, too).
     """
     prompts_per_batch = (
         config.per_device_eval_batch_size * num_processes // (config.num_generations_eval or config.num_generations)
     )
-    return sequential_loader(
-        dataset, prompts_per_batch, num_workers=workers_for(dataset, config.dataloader_num_workers)
-    )
+    readers = RowReaders.of(config, dataset)
+    if not readers.persistent:
+        return sequential_loader(dataset, prompts_per_batch, readers)
+    loaders = _persistent_loaders_of(config)
+    key = (id(dataset), prompts_per_batch, readers)
+    if key not in loaders:
+        loaders[key] = sequential_loader(dataset, prompts_per_batch, readers)
+    return loaders[key]
