@@ -18,6 +18,7 @@ from PIL import Image
 from vlm_models import image, save_tiny_llava, sharpen, tiny_idefics3, tiny_llava, tiny_qwen2_vl
 
 from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.agents import encode_prompts
 from grouprl.core.types import Completion, PromptBatch, Rollout, SamplingParams
 from grouprl.data.multimodal_prompts import MultimodalPromptTokenizer, attach_images
 from grouprl.data.prompts import PromptTokenizer
@@ -526,6 +527,113 @@ def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path,
     assert "image" not in table and table["prompt"][0].count("<image>") == 1  # log_multimodal=False: no images stored
     trainer.save_model()
     assert {"adapter_model.safetensors", "processor_config.json"} <= set(os.listdir(config.output_dir))
+
+
+def sampling_rollout_func(form):
+    """A rollout_func that samples each entry through the trainer's backend with its images, returning the prompt ids
+    in `form`: as the processor expands them, or one placeholder per image (what vLLM takes)."""
+
+    def rollout_func(prompts, trainer):
+        ids, images = encode_prompts(trainer, prompts)
+        completions = trainer.generation_backend.generate(ids, 1, trainer.run.rollouts.sampling, multimodal=images)
+        return {
+            "prompt_ids": ids if form == "expanded" else [m.placeholder_ids for m in images],
+            "completion_ids": [c.token_ids for c in completions],
+            "logprobs": None,
+        }
+
+    return rollout_func
+
+
+def one_forward_logprobs(model, processor, prompt, completion_ids):
+    """The completion's logprobs from one forward over the processor's encoding of `prompt` (messages holding their
+    images) followed by the completion."""
+    inputs = processor.apply_chat_template(
+        prompt, tokenize=True, return_dict=True, return_tensors="pt", add_generation_prompt=True
+    )
+    n = len(completion_ids)
+    ids = torch.cat([inputs["input_ids"], torch.tensor([completion_ids])], 1)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    extra = {
+        k: torch.cat([v, v.new_zeros(1, n)], 1) if v.shape == inputs["input_ids"].shape else v for k, v in extra.items()
+    }
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[-n:, 0]
+
+
+@pytest.mark.parametrize("form", ["expanded", "placeholders"])
+def test_a_rollout_func_trains_image_prompts_with_their_images(tmp_path, form):
+    model, processor = tiny_qwen2_vl()
+    sharpen(model, 5.0)  # outputs that clearly depend on the images
+    rows = [{"prompt": user(f"describe {i}"), "images": [image(i)]} for i in range(4)]
+    config = vlm_config(tmp_path, max_steps=1, beta=0.0, shuffle_dataset=False)
+    trainer = GRPOTrainer(
+        model,
+        image_count_reward,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=processor,
+        rollout_func=sampling_rollout_func(form),
+    )
+    rollout = trainer.run.rollouts.sample()
+    batch = pack_rollout(rollout, torch.zeros(len(rollout.completions)), 0, mask_truncated=False)
+    with torch.no_grad():
+        trained = completion_logprobs(
+            model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.completion_ids,
+            batch.completion_mask,
+            temperature=1.0,
+            multimodal=batch.multimodal,
+        ).logprobs
+    blank = Image.new("RGB", (16, 16))
+    for row, completion in enumerate(rollout.completions):
+        assert completion.prompt_ids == rollout.prompts.prompt_ids[completion.prompt_index]  # the expanded ids
+        prompt = rollout.prompts.prompts[completion.prompt_index]  # the messages, holding the row's image
+        n = len(completion.token_ids)
+        expected = one_forward_logprobs(model, processor, prompt, completion.token_ids)
+        assert torch.allclose(trained[row, :n], expected, atol=1e-4)
+        without = [{**prompt[0], "content": [{**prompt[0]["content"][0], "image": blank}, *prompt[0]["content"][1:]]}]
+        assert (one_forward_logprobs(model, processor, without, completion.token_ids) - expected).abs().max() > 1e-3
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters() if ".visual." not in name)
+
+
+def test_a_rollout_funcs_prompt_ids_that_do_not_match_the_images_are_named(tmp_path):
+    model, processor = tiny_qwen2_vl()
+    rows = [{"prompt": user(f"describe {i}"), "images": [image(i)]} for i in range(4)]
+
+    def text_only(prompts, trainer):  # renders the text and drops the images
+        ids = [processor.tokenizer(p[0]["content"][-1]["text"])["input_ids"] for p in prompts]
+        return {"prompt_ids": ids, "completion_ids": [[5, 6]] * len(prompts), "logprobs": None}
+
+    trainer = GRPOTrainer(
+        model,
+        image_count_reward,
+        args=vlm_config(tmp_path, max_steps=1),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=processor,
+        rollout_func=text_only,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"rollout_func text_only: completion 0 \(row \d+, an image prompt\): its "
+        r"prompt_ids \(\d+ tokens\) are not the processor's encoding.*encode_prompts",
+    ):
+        trainer.run.rollouts.sample()
+
+    image_token = model.config.image_token_id
+
+    def image_in_completion(prompts, trainer):
+        ids, _ = encode_prompts(trainer, prompts)
+        return {"prompt_ids": ids, "completion_ids": [[5, image_token, 6]] * len(prompts), "logprobs": None}
+
+    trainer.rollout_func = image_in_completion
+    with pytest.raises(ValueError, match="has image tokens in its completion_ids"):
+        trainer.run.rollouts.sample()
 
 
 def test_images_without_a_processor_fail_before_training(tiny_model_dir, tmp_path):

@@ -10,6 +10,7 @@ chat-template suffix tokens, with a tool mask that keeps tool output out of the 
 
 from grouprl.agents.agent import Agent, AgentSpec, tool_call_stats
 from grouprl.agents.chat import check_tool_template, tool_suffix_ids
+from grouprl.agents.custom import encode_prompts
 from grouprl.agents.parsing import parse_hermes, parse_turn
 from grouprl.agents.tools import Tool, ToolResult, execute_tool_calls, make_tools
 
@@ -19,6 +20,7 @@ __all__ = [
     "Tool",
     "ToolResult",
     "check_tool_template",
+    "encode_prompts",
     "execute_tool_calls",
     "make_tools",
     "parse_hermes",

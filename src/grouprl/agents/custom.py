@@ -12,15 +12,22 @@ samples, consecutively, as TRL hands them over), and returns per-completion list
 * any other key: a per-completion list forwarded to the reward functions as a keyword argument.
 
 Inside it, ``trainer.generation_backend.generate(...)`` samples from the current policy and
-``trainer.processing_class`` is the tokenizer.
+``trainer.processing_class`` is the tokenizer (the processor, for a vision-language model).
+
+Image prompts: each prompt comes with its image blocks holding the images (TRL's form), and ``encode_prompts``
+encodes prompts as the trainer does, giving the ids and the processed images a backend's ``multimodal=`` takes.
+Training matches each prompt's image inputs to the image tokens of its ids, so a completion of an image prompt
+must come with the processor's ids of that prompt (each image expanded), or with their placeholder form (one
+placeholder per image, as an engine that expands images itself takes them, vLLM's); anything else is named.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from grouprl.core.types import Completion, PromptBatch
+from grouprl.model.multimodal import PromptImages, image_token_ids
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -59,9 +66,20 @@ def custom_rollouts(
     output = rollout_output(rollout_func, [copy.deepcopy(prompts.prompts[b]) for b in rows], trainer)
     name = getattr(rollout_func, "__name__", "rollout_func")
     extras = [key for key in output if key not in (*REQUIRED_KEYS, "env_mask")]
+    images = prompts.multimodal or [None] * len(prompts)
+    placeholders = set(image_token_ids(getattr(getattr(trainer, "model", None), "config", None))) if any(images) else ()
     completions = []
     for r, b in enumerate(rows):
         ids = [int(t) for t in output["completion_ids"][r]]
+        prompt_ids = [int(t) for t in output["prompt_ids"][r]]
+        if images[b] is not None:
+            where = f"rollout_func {name}: completion {r} (row {prompts.dataset_indices[b]}, an image prompt)"
+            prompt_ids = image_prompt_ids(prompt_ids, prompts.prompt_ids[b], images[b], where)
+            if placeholders.intersection(ids):
+                raise ValueError(
+                    f"{where} has image tokens in its completion_ids; images inside a rollout_func's completion are "
+                    "not built (their pixel inputs would not reach training). Keep images in the prompt."
+                )
         logprobs = (
             None
             if output["logprobs"] is None or output["logprobs"][r] is None
@@ -82,8 +100,38 @@ def custom_rollouts(
                 finish_reason="stop" if ids and ids[-1] in stop_ids else "length",
                 sampler_logprobs=logprobs,
                 tool_mask=mask,
-                prompt_ids=[int(t) for t in output["prompt_ids"][r]],
+                prompt_ids=prompt_ids,
                 reward_kwargs={key: output[key][r] for key in extras},
             )
         )
     return completions
+
+
+def image_prompt_ids(returned: list[int], expanded: list[int], images: PromptImages, where: str) -> list[int]:
+    """The ids an image prompt's completion trains with: the processor's (`expanded`), given by a rollout_func either
+    so or in their placeholder form."""
+    if returned in (expanded, images.placeholder_ids):
+        return expanded
+    differs = next((i for i, (a, b) in enumerate(zip(returned, expanded)) if a != b), min(len(returned), len(expanded)))
+    raise ValueError(
+        f"{where}: its prompt_ids ({len(returned)} tokens) are not the processor's encoding of the prompt with its "
+        f"{len(images.images)} image(s) ({len(expanded)} tokens, each image expanded; they first differ at token "
+        f"{differs}), nor their placeholder form ({len(images.placeholder_ids)} tokens). Training matches the images' "
+        "inputs to the image tokens of those ids: return the ids grouprl.agents.encode_prompts(trainer, prompts) "
+        "gives (the trainer's chat template, chat_template_kwargs and tools)."
+    )
+
+
+def encode_prompts(trainer: Any, prompts: list) -> tuple[list[list[int]], Optional[list[Optional[PromptImages]]]]:
+    """The prompts a rollout_func receives, encoded as the trainer encodes them: each one's token ids, and each
+    one's processed images (None for one without) or None when none has images, as `generate(..., multimodal=)`
+    takes them:
+
+        ids, images = encode_prompts(trainer, prompts)
+        options = {"multimodal": images} if images else {}
+        completions = trainer.generation_backend.generate(ids, 1, params, **options)
+    """
+    tokenize = trainer.run.rollouts.tokenize
+    encoded = [tokenize.encode_messages(prompt, row) for row, prompt in enumerate(prompts)]
+    images = [processed for _, processed in encoded]
+    return [ids for ids, _ in encoded], (images if any(m is not None for m in images) else None)

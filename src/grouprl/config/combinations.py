@@ -88,10 +88,9 @@ TABLE: dict[frozenset[str], Cell] = {
             "tests/test_vlm_tools.py::test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives_it "
             "(reset()'s observation joins the image prompt, which the processor encodes again)"
         ),
-        ("images", "rollout_func"): _not_built(
-            "rollout_func returns prompt_ids of its own, to which the images' inputs (their token positions and "
-            "pixels, computed from the dataset's prompt) cannot be matched, so training would fail in "
-            "multimodal.py; train image prompts without rollout_func, or rollout_func on text prompts."
+        ("images", "rollout_func"): _works(
+            "tests/test_vlm.py::test_a_rollout_func_trains_image_prompts_with_their_images (prompt_ids as the "
+            "processor expands them, or in placeholder form; others named)"
         ),
         ("images", "generation_server"): _works(
             "tests/test_server.py::test_image_prompts_sample_on_the_server_with_their_processor_outputs (`grouprl "
