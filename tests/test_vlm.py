@@ -15,7 +15,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
-from vlm_models import image, save_tiny_llava, sharpen, tiny_idefics3, tiny_llava, tiny_qwen2_vl
+from vlm_models import (
+    image,
+    save_tiny_llava,
+    sharpen,
+    tiny_idefics3,
+    tiny_llava,
+    tiny_qwen2_5_vl,
+    tiny_qwen2_vl,
+    tiny_qwen3_5,
+)
 
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.agents import encode_prompts
@@ -28,7 +37,13 @@ from grouprl.model.logprobs import completion_logprobs
 from grouprl.model.multimodal import PromptImages, collate, continuation_inputs, with_tool_images
 from grouprl.rollout.train_batch import pack_rollout
 
-BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava, "idefics3": tiny_idefics3}
+BUILDERS = {
+    "qwen2_vl": tiny_qwen2_vl,
+    "qwen2_5_vl": tiny_qwen2_5_vl,
+    "qwen3_5": tiny_qwen3_5,
+    "llava": tiny_llava,
+    "idefics3": tiny_idefics3,
+}
 
 
 def user(text):
@@ -275,7 +290,7 @@ def test_a_forward_without_images_on_sharded_weights_runs_the_vision_tower_on_th
 
     model, processor = BUILDERS[arch]()
     sharpen(model, 5.0)
-    tower = getattr(model.model, {"qwen2_vl": "visual", "llava": "vision_tower", "idefics3": "vision_model"}[arch])
+    tower = getattr(model.model, {"llava": "vision_tower", "idefics3": "vision_model"}.get(arch, "visual"))
     calls = []
     tower.register_forward_hook(lambda module, args, output: calls.append(1))
     encode = encoder(processor)
@@ -527,6 +542,29 @@ def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path,
     assert "image" not in table and table["prompt"][0].count("<image>") == 1  # log_multimodal=False: no images stored
     trainer.save_model()
     assert {"adapter_model.safetensors", "processor_config.json"} <= set(os.listdir(config.output_dir))
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_each_architecture_trains_every_parameter_on_image_prompts(tmp_path, arch):
+    """TRL's test_train_vlm on each tiny architecture (Qwen3.5's language model is hybrid: a linear-attention layer
+    and a full-attention one): one step moves every parameter, but those LLaVA never reads (its features are the
+    vision tower's next-to-last layer's, as the real model's: the last layer and post_layernorm get no gradient)."""
+    model, processor = BUILDERS[arch]()
+    rows = [{"prompt": user(f"describe {i}"), "images": [image(i)]} for i in range(4)]
+    config = vlm_config(tmp_path, max_steps=1, learning_rate=0.1, beta=0.0)
+    trainer = GRPOTrainer(
+        model,
+        lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions],
+        args=config,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=processor,
+    )
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    still = [name for name, p in model.named_parameters() if torch.equal(p, before[name])]
+    unread = [name for name in before if arch == "llava" and ("encoder.layers.1." in name or "post_layernorm" in name)]
+    assert still == unread, still
 
 
 def sampling_rollout_func(form):

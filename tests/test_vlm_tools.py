@@ -23,7 +23,9 @@ from vlm_models import (
     sharpen,
     tiny_idefics3,
     tiny_llava,
+    tiny_qwen2_5_vl,
     tiny_qwen2_vl,
+    tiny_qwen3_5,
     with_tool_template,
 )
 
@@ -35,7 +37,13 @@ from grouprl.model.logprobs import completion_logprobs
 from grouprl.model.multimodal import collate, image_token_ids
 from grouprl.rollout.train_batch import pack_rollout
 
-BUILDERS = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava, "idefics3": tiny_idefics3}
+BUILDERS = {
+    "qwen2_vl": tiny_qwen2_vl,
+    "qwen2_5_vl": tiny_qwen2_5_vl,
+    "qwen3_5": tiny_qwen3_5,
+    "llava": tiny_llava,
+    "idefics3": tiny_idefics3,
+}
 TOOL_IMAGE_SEED = 7
 OBSERVATION = " Look closely."
 
@@ -230,6 +238,7 @@ def processed(processor, messages, schemas):
         ("qwen2_vl", 1, "tools"),
         ("qwen2_vl", 0, "tools"),
         ("qwen2_vl", 1, "environment_factory"),
+        ("qwen3_5", 1, "tools"),
         ("llava", 1, "tools"),
         ("idefics3", 1, "environment_factory"),
     ],

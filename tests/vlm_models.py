@@ -117,71 +117,130 @@ def _image_only(processor_class):
     return ImageOnly
 
 
-def tiny_qwen2_vl(seed: int = 0, model_from: str | None = None, max_position_embeddings: int = 256):
-    """Qwen2-VL: 4x4-pixel patches merged 2x2, so a 16x16 image is 4 image tokens, 16x24 is 6. `model_from`: the
-    model loaded from a directory `save_tiny_qwen2_vl` wrote (built here, it cannot be under DeepSpeed ZeRO-3)."""
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLProcessor,
-    )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
-    tokenizer = build_vlm_tokenizer(
-        ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
-        "<|vision_start|><|image_pad|><|vision_end|>",
-    )
-    ids = {
-        t: tokenizer.convert_tokens_to_ids(t)
-        for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-    }
+
+def _tiny_qwen_vl(
+    model_class, config_class, processor_class, text: dict, vision: dict, seed: int, model_from: str | None
+):
+    """A Qwen-family VLM (M-RoPE positions from image grids, per-token mm_token_type_ids, pixel patches): 4x4-pixel
+    patches merged 2x2, so a 16x16 image is 4 image tokens, 16x24 is 6."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = build_vlm_tokenizer(QWEN_VISION_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VISION_TOKENS}
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config = Qwen2VLConfig(
+    config = config_class(
         text_config={
             "vocab_size": len(tokenizer),
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": max_position_embeddings,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
             "bos_token_id": eos,
             "eos_token_id": eos,
             "pad_token_id": eos,
+            **text,
         },
-        vision_config={
-            "depth": 1,
-            "embed_dim": 16,
-            "hidden_size": 32,
-            "num_heads": 2,
-            "mlp_ratio": 2,
-            "patch_size": 4,
-            "temporal_patch_size": 2,
-            "spatial_merge_size": 2,
-            "in_channels": 3,
-        },
+        vision_config={"patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, **vision},
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
     if model_from is not None:
-        model = Qwen2VLForConditionalGeneration.from_pretrained(model_from)
+        model = model_class.from_pretrained(model_from)
     else:
         with _seeded(seed):
-            model = Qwen2VLForConditionalGeneration(config)
+            model = model_class(config)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32
     )
-    processor = _image_only(Qwen2VLProcessor)(
+    processor = _image_only(processor_class)(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
     )
     return model, processor
+
+
+def _qwen_text(max_position_embeddings: int, **more) -> dict:
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_position_embeddings,
+        **more,
+    }
+
+
+def tiny_qwen2_vl(seed: int = 0, model_from: str | None = None, max_position_embeddings: int = 256):
+    """Qwen2-VL. `model_from`: the model loaded from a directory `save_tiny_qwen2_vl` wrote (built here, it cannot be
+    under DeepSpeed ZeRO-3)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    return _tiny_qwen_vl(
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLProcessor,
+        _qwen_text(max_position_embeddings, rope_parameters=rope),
+        {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2},
+        seed,
+        model_from,
+    )
+
+
+def tiny_qwen2_5_vl(seed: int = 0):
+    """Qwen2.5-VL: Qwen2-VL's layout with a windowed vision tower (one window layer, one full)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32}
+    return _tiny_qwen_vl(
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLProcessor,
+        _qwen_text(256, rope_parameters=rope),
+        {**vision, "window_size": 16, "fullatt_block_indexes": [1]},
+        seed,
+        None,
+    )
+
+
+def tiny_qwen3_5(seed: int = 0):
+    """Qwen3.5: a hybrid language model (a gated-delta-rule linear-attention layer, then a full-attention one) with
+    interleaved M-RoPE on part of each head, and Qwen3-VL's processor."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
+
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+        "partial_rotary_factor": 0.5,
+    }
+    linear = {
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    }
+    text = _qwen_text(256, head_dim=16, layer_types=["linear_attention", "full_attention"], rope_parameters=rope)
+    return _tiny_qwen_vl(
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5Config,
+        Qwen3VLProcessor,
+        {**text, **linear},
+        {
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "num_position_embeddings": 64,
+        },
+        seed,
+        None,
+    )
 
 
 def tiny_llama_config(vocab_size: int, eos: int, hidden_size: int = 32, **more):
