@@ -18,6 +18,7 @@ import torch
 from helpers import ScriptedBackend
 from PIL import Image
 from vlm_models import (
+    CHAT_TEMPLATE,
     end_turns_at_im_end,
     image,
     sharpen,
@@ -303,6 +304,49 @@ def test_a_tools_image_reaches_the_next_turn_and_training_as_the_processor_gives
         shown_images = [Image.open(io.BytesIO(png)).tobytes() for png in pngs]
         assert shown_images == [im.tobytes() for im in [*row["images"], tool_image(row, kind)]]
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lm_head" in n or "embed" in n)
+
+
+@pytest.mark.parametrize("tokenizer_template", [None, "without tools"])
+def test_tool_results_are_rendered_with_the_processors_template(tmp_path, tokenizer_template):
+    """A processor's chat template renders the prompts, so it renders text tool results too, whatever its tokenizer's
+    own template is (none, or one that cannot render tools, as some checkpoints ship)."""
+
+    def look() -> str:
+        """Describe the picture the question is about."""
+        return "a red square"
+
+    model, processor = tiny_qwen2_vl()
+    with_tool_template(processor)
+    end_turns_at_im_end(model, processor.tokenizer)
+    plain = CHAT_TEMPLATE.replace("IMAGE_MARKUP", repr(processor.tokenizer.image_markup))  # renders no tools
+    processor.tokenizer.chat_template = None if tokenizer_template is None else plain
+    rows = [{"prompt": user(f"what is {i}?"), "images": [image(i)]} for i in range(2)]
+    trainer = GRPOTrainer(
+        model,
+        lambda completions, **kw: [float(len(c[-1]["content"])) for c in completions],
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=120,
+            report_to="none",
+            bf16=False,
+            shuffle_dataset=False,
+        ),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=processor,
+        tools=[look],
+    )
+    backend = FirstTurnCalls(processor.tokenizer, trainer.run.rollouts.backend)
+    prompts, _ = encoded_prompts(trainer, rows, 1)
+    trainer.run.rollouts.agent.generate(backend, prompts, trainer.run.rollouts.sampling)
+    continued = [ids for prompt_ids, _ in backend.continuations for ids in prompt_ids]
+    assert len(continued) == 4
+    schemas = [t.schema for t in trainer.run.rollouts.agent.spec.tools]
+    for r, prompt_ids in enumerate(continued):
+        messages = conversation(rows[r // 2], "tools")
+        messages[-1]["content"] = "a red square"
+        assert prompt_ids == processed(processor, messages, schemas)["input_ids"][0].tolist()
 
 
 def look_at(index: int) -> list:

@@ -60,10 +60,15 @@ class AgentSpec:
 
     def build(self, tokenize: PromptTokenizer, settings: TurnSettings, trainer: Any) -> "Agent":
         if self.has_tools:
+            # a processor renders the prompts with its own template: tool results are rendered with it too
+            conversation = getattr(settings.processor, "chat_template", None)
             template = check_tool_template(
-                settings.tokenizer, stop_ids=settings.stop_ids, chat_template_kwargs=settings.chat_template_kwargs
+                settings.tokenizer,
+                stop_ids=settings.stop_ids,
+                chat_template_kwargs=settings.chat_template_kwargs,
+                chat_template=conversation,
             )
-            settings = replace(settings, tool_chat_template=template)
+            settings = replace(settings, tool_chat_template=template if template is not None else conversation)
         return Agent(self, tokenize, settings, trainer)
 
 

@@ -145,20 +145,26 @@ def _suffix_start(prefix: list[int], full: list[int], stop_ids: set[int]) -> int
     return len(prefix)
 
 
-def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwargs: dict) -> Optional[str]:
+def check_tool_template(
+    tokenizer: Any, *, stop_ids: set[int], chat_template_kwargs: dict, chat_template: Optional[str] = None
+) -> Optional[str]:
     """Fail at start-up, with what to do, if this tokenizer cannot run tool-calling rollouts.
 
-    Returns the template to render tool results with: None for the tokenizer's own, or grouprl's training
-    template for its family when the tokenizer's own is a known original that is not prefix-preserving.
+    `chat_template`: the template prompts are rendered with when it is not the tokenizer's own (a vision-language
+    model's processor's). Returns the template to render tool results with: None for that template, or grouprl's
+    training template for its family when that template is a known original that is not prefix-preserving.
     """
-    if getattr(tokenizer, "chat_template", None) is None:
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if template is None:
         raise ValueError(
             "tools / environment_factory need a chat template that renders tool calls; the tokenizer has none."
         )
     name, key, value, content = "tool_name_7f3a", "tool_key_2b9c", "tool_value_5d1e", "tool_content_8c4f"
     messages = _dummy_turn(name, {key: value}) + [{"role": "tool", "name": name, "content": content}]
     try:
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, **chat_template_kwargs)
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, chat_template=template, **chat_template_kwargs
+        )
     except Exception as err:  # jinja raises its own error types
         raise ValueError(
             "The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> tool): "
@@ -181,13 +187,19 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
             "differently. Set tokenizer.response_template (transformers response parsing) for its format."
         )
     try:
-        tool_suffix_ids(tokenizer, messages[2:], stop_ids=stop_ids, chat_template_kwargs=chat_template_kwargs)
+        tool_suffix_ids(
+            tokenizer,
+            messages[2:],
+            stop_ids=stop_ids,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_template=template,
+        )
         return None
     except NotPrefixPreserving:
         pass
-    training = training_template_for(tokenizer.chat_template)
+    training = training_template_for(template)
     if training is None:
-        raise NotPrefixPreserving(_not_prefix_preserving_message(tokenizer, messages, chat_template_kwargs))
+        raise NotPrefixPreserving(_not_prefix_preserving_message(tokenizer, messages, chat_template_kwargs, template))
     # Our own template must pass the check it stands in for; failing it is a grouprl bug, said as such.
     try:
         tool_suffix_ids(
@@ -213,11 +225,13 @@ def check_tool_template(tokenizer: Any, *, stop_ids: set[int], chat_template_kwa
     return training.text
 
 
-def _not_prefix_preserving_message(tokenizer: Any, messages: list[dict], chat_template_kwargs: dict) -> str:
+def _not_prefix_preserving_message(
+    tokenizer: Any, messages: list[dict], chat_template_kwargs: dict, template: str
+) -> str:
     """The error for a template grouprl cannot fix, showing where the two renderings part."""
-    alone = tokenizer.apply_chat_template(messages[:2], tokenize=False, **chat_template_kwargs)
+    alone = tokenizer.apply_chat_template(messages[:2], tokenize=False, chat_template=template, **chat_template_kwargs)
     followed = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
+        messages, tokenize=False, add_generation_prompt=True, chat_template=template, **chat_template_kwargs
     )
     at = next((i for i, (a, b) in enumerate(zip(alone, followed)) if a != b), min(len(alone), len(followed)))
     start = max(0, at - 40)

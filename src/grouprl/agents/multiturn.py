@@ -41,7 +41,7 @@ class TurnSettings:
     max_completion_length: int  # budget of the whole multi-turn completion, tool suffixes included
     max_tool_calling_iterations: Optional[int]  # None = until no rollout calls a tool (or the budget is spent)
     chat_template_kwargs: dict = field(default_factory=dict)
-    tool_chat_template: Optional[str] = None  # renders tool results (chat.py); None = the tokenizer's own template
+    tool_chat_template: Optional[str] = None  # renders tool results (chat.py); None: the tokenizer's own template
     processor: Any = None  # a vision-language model's processor: renders tool results with images; None: text only
 
 
