@@ -372,6 +372,34 @@ def test_metric_for_best_model_must_be_logged(tiny_model_dir, tmp_path):
         trainer.train()
 
 
+@pytest.mark.parametrize("setting", [True, "non_padding", "no"])
+def test_include_num_input_tokens_seen_logs_the_tokens_seen(tiny_model_dir, tmp_path, setting):
+    config = make_config(
+        tmp_path,
+        max_steps=2,
+        logging_steps=1,
+        include_num_input_tokens_seen=setting,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=3,
+    )
+    trainer = GRPOTrainer(
+        tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=prompts(), eval_dataset=prompts(2)
+    )
+    trainer.train()
+    steps = [e for e in trainer.state.log_history if "loss" in e]
+    evaluations = [e for e in trainer.state.log_history if "eval_reward" in e]
+    assert len(steps) == 2 and len(evaluations) == 1
+    if setting == "no":
+        assert not any("num_input_tokens_seen" in e for e in trainer.state.log_history)
+        return
+    # TRL's count: every prompt and completion token trained on, as num_tokens logs it
+    assert [e["num_input_tokens_seen"] for e in steps] == [e["num_tokens"] for e in steps]
+    assert steps[1]["num_input_tokens_seen"] > steps[0]["num_input_tokens_seen"] > 0
+    assert all(e["train_tokens_per_second"] > 0 for e in steps)
+    assert evaluations[0]["num_input_tokens_seen"] == steps[1]["num_input_tokens_seen"]
+
+
 def test_log_level_sets_the_loggers(tiny_model_dir, tmp_path):
     GRPOTrainer(
         tiny_model_dir,

@@ -87,6 +87,10 @@ HONOURED: dict[str, str] = {
         "dispatch_batches must not be True with an IterableDataset (it is set to False for one, as TRL)"
     ),
     "dataloader_num_workers": "worker processes of the prompt loader",
+    "include_num_input_tokens_seen": (
+        "every log entry gets num_input_tokens_seen (prompt + completion tokens, TRL's GRPO count: 'all' and "
+        "'non_padding' alike, no padding counted), a training step's also train_tokens_per_second since train() began"
+    ),
     "dataloader_prefetch_factor": "batches each prompt-loader worker reads ahead",
     "dataloader_persistent_workers": (
         "the prompt loaders' workers stay up from one epoch (training) or evaluation (each eval dataset) to the next"
@@ -148,9 +152,6 @@ REFUSED: dict[str, str] = {
     "auto_find_batch_size": (
         "halving the batch on out-of-memory would split num_generations groups (TRL refuses it too); lower "
         "per_device_train_batch_size instead"
-    ),
-    "include_num_input_tokens_seen": (
-        "grouprl logs num_tokens (prompt + completion tokens seen) at every logging step, as TRL's GRPO does"
     ),
     "trackio_bucket_id": "not passed to trackio by grouprl yet; set it in trackio's own environment variables",
     "trackio_static_space_id": "not passed to trackio by grouprl yet; set it in trackio's own environment variables",

@@ -117,6 +117,7 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
     run.progress = progress
     run.model.train()
     started, first_step = time.time(), state.global_step
+    run.session_start = (started, state.num_input_tokens_seen)
     run.callbacks.control.should_training_stop = False  # a stop asked for in an earlier train() call is over
     epoch_open = False
     run.fire("on_train_begin")

@@ -17,6 +17,7 @@ override that calls ``super()`` continues down grouprl's chain, through the user
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -171,8 +172,11 @@ def own_log(run: TrainingRun, logs: dict[str, Any], start_time: Optional[float] 
         run.window.clear()
     if state.epoch is not None:
         logs["epoch"] = state.epoch
-    if start_time is not None and config.include_num_input_tokens_seen not in (False, "no"):
+    if config.include_num_input_tokens_seen not in (False, "no"):  # as transformers' Trainer.log
         logs["num_input_tokens_seen"] = state.num_input_tokens_seen
+        since, tokens = run.session_start or (start_time, state.num_input_tokens_seen)
+        if training and since is not None and "train_runtime" not in logs and time.time() > since:
+            logs["train_tokens_per_second"] = round((state.num_input_tokens_seen - tokens) / (time.time() - since), 3)
     entry = run.publish(logs)
     if "train_runtime" in entry:  # the end-of-training summary: metrics.jsonl only
         line = None
