@@ -1,0 +1,157 @@
+"""Language models whose layers are not all full attention: a hybrid (Qwen3.5: gated-delta-rule linear attention
+beside full attention) and sliding windows (Gemma 3: sliding layers between full ones; Mistral: every layer),
+built tiny here. Each sampler that takes them decodes what the model's own forward says, a training forward scores
+a row the same alone or left-padded in a batch, and the samplers that cannot serve them say so by name."""
+
+import datasets
+import pytest
+import torch
+
+from grouprl import GRPOConfig, GRPOTrainer
+from grouprl.core.types import SamplingParams
+from grouprl.demo.tokenizer import EOS_TOKEN, build_tokenizer
+from grouprl.generation.engine import FastGenerator
+from grouprl.generation.hf import TransformersGenerator
+from grouprl.generation.protocol import left_pad
+from grouprl.model.logprobs import completion_logprobs
+
+TOKENIZER = build_tokenizer()
+EOS = TOKENIZER.convert_tokens_to_ids(EOS_TOKEN)
+SIZES = dict(
+    vocab_size=len(TOKENIZER),
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=EOS,
+    eos_token_id=EOS,
+    pad_token_id=EOS,
+)
+
+
+def qwen3_5():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    linear = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+    layers = ["linear_attention", "full_attention"] * 2
+    return Qwen3_5ForCausalLM(
+        Qwen3_5TextConfig(**SIZES, num_hidden_layers=4, head_dim=16, layer_types=layers, **linear)
+    )
+
+
+def gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layers = ["sliding_attention", "full_attention"] * 2
+    config = Gemma3TextConfig(**SIZES, num_hidden_layers=4, head_dim=16, sliding_window=6, layer_types=layers)
+    return Gemma3ForCausalLM(config)
+
+
+def mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(**SIZES, num_hidden_layers=2, sliding_window=6))
+
+
+# the in-process samplers each takes (the others refuse it by name)
+MODELS = {
+    "qwen3_5": (qwen3_5, ("transformers",)),
+    "gemma3": (gemma3, ("transformers", "engine")),
+    "mistral": (mistral, ("transformers", "engine")),
+}
+PROMPTS = [TOKENIZER("a fairly long prompt with many words in it")["input_ids"], TOKENIZER("short")["input_ids"]]
+NEW_TOKENS = 16  # well past the 6-token windows
+
+
+def built(arch, sharpened=True):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = MODELS[arch][0]()
+    with torch.no_grad():  # larger weights: logits that depend clearly on the context
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and "embed" not in name and sharpened:
+                param.mul_(4.0)
+    return model.eval()
+
+
+def argmax_without_cache(model, prompt):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_greedy_decoding_follows_the_models_own_forward(arch):
+    model = built(arch)
+    expected = [argmax_without_cache(model, p) for p in PROMPTS]
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, top_k=1)
+    samplers = {"transformers": TransformersGenerator, "engine": FastGenerator}
+    for name in MODELS[arch][1]:
+        sampled = samplers[name](model, TOKENIZER, [EOS], EOS).generate(PROMPTS, 1, greedy)
+        assert [c.token_ids for c in sampled] == expected, name
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_a_rows_logprobs_are_the_same_alone_or_left_padded_in_a_batch(arch):
+    model = built(arch)
+    completions = [[65, 66, 67, 68, 69, 70, 71, 72], [75, 76]]
+
+    def logprobs(indices):
+        prompt_ids, prompt_mask = left_pad([PROMPTS[i] for i in indices], EOS)
+        completion_ids = torch.full((len(indices), 8), EOS)
+        completion_mask = torch.zeros(len(indices), 8, dtype=torch.bool)
+        for row, i in enumerate(indices):
+            completion_ids[row, : len(completions[i])] = torch.tensor(completions[i])
+            completion_mask[row, : len(completions[i])] = True
+        with torch.no_grad():
+            out = completion_logprobs(
+                model, prompt_ids, prompt_mask.bool(), completion_ids, completion_mask, temperature=1.0
+            )
+        return out.logprobs[indices.index(1), :2]  # the short prompt: the most padding when batched
+
+    ids = torch.tensor([PROMPTS[1] + completions[1]])
+    with torch.no_grad():
+        plain = model(ids).logits[0, len(PROMPTS[1]) - 1 : -1].log_softmax(-1)
+    expected = plain.gather(-1, torch.tensor(completions[1])[:, None])[:, 0]
+    torch.testing.assert_close(logprobs([1]), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logprobs([0, 1]), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path):
+    model = built(arch, sharpened=False).train()
+    rows = datasets.Dataset.from_list([{"prompt": f"{i} plus {i} is"} for i in range(4)])
+
+    def config(engine):
+        return GRPOConfig(
+            output_dir=str(tmp_path / engine),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=8,
+            learning_rate=0.05,
+            max_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            bf16=False,
+            generation_engine=engine,
+        )
+
+    def trainer(engine):
+        return GRPOTrainer(
+            model,
+            lambda completion_ids, **kwargs: [float(sum(c) % 11) for c in completion_ids],  # differs between samples
+            args=config(engine),
+            train_dataset=rows,
+            processing_class=TOKENIZER,
+        )
+
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer("auto").train()
+    assert all(not torch.equal(p, before[name]) for name, p in model.named_parameters())
+    for engine in {"engine", "captured"} - set(MODELS[arch][1]):
+        with pytest.raises(ValueError, match=f"generation_engine='{engine}' cannot be used: .*Use 'auto'"):
+            trainer(engine)
