@@ -185,27 +185,47 @@ def step_shaped_reward(completion_ids, trainer_state, **kwargs):
     return [-100.0 * abs(trainer_state.global_step - 2)] * len(completion_ids)
 
 
-def test_load_best_model_at_end_keeps_and_loads_the_best_checkpoint(tiny_model_dir, tmp_path):
-    config = make_config(
+class StopAfter(TrainerCallback):
+    """Ends training after optimizer step `step`, as a preempted run would have stopped there."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == self.step
+
+
+def best_tracking_config(tmp_path, **overrides):
+    return make_config(
         tmp_path,
-        max_steps=4,
+        max_steps=6,
         eval_strategy="steps",
         eval_steps=1,
         save_strategy="steps",
         save_steps=1,
-        save_total_limit=1,
         per_device_eval_batch_size=3,
         load_best_model_at_end=True,
         metric_for_best_model="reward",
+        **overrides,
     )
-    assert config.greater_is_better is True  # transformers: True unless the name ends in "loss"
-    trainer = GRPOTrainer(
+
+
+def best_tracking_trainer(tiny_model_dir, config, callbacks):
+    return GRPOTrainer(
         tiny_model_dir,
         reward_funcs=[distinct_tokens, step_shaped_reward],
         args=config,
         train_dataset=prompts(),
         eval_dataset=prompts(2),
+        callbacks=callbacks,
     )
+
+
+def test_load_best_model_at_end_keeps_and_loads_the_best_checkpoint(tiny_model_dir, tmp_path):
+    config = best_tracking_config(tmp_path, save_total_limit=1)
+    config.max_steps = 4
+    assert config.greater_is_better is True  # transformers: True unless the name ends in "loss"
+    trainer = best_tracking_trainer(tiny_model_dir, config, [])
     trainer.train()
     best = os.path.join(config.output_dir, "checkpoint-2")
     assert (trainer.state.best_global_step, trainer.state.best_model_checkpoint) == (2, best)
@@ -246,66 +266,14 @@ def test_save_strategy_best_writes_only_new_bests(tiny_model_dir, tmp_path):
 
 
 def test_early_stopping_callback_stops_the_run(tiny_model_dir, tmp_path):
-    config = make_config(
-        tmp_path,
-        max_steps=6,
-        eval_strategy="steps",
-        eval_steps=1,
-        save_strategy="steps",
-        save_steps=1,
-        per_device_eval_batch_size=3,
-        load_best_model_at_end=True,
-        metric_for_best_model="reward",
-    )
-    trainer = GRPOTrainer(
-        tiny_model_dir,
-        reward_funcs=[distinct_tokens, step_shaped_reward],
-        args=config,
-        train_dataset=prompts(),
-        eval_dataset=prompts(2),
-        callbacks=[EarlyStoppingCallback(early_stopping_patience=2)],
+    trainer = best_tracking_trainer(
+        tiny_model_dir, best_tracking_config(tmp_path), [EarlyStoppingCallback(early_stopping_patience=2)]
     )
     trainer.train()
     # eval reward -100, 0, -100, -200: the best is at step 2, then two evaluations without improvement
     assert trainer.state.global_step == 4
     assert trainer.state.best_metric == pytest.approx(
         max(e["eval_reward"] for e in trainer.state.log_history if "eval_reward" in e)
-    )
-
-
-class StopAfter(TrainerCallback):
-    """Ends training after optimizer step `step`, as a preempted run would have stopped there."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.global_step == self.step
-
-
-def best_tracking_config(tmp_path, **overrides):
-    return make_config(
-        tmp_path,
-        max_steps=6,
-        eval_strategy="steps",
-        eval_steps=1,
-        save_strategy="steps",
-        save_steps=1,
-        per_device_eval_batch_size=3,
-        load_best_model_at_end=True,
-        metric_for_best_model="reward",
-        **overrides,
-    )
-
-
-def best_tracking_trainer(tiny_model_dir, config, callbacks):
-    return GRPOTrainer(
-        tiny_model_dir,
-        reward_funcs=[distinct_tokens, step_shaped_reward],
-        args=config,
-        train_dataset=prompts(),
-        eval_dataset=prompts(2),
-        callbacks=callbacks,
     )
 
 

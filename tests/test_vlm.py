@@ -24,6 +24,7 @@ from vlm_models import (
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
     tiny_qwen3_5,
+    trained_logprobs,
 )
 
 from grouprl import GRPOConfig, GRPOTrainer
@@ -595,8 +596,10 @@ def one_forward_logprobs(model, processor, prompt, completion_ids):
     extra = {
         k: torch.cat([v, v.new_zeros(1, n)], 1) if v.shape == inputs["input_ids"].shape else v for k, v in extra.items()
     }
+    device = next(model.parameters()).device  # the trainer's (CUDA where there is one)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **extra}
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0, :-1].float()
+        logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits[0, :-1].float().cpu()
     return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[-n:, 0]
 
 
@@ -615,17 +618,7 @@ def test_a_rollout_func_trains_image_prompts_with_their_images(tmp_path, form):
         rollout_func=sampling_rollout_func(form),
     )
     rollout = trainer.run.rollouts.sample()
-    batch = pack_rollout(rollout, torch.zeros(len(rollout.completions)), 0, mask_truncated=False)
-    with torch.no_grad():
-        trained = completion_logprobs(
-            model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.completion_ids,
-            batch.completion_mask,
-            temperature=1.0,
-            multimodal=batch.multimodal,
-        ).logprobs
+    trained = trained_logprobs(model, rollout.prompts, rollout.completions)
     blank = Image.new("RGB", (16, 16))
     for row, completion in enumerate(rollout.completions):
         assert completion.prompt_ids == rollout.prompts.prompt_ids[completion.prompt_index]  # the expanded ids

@@ -27,16 +27,15 @@ from vlm_models import (
     tiny_qwen2_5_vl,
     tiny_qwen2_vl,
     tiny_qwen3_5,
+    trained_logprobs,
     with_tool_template,
 )
 
 from grouprl import GRPOConfig, GRPOTrainer
-from grouprl.core.types import PromptBatch, Rollout
+from grouprl.core.types import PromptBatch
 from grouprl.data.multimodal_prompts import placeholder_encoding
 from grouprl.demo.tokenizer import IM_END
-from grouprl.model.logprobs import completion_logprobs
 from grouprl.model.multimodal import collate, image_token_ids
-from grouprl.rollout.train_batch import pack_rollout
 
 BUILDERS = {
     "qwen2_vl": tiny_qwen2_vl,
@@ -204,23 +203,6 @@ def one_forward(model, processor, messages, schemas, completion, suppressed=()):
     logits[:, list(suppressed)] = -float("inf")
     scores = logits.log_softmax(-1).gather(-1, inputs["input_ids"][0, 1:, None])[:, 0]
     return scores[-len(completion.token_ids) :]
-
-
-def trained_logprobs(model, prompts, completions):
-    """(rows, T) the completions' logprobs as training computes them: packed into a train batch, each row with its
-    rollout's image inputs."""
-    batch = pack_rollout(Rollout(prompts, completions), torch.zeros(len(completions)), 0, mask_truncated=False)
-    device = next(model.parameters()).device  # the trainer's (CUDA where there is one)
-    with torch.no_grad():
-        return completion_logprobs(
-            model,
-            batch.prompt_ids.to(device),
-            batch.prompt_mask.to(device),
-            batch.completion_ids.to(device),
-            batch.completion_mask.to(device),
-            temperature=1.0,
-            multimodal=batch.multimodal,
-        ).logprobs.cpu()
 
 
 def extended(values, length):

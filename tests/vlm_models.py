@@ -393,3 +393,24 @@ def sharpen(model: torch.nn.Module, factor: float = 20.0) -> torch.nn.Module:
             if param.ndim == 2 and "embed" not in name:
                 param.mul_(factor)
     return model
+
+
+def trained_logprobs(model, prompts, completions):
+    """(rows, T) the completions' logprobs as training computes them: packed into a train batch, each row with its
+    rollout's image inputs."""
+    from grouprl.core.types import Rollout
+    from grouprl.model.logprobs import completion_logprobs
+    from grouprl.rollout.train_batch import pack_rollout
+
+    batch = pack_rollout(Rollout(prompts, completions), torch.zeros(len(completions)), 0, mask_truncated=False)
+    device = next(model.parameters()).device  # the trainer's (CUDA where there is one)
+    with torch.no_grad():
+        return completion_logprobs(
+            model,
+            batch.prompt_ids.to(device),
+            batch.prompt_mask.to(device),
+            batch.completion_ids.to(device),
+            batch.completion_mask.to(device),
+            temperature=1.0,
+            multimodal=batch.multimodal,
+        ).logprobs.cpu()
