@@ -168,6 +168,48 @@ def test_hermes_parser(text, expected_calls, expected_content):
     assert message.get("tool_calls") == expected_calls
 
 
+# the schema of a tool `lookup(code: str, count: int)`: `code` stays text even where it reads as a number
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}, "count": {"type": "integer"}}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "text, expected_calls, expected_content",
+    [
+        # Qwen3.5's rendering of a call: each value on lines of its own
+        (
+            "Let me look.\n\n<tool_call>\n<function=lookup>\n<parameter=code>\n007\n</parameter>\n"
+            "<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>",
+            [call("lookup", code="007", count=3)],
+            "Let me look.",
+        ),
+        ("<tool_call>\n<function=screenshot>\n</function>\n</tool_call>", [call("screenshot")], ""),
+        (  # untyped values: JSON where they parse, text (several lines kept) where not
+            "<tool_call>\n<function=f>\n<parameter=x>\n[1, 2]\n</parameter>\n<parameter=note>\nline one\n"
+            "line two\n</parameter>\n</function>\n</tool_call>\n<tool_call><function=g><parameter=y>true"
+            "</parameter></function></tool_call>",
+            [call("f", x=[1, 2], note="line one\nline two"), call("g", y=True)],
+            "",
+        ),
+        (  # malformed: text beside the parameters, or no closing </function>
+            "<tool_call>\n<function=f>\nstray <parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",
+            None,
+            None,
+        ),
+        ("<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</tool_call>", None, None),
+    ],
+)
+def test_xml_tool_calls_are_parsed_with_their_schemas_types(text, expected_calls, expected_content):
+    message = parse_hermes(text, [LOOKUP])
+    assert message.get("tool_calls") == expected_calls
+    assert message["content"] == (text if expected_content is None else expected_content)
+
+
 def test_tool_suffix_is_the_template_difference_after_the_end_of_turn(tokenizer):
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
     messages = [{"role": "tool", "name": "add", "content": "5"}, {"role": "tool", "name": "add", "content": "7"}]

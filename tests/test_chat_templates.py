@@ -451,3 +451,76 @@ def test_tool_calling_grpo_trains_with_the_qwen3_template(qwen3_model_dir, tmp_p
     log = trainer.state.log_history[0]
     assert log["tools/call_frequency"] == pytest.approx(2 / 3) and log["tools/failure_frequency"] == 0.0
     assert log["loss"] is not None
+
+
+# ---- end to end: Qwen3.5's template and its XML tool calls -----------------------------------------------------------
+
+
+def qwen3_5_template():
+    """Qwen3.5's chat template (non-thinking), as TRL 1.16 carries it (it recognises the model by this text); read
+    from TRL's wheel, which test_trl_script installs into the test cache."""
+    from test_trl_script import trl_install
+
+    return (trl_install() / "trl" / "chat_templates" / "qwen3_5_nothink.jinja").read_text(encoding="utf-8")
+
+
+def test_tool_calling_grpo_parses_qwen3_5s_xml_calls(tmp_path):
+    from grouprl.demo.model import save_tiny_model
+
+    template = qwen3_5_template()
+    path = save_tiny_model(tmp_path / "model", seed=0, max_position_embeddings=4096)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = template
+    tok.save_pretrained(path)
+    im_end = tok.convert_tokens_to_ids(IM_END)
+
+    def turn(text):
+        return tok(text, add_special_tokens=False)["input_ids"] + [im_end]
+
+    # Qwen3.5 writes a call as XML, each argument on lines of its own; sample 0 calls, sample 1 answers.
+    call = (
+        "<tool_call>\n<function=multiply>\n<parameter=a>\n6\n</parameter>\n<parameter=b>\n7\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    first, answer = [turn(call), turn("42")], turn("It is 42.")
+    script = lambda prompt, s: answer if "<tool_response>" in tok.decode(prompt) else first[s]  # noqa: E731
+    backend = ScriptedBackend(script, im_end, tok)
+    rows = {"prompt": [[{"role": "user", "content": f"{i} times 7?"}] for i in range(2)]}
+    trainer = GRPOTrainer(
+        model=path,
+        reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=600,
+            learning_rate=0.05,
+            max_steps=1,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            shuffle_dataset=False,
+        ),
+        tools=[multiply],
+        train_dataset=datasets.Dataset.from_dict(rows),
+        generation_backend=backend,
+    )
+    rollout = trainer.run.rollouts.sample()
+    c = rollout.completions[0]
+    called = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
+    assert c.messages[0]["tool_calls"] == [called] and c.messages[1] == {
+        "role": "tool",
+        "name": "multiply",
+        "content": "42",
+    }
+    assert [x.tool_calls for x in rollout.completions] == [1, 0, 1, 0]
+    # The turn after the tool's result is prompted with Qwen3.5's own rendering of the conversation so far.
+    conversation = rows["prompt"][0] + [{"role": "assistant", "content": "", "tool_calls": [called]}, c.messages[1]]
+    continued = [ids for ids, _ in backend.calls if "<tool_response>" in tok.decode(ids[0])][0][0]
+    assert tok.decode(continued) == tok.apply_chat_template(
+        conversation, tools=[multiply], tokenize=False, add_generation_prompt=True
+    )
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert log["tools/call_frequency"] == pytest.approx(0.5) and log["tools/failure_frequency"] == 0.0

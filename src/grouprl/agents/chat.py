@@ -183,8 +183,9 @@ def check_tool_template(
     if getattr(tokenizer, "response_template", None) is None and TOOL_CALL_OPEN not in rendered:
         raise ValueError(
             'grouprl parses tool calls written as <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
-            "(Hermes / Qwen format) unless the tokenizer has a response_template; this chat template writes calls "
-            "differently. Set tokenizer.response_template (transformers response parsing) for its format."
+            "(Hermes / Qwen format) or <tool_call><function=...>...</function></tool_call> (Qwen3.5) unless the "
+            "tokenizer has a response_template; this chat template writes calls differently. Set "
+            "tokenizer.response_template (transformers response parsing) for its format."
         )
     try:
         tool_suffix_ids(

@@ -4,9 +4,11 @@ Two parsers, as in TRL:
 
 * the tokenizer's own ``response_template`` (transformers response parsing), when it has one:
   ``tokenizer.parse_response(ids, prefix=..., tools=...)``;
-* otherwise the Hermes / Qwen2.5 / Qwen3 format that most open chat templates use: each call is
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` and the content is the text before
-  the first call.
+* otherwise the ``<tool_call>`` blocks most open chat templates write, the content being the text before the first
+  call; each block holds either JSON (Hermes, Qwen2.5, Qwen3: ``{"name": ..., "arguments": {...}}``) or the XML
+  form of Qwen3.5 / Qwen3.6 / Qwen3-Coder (``<function=NAME>`` with a ``<parameter=KEY>`` block per argument,
+  ``</function>``). An XML value is JSON where it parses as JSON (``3``, ``[1, 2]``), else text; an argument the
+  tool's schema declares a string stays text (``"007"`` is not the number 7).
 
 A turn whose calls are malformed (invalid JSON, no name, an unclosed ``<tool_call>``) is plain
 text: it calls nothing and triggers no tool turn (TRL's fallback), rather than failing the step.
@@ -27,7 +29,7 @@ def parse_turn(tokenizer: Any, ids: list[int], prefix: list[int], tools: Optiona
     """{"role": "assistant", "content": str} plus "tool_calls" (function-call dicts) if the turn calls tools."""
     if getattr(tokenizer, "response_template", None) is not None:
         return _parse_with_template(tokenizer, ids, prefix, tools)
-    return parse_hermes(decode_keeping_tool_markers(tokenizer, ids))
+    return parse_hermes(decode_keeping_tool_markers(tokenizer, ids), tools)
 
 
 def decode_keeping_tool_markers(tokenizer: Any, ids: list[int]) -> str:
@@ -46,8 +48,13 @@ def decode_keeping_tool_markers(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode([i for i in ids if i not in special], skip_special_tokens=False)
 
 
-def parse_hermes(text: str) -> dict:
-    """Parse `<tool_call>{json}</tool_call>` blocks out of an assistant turn's text."""
+XML_FUNCTION = re.compile(r"\s*<function=([^\n>]+)>(.*)</function>\s*", re.DOTALL)
+XML_PARAMETER = re.compile(r"<parameter=([^\n>]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def parse_hermes(text: str, tools: Optional[list[dict]] = None) -> dict:
+    """Parse `<tool_call>` blocks (JSON or the XML function form) out of an assistant turn's text. `tools`: the
+    tools' schemas, which say which XML arguments are strings."""
     plain = {"role": "assistant", "content": text}
     start = text.find(TOOL_CALL_OPEN)
     if start < 0:
@@ -57,25 +64,62 @@ def parse_hermes(text: str) -> dict:
         return plain  # a call left open (cut by the length limit, or malformed)
     calls = []
     for body in bodies:
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
+        call = _json_call(body) or _xml_call(body, tools)
+        if call is None:
             return plain
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return plain
-        arguments = call.get("arguments")
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass  # passed on as is: the call fails with a message the model can read
-        calls.append(
-            {
-                "type": "function",
-                "function": {"name": call["name"], "arguments": {} if arguments is None else arguments},
-            }
-        )
+        calls.append({"type": "function", "function": call})
     return {"role": "assistant", "content": text[:start].strip(), "tool_calls": calls}
+
+
+def _json_call(body: str) -> Optional[dict]:
+    """{"name", "arguments"} of a JSON call, or None if the body is not one."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments")
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # passed on as is: the call fails with a message the model can read
+    return {"name": call["name"], "arguments": {} if arguments is None else arguments}
+
+
+def _xml_call(body: str, tools: Optional[list[dict]]) -> Optional[dict]:
+    """{"name", "arguments"} of a `<function=NAME><parameter=KEY>VALUE</parameter>...</function>` call, or None.
+    Text between the parameters other than whitespace makes it malformed."""
+    function = XML_FUNCTION.fullmatch(body)
+    if function is None:
+        return None
+    name, inside = function.group(1).strip(), function.group(2)
+    if XML_PARAMETER.sub("", inside).strip():
+        return None
+    strings = _string_parameters(tools, name)
+    arguments = {}
+    for key, value in XML_PARAMETER.findall(inside):
+        key, value = key.strip(), value.removeprefix("\n").removesuffix("\n")  # the template's line breaks
+        arguments[key] = value if key in strings else _json_or_text(value)
+    return {"name": name, "arguments": arguments}
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _string_parameters(tools: Optional[list[dict]], name: str) -> set[str]:
+    """The parameters the schema of tool `name` declares strings."""
+    for tool in tools or []:
+        function = tool.get("function", tool) if isinstance(tool, dict) else {}
+        if isinstance(function, dict) and function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties") or {}
+            return {key for key, spec in properties.items() if isinstance(spec, dict) and spec.get("type") == "string"}
+    return set()
 
 
 def _parse_with_template(tokenizer: Any, ids: list[int], prefix: list[int], tools: Optional[list[dict]]) -> dict:
