@@ -218,6 +218,33 @@ def qwen(template: str, vocab_size: int | None = None) -> TokenizerSpec:
     )
 
 
+# Qwen3.5's vocabulary: its specials (Qwen's, in Qwen's order) from id 248044, and the word pieces TRL's
+# multimodal tool test writes as raw Qwen3.5 ids (a call in Qwen3.5's XML form, then "I don't know any tool").
+QWEN3_5_FIRST_SPECIAL = 248044
+QWEN3_5_PIECES = {
+    1628: "function",
+    13744: "=",
+    30091: "screenshot",
+    22076: "_tool",
+    510: "</",
+    1459: " don",
+    914: "'t",
+    1366: " know",
+    866: " any",
+    5224: " tool",
+    16936: "Done",
+}
+
+
+def qwen3_5(template: str) -> TokenizerSpec:
+    """Qwen3.5's tokenizer at its real size (its tool test names ids up to 248059)."""
+    spec = qwen(template)
+    spec.vocab_size = QWEN3_5_FIRST_SPECIAL + len(_QWEN_SPECIALS)
+    spec.specials = {QWEN3_5_FIRST_SPECIAL + i: t for i, t in enumerate(_QWEN_SPECIALS)}
+    spec.pieces = QWEN3_5_PIECES
+    return spec
+
+
 def llama3(template: str) -> TokenizerSpec:
     specials = {128000 + i: f"<|reserved_special_token_{i}|>" for i in range(256)}
     named = {

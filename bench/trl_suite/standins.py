@@ -354,9 +354,152 @@ def _llava_next_for_conditional_generation(root: Path) -> str:
     return repo_id
 
 
+# The Qwen vision-language family (Qwen2-VL, Qwen2.5-VL, Qwen3.5 and its MoE): 4x4-pixel patches merged 2x2, so a
+# 32x32 image is 16 image tokens (real: 14- or 16-pixel patches); a 2-layer language model of hidden size 32 (M-RoPE
+# needs a few rotary dimensions per section); saved with the real processor classes, video processor included
+# (it needs torchvision). Compact Qwen vocabularies, but Qwen3.5's real one: its tool test names ids up to 248059.
+QWEN_VL_VOCAB = 16384
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_TEXT = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+QWEN_PATCHES = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
+
+
+def _qwen_vl(
+    root: Path, repo_id: str, spec, names: tuple[str, str, str, str, str], text: dict, vision: dict, seed: int
+):
+    """`names`: the model, config, processor, image processor and video processor classes (transformers')."""
+    import torch
+    import transformers as tf
+
+    model_class, config_class, processor_class, image_class, video_class = (getattr(tf, n) for n in names)
+    path, tokenizer, special = _vlm_snapshot(root, repo_id, spec)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VISION_TOKENS}
+    config = config_class(
+        text_config={"vocab_size": spec.vocab_size, "max_position_embeddings": 32768, **QWEN_TEXT, **special, **text},
+        vision_config={"patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, **vision},
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = model_class(config)
+    _save_vlm(path, model, spec, _eos_ids(spec, "<|im_end|>", "<|endoftext|>"))
+    pixels = {"min_pixels": 8 * 8, "max_pixels": 64 * 64}
+    processor = processor_class(
+        image_processor=image_class(**QWEN_PATCHES, **pixels),
+        tokenizer=tokenizer,
+        video_processor=video_class(**QWEN_PATCHES),
+        chat_template=tokenizer.chat_template,
+    )
+    _save_processor(path, processor)
+    return repo_id
+
+
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+# Qwen3.5: a hybrid language model (a gated-delta-rule linear-attention layer, then a full-attention one) with
+# interleaved M-RoPE on half of each head
+QWEN3_5_TEXT = dict(
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters={**MROPE, "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+)
+QWEN3_5_VISION = dict(
+    depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, num_position_embeddings=64
+)
+QWEN2_VL = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2VLConfig",
+    "Qwen2VLProcessor",
+    "Qwen2VLImageProcessor",
+    "Qwen2VLVideoProcessor",
+)
+QWEN2_5_VL = (
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen2_5_VLConfig",
+    "Qwen2_5_VLProcessor",
+    "Qwen2VLImageProcessor",
+    "Qwen2VLVideoProcessor",
+)
+QWEN3_5 = (
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5Config",
+    "Qwen3VLProcessor",
+    "Qwen2VLImageProcessor",
+    "Qwen3VLVideoProcessor",
+)
+QWEN3_5_MOE = (
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5MoeConfig",
+    "Qwen3VLProcessor",
+    "Qwen2VLImageProcessor",
+    "Qwen3VLVideoProcessor",
+)
+
+
+def _qwen2_vl(root: Path) -> str:
+    return _qwen_vl(
+        root,
+        f"{ORG}/tiny-Qwen2VLForConditionalGeneration",
+        tok.qwen("qwen2_5_vl.jinja", QWEN_VL_VOCAB),
+        QWEN2_VL,
+        {"rope_parameters": MROPE},
+        {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2},
+        9,
+    )
+
+
+def _qwen2_5_vl(root: Path) -> str:
+    vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32}
+    return _qwen_vl(
+        root,
+        f"{ORG}/tiny-Qwen2_5_VLForConditionalGeneration",
+        tok.qwen("qwen2_5_vl.jinja", QWEN_VL_VOCAB),
+        QWEN2_5_VL,
+        {"rope_parameters": MROPE},
+        {**vision, "window_size": 16, "fullatt_block_indexes": [1]},
+        10,
+    )
+
+
+def _qwen3_5(root: Path) -> str:
+    return _qwen_vl(
+        root,
+        f"{ORG}/tiny-Qwen3_5ForConditionalGeneration-NoThink",
+        tok.qwen3_5("qwen3_5_nothink.jinja"),
+        QWEN3_5,
+        QWEN3_5_TEXT,
+        QWEN3_5_VISION,
+        11,
+    )
+
+
+def _qwen3_5_moe(root: Path) -> str:
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    return _qwen_vl(
+        root,
+        f"{ORG}/tiny-Qwen3_5MoeForConditionalGeneration-3.6",
+        tok.qwen("qwen3_6.jinja", QWEN_VL_VOCAB),
+        QWEN3_5_MOE,
+        {**QWEN3_5_TEXT, **experts},
+        QWEN3_5_VISION,
+        12,
+    )
+
+
 VLM_BUILDERS = {
     f"{ORG}/tiny-Gemma3ForConditionalGeneration": _gemma3_for_conditional_generation,
     f"{ORG}/tiny-LlavaNextForConditionalGeneration": _llava_next_for_conditional_generation,
+    f"{ORG}/tiny-Qwen2VLForConditionalGeneration": _qwen2_vl,
+    f"{ORG}/tiny-Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl,
+    f"{ORG}/tiny-Qwen3_5ForConditionalGeneration-NoThink": _qwen3_5,
+    f"{ORG}/tiny-Qwen3_5MoeForConditionalGeneration-3.6": _qwen3_5_moe,
 }
 
 
