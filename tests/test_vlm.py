@@ -5,6 +5,7 @@ per-token mm_token_type_ids, pixel patches), LLaVA (CLIP vision tower, 1-D posit
 tensor per image) and Idefics3 (SmolVLM: one (1, images, C, H, W) tensor per prompt, zero-padded in a batch).
 """
 
+import copy
 import io
 import math
 import os
@@ -628,6 +629,15 @@ def test_a_rollout_func_trains_image_prompts_with_their_images(tmp_path, form):
         assert torch.allclose(trained[row, :n], expected, atol=1e-4)
         without = [{**prompt[0], "content": [{**prompt[0]["content"][0], "image": blank}, *prompt[0]["content"][1:]]}]
         assert (one_forward_logprobs(model, processor, without, completion.token_ids) - expected).abs().max() > 1e-3
+    # a prompt repeated for its samples (as a rollout_func receives it) goes through the processor once
+    calls, tokenize = [], trainer.run.rollouts.tokenize
+    tokenize.encode_messages = lambda *args, real=tokenize.encode_messages: calls.append(1) or real(*args)
+    repeated = [copy.deepcopy(p) for p in rollout.prompts.prompts for _ in range(2)]
+    ids, _ = encode_prompts(trainer, repeated)
+    assert len(calls) == len(rollout.prompts.prompts) and ids == [
+        i for i in rollout.prompts.prompt_ids for _ in range(2)
+    ]
+    del tokenize.encode_messages
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer.train()
     assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters() if ".visual." not in name)

@@ -132,6 +132,9 @@ def encode_prompts(trainer: Any, prompts: list) -> tuple[list[list[int]], Option
         completions = trainer.generation_backend.generate(ids, 1, params, **options)
     """
     tokenize = trainer.run.rollouts.tokenize
-    encoded = [tokenize.encode_messages(prompt, row) for row, prompt in enumerate(prompts)]
+    encoded: list = []
+    for row, prompt in enumerate(prompts):  # a prompt comes once per sample, consecutively: encoded once
+        same = row > 0 and prompt == prompts[row - 1]
+        encoded.append(encoded[-1] if same else tokenize.encode_messages(prompt, row))
     images = [processed for _, processed in encoded]
     return [ids for ids, _ in encoded], (images if any(m is not None for m in images) else None)
