@@ -17,14 +17,11 @@ import pytest
 import torch
 from PIL import Image
 from vlm_models import (
+    BUILDERS,
     image,
     save_tiny_llava,
     sharpen,
-    tiny_idefics3,
-    tiny_llava,
-    tiny_qwen2_5_vl,
     tiny_qwen2_vl,
-    tiny_qwen3_5,
     trained_logprobs,
 )
 
@@ -38,14 +35,6 @@ from grouprl.generation.protocol import left_pad
 from grouprl.model.logprobs import completion_logprobs
 from grouprl.model.multimodal import PromptImages, collate, continuation_inputs, with_tool_images
 from grouprl.rollout.train_batch import pack_rollout
-
-BUILDERS = {
-    "qwen2_vl": tiny_qwen2_vl,
-    "qwen2_5_vl": tiny_qwen2_5_vl,
-    "qwen3_5": tiny_qwen3_5,
-    "llava": tiny_llava,
-    "idefics3": tiny_idefics3,
-}
 
 
 def user(text):

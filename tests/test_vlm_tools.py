@@ -18,15 +18,12 @@ import torch
 from helpers import ScriptedBackend
 from PIL import Image
 from vlm_models import (
+    BUILDERS,
     CHAT_TEMPLATE,
     end_turns_at_im_end,
     image,
     sharpen,
-    tiny_idefics3,
-    tiny_llava,
-    tiny_qwen2_5_vl,
     tiny_qwen2_vl,
-    tiny_qwen3_5,
     trained_logprobs,
     with_tool_template,
 )
@@ -37,13 +34,6 @@ from grouprl.data.multimodal_prompts import placeholder_encoding
 from grouprl.demo.tokenizer import IM_END
 from grouprl.model.multimodal import collate, image_token_ids
 
-BUILDERS = {
-    "qwen2_vl": tiny_qwen2_vl,
-    "qwen2_5_vl": tiny_qwen2_5_vl,
-    "qwen3_5": tiny_qwen3_5,
-    "llava": tiny_llava,
-    "idefics3": tiny_idefics3,
-}
 TOOL_IMAGE_SEED = 7
 OBSERVATION = " Look closely."
 

@@ -353,6 +353,16 @@ def tiny_idefics3(seed: int = 0, hidden_size: int = 32):
     return model, processor
 
 
+# every tiny architecture, by the name the parametrized tests give it
+BUILDERS = {
+    "qwen2_vl": tiny_qwen2_vl,
+    "qwen2_5_vl": tiny_qwen2_5_vl,
+    "qwen3_5": tiny_qwen3_5,
+    "llava": tiny_llava,
+    "idefics3": tiny_idefics3,
+}
+
+
 def save_tiny_idefics3(path, hidden_size: int = 32) -> str:
     """The tiny Idefics3 and its processor saved like a Hub checkpoint."""
     model, processor = tiny_idefics3(hidden_size=hidden_size)

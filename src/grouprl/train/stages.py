@@ -175,8 +175,9 @@ def own_log(run: TrainingRun, logs: dict[str, Any], start_time: Optional[float] 
     if config.include_num_input_tokens_seen not in (False, "no"):  # as transformers' Trainer.log
         logs["num_input_tokens_seen"] = state.num_input_tokens_seen
         since, tokens = run.session_start or (start_time, state.num_input_tokens_seen)
-        if training and since is not None and "train_runtime" not in logs and time.time() > since:
-            logs["train_tokens_per_second"] = round((state.num_input_tokens_seen - tokens) / (time.time() - since), 3)
+        now = time.time()
+        if training and since is not None and "train_runtime" not in logs and now > since:
+            logs["train_tokens_per_second"] = round((state.num_input_tokens_seen - tokens) / (now - since), 3)
     entry = run.publish(logs)
     if "train_runtime" in entry:  # the end-of-training summary: metrics.jsonl only
         line = None
