@@ -1,7 +1,9 @@
-"""Language models whose layers are not all full attention: a hybrid (Qwen3.5: gated-delta-rule linear attention
-beside full attention) and sliding windows (Gemma 3: sliding layers between full ones; Mistral: every layer),
-built tiny here. Each sampler that takes them decodes what the model's own forward says, a training forward scores
-a row the same alone or left-padded in a batch, and the samplers that cannot serve them say so by name."""
+"""Language models whose layers are not all full attention: hybrids (Qwen3.5: gated-delta-rule linear attention
+beside full attention; Nemotron-H: Mamba-2 layers) and sliding windows (Gemma 3: sliding layers between full ones;
+Mistral: every layer; GPT-OSS, with attention sinks and experts besides; Gemma 4, whose full-attention layers have
+a head_dim of their own), built tiny here. Each sampler that takes them decodes what the model's own forward says,
+a training forward scores a row the same alone or left-padded in a batch, and the samplers that cannot serve them
+say so by name."""
 
 import datasets
 import pytest
@@ -54,11 +56,40 @@ def mistral():
     return MistralForCausalLM(MistralConfig(**SIZES, num_hidden_layers=2, sliding_window=6))
 
 
+def gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    layers = ["sliding_attention", "full_attention"] * 2
+    experts = dict(num_local_experts=4, num_experts_per_tok=2)
+    config = GptOssConfig(**SIZES, num_hidden_layers=4, head_dim=16, sliding_window=6, layer_types=layers, **experts)
+    return GptOssForCausalLM(config)
+
+
+def gemma4():
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    layers = ["sliding_attention", "full_attention"] * 2
+    config = Gemma4TextConfig(
+        **SIZES, num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=6, layer_types=layers
+    )
+    assert config.is_heterogeneous  # its full-attention layers' head_dim is their own (config.head_dim raises)
+    return Gemma4ForCausalLM(config)
+
+
+def nemotron_h():
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    return NemotronHForCausalLM(NemotronHConfig(**SIZES, num_hidden_layers=4, hybrid_override_pattern="M*M-"))
+
+
 # the in-process samplers each takes (the others refuse it by name)
 MODELS = {
     "qwen3_5": (qwen3_5, ("transformers",)),
     "gemma3": (gemma3, ("transformers", "engine")),
     "mistral": (mistral, ("transformers", "engine")),
+    "gpt_oss": (gpt_oss, ("transformers", "engine")),  # attention sinks, sliding windows, experts
+    "gemma4": (gemma4, ("transformers", "engine")),  # layers of different head_dim (a heterogeneous config)
+    "nemotron_h": (nemotron_h, ("transformers",)),  # Mamba-2 layers beside attention and MLP-only ones
 }
 PROMPTS = [TOKENIZER("a fairly long prompt with many words in it")["input_ids"], TOKENIZER("short")["input_ids"]]
 NEW_TOKENS = 16  # well past the 6-token windows
@@ -155,3 +186,15 @@ def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path):
     for engine in {"engine", "captured"} - set(MODELS[arch][1]):
         with pytest.raises(ValueError, match=f"generation_engine='{engine}' cannot be used: .*Use 'auto'"):
             trainer(engine)
+
+
+def test_the_captured_loop_names_layers_that_differ_in_shape():
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from grouprl.generation.static_decode import captured_supports
+
+    layers = ["full_attention"] * 2  # no sliding window: the shapes are the first thing it cannot serve
+    config = Gemma4TextConfig(**SIZES, num_hidden_layers=2, head_dim=16, global_head_dim=32, layer_types=layers)
+    assert captured_supports(Gemma4ForCausalLM(config), {}, None) == (
+        "its layers differ in ['head_dim'] (config.per_layer_config)"
+    )

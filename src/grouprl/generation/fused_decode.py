@@ -84,6 +84,7 @@ from grouprl.generation.shared_prefix import (
     shared_prefill,
 )
 from grouprl.model.forward import describe, is_unsupported
+from grouprl.model.layer_configs import is_heterogeneous
 from grouprl.model.loading import runs_head_in_fp32
 
 if TYPE_CHECKING:
@@ -147,6 +148,8 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
     config = getattr(model, "config", None)
     if layers is None or config is None or getattr(inner, "rotary_emb", None) is None:
         return "not a Llama-family causal LM (no model.layers / model.rotary_emb)"
+    if is_heterogeneous(config):
+        return f"its layers differ in {sorted(config.per_layer_attributes)} (config.per_layer_config)"
     layer_types = getattr(config, "layer_types", None)
     if getattr(config, "sliding_window", None) is not None and (
         layer_types is None or "sliding_attention" in layer_types

@@ -46,6 +46,7 @@ from grouprl.model.forward import (
     length_buckets,
     separable_head,
 )
+from grouprl.model.layer_configs import layer_configs
 from grouprl.model.loading import recomputes_layers
 from grouprl.model.packed_attention import LAYOUT_KWARG, PackLayout, build_layout
 from grouprl.model.patches import grouprl_patches, patches_active
@@ -132,10 +133,13 @@ def pairs_per_token(model: torch.nn.Module) -> float:
     inner = getattr(model, "module", model)  # DDP / accelerate wrappers
     config = inner.config
     layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if not layers or not heads:
+    if not layers or not getattr(config, "num_attention_heads", None):
         return 0.0
-    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    widths = [  # attention channels a layer (Gemma 4's layers differ in head_dim)
+        layer.num_attention_heads * (getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads)
+        for layer in layer_configs(config)
+    ]
+    width = sum(widths) / len(widths)
     embeddings = {
         id(p)
         for m in (inner.get_input_embeddings(), inner.get_output_embeddings())
