@@ -72,7 +72,6 @@ def gemma4():
     config = Gemma4TextConfig(
         **SIZES, num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=6, layer_types=layers
     )
-    assert config.is_heterogeneous  # its full-attention layers' head_dim is their own (config.head_dim raises)
     return Gemma4ForCausalLM(config)
 
 
@@ -195,6 +194,8 @@ def test_the_captured_loop_names_layers_that_differ_in_shape():
 
     layers = ["full_attention"] * 2  # no sliding window: the shapes are the first thing it cannot serve
     config = Gemma4TextConfig(**SIZES, num_hidden_layers=2, head_dim=16, global_head_dim=32, layer_types=layers)
+    if not getattr(config, "is_heterogeneous", False):
+        pytest.skip("this transformers builds Gemma 4 with one head_dim for all layers (per_layer_config is newer)")
     assert captured_supports(Gemma4ForCausalLM(config), {}, None) == (
         "its layers differ in ['head_dim'] (config.per_layer_config)"
     )
