@@ -4,7 +4,7 @@ decodes through its forward; generation samples the same tokens with and without
 
 import pytest
 import torch
-from helpers import distinct_tokens, numbered_prompts, quiet_config
+from helpers import distinct_tokens, forward_logprobs, numbered_prompts, quiet_config
 from transformers import (
     AutoModelForCausalLM,
     GemmaConfig,
@@ -18,6 +18,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from grouprl import GRPOTrainer
@@ -55,11 +57,18 @@ def _mistral():
     return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None))
 
 
+def _smollm3():  # a NoPE layer (SmolLM3's every fourth): q and k not rotated
+    return SmolLM3ForCausalLM(
+        SmolLM3Config(**SIZES, no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    )
+
+
 ACCEPTED = {
     "llama (llama3 rope)": _llama,
     "llama with biases": _llama_with_biases,
     "qwen3": _qwen3,
     "mistral": _mistral,
+    "smollm3 (a NoPE layer)": _smollm3,
 }
 
 
@@ -85,6 +94,39 @@ def test_fused_steps_give_the_forward_logits(build):
     for want, have in zip(expected, got):
         torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
     assert probe(model) is None
+
+
+@pytest.mark.parametrize("build", ACCEPTED.values(), ids=ACCEPTED.keys())
+def test_the_captured_loop_decodes_each_accepted_family_as_its_forward(build, tiny_model_dir):
+    """generation_engine='captured' runs the same fused step over a static cache, for every family the step accepts:
+    greedy, its tokens are transformers generate's; sampled, each token's logprob is a separate forward's."""
+    from grouprl.generation.static_decode import CapturedGenerator, captured_supports
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = build().eval().to(device)
+    with torch.no_grad():  # sharper attention and logits: a wrong step changes the tokens
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and "embed" not in name:
+                param.mul_(4.0)
+    assert captured_supports(model, {}, None) is None
+    pad, eos, prompts = 0, 2, [[5, 9, 13, 2, 7, 30], [40, 41], [3, 3, 8, 60]]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    sampler = CapturedGenerator(model, tokenizer, [eos], pad, capture=False)
+    greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=12, top_k=1))
+    width = max(map(len, prompts))
+    want = model.generate(
+        input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device),
+        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device),
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )[:, width:].tolist()
+    assert [c.token_ids for c in greedy] == [row[: row.index(eos) + 1] if eos in row else row for row in want]
+    for sample in sampler.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0)):
+        expected = forward_logprobs(model, prompts[sample.prompt_index], sample.token_ids, temperature=1.0)
+        torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("build", [_llama, _qwen3], ids=["llama3 rope", "default rope"])

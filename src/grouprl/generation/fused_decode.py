@@ -22,7 +22,7 @@ Measured (bench/bench_fused_decode.py, generation alone, 2-core AVX512-BF16 CPU,
 bf16 autocast 1.18-1.50x the tokens/s of decoding through the forward on W1-W5 (SmolLM2-135M: 1.22x),
 in fp32 0.99-1.09x: there a 32-row step is bound by streaming the fp32 weights from memory.
 
-Which models: the structure is checked by name and type (Llama, Mistral, Qwen2 and Qwen3
+Which models: the structure is checked by name and type (Llama, Mistral, Qwen2, Qwen3 and SmolLM3
 layers; LoRA adapters from peft are merged into the weights for the call), and, once per model, a
 probe compares the logits with the model's own forward; the verdict is logged once (`fuses`).
 
@@ -107,6 +107,7 @@ class _Layer(NamedTuple):
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm of each head's q and k before RoPE
     k_norm: torch.Tensor | None
     head_eps: float | None
+    rope: bool  # False: a NoPE layer (SmolLM3's every fourth), whose q and k are not rotated
     o: Product
     post_norm: torch.Tensor
     post_eps: float
@@ -241,6 +242,7 @@ class FusedDecoder:
             q_norm=None if q_norm is None else q_norm.weight.detach(),
             k_norm=None if k_norm is None else k_norm.weight.detach(),
             head_eps=None if q_norm is None else _norm_eps(q_norm),
+            rope=bool(getattr(attn, "use_rope", True)),
             o=self._product([o]),
             post_norm=layer.post_attention_layernorm.weight.detach(),
             post_eps=_norm_eps(layer.post_attention_layernorm),
@@ -357,13 +359,17 @@ class FusedDecoder:
                 ],
                 dim=1,
             )
-        # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output; the
-        # inputs are computed before the output overwrites q and k
-        rope_inputs = (qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin)
-        if torch.compiler.is_compiling():  # dynamo refuses a strided `out=`; inductor fuses the copy anyway
-            rotated[:, : heads + kv_heads] = torch.addcmul(*rope_inputs)
+        if not layer.rope:  # q and k as they are, into the attention's dtype (nothing to do where they lie there)
+            if rotated is not qkv or layer.q_norm is not None:
+                rotated[:, : heads + kv_heads] = qk
         else:
-            torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads])
+            # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output; the
+            # inputs are computed before the output overwrites q and k
+            rope_inputs = (qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin)
+            if torch.compiler.is_compiling():  # dynamo refuses a strided `out=`; inductor fuses the copy anyway
+                rotated[:, : heads + kv_heads] = torch.addcmul(*rope_inputs)
+            else:
+                torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads])
         cache.write(rotated[:, heads:, None])  # (R, 2 * kv_heads, 1, D): keys, then values
         attended = cache.attend(rotated[:, :heads, None], self.scaling)  # (R, 1, heads, D)
         hidden = self._residual(hidden, self._apply(attended.reshape(rows, q_width), layer.o))
