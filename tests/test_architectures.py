@@ -199,3 +199,65 @@ def test_the_captured_loop_names_layers_that_differ_in_shape():
     assert captured_supports(Gemma4ForCausalLM(config), {}, None) == (
         "its layers differ in ['head_dim'] (config.per_layer_config)"
     )
+
+
+EXPERTS = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]  # GPT-OSS's experts are parameters, not modules
+
+
+def experts_lora(trained):
+    """GPT-OSS with LoRA on its expert parameters (peft's target_parameters); `trained`: B matrices not zero."""
+    peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
+    torch.manual_seed(0)
+    return peft.get_peft_model(gpt_oss(), peft.LoraConfig(target_parameters=EXPERTS, init_lora_weights=not trained))
+
+
+def lora_trainer(model, tmp_path, **overrides):
+    args = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=8, learning_rate=0.05)
+    args.update(max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, bf16=False)
+    return GRPOTrainer(
+        model,
+        lambda completion_ids, **kwargs: [float(sum(c) % 11) for c in completion_ids],
+        args=GRPOConfig(output_dir=str(tmp_path), beta=0.1, **args, **overrides),
+        train_dataset=datasets.Dataset.from_list([{"prompt": f"{i} plus {i} is"} for i in range(8)]),
+        processing_class=TOKENIZER,
+    )
+
+
+def first_kl(trainer):
+    return next(entry["kl"] for entry in trainer.state.log_history if "kl" in entry)
+
+
+def test_a_trained_lora_on_expert_parameters_is_its_own_reference(tmp_path):
+    """beta > 0 with a pre-wrapped, trained adapter on GPT-OSS's experts: the reference is a frozen copy of it (a
+    second target_parameters adapter, which peft allows since #3350), so the first step's KL is zero."""
+    model = experts_lora(trained=True)
+    try:
+        model.add_adapter("probe", model.peft_config["default"])
+    except ValueError as error:
+        pytest.skip(f"this peft refuses a second target_parameters adapter: {error}")
+    model.delete_adapter("probe")
+    trainer = lora_trainer(model, tmp_path)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    ref = [name for name in before if ".ref." in name]
+    assert ref and all(torch.equal(before[n], before[n.replace(".ref.", ".default.")]) for n in ref)
+    assert all(torch.equal(before[n], trainer.model.get_parameter(n)) for n in ref)
+    assert first_kl(trainer) == pytest.approx(0.0, abs=1e-7)  # the initial adapter, not the base model
+
+
+def test_where_peft_allows_one_expert_adapter_an_untrained_one_is_disabled_and_a_trained_one_named(
+    tmp_path, monkeypatch
+):
+    """peft before #3350 refuses a second target_parameters adapter (simulated here with its own error): an
+    adapter that adds nothing yet is its own reference with adapters disabled; a trained one stops with the way out."""
+    peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
+
+    def refuse(self, name, config, **kwargs):
+        raise ValueError("At the moment, only one LoRA adapter per model with `target_parameters` is allowed.")
+
+    monkeypatch.setattr(peft.PeftModel, "add_adapter", refuse)
+    trainer = lora_trainer(experts_lora(trained=False), tmp_path / "fresh")
+    trainer.train()
+    assert list(trainer.model.peft_config) == ["default"] and first_kl(trainer) == pytest.approx(0.0, abs=1e-7)
+    with pytest.raises(ValueError, match=r"adapter 'default' is trained .* Upgrade peft .* or set beta=0.0"):
+        lora_trainer(experts_lora(trained=True), tmp_path / "trained")

@@ -82,10 +82,25 @@ def config_targets_head(peft_config: Any, head_name: str = "lm_head") -> bool:
     return on_head or head_name in (getattr(peft_config, "modules_to_save", None) or ())
 
 
-def add_reference_adapter(model: Any) -> str:
-    """Add a frozen copy of the active adapter as "ref"; return its name."""
+def add_reference_adapter(model: Any) -> Optional[str]:
+    """Add a frozen copy of the active adapter as "ref"; return its name. None where peft allows no second adapter
+    (LoRA on parameters, `target_parameters`, in peft before #3350) and the adapter adds nothing yet: the reference is
+    then the policy with its adapters disabled, exactly."""
     source = active_adapter(model)
-    model.add_adapter(REFERENCE_ADAPTER, model.peft_config[source])
+    config = model.peft_config[source]
+    try:
+        model.add_adapter(REFERENCE_ADAPTER, config)
+    except ValueError as error:
+        if not getattr(config, "target_parameters", None):
+            raise
+        if _adds_nothing(model, source):
+            return None
+        raise ValueError(
+            f"GRPOConfig.beta > 0 needs the reference policy, and the PeftModel's adapter {source!r} is trained (its "
+            "LoRA B matrices are not zero), so grouprl keeps a frozen copy of it as the reference; but this "
+            f"{_peft_version()} refuses a second adapter on target_parameters ({error}). Upgrade peft (pip install -U "
+            "peft; 0.21.2 allows it), or set beta=0.0."
+        ) from error
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, param in params.items():
@@ -93,6 +108,20 @@ def add_reference_adapter(model: Any) -> str:
                 params[name.replace(f".{source}.", f".{REFERENCE_ADAPTER}.")].copy_(param)
     _freeze_reference(model)
     return REFERENCE_ADAPTER
+
+
+def _adds_nothing(model: Any, adapter: str) -> bool:
+    """Whether `adapter` is LoRA matrices only, every B still zero (peft's initialisation): its delta is zero."""
+    trained = [(name, p) for name, p in model.named_parameters() if f".{adapter}." in name]
+    return all(".lora_A." in name or ".lora_B." in name for name, _ in trained) and all(
+        not p.any() for name, p in trained if ".lora_B." in name
+    )
+
+
+def _peft_version() -> str:
+    import peft
+
+    return f"peft {peft.__version__}"
 
 
 def _freeze_reference(model: Any) -> None:
