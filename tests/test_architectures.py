@@ -229,7 +229,7 @@ def first_kl(trainer):
 
 def test_a_trained_lora_on_expert_parameters_is_its_own_reference(tmp_path):
     """beta > 0 with a pre-wrapped, trained adapter on GPT-OSS's experts: the reference is a frozen copy of it (a
-    second target_parameters adapter, which peft allows since #3350), so the first step's KL is zero."""
+    second target_parameters adapter, which peft allows since 0.20), so the first step's KL is zero."""
     model = experts_lora(trained=True)
     try:
         model.add_adapter("probe", model.peft_config["default"])
@@ -248,7 +248,7 @@ def test_a_trained_lora_on_expert_parameters_is_its_own_reference(tmp_path):
 def test_where_peft_allows_one_expert_adapter_an_untrained_one_is_disabled_and_a_trained_one_named(
     tmp_path, monkeypatch
 ):
-    """peft before #3350 refuses a second target_parameters adapter (simulated here with its own error): an
+    """peft before 0.20 refuses a second target_parameters adapter (simulated here with its own error): an
     adapter that adds nothing yet is its own reference with adapters disabled; a trained one stops with the way out."""
     peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
 

@@ -84,7 +84,7 @@ def config_targets_head(peft_config: Any, head_name: str = "lm_head") -> bool:
 
 def add_reference_adapter(model: Any) -> Optional[str]:
     """Add a frozen copy of the active adapter as "ref"; return its name. None where peft allows no second adapter
-    (LoRA on parameters, `target_parameters`, in peft before #3350) and the adapter adds nothing yet: the reference is
+    (LoRA on parameters, `target_parameters`, before peft 0.20) and the adapter adds nothing yet: the reference is
     then the policy with its adapters disabled, exactly."""
     source = active_adapter(model)
     config = model.peft_config[source]
@@ -99,7 +99,7 @@ def add_reference_adapter(model: Any) -> Optional[str]:
             f"GRPOConfig.beta > 0 needs the reference policy, and the PeftModel's adapter {source!r} is trained (its "
             "LoRA B matrices are not zero), so grouprl keeps a frozen copy of it as the reference; but this "
             f"{_peft_version()} refuses a second adapter on target_parameters ({error}). Upgrade peft (pip install -U "
-            "peft; 0.21.2 allows it), or set beta=0.0."
+            "peft; 0.20 allows it), or set beta=0.0."
         ) from error
     params = dict(model.named_parameters())
     with torch.no_grad():
