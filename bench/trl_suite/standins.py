@@ -204,6 +204,100 @@ def build_text_models(root: Path) -> list[str]:
     return built
 
 
+# Architectures TRL's `test_train` (and its MoE PEFT and remote-code tests) load by name. TRL's tiny checkpoints
+# carry each family's own tokenizer; these take the compact Qwen2.5 one (the tests feed standard prompts, so no
+# chat template is rendered): what they check is that each architecture trains.
+RESIZED = dict(hidden_size=32, intermediate_size=64, head_dim=8)  # Mamba-2's heads need a wider stream than 8
+
+
+def _cohere2(tf, spec):
+    layers = ["sliding_attention", "full_attention"]
+    return _causal_lm(tf.Cohere2Config, tf.Cohere2ForCausalLM, spec, 7, sliding_window=4, layer_types=layers)
+
+
+def _glm4_moe(tf, spec):
+    experts = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1)
+    return _causal_lm(tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM, spec, 8, first_k_dense_replace=1, **experts)
+
+
+def _gpt_oss(tf, spec):  # attention sinks, sliding windows, experts stacked as parameters (LoRA: target_parameters)
+    layers = ["sliding_attention", "full_attention"]
+    experts = dict(num_local_experts=4, num_experts_per_tok=2)
+    return _causal_lm(
+        tf.GptOssConfig, tf.GptOssForCausalLM, spec, 9, head_dim=4, sliding_window=4, layer_types=layers, **experts
+    )
+
+
+def _nemotron_h(tf, spec):  # Mamba-2, attention and MLP-only layers
+    return _causal_lm(
+        tf.NemotronHConfig,
+        tf.NemotronHForCausalLM,
+        spec,
+        10,
+        **RESIZED,
+        num_hidden_layers=3,
+        hybrid_override_pattern="M*-",
+    )
+
+
+REMOTE_CONFIG = """from transformers import Qwen2Config
+
+
+class RemoteConfig(Qwen2Config):
+    model_type = "remote"
+"""
+REMOTE_MODELING = """from transformers import Qwen2ForCausalLM
+
+from .configuration_remote import RemoteConfig
+
+
+class RemoteForCausalLM(Qwen2ForCausalLM):
+    config_class = RemoteConfig
+"""
+
+
+def _save_remote_code(root: Path, repo_id: str) -> None:
+    """A Qwen2 checkpoint whose config names classes of its own, in files of its own (loaded only with
+    trust_remote_code=True)."""
+    path = snapshot_dir(root, repo_id)
+    (path / "configuration_remote.py").write_text(REMOTE_CONFIG)
+    (path / "modeling_remote.py").write_text(REMOTE_MODELING)
+    config = json.loads((path / "config.json").read_text())
+    config.update(
+        model_type="remote",
+        architectures=["RemoteForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_remote.RemoteConfig",
+            "AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM",
+        },
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+ARCHITECTURE_BUILDERS = {
+    f"{ORG}/tiny-Cohere2ForCausalLM": _cohere2,
+    f"{ORG}/tiny-Glm4MoeForCausalLM": _glm4_moe,
+    f"{ORG}/tiny-GptOssForCausalLM": _gpt_oss,
+    f"{ORG}/tiny-NemotronHForCausalLM-nano": _nemotron_h,
+    f"{ORG}/tiny-RemoteForCausalLM": lambda tf, spec: _causal_lm(tf.Qwen2Config, tf.Qwen2ForCausalLM, spec, 11),
+}
+
+
+def build_architecture_models(root: Path, built: list[str] | tuple = ()) -> list[str]:
+    """Builds the stand-ins of ARCHITECTURE_BUILDERS not in `built`; returns all of them."""
+    import transformers as tf
+
+    spec = tok.qwen("qwen2_5.jinja", COMPACT_VOCAB)
+    built = list(built)
+    for repo_id, build in ARCHITECTURE_BUILDERS.items():
+        if repo_id not in built:
+            _save_model(root, repo_id, build(tf, spec), spec, _eos_ids(spec, "<|im_end|>", "<|endoftext|>"))
+            if repo_id.endswith("RemoteForCausalLM"):
+                _save_remote_code(root, repo_id)
+            built.append(repo_id)
+    return built
+
+
 # --- vision-language models -----------------------------------------------------------------------
 
 # Gemma 3: a 2-layer SigLIP tower on 16x16 images (4x4-pixel patches: a 4x4 grid, average-pooled 2x2 to
@@ -619,6 +713,9 @@ def build_all(root: Path) -> dict:
         if part not in report:
             report[part] = build(root)
             stamp.write_text(json.dumps(report, indent=2))
+    if set(ARCHITECTURE_BUILDERS) - set(report.get("architecture_models", [])):
+        report["architecture_models"] = build_architecture_models(root, report.get("architecture_models", []))
+        stamp.write_text(json.dumps(report, indent=2))
     if set(VLM_BUILDERS) - set(report.get("vlm_models", [])):
         report["vlm_models"] = build_vlm_models(root, report.get("vlm_models", []))
         stamp.write_text(json.dumps(report, indent=2))
