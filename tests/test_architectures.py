@@ -15,6 +15,7 @@ from grouprl.demo.tokenizer import EOS_TOKEN, build_tokenizer
 from grouprl.generation.engine import FastGenerator
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.protocol import left_pad
+from grouprl.generation.static_decode import CapturedGenerator, captured_supports
 from grouprl.model.logprobs import completion_logprobs
 
 TOKENIZER = build_tokenizer()
@@ -84,8 +85,8 @@ def nemotron_h():
 # the in-process samplers each takes (the others refuse it by name)
 MODELS = {
     "qwen3_5": (qwen3_5, ("transformers",)),
-    "gemma3": (gemma3, ("transformers", "engine")),
-    "mistral": (mistral, ("transformers", "engine")),
+    "gemma3": (gemma3, ("transformers", "engine", "captured")),
+    "mistral": (mistral, ("transformers", "engine", "captured")),
     "gpt_oss": (gpt_oss, ("transformers", "engine")),  # attention sinks, sliding windows, experts
     "gemma4": (gemma4, ("transformers", "engine")),  # layers of different head_dim (a heterogeneous config)
     "nemotron_h": (nemotron_h, ("transformers",)),  # Mamba-2 layers beside attention and MLP-only ones
@@ -118,7 +119,7 @@ def test_greedy_decoding_follows_the_models_own_forward(arch):
     model = built(arch)
     expected = [argmax_without_cache(model, p) for p in PROMPTS]
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, top_k=1)
-    samplers = {"transformers": TransformersGenerator, "engine": FastGenerator}
+    samplers = {"transformers": TransformersGenerator, "engine": FastGenerator, "captured": CapturedGenerator}
     for name in MODELS[arch][1]:
         sampled = samplers[name](model, TOKENIZER, [EOS], EOS).generate(PROMPTS, 1, greedy)
         assert [c.token_ids for c in sampled] == expected, name
@@ -189,8 +190,6 @@ def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path):
 
 def test_the_captured_loop_names_layers_that_differ_in_shape():
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    from grouprl.generation.static_decode import captured_supports
 
     layers = ["full_attention"] * 2  # no sliding window: the shapes are the first thing it cannot serve
     config = Gemma4TextConfig(**SIZES, num_hidden_layers=2, head_dim=16, global_head_dim=32, layer_types=layers)

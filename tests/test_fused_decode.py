@@ -7,6 +7,10 @@ import torch
 from helpers import distinct_tokens, forward_logprobs, numbered_prompts, quiet_config
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     GPT2Config,
@@ -25,7 +29,17 @@ from transformers import (
 from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
 from grouprl.generation import FastGenerator, fused_decode
-from grouprl.generation.fused_decode import FusedDecoder, _fused_decode, fuses, packs_weights, probe, structure_reason
+from grouprl.generation.fused_decode import (
+    ONE_ROPE,
+    FusedDecoder,
+    _fused_decode,
+    fuses,
+    has_sliding_windows,
+    packs_weights,
+    probe,
+    static_decode_pair,
+    structure_reason,
+)
 from grouprl.generation.shared_prefix import shared_decode
 
 SIZES = dict(
@@ -57,6 +71,31 @@ def _mistral():
     return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None))
 
 
+def _sliding_mistral():  # every layer attends over the last 4 positions
+    return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=4))
+
+
+def _gemma3():
+    """Gemma 3: scaled embeddings, (1 + w) norms in fp32, four a layer and on q and k, tanh GELU, its own score
+    scale, sliding layers of window 4 with their own RoPE beside a full one with another."""
+    layers = ["sliding_attention", "full_attention"]
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+    }
+    config = Gemma3TextConfig(
+        **SIZES, head_dim=16, query_pre_attn_scalar=24, sliding_window=4, layer_types=layers, rope_parameters=rope
+    )
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # its norms start at zero, (1 + 0): weights of their own tell (1 + w) from w
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(std=0.3)
+            if "gate_proj" in name:  # gates of a few units, where tanh's GELU and erf's differ most
+                param.mul_(30.0)
+    return model
+
+
 def _smollm3():  # a NoPE layer (SmolLM3's every fourth): q and k not rotated
     return SmolLM3ForCausalLM(
         SmolLM3Config(**SIZES, no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -69,6 +108,8 @@ ACCEPTED = {
     "qwen3": _qwen3,
     "mistral": _mistral,
     "smollm3 (a NoPE layer)": _smollm3,
+    "mistral (sliding window)": _sliding_mistral,
+    "gemma3": _gemma3,
 }
 
 
@@ -82,6 +123,8 @@ def _random_decode(model, steps=4, seed=0):
     mask[2, :1] = 0
     fed = torch.randint(0, vocab, (steps, 6), generator=generator)  # 3 prompts x 2 samples per step
     with torch.no_grad():
+        if has_sliding_windows(model):  # served over the static cache only
+            return static_decode_pair(model, prompts, mask, fed)
         return shared_decode(model, prompts, mask, fed), _fused_decode(model, prompts, mask, fed)
 
 
@@ -139,7 +182,7 @@ def test_a_rope_table_holds_each_positions_own_values(build):
     positions = torch.tensor([0, 5, 5, 63, 17, 100])
     cos, signed_sin = decoder._rope(positions)
     decoder.tabulate_rope(128)
-    assert torch.equal(decoder.rope_table[positions], torch.cat([cos, signed_sin], dim=1))
+    assert torch.equal(decoder.rope_tables[ONE_ROPE][positions], torch.cat([cos, signed_sin], dim=1))
 
 
 def test_lora_adapters_are_merged_for_the_step():
@@ -167,8 +210,8 @@ def test_structures_it_cannot_run_are_named():
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64))
     assert "not a Llama-family" in structure_reason(gpt2)
-    sliding = MistralForCausalLM(MistralConfig(**SIZES, sliding_window=16))
-    assert structure_reason(sliding) == "it has sliding-window layers"
+    softcapped = Gemma2ForCausalLM(Gemma2Config(**SIZES, head_dim=16, attn_logit_softcapping=50.0))
+    assert structure_reason(softcapped) == "config.attn_logit_softcapping is set"
     assert "bfloat16" in structure_reason(_llama().to(torch.bfloat16))
 
 

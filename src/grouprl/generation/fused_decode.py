@@ -22,9 +22,13 @@ Measured (bench/bench_fused_decode.py, generation alone, 2-core AVX512-BF16 CPU,
 bf16 autocast 1.18-1.50x the tokens/s of decoding through the forward on W1-W5 (SmolLM2-135M: 1.22x),
 in fp32 0.99-1.09x: there a 32-row step is bound by streaming the fp32 weights from memory.
 
-Which models: the structure is checked by name and type (Llama, Mistral, Qwen2, Qwen3 and SmolLM3
+Which models: the structure is checked by name and type (Llama, Mistral, Qwen2, Qwen3, SmolLM3 and Gemma 3
 layers; LoRA adapters from peft are merged into the weights for the call), and, once per model, a
-probe compares the logits with the model's own forward; the verdict is logged once (`fuses`).
+probe compares the logits with the model's own forward; the verdict is logged once (`fuses`). Gemma 3's
+differences are parameters of the step: embeddings scaled by sqrt(hidden), norms of (1 + w) computed in fp32 (four a
+layer: its attention's and its MLP's outputs are normed too), tanh-approximated GELU, a score scale of its own, and
+sliding-window layers with a RoPE table of their own. Sliding windows (Gemma 3, Mistral) run over the static
+decode loop's cache only (static_kv_cache.py); shared-prefix decoding serves none.
 
 The structure check (`structure_reason`) finds what the fused step cannot run by name and
 type; the probe finds what it would compute differently (Gemma has Llama's module names but scales
@@ -66,12 +70,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 from transformers.utils import logging
 
 from grouprl.core.cpu_capabilities import isa_limits, onednn_runs_bf16
@@ -83,12 +89,13 @@ from grouprl.generation.shared_prefix import (
     shared_decode,
     shared_prefill,
 )
-from grouprl.model.forward import describe, is_unsupported
+from grouprl.generation.static_kv_cache import StaticKVCache
+from grouprl.model.forward import cache_keyword, describe, is_unsupported
 from grouprl.model.layer_configs import is_heterogeneous
 from grouprl.model.loading import runs_head_in_fp32
 
 if TYPE_CHECKING:
-    from grouprl.generation.static_kv_cache import StaticKVCache, StaticLayerCache
+    from grouprl.generation.static_kv_cache import StaticLayerCache
 
 logger = logging.get_logger("grouprl")
 
@@ -104,15 +111,24 @@ class _Layer(NamedTuple):
     input_norm: torch.Tensor
     input_eps: float
     qkv: Product
-    q_norm: torch.Tensor | None  # Qwen3: RMSNorm of each head's q and k before RoPE
+    q_norm: torch.Tensor | None  # Qwen3, Gemma 3: RMSNorm of each head's q and k before RoPE
     k_norm: torch.Tensor | None
     head_eps: float | None
-    rope: bool  # False: a NoPE layer (SmolLM3's every fourth), whose q and k are not rotated
+    rope: str | None  # the RoPE table its q and k take (Gemma 3: one a layer type); None: a NoPE layer (SmolLM3)
+    window: int | None  # a sliding-window layer's window (static cache only)
     o: Product
+    attention_out_norm: tuple[torch.Tensor, float] | None  # Gemma: the attention's output normed before the add ...
     post_norm: torch.Tensor
     post_eps: float
     gate_up: Product
     down: Product
+    mlp_out_norm: tuple[torch.Tensor, float] | None  # ... and so is its MLP's
+
+
+ONE_ROPE = "every layer"  # the RoPE table key of a model whose layers share one
+SCALED_EMBEDDINGS = ("Gemma3TextScaledWordEmbedding",)  # an nn.Embedding times its `embed_scale`
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma3RMSNorm")  # x normed in fp32 times (1 + w), rounded to x's dtype once
+TANH_GELUS = ("GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh")  # gelu_pytorch_tanh's classes across versions
 
 
 def _norm_eps(norm: torch.nn.Module) -> float | None:
@@ -151,15 +167,12 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
         return "not a Llama-family causal LM (no model.layers / model.rotary_emb)"
     if is_heterogeneous(config):
         return f"its layers differ in {sorted(config.per_layer_attributes)} (config.per_layer_config)"
-    layer_types = getattr(config, "layer_types", None)
-    if getattr(config, "sliding_window", None) is not None and (
-        layer_types is None or "sliding_attention" in layer_types
-    ):
-        return "it has sliding-window layers"
     for what in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, what, None) is not None:
             return f"config.{what} is set"
-    if type(model.get_input_embeddings()) is not torch.nn.Embedding or getattr(inner, "norm", None) is None:
+    embedding = model.get_input_embeddings()
+    plain = type(embedding) is torch.nn.Embedding or type(embedding).__name__ in SCALED_EMBEDDINGS
+    if not plain or getattr(inner, "norm", None) is None:
         return "its embedding or final norm is not a plain one"
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
@@ -174,12 +187,17 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
                 return reason
         if any(getattr(getattr(mlp, n), "bias", None) is not None for n in ("gate_proj", "up_proj", "down_proj")):
             return "its MLP has biases"
-        if not _is_silu(getattr(mlp, "act_fn", None)):
-            return "its MLP activation is not SiLU"
+        if not _is_silu(getattr(mlp, "act_fn", None)) and type(getattr(mlp, "act_fn", None)).__name__ not in TANH_GELUS:
+            return "its MLP activation is neither SiLU nor tanh-approximated GELU"
         norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+        norms += [
+            getattr(layer, n) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if hasattr(layer, n)
+        ]
         norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
         if any(n is None or _norm_eps(n) is None for n in norms):
             return "its layer norms are not RMSNorms with an eps"
+        if hasattr(layer, "pre_feedforward_layernorm") != hasattr(layer, "post_feedforward_layernorm"):
+            return "its layers norm the MLP's input or output, not both"
     weights = model.get_input_embeddings().weight
     if check_dtype and weights.dtype != torch.float32:
         return f"its weights are {weights.dtype} (the probe checks fp32 weights only)"
@@ -220,35 +238,68 @@ class FusedDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scaling = self.head_dim**-0.5
-        self.rotary, self.rope_table = inner.rotary_emb, None
-        self.embedding = model.get_input_embeddings().weight.detach()
-        self.layers = [self._gather(layer) for layer in inner.layers]
-        self.final_norm, self.final_eps = inner.norm.weight.detach(), _norm_eps(inner.norm)
+        # Gemma scales scores by query_pre_attn_scalar**-0.5, not head_dim's
+        self.scaling = getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5)
+        self.gemma_norms = type(inner.norm).__name__ in GEMMA_NORMS
+        self.activation = (
+            F.silu if _is_silu(inner.layers[0].mlp.act_fn) else functools.partial(F.gelu, approximate="tanh")
+        )
+        embedding = model.get_input_embeddings()
+        # Gemma scales the embeddings by sqrt(hidden), rounded to the weights' dtype (as its embedding does)
+        scale = getattr(embedding, "embed_scale", None)
+        self.embed_scale = None if scale is None else scale.to(embedding.weight.dtype)
+        self.rotary, self.rope_tables = inner.rotary_emb, {}
+        self.rope_by_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.embedding = embedding.weight.detach()
+        self.layers = [self._gather(layer, config) for layer in inner.layers]
+        self.final_norm, self.final_eps = self._norm_weight(inner.norm), _norm_eps(inner.norm)
         head = model.get_output_embeddings()
         head_dtype = torch.float32 if runs_head_in_fp32(head) else self.dtype
         weight, bias = _linear_weight(head)
         self.head = self._packed([(weight.to(head_dtype), None if bias is None else bias.to(head_dtype))])
 
-    def _gather(self, layer: torch.nn.Module) -> _Layer:
+    def _gather(self, layer: torch.nn.Module, config: Any) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v, o = (_linear_weight(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         gate, up, down = (_linear_weight(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        # Gemma's post_attention_layernorm norms the attention's output; its pre_feedforward_layernorm is the
+        # MLP-input norm that Llama calls post_attention_layernorm
+        gemma = hasattr(layer, "pre_feedforward_layernorm")
+        mlp_input_norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+        rope = getattr(attn, "layer_type", None) if self.rope_by_layer_type else ONE_ROPE
         return _Layer(
-            input_norm=layer.input_layernorm.weight.detach(),
+            input_norm=self._norm_weight(layer.input_layernorm),
             input_eps=_norm_eps(layer.input_layernorm),
             qkv=self._product([q, k, v]),
-            q_norm=None if q_norm is None else q_norm.weight.detach(),
-            k_norm=None if k_norm is None else k_norm.weight.detach(),
+            q_norm=None if q_norm is None else self._norm_weight(q_norm),
+            k_norm=None if k_norm is None else self._norm_weight(k_norm),
             head_eps=None if q_norm is None else _norm_eps(q_norm),
-            rope=bool(getattr(attn, "use_rope", True)),
+            rope=rope if getattr(attn, "use_rope", True) else None,
+            # Mistral's attention reads its window from the config, for every layer
+            window=getattr(attn, "sliding_window", getattr(config, "sliding_window", None)),
             o=self._product([o]),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            post_eps=_norm_eps(layer.post_attention_layernorm),
+            attention_out_norm=self._norm_pair(layer.post_attention_layernorm) if gemma else None,
+            post_norm=self._norm_weight(mlp_input_norm),
+            post_eps=_norm_eps(mlp_input_norm),
             gate_up=self._product([gate, up]),
             down=self._product([down]),
+            mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma else None,
         )
+
+    def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
+        """What a norm multiplies by: its weight, or Gemma's (1 + weight) in fp32."""
+        weight = norm.weight.detach()
+        return 1.0 + weight.float() if self.gemma_norms else weight
+
+    def _norm_pair(self, norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+        return self._norm_weight(norm), _norm_eps(norm)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension: as the model's norm computes it (Gemma's in fp32, rounded once)."""
+        if self.gemma_norms:
+            return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     def _product(self, pairs: Product) -> Product:
         """The weights in the products' dtype. Where that takes a cast (a copy anyway) they are stacked into one
@@ -276,10 +327,12 @@ class FusedDecoder:
         outs = self._outputs(x, product)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, kind: str = ONE_ROPE) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and sign-folded sin at `positions` (R,), each (R, 1, D) in the residual stream's dtype, as the
-        model's rotary embedding gives them: rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2), one cat of x."""
-        cos, sin = self.rotary(self.embedding[:1], positions[:, None])  # its dtype: the hidden states'
+        model's rotary embedding gives them for layers of RoPE `kind` (a layer type, where they differ):
+        rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2), one cat of x."""
+        by_type = (kind,) if self.rope_by_layer_type else ()
+        cos, sin = self.rotary(self.embedding[:1], positions[:, None], *by_type)  # its dtype: the hidden states'
         half = self.head_dim // 2
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         return cos.to(self.residual_dtype), signed_sin.to(self.residual_dtype)
@@ -288,8 +341,12 @@ class FusedDecoder:
         """Steps gather RoPE's values for positions below `positions` from a table made once (one kernel a step
         instead of about ten). For a loop whose positions stay below it, with a RoPE that never depends on the
         batch (static_decode.STATIC_ROPE_TYPES): each value is computed from its own position, as in a step."""
-        cos, signed_sin = self._rope(torch.arange(positions, device=self.embedding.device))
-        self.rope_table = torch.cat([cos, signed_sin], dim=1)  # (positions, 2, D)
+        every = torch.arange(positions, device=self.embedding.device)
+        for kind in self._rope_kinds():
+            self.rope_tables[kind] = torch.cat(self._rope(every, kind), dim=1)  # (positions, 2, D)
+
+    def _rope_kinds(self) -> list[str]:
+        return sorted({layer.rope for layer in self.layers if layer.rope is not None})
 
     def _residual(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """hidden + out in the residual stream's dtype; the add promotes a bf16 `out` itself (no cast kernel)."""
@@ -313,15 +370,19 @@ class FusedDecoder:
         # attention's output stays in that dtype for the o product, and the residual adds promote the products'
         # outputs. bench/bench_decode_ops.py counts the step's operators.
         hidden = F.embedding(tokens, self.embedding)  # (R, H), the residual stream
-        if self.rope_table is None:
-            cos, signed_sin = self._rope(positions)  # (R, 1, D) each: broadcast over the heads
-        else:
-            both = self.rope_table.index_select(0, positions)
-            cos, signed_sin = both[:, :1], both[:, 1:]
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        ropes = {None: (None, None)}  # each kind's (cos, signed sin), (R, 1, D) each: broadcast over the heads
+        for kind in self._rope_kinds():
+            if kind not in self.rope_tables:
+                ropes[kind] = self._rope(positions, kind)
+            else:
+                both = self.rope_tables[kind].index_select(0, positions)
+                ropes[kind] = both[:, :1], both[:, 1:]
         mlp_out = None
         for index, layer in enumerate(self.layers):
-            hidden, mlp_out = self.layer_step(self, hidden, mlp_out, layer, cache.layer(index), cos, signed_sin)
-        hidden = F.rms_norm(self._residual(hidden, mlp_out), (hidden.shape[-1],), self.final_norm, self.final_eps)
+            hidden, mlp_out = self.layer_step(self, hidden, mlp_out, layer, cache.layer(index), *ropes[layer.rope])
+        hidden = self._norm(self._residual(hidden, mlp_out), self.final_norm, self.final_eps)
         return self._apply(hidden, self.head).float()
 
     def _layer(
@@ -330,18 +391,18 @@ class FusedDecoder:
         mlp_out: torch.Tensor | None,
         layer: _Layer,
         cache: StaticLayerCache | SharedPrefixLayer,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        signed_sin: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer: (the residual stream before it, the previous layer's MLP output or None) -> (the stream after
         its attention, its MLP output). Each layer adds the previous one's MLP output itself, so a compiled layer
         (static_decode's compile) fuses that add with its first norm."""
         rows, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
         rope_dtype, attention_dtype = self.residual_dtype, cache.kv_dtype
-        half, q_width, width = dim // 2, heads * dim, hidden.shape[-1]
+        half, q_width = dim // 2, heads * dim
         if mlp_out is not None:
             hidden = self._residual(hidden, mlp_out)
-        x = F.rms_norm(hidden, (width,), layer.input_norm, layer.input_eps)
+        x = self._norm(hidden, layer.input_norm, layer.input_eps)
         outs = self._outputs(x, layer.qkv)  # one stacked product, or q, k and v read in place (three)
         qkv = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(rows, heads + 2 * kv_heads, dim)
         # RoPE's output replaces q and k in place where the products' dtype is the cache's (the static loop's),
@@ -350,7 +411,15 @@ class FusedDecoder:
         qk = qkv[:, : heads + kv_heads]  # `qk * cos` below computes in rope_dtype
         if rotated is not qkv:
             rotated[:, heads + kv_heads :] = qkv[:, heads + kv_heads :]
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and self.gemma_norms:  # normed in fp32, rounded to the products' dtype
+            qk = torch.cat(
+                [
+                    self._norm(qk[:, :heads], layer.q_norm, layer.head_eps),
+                    self._norm(qk[:, heads:], layer.k_norm, layer.head_eps),
+                ],
+                dim=1,
+            )
+        elif layer.q_norm is not None:
             qk = qk.to(rope_dtype)
             qk = torch.cat(
                 [
@@ -359,7 +428,7 @@ class FusedDecoder:
                 ],
                 dim=1,
             )
-        if not layer.rope:  # q and k as they are, into the attention's dtype (nothing to do where they lie there)
+        if layer.rope is None:  # q and k as they are, into the attention's dtype (nothing to do where they lie there)
             if rotated is not qkv or layer.q_norm is not None:
                 rotated[:, : heads + kv_heads] = qk
         else:
@@ -371,13 +440,17 @@ class FusedDecoder:
             else:
                 torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads])
         cache.write(rotated[:, heads:, None])  # (R, 2 * kv_heads, 1, D): keys, then values
-        attended = cache.attend(rotated[:, :heads, None], self.scaling)  # (R, 1, heads, D)
-        hidden = self._residual(hidden, self._apply(attended.reshape(rows, q_width), layer.o))
-        x = F.rms_norm(hidden, (width,), layer.post_norm, layer.post_eps)
-        return hidden, self._mlp(x, layer)
+        attended = cache.attend(rotated[:, :heads, None], self.scaling, layer.window)  # (R, 1, heads, D)
+        out = self._apply(attended.reshape(rows, q_width), layer.o)
+        if layer.attention_out_norm is not None:
+            out = self._norm(out, *layer.attention_out_norm)
+        hidden = self._residual(hidden, out)
+        x = self._norm(hidden, layer.post_norm, layer.post_eps)
+        out = self._mlp(x, layer)
+        return hidden, out if layer.mlp_out_norm is None else self._norm(out, *layer.mlp_out_norm)
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        """down(SiLU(gate) * up) of the normed (R, H) rows."""
+        """down(act(gate) * up) of the normed (R, H) rows (act: SiLU, or Gemma's tanh-approximated GELU)."""
         if self.mlp_transposed and len(layer.gate_up) == 1:
             # gate/up stacked in one weight: the (2I, R) product W @ x^T has each half contiguous, where the halves of
             # x @ W^T's (R, 2I) are strided, which CUDA's SiLU and product run by its generic elementwise kernel
@@ -385,10 +458,10 @@ class FusedDecoder:
             # transposes are operand layouts of the products, not copies.
             weight, _ = layer.gate_up[0]  # an MLP has no biases (structure_reason)
             gate, up = torch.mm(weight, x.to(weight.dtype).t()).chunk(2, dim=0)
-            return self._apply(F.silu(gate).mul_(up).t(), layer.down)
+            return self._apply(self.activation(gate).mul_(up).t(), layer.down)
         outs = self._outputs(x, layer.gate_up)
         gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
-        return self._apply(F.silu(gate) * up, layer.down)
+        return self._apply(self.activation(gate) * up, layer.down)
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -415,9 +488,18 @@ def fused_decoder(model: torch.nn.Module) -> FusedDecoder:
     return FusedDecoder(_base(model))
 
 
+def has_sliding_windows(model: torch.nn.Module) -> bool:
+    """Whether some layer attends over a sliding window (FusedDecoder then runs over a static cache only)."""
+    config = model.config
+    return getattr(config, "sliding_window", None) is not None and any(
+        kind != "full_attention" for kind in getattr(config, "layer_types", None) or ["sliding"]
+    )
+
+
 @torch.no_grad()
 def probe(model: torch.nn.Module) -> str | None:
-    """None if FusedDecoder's steps give the model's own logits (fp32, through the same shared-prefix cache)."""
+    """None if FusedDecoder's steps give the model's own logits (fp32, through the same shared-prefix cache; a model
+    with sliding windows through the static cache, against its forward over its own cache)."""
     vocab = model.get_input_embeddings().weight.shape[0]
     device = model.get_input_embeddings().weight.device
     prompts = torch.tensor([[0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
@@ -426,8 +508,11 @@ def probe(model: torch.nn.Module) -> str | None:
     forward = functools.partial(type(model).forward, model)  # the class forward (module doc)
     with torch.autocast(device.type, enabled=False):
         try:
-            expected = shared_decode(model, prompts, mask, steps, forward=forward)
-            got = _fused_decode(model, prompts, mask, steps)
+            if has_sliding_windows(model):
+                expected, got = static_decode_pair(model, prompts, mask, steps)
+            else:
+                expected = shared_decode(model, prompts, mask, steps, forward=forward)
+                got = _fused_decode(model, prompts, mask, steps)
         except Exception as err:
             if not is_unsupported(err):
                 raise
@@ -453,6 +538,36 @@ def _fused_decode(
         logits.append(decoder.step(step, positions, cache))
         positions = positions + 1
     return logits
+
+
+def static_decode_pair(
+    model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each step's fp32 logits (rows, vocab), `SAMPLES` rows per prompt fed `steps`' tokens: (the model's class
+    forward over its own cache, FusedDecoder over a StaticKVCache), both prefilled by that forward."""
+    forward = functools.partial(type(model).forward, model)
+    keyword = cache_keyword(model)
+    prompts, mask = prompts.repeat_interleave(SAMPLES, 0), mask.repeat_interleave(SAMPLES, 0)
+    positions = mask.sum(dim=1)
+    caches = []
+    for _ in range(2):
+        caches.append(DynamicCache(config=model.config))
+        prefill_positions = (mask.cumsum(1) - 1).clamp(min=0)
+        forward(input_ids=prompts, attention_mask=mask, position_ids=prefill_positions, **{keyword: caches[-1]})
+    decoder = FusedDecoder(model)
+    static = StaticKVCache(
+        caches[1], mask, 1, steps.shape[0], decoder.dtype, [layer.window for layer in decoder.layers]
+    )
+    expected, got = [], []
+    for index, tokens in enumerate(steps):
+        mask = F.pad(mask, (0, 1), value=1)
+        at = (positions + index)[:, None]
+        out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=at, **{keyword: caches[0]})
+        expected.append(out.logits[:, -1].float())
+        static.open_column()
+        got.append(decoder.step(tokens, positions + index, static))
+        static.column.add_(1)
+    return expected, got
 
 
 def weight_major_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ elementwise passes around the products. One compiled layer serves all of a model
 bucket and row count is a static graph of its own, up to `MAX_COMPILED_SHAPES`). Products then take `F.linear` (no
 packed CPU weights).
 
-Models: the Llama family that FusedDecoder runs (fused_decode.structure_reason); fp32 weights also pass its
+Models: the Llama family and Gemma 3 that FusedDecoder runs (fused_decode.structure_reason), sliding-window layers
+included (their keys outside the window masked in the cache); fp32 weights also pass its
 probe against the model's forward, lower-precision ones must be of a family whose forward it is known to
 match (`KNOWN_FAMILIES`), since there a probe cannot tell rounding from a different computation. LoRA
 adapters are merged into the decode weights for the call (a copy of the adapted projections); a quantized
@@ -59,7 +60,7 @@ from grouprl.model.patches import grouprl_patches
 PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
-KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text")
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # whose cos/sin never depend on the batch's largest position
 
@@ -76,8 +77,9 @@ def captured_supports(
     if reason:
         return reason
     rope = getattr(base.model.rotary_emb, "rope_type", "default")
-    if rope not in STATIC_ROPE_TYPES:
-        return f"its RoPE ({rope!r}) recomputes cos/sin from the batch's positions"
+    for kind in rope.values() if isinstance(rope, dict) else [rope]:  # Gemma 3: one a layer type
+        if kind not in STATIC_ROPE_TYPES:
+            return f"its RoPE ({kind!r}) recomputes cos/sin from the batch's positions"
     if base.get_input_embeddings().weight.dtype == torch.float32:
         return None if fuses(model) else "the fused decode step's probe did not match its forward"
     family = getattr(base.config, "model_type", None)
@@ -290,7 +292,8 @@ class CapturedGenerator:
             logits_to_keep=1,
         ).logits[:, -1]
         decoder = FusedDecoder(base, pack=not self.compile_step)  # the weights as they are now; in place where no cast
-        cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype)
+        windows = [layer.window for layer in decoder.layers]
+        cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype, windows)
         decoder.tabulate_rope(cache.valid.shape[1])  # every position a row reaches is below the cache's columns
         del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)

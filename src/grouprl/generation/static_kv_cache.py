@@ -8,6 +8,8 @@ attention kernel pads a score bias whose rows are not 16-aligned, which would be
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -25,38 +27,56 @@ class StaticKVCache:
     (rows, columns) marks the prompt's real tokens and every token decoded so far, and `bias` (rows, 1, 1, columns)
     is the same as the scores' additive bias in `kv_dtype` (0 or -inf), kept once for every layer: given a boolean
     mask, sdpa would convert it in each layer.
+
+    Sliding-window layers (`windows`, one a layer) see the keys of their window only: a key `window` columns or more
+    before the query's is masked too, in a bias kept once for each window. Every row's columns are its positions
+    shifted by its left padding, so a column distance is a position distance. Their prefill may keep only the
+    window's last tokens (transformers' sliding-window cache layers), right-aligned here.
     """
 
     def __init__(
-        self, prefill: DynamicCache, prompt_mask: torch.Tensor, repeats: int, new_tokens: int, kv_dtype: torch.dtype
+        self,
+        prefill: DynamicCache,
+        prompt_mask: torch.Tensor,
+        repeats: int,
+        new_tokens: int,
+        kv_dtype: torch.dtype,
+        windows: Sequence[int | None] = (),
     ):
-        prompt_keys = [layer.keys for layer in prefill.layers]
-        rows = prompt_mask.shape[0] * repeats
-        columns = -(-(prompt_mask.shape[1] + new_tokens) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
-        _, kv_heads, prompt_length, head_dim = prompt_keys[0].shape
+        rows, prompt_length = prompt_mask.shape[0] * repeats, prompt_mask.shape[1]
+        columns = -(-(prompt_length + new_tokens) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        _, kv_heads, _, head_dim = prefill.layers[0].keys.shape
         self.kv_dtype, device = kv_dtype, prompt_mask.device
         # a layer's keys and values in one buffer, so a step writes both at once (a kernel a layer fewer)
         self.key_values = [
-            torch.zeros(rows, 2 * kv_heads, columns, head_dim, dtype=kv_dtype, device=device) for _ in prompt_keys
+            torch.zeros(rows, 2 * kv_heads, columns, head_dim, dtype=kv_dtype, device=device) for _ in prefill.layers
         ]
         for both, source in zip(self.key_values, prefill.layers):
-            both[:, :kv_heads, :prompt_length] = source.keys.repeat_interleave(repeats, 0)
-            both[:, kv_heads:, :prompt_length] = source.values.repeat_interleave(repeats, 0)
+            start = prompt_length - source.keys.shape[2]
+            both[:, :kv_heads, start:prompt_length] = source.keys.repeat_interleave(repeats, 0)
+            both[:, kv_heads:, start:prompt_length] = source.values.repeat_interleave(repeats, 0)
         self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
         self.valid[:, :prompt_length] = prompt_mask.bool().repeat_interleave(repeats, 0)
         self.column = torch.full((1,), prompt_length, dtype=torch.long, device=device)
         self.bias = torch.zeros(rows, 1, 1, columns, dtype=kv_dtype, device=device).masked_fill_(
             ~self.valid[:, None, None, :], float("-inf")
         )
+        self.windows = list(windows) or [None] * len(prefill.layers)
+        self.column_numbers = torch.arange(columns, device=device)
+        self.window_biases = {window: self.bias.clone() for window in set(self.windows) - {None}}
 
     def open_column(self) -> None:
-        """Mark column `column` valid in every row: the token a step feeds is attended from that step on."""
+        """Mark column `column` valid in every row: the token a step feeds is attended from that step on; a
+        sliding window's bias drops the column that left it."""
         self.valid.index_fill_(1, self.column, True)
         self.bias.index_fill_(3, self.column, 0.0)
+        for window, bias in self.window_biases.items():
+            bias.copy_(self.bias.masked_fill(self.column_numbers <= self.column - window, float("-inf")))
 
     def layer(self, index: int) -> "StaticLayerCache":
         """Layer `index`'s buffer, with what a decode step's layer does with it (`write`, `attend`)."""
-        return StaticLayerCache(self.key_values[index], self.column, self.bias, self.kv_dtype)
+        bias = self.window_biases.get(self.windows[index], self.bias)
+        return StaticLayerCache(self.key_values[index], self.column, bias, self.kv_dtype)
 
 
 class StaticLayerCache:
@@ -72,8 +92,9 @@ class StaticLayerCache:
         `column`."""
         self.key_values.index_copy_(2, self.column, key_values)
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in `kv_dtype`, over the valid columns.
+    def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+        """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in `kv_dtype`, over the valid columns (of
+        its sliding window, whose bias this layer's is: `window` is the cache's to apply, StaticKVCache.layer).
 
         The heads sharing a key/value head are that head's queries (a (rows, kv_heads, heads / kv_heads, dim)
         query), so grouped-query attention needs neither repeated keys nor enable_gqa."""
