@@ -7,9 +7,10 @@
         --cases 1 --only captured --kinds train   # the GPU case's memory, counted on a CPU (below)
 
 Models are built here with random weights (no hub): the Qwen2.5-0.5B shape (24 layers, hidden 896, 14 / 2
-heads, vocabulary 151,936, tied embeddings) and the Qwen2.5-1.5B shape (28 layers, hidden 1536, 12 / 2 heads),
-bf16, with a word-level tokenizer of that vocabulary. Random weights practically never emit the EOS, so every
-completion runs to max_completion_length in every library alike.
+heads, vocabulary 151,936, tied embeddings), the Qwen2.5-1.5B shape (28 layers, hidden 1536, 12 / 2 heads) and
+Gemma 3 1B's (26 layers, hidden 1152, 4 / 1 heads of 256, vocabulary 262,144, five 512-token sliding-window layers
+to a full one), bf16, with a word-level tokenizer of that vocabulary. Random weights practically never emit the
+EOS, so every completion runs to max_completion_length in every library alike.
 
 Per case and library/engine: seconds per optimizer step (the first step not counted), generated tokens per
 second, peak GPU memory; per engine the decode step alone (one generation of the case's rows, time / new
@@ -55,12 +56,15 @@ class Shape:
     kv_heads: int
     intermediate: int
     vocab: int
+    family: str = "qwen2"  # or "gemma3": Gemma 3's layers, head_dim 256, five sliding (512) to a full one
 
 
 SHAPES = {
     "0.5B": Shape("0.5B", 896, 24, 14, 2, 4864, 151_936),
     "1.5B": Shape("1.5B", 1536, 28, 12, 2, 8960, 151_936),
+    "gemma3-1B": Shape("gemma3-1B", 1152, 26, 4, 1, 6912, 262_144, "gemma3"),
     "tiny": Shape("tiny", 64, 2, 4, 2, 128, 512),
+    "tiny-gemma3": Shape("tiny-gemma3", 64, 6, 4, 1, 128, 512, "gemma3"),
 }
 
 
@@ -93,26 +97,21 @@ PLAN = (
     Case("0.5B, 48-token prompts", "0.5B", 8, 8, 48, 0, 256, 3, ("trl", *ENGINES)),
     Case("0.5B, 1024-token shared prompt + 48", "0.5B", 8, 8, 48, 1024, 256, 3, ("trl", *ENGINES)),
     Case("1.5B, 48-token prompts, 1024 new tokens", "1.5B", 8, 8, 48, 0, 1024, 2, ("trl", "captured")),
+    # Gemma 3 (since 2026-11-29 the captured loop's): 1024 new tokens, so its 512-token windows slide
+    Case("Gemma 3 1B, 48-token prompts, 1024 new tokens", "gemma3-1B", 8, 8, 48, 0, 1024, 2, ("trl", "captured")),
 )
 TINY_PLAN = (
     Case("tiny, 12-token prompts", "tiny", 2, 4, 12, 0, 16, 2, ("trl", *ENGINES)),
     Case("tiny, 40-token shared prompt + 12", "tiny", 2, 4, 12, 40, 16, 2, ("trl", *ENGINES)),
+    Case("tiny Gemma 3, 12-token prompts", "tiny-gemma3", 2, 4, 12, 0, 16, 2, ("trl", "transformers", "captured")),
 )
 
 
-def build_model(shape: Shape, device: str, dtype: torch.dtype, directory: str) -> str:
-    """A random-weight Qwen2 of `shape` and a word-level tokenizer of its vocabulary, saved to `directory`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+def model_config(shape: Shape):
+    """The transformers config of a random-weight model of `shape` (its EOS the last id, its pad the one before)."""
+    import transformers
 
-    if os.path.exists(os.path.join(directory, "config.json")):
-        return directory
-    words = {f"w{i}": i for i in range(shape.vocab - 2)}
-    words.update({"<pad>": shape.vocab - 2, "<eos>": shape.vocab - 1})
-    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
-    config = Qwen2Config(
+    sizes = dict(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
@@ -125,9 +124,32 @@ def build_model(shape: Shape, device: str, dtype: torch.dtype, directory: str) -
         pad_token_id=shape.vocab - 2,
         bos_token_id=None,
     )
+    if shape.family == "gemma3":  # Gemma 3 1B's layout (at the tiny shape: a window that slides within 16 tokens)
+        window = 512 if shape.hidden > 256 else 8
+        layers = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(shape.layers)]
+        head_dim = 256 if shape.hidden > 256 else 16
+        return transformers.Gemma3TextConfig(
+            **sizes, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=window, layer_types=layers
+        ), transformers.Gemma3ForCausalLM
+    return transformers.Qwen2Config(**sizes), transformers.Qwen2ForCausalLM
+
+
+def build_model(shape: Shape, device: str, dtype: torch.dtype, directory: str) -> str:
+    """A random-weight model of `shape` and a word-level tokenizer of its vocabulary, saved to `directory`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    words = {f"w{i}": i for i in range(shape.vocab - 2)}
+    words.update({"<pad>": shape.vocab - 2, "<eos>": shape.vocab - 1})
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+    config, model_class = model_config(shape)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(dtype)
+        model = model_class(config).to(dtype)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = shape.vocab - 1, shape.vocab - 2
     model.save_pretrained(directory)
     fast.save_pretrained(directory)

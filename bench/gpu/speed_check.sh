@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the generation-speed work (docs/benchmarks-gpu.md), inside ~9 minutes on an H100/H200:
-#   1. the GPU tests of the captured loop, its compiled step included (check.sh, at most 110 s; 66 s on the H200);
+#   1. the GPU tests of the captured loop, its compiled step included, and its families (Gemma 3 and sliding windows
+#      since 2026-11-29) against generate (check.sh, at most 120 s; 66 s on the H200 before the families);
 #   2. the decode step alone, as the trainer generates (fp32 weights under bf16 autocast), as it is, with its MLP in
 #      the row-major orientation it had before, and compiled: ms and kernels a step, peak memory
 #      (bench/bench_decode_step.py, at most 80 s): whether W @ x^T pays on CUDA (fused_decode.mlp_transposed_pays_off)
@@ -25,7 +26,7 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/grouprl-gpu}"
 mkdir -p "$OUT"
 export OUT
-LIMIT=110 bash bench/gpu/check.sh tests/test_gpu.py tests/test_static_decode.py 2>&1 | tail -15
+LIMIT=120 bash bench/gpu/check.sh tests/test_gpu.py tests/test_static_decode.py tests/test_fused_decode.py 2>&1 | tail -15
 # check.sh installed the carried wheels (grouprl imports datasets)
 export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 timeout 80 python3 bench/bench_decode_step.py 2>&1 | tee "$OUT/decode_step.jsonl" | grep '"way"'
