@@ -124,13 +124,23 @@ def _even_parts(items: list[int], parts: int) -> list[list[int]]:
     return out
 
 
+_PAIRS_PER_TOKEN: weakref.WeakKeyDictionary[torch.nn.Module, float] = weakref.WeakKeyDictionary()
+
+
 def pairs_per_token(model: torch.nn.Module) -> float:
-    """How many attention (query, key) pairs cost as much as one token through a layer's weights.
+    """How many attention (query, key) pairs cost as much as one token through a layer's weights; counted once a
+    model (a pass over its parameters).
 
     Per layer a token costs ~2 FLOPs per weight, a pair ~4 per attention channel (QK^T and AV).
     On W1's model this predicts 3072 where timing plain vs packed passes gave ~2800.
     """
     inner = getattr(model, "module", model)  # DDP / accelerate wrappers
+    if inner not in _PAIRS_PER_TOKEN:
+        _PAIRS_PER_TOKEN[inner] = _count_pairs_per_token(inner)
+    return _PAIRS_PER_TOKEN[inner]
+
+
+def _count_pairs_per_token(inner: torch.nn.Module) -> float:
     config = inner.config
     layers = getattr(config, "num_hidden_layers", None)
     if not layers or not getattr(config, "num_attention_heads", None):
