@@ -12,6 +12,7 @@ import torch
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.core.types import SamplingParams
 from grouprl.demo.tokenizer import EOS_TOKEN, build_tokenizer
+from grouprl.generation import fused_decode
 from grouprl.generation.engine import FastGenerator
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.protocol import left_pad
@@ -183,6 +184,9 @@ def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path):
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer("auto").train()
     assert all(not torch.equal(p, before[name]) for name, p in model.named_parameters())
+    if "captured" in MODELS[arch][1]:  # what 'auto' picks on CUDA, here eager: it samples from the trained weights
+        trainer("captured").train()
+        assert fused_decode._VERDICTS[model] is None  # the fused step's verdict, reached by training, is positive
     for engine in {"engine", "captured"} - set(MODELS[arch][1]):
         with pytest.raises(ValueError, match=f"generation_engine='{engine}' cannot be used: .*Use 'auto'"):
             trainer(engine)
