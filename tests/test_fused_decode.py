@@ -19,6 +19,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -96,6 +98,11 @@ def _gemma3():
     return model
 
 
+def _phi3():  # q/k/v and gate/up each one stacked projection; RoPE on half of each head (partial_rotary_factor)
+    config = Phi3Config(**SIZES, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return Phi3ForCausalLM(config)
+
+
 def _smollm3():  # a NoPE layer (SmolLM3's every fourth): q and k not rotated
     return SmolLM3ForCausalLM(
         SmolLM3Config(**SIZES, no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -110,6 +117,7 @@ ACCEPTED = {
     "smollm3 (a NoPE layer)": _smollm3,
     "mistral (sliding window)": _sliding_mistral,
     "gemma3": _gemma3,
+    "phi3 (partial RoPE)": _phi3,
 }
 
 
@@ -288,13 +296,15 @@ def test_a_refused_model_still_generates_through_its_forward(tiny_model_dir, tok
 
 
 @pytest.mark.parametrize("packing", ["as this CPU allows", "declined"])
-def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards(packing, monkeypatch):
+@pytest.mark.parametrize("build", [_llama, _phi3], ids=["llama", "phi3 (partial RoPE)"])
+def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards(packing, build, monkeypatch):
     """Under bf16 autocast neither path matches fp32 exactly; the fused one must be no further from it. "declined"
-    is the path of a CPU whose oneDNN runs no bf16 (AVX2-only): the bf16 weights multiplied unpacked."""
+    is the path of a CPU whose oneDNN runs no bf16 (AVX2-only): the bf16 weights multiplied unpacked. Here (the
+    engine's fp32 cache) RoPE writes q and k into a buffer of their own: Phi-3's unrotated dimensions too."""
     if packing == "declined":
         monkeypatch.setattr(fused_decode, "packs_weights", lambda dtype, device: False)
     torch.manual_seed(0)
-    model = _llama().eval()
+    model = build().eval()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(30.0)  # logits of a real model's scale
     reference, _ = _random_decode(model, steps=6)

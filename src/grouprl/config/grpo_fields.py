@@ -147,7 +147,7 @@ class ModelAndSamplingFields:
         default="auto",
         metadata=_meta(
             "grouprl: 'engine' (fast in-process sampler: one prefill per prompt, finished rows leave the batch), "
-            "'captured' (a static decode loop, Llama-family and Gemma 3 models, sliding windows included: KV "
+            "'captured' (a static decode loop, Llama-family, Phi-3 and Gemma 3 models, sliding windows included: KV "
             "buffers allocated once, sampling inside the step, replayed as one CUDA graph per step on CUDA, eager "
             "elsewhere; docs/benchmarks-gpu.md), "
             "'transformers' (model.generate), 'auto' (where the model and options allow it: the engine on a CPU, the "

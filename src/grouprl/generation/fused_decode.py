@@ -22,13 +22,18 @@ Measured (bench/bench_fused_decode.py, generation alone, 2-core AVX512-BF16 CPU,
 bf16 autocast 1.18-1.50x the tokens/s of decoding through the forward on W1-W5 (SmolLM2-135M: 1.22x),
 in fp32 0.99-1.09x: there a 32-row step is bound by streaming the fp32 weights from memory.
 
-Which models: the structure is checked by name and type (Llama, Mistral, Qwen2, Qwen3, SmolLM3 and Gemma 3
-layers; LoRA adapters from peft are merged into the weights for the call), and, once per model, a
-probe compares the logits with the model's own forward; the verdict is logged once (`fuses`). Gemma 3's
-differences are parameters of the step: embeddings scaled by sqrt(hidden), norms of (1 + w) computed in fp32 (four a
-layer: its attention's and its MLP's outputs are normed too), tanh-approximated GELU, a score scale of its own, and
-sliding-window layers with a RoPE table of their own. Sliding windows (Gemma 3, Mistral) run over the static
-decode loop's cache only (static_kv_cache.py); shared-prefix decoding serves none.
+Which models: the structure is checked by name and type (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3 and
+Gemma 3 layers; LoRA adapters from peft are merged into the weights for the call), and, once per model, a probe
+compares the logits with the model's own forward; the verdict is logged once (`fuses`). What differs between
+these families is a parameter of the step:
+- SmolLM3's NoPE layers leave q and k unrotated;
+- Phi-3's stacked q/k/v and gate/up projections are one product each, as they are, and its RoPE turns the first
+  `partial_rotary_factor` of each head;
+- Gemma 3 scales its embeddings by sqrt(hidden), norms by (1 + w) in fp32 (four norms a layer: its attention's and
+  its MLP's outputs are normed too), uses tanh-approximated GELU and a score scale of its own, and gives its
+  sliding-window layers a RoPE table of their own.
+Sliding windows (Gemma 3, Mistral) run over the static decode loop's cache only (static_kv_cache.py); shared-prefix
+decoding serves none.
 
 The structure check (`structure_reason`) finds what the fused step cannot run by name and
 type; the probe finds what it would compute differently (Gemma has Llama's module names but scales
@@ -179,15 +184,15 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
         return "its LM head is not an nn.Linear"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        attention, feedforward = _projection_names(attn, mlp)
+        projections = [getattr(attn, n, None) for n in attention] + [getattr(mlp, n, None) for n in feedforward]
         for proj in projections:
             reason = _projection_reason(proj)
             if reason:
                 return reason
-        if any(getattr(getattr(mlp, n), "bias", None) is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        if any(getattr(getattr(mlp, n), "bias", None) is not None for n in feedforward):
             return "its MLP has biases"
-        if not _is_silu(getattr(mlp, "act_fn", None)) and type(getattr(mlp, "act_fn", None)).__name__ not in TANH_GELUS:
+        if not _is_silu(_activation(mlp)) and type(_activation(mlp)).__name__ not in TANH_GELUS:
             return "its MLP activation is neither SiLU nor tanh-approximated GELU"
         norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
         norms += [
@@ -202,6 +207,19 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
     if check_dtype and weights.dtype != torch.float32:
         return f"its weights are {weights.dtype} (the probe checks fp32 weights only)"
     return None
+
+
+def _projection_names(attn: torch.nn.Module | None, mlp: torch.nn.Module | None) -> tuple[tuple[str, ...], ...]:
+    """A layer's projections by name: Llama's, or Phi-3's stacked q/k/v and gate/up."""
+    attention = ("qkv_proj", "o_proj") if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj", "o_proj")
+    feedforward = (
+        ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
+    )
+    return attention, feedforward
+
+
+def _activation(mlp: torch.nn.Module | None) -> object:
+    return getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))  # Phi-3's name
 
 
 def _projection_reason(proj: torch.nn.Module | None) -> str | None:
@@ -242,7 +260,7 @@ class FusedDecoder:
         self.scaling = getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5)
         self.gemma_norms = type(inner.norm).__name__ in GEMMA_NORMS
         self.activation = (
-            F.silu if _is_silu(inner.layers[0].mlp.act_fn) else functools.partial(F.gelu, approximate="tanh")
+            F.silu if _is_silu(_activation(inner.layers[0].mlp)) else functools.partial(F.gelu, approximate="tanh")
         )
         embedding = model.get_input_embeddings()
         # Gemma scales the embeddings by sqrt(hidden), rounded to the weights' dtype (as its embedding does)
@@ -252,6 +270,11 @@ class FusedDecoder:
         self.rope_by_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.embedding = embedding.weight.detach()
         self.layers = [self._gather(layer, config) for layer in inner.layers]
+        # the dimensions RoPE rotates: all of a head's, or its first ones (Phi-3's partial_rotary_factor); the rest
+        # pass through unrotated
+        kinds = self._rope_kinds()
+        probe = torch.zeros(1, dtype=torch.long, device=device)
+        self.rotary_dim = self._rope(probe, kinds[0])[0].shape[-1] if kinds else self.head_dim
         self.final_norm, self.final_eps = self._norm_weight(inner.norm), _norm_eps(inner.norm)
         head = model.get_output_embeddings()
         head_dtype = torch.float32 if runs_head_in_fp32(head) else self.dtype
@@ -260,8 +283,9 @@ class FusedDecoder:
 
     def _gather(self, layer: torch.nn.Module, config: Any) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        q, k, v, o = (_linear_weight(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        gate, up, down = (_linear_weight(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+        attention, feedforward = _projection_names(attn, mlp)  # stacked ones (Phi-3) are one product as they are
+        *qkv, o = (_linear_weight(getattr(attn, n)) for n in attention)
+        *gate_up, down = (_linear_weight(getattr(mlp, n)) for n in feedforward)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         # Gemma's post_attention_layernorm norms the attention's output; its pre_feedforward_layernorm is the
         # MLP-input norm that Llama calls post_attention_layernorm
@@ -271,7 +295,7 @@ class FusedDecoder:
         return _Layer(
             input_norm=self._norm_weight(layer.input_layernorm),
             input_eps=_norm_eps(layer.input_layernorm),
-            qkv=self._product([q, k, v]),
+            qkv=self._product(qkv),
             q_norm=None if q_norm is None else self._norm_weight(q_norm),
             k_norm=None if k_norm is None else self._norm_weight(k_norm),
             head_eps=None if q_norm is None else _norm_eps(q_norm),
@@ -282,7 +306,7 @@ class FusedDecoder:
             attention_out_norm=self._norm_pair(layer.post_attention_layernorm) if gemma else None,
             post_norm=self._norm_weight(mlp_input_norm),
             post_eps=_norm_eps(mlp_input_norm),
-            gate_up=self._product([gate, up]),
+            gate_up=self._product(gate_up),
             down=self._product([down]),
             mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma else None,
         )
@@ -333,7 +357,7 @@ class FusedDecoder:
         rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2), one cat of x."""
         by_type = (kind,) if self.rope_by_layer_type else ()
         cos, sin = self.rotary(self.embedding[:1], positions[:, None], *by_type)  # its dtype: the hidden states'
-        half = self.head_dim // 2
+        half = cos.shape[-1] // 2
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         return cos.to(self.residual_dtype), signed_sin.to(self.residual_dtype)
 
@@ -399,7 +423,8 @@ class FusedDecoder:
         (static_decode's compile) fuses that add with its first norm."""
         rows, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
         rope_dtype, attention_dtype = self.residual_dtype, cache.kv_dtype
-        half, q_width = dim // 2, heads * dim
+        rot, q_width = self.rotary_dim, heads * dim
+        half = rot // 2
         if mlp_out is not None:
             hidden = self._residual(hidden, mlp_out)
         x = self._norm(hidden, layer.input_norm, layer.input_eps)
@@ -432,13 +457,16 @@ class FusedDecoder:
             if rotated is not qkv or layer.q_norm is not None:
                 rotated[:, : heads + kv_heads] = qk
         else:
+            if rot < dim and (rotated is not qkv or layer.q_norm is not None):  # the dimensions RoPE leaves alone
+                rotated[:, : heads + kv_heads, rot:] = qk[..., rot:]
+            turned = qk[..., :rot]
             # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output; the
             # inputs are computed before the output overwrites q and k
-            rope_inputs = (qk * cos, torch.cat([qk[..., half:], qk[..., :half]], dim=-1), signed_sin)
+            rope_inputs = (turned * cos, torch.cat([turned[..., half:], turned[..., :half]], dim=-1), signed_sin)
             if torch.compiler.is_compiling():  # dynamo refuses a strided `out=`; inductor fuses the copy anyway
-                rotated[:, : heads + kv_heads] = torch.addcmul(*rope_inputs)
+                rotated[:, : heads + kv_heads, :rot] = torch.addcmul(*rope_inputs)
             else:
-                torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads])
+                torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads, :rot])
         cache.write(rotated[:, heads:, None])  # (R, 2 * kv_heads, 1, D): keys, then values
         attended = cache.attend(rotated[:, :heads, None], self.scaling, layer.window)  # (R, 1, heads, D)
         out = self._apply(attended.reshape(rows, q_width), layer.o)

@@ -60,7 +60,7 @@ from grouprl.model.patches import grouprl_patches
 PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
-KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text")
+KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3")
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # whose cos/sin never depend on the batch's largest position
 
