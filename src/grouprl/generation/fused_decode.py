@@ -120,7 +120,7 @@ class _Layer(NamedTuple):
     k_norm: torch.Tensor | None
     head_eps: float | None
     rope: str | None  # the RoPE table its q and k take (Gemma 3: one a layer type); None: a NoPE layer (SmolLM3)
-    window: int | None  # a sliding-window layer's window (static cache only)
+    window: int | None  # a sliding-window layer's window (the static cache's biases; shared prefixes serve none)
     o: Product
     attention_out_norm: tuple[torch.Tensor, float] | None  # Gemma: the attention's output normed before the add ...
     post_norm: torch.Tensor
@@ -468,7 +468,7 @@ class FusedDecoder:
             else:
                 torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads, :rot])
         cache.write(rotated[:, heads:, None])  # (R, 2 * kv_heads, 1, D): keys, then values
-        attended = cache.attend(rotated[:, :heads, None], self.scaling, layer.window)  # (R, 1, heads, D)
+        attended = cache.attend(rotated[:, :heads, None], self.scaling)  # (R, 1, heads, D)
         out = self._apply(attended.reshape(rows, q_width), layer.o)
         if layer.attention_out_norm is not None:
             out = self._norm(out, *layer.attention_out_norm)

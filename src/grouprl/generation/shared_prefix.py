@@ -180,9 +180,7 @@ class SharedPrefixLayer:
     def write(self, key_values: torch.Tensor) -> None:
         self.cache.write(key_values, self.index)
 
-    def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
-        if window is not None:  # engine.py never decodes such a model over a shared prefix (it probes first)
-            raise NotImplementedError("shared-prefix attention serves no sliding-window layers")
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return self.cache.attend(self.index, query, scaling)
 
 

@@ -92,9 +92,9 @@ class StaticLayerCache:
         `column`."""
         self.key_values.index_copy_(2, self.column, key_values)
 
-    def attend(self, query: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query (rows, heads, 1, head_dim) -> (rows, 1, heads, head_dim), in `kv_dtype`, over the valid columns (of
-        its sliding window, whose bias this layer's is: `window` is the cache's to apply, StaticKVCache.layer).
+        a sliding-window layer, its window's: StaticKVCache.layer gave it that bias).
 
         The heads sharing a key/value head are that head's queries (a (rows, kv_heads, heads / kv_heads, dim)
         query), so grouped-query attention needs neither repeated keys nor enable_gqa."""
