@@ -5,6 +5,8 @@ a head_dim of their own), built tiny here. Each sampler that takes them decodes 
 a training forward scores a row the same alone or left-padded in a batch, and the samplers that cannot serve them
 say so by name."""
 
+import logging
+
 import datasets
 import pytest
 import torch
@@ -153,7 +155,7 @@ def test_a_rows_logprobs_are_the_same_alone_or_left_padded_in_a_batch(arch):
 
 
 @pytest.mark.parametrize("arch", MODELS)
-def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path):
+def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path, caplog):
     model = built(arch, sharpened=False).train()
     rows = datasets.Dataset.from_list([{"prompt": f"{i} plus {i} is"} for i in range(4)])
 
@@ -182,7 +184,11 @@ def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path):
         )
 
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer("auto").train()
+    with caplog.at_level(logging.INFO, logger="grouprl"):
+        auto = trainer("auto")
+    fell_back = "generation_engine='auto' samples with transformers generate, not 'engine'"
+    assert (fell_back in caplog.text) == ("engine" not in MODELS[arch][1])  # CPUs' pick, where it cannot: why
+    auto.train()
     assert all(not torch.equal(p, before[name]) for name, p in model.named_parameters())
     if "captured" in MODELS[arch][1]:  # what 'auto' picks on CUDA, here eager: it samples from the trained weights
         trainer("captured").train()

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation.continuous_batching import ContinuousBatchingGenerator, continuous_batching_refusal
@@ -40,6 +41,8 @@ from grouprl.generation.static_decode import CapturedGenerator, captured_support
 from grouprl.generation.weights import load_weights, materialize, release_storage, replica_of
 from grouprl.model.multimodal import image_token_ids
 from grouprl.model.quantization import is_quantized
+
+logger = logging.get_logger("grouprl")
 
 
 def build_backend(
@@ -163,6 +166,7 @@ def in_process_backend(
     supports, in_process = IN_PROCESS_ENGINES[engine]
     reason = supports(model, args.generation_kwargs or {}, args.cache_implementation)
     if reason and requested == "auto" and not compile_step:
+        logger.info(f"grouprl: generation_engine='auto' samples with transformers generate, not {engine!r}: {reason}.")
         return transformers
     if reason and compile_step:
         raise ValueError(
