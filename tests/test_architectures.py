@@ -73,9 +73,11 @@ def gemma4():
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     layers = ["sliding_attention", "full_attention"] * 2
+    per_layer_inputs = dict(vocab_size_per_layer_input=SIZES["vocab_size"], hidden_size_per_layer_input=8)  # tiny
     config = Gemma4TextConfig(
-        **SIZES, num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=6, layer_types=layers
-    )
+        **SIZES, num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=6, layer_types=layers,
+        **per_layer_inputs,
+    )  # fmt: skip
     return Gemma4ForCausalLM(config)
 
 
@@ -202,7 +204,9 @@ def test_the_captured_loop_names_layers_that_differ_in_shape():
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     layers = ["full_attention"] * 2  # no sliding window: the shapes are the first thing it cannot serve
-    config = Gemma4TextConfig(**SIZES, num_hidden_layers=2, head_dim=16, global_head_dim=32, layer_types=layers)
+    config = Gemma4TextConfig(
+        **SIZES, num_hidden_layers=2, head_dim=16, global_head_dim=32, layer_types=layers, hidden_size_per_layer_input=8
+    )
     if not getattr(config, "is_heterogeneous", False):
         pytest.skip("this transformers builds Gemma 4 with one head_dim for all layers (per_layer_config is newer)")
     assert captured_supports(Gemma4ForCausalLM(config), {}, None) == (
