@@ -43,6 +43,7 @@ from grouprl.generation.fused_decode import (
     structure_reason,
 )
 from grouprl.generation.shared_prefix import shared_decode
+from grouprl.generation.static_decode import CapturedGenerator, captured_supports
 
 SIZES = dict(
     vocab_size=96,
@@ -151,8 +152,6 @@ def test_fused_steps_give_the_forward_logits(build):
 def test_the_captured_loop_decodes_each_accepted_family_as_its_forward(build, tiny_model_dir):
     """generation_engine='captured' runs the same fused step over a static cache, for every family the step accepts:
     greedy, its tokens are transformers generate's; sampled, each token's logprob is a separate forward's."""
-    from grouprl.generation.static_decode import CapturedGenerator, captured_supports
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = build().eval().to(device)
