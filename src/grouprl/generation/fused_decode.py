@@ -98,6 +98,7 @@ from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword, describe, is_unsupported
 from grouprl.model.layer_configs import is_heterogeneous
 from grouprl.model.loading import runs_head_in_fp32
+from grouprl.model.logprobs import position_ids_from_mask
 
 if TYPE_CHECKING:
     from grouprl.generation.static_kv_cache import StaticLayerCache
@@ -270,11 +271,12 @@ class FusedDecoder:
         self.rope_by_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.embedding = embedding.weight.detach()
         self.layers = [self._gather(layer, config) for layer in inner.layers]
+        self.windows = [layer.window for layer in self.layers]  # what a StaticKVCache for these layers masks
+        self.rope_kinds = sorted({layer.rope for layer in self.layers if layer.rope is not None})
         # the dimensions RoPE rotates: all of a head's, or its first ones (Phi-3's partial_rotary_factor); the rest
         # pass through unrotated
-        kinds = self._rope_kinds()
         probe = torch.zeros(1, dtype=torch.long, device=device)
-        self.rotary_dim = self._rope(probe, kinds[0])[0].shape[-1] if kinds else self.head_dim
+        self.rotary_dim = self._rope(probe, self.rope_kinds[0])[0].shape[-1] if self.rope_kinds else self.head_dim
         self.final_norm, self.final_eps = self._norm_weight(inner.norm), _norm_eps(inner.norm)
         head = model.get_output_embeddings()
         head_dtype = torch.float32 if runs_head_in_fp32(head) else self.dtype
@@ -366,11 +368,8 @@ class FusedDecoder:
         instead of about ten). For a loop whose positions stay below it, with a RoPE that never depends on the
         batch (static_decode.STATIC_ROPE_TYPES): each value is computed from its own position, as in a step."""
         every = torch.arange(positions, device=self.embedding.device)
-        for kind in self._rope_kinds():
+        for kind in self.rope_kinds:
             self.rope_tables[kind] = torch.cat(self._rope(every, kind), dim=1)  # (positions, 2, D)
-
-    def _rope_kinds(self) -> list[str]:
-        return sorted({layer.rope for layer in self.layers if layer.rope is not None})
 
     def _residual(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """hidden + out in the residual stream's dtype; the add promotes a bf16 `out` itself (no cast kernel)."""
@@ -397,7 +396,7 @@ class FusedDecoder:
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         ropes = {None: (None, None)}  # each kind's (cos, signed sin), (R, 1, D) each: broadcast over the heads
-        for kind in self._rope_kinds():
+        for kind in self.rope_kinds:
             if kind not in self.rope_tables:
                 ropes[kind] = self._rope(positions, kind)
             else:
@@ -453,11 +452,12 @@ class FusedDecoder:
                 ],
                 dim=1,
             )
-        if layer.rope is None:  # q and k as they are, into the attention's dtype (nothing to do where they lie there)
-            if rotated is not qkv or layer.q_norm is not None:
+        moved = rotated is not qkv or layer.q_norm is not None  # q and k no longer where RoPE writes its output
+        if layer.rope is None:  # q and k as they are, into the attention's dtype
+            if moved:
                 rotated[:, : heads + kv_heads] = qk
         else:
-            if rot < dim and (rotated is not qkv or layer.q_norm is not None):  # the dimensions RoPE leaves alone
+            if rot < dim and moved:  # the dimensions RoPE leaves alone
                 rotated[:, : heads + kv_heads, rot:] = qk[..., rot:]
             turned = qk[..., :rot]
             # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output; the
@@ -577,20 +577,15 @@ def static_decode_pair(
     keyword = cache_keyword(model)
     prompts, mask = prompts.repeat_interleave(SAMPLES, 0), mask.repeat_interleave(SAMPLES, 0)
     positions = mask.sum(dim=1)
-    caches = []
-    for _ in range(2):
-        caches.append(DynamicCache(config=model.config))
-        prefill_positions = (mask.cumsum(1) - 1).clamp(min=0)
-        forward(input_ids=prompts, attention_mask=mask, position_ids=prefill_positions, **{keyword: caches[-1]})
+    cache = DynamicCache(config=model.config)
+    forward(input_ids=prompts, attention_mask=mask, position_ids=position_ids_from_mask(mask), **{keyword: cache})
     decoder = FusedDecoder(model)
-    static = StaticKVCache(
-        caches[1], mask, 1, steps.shape[0], decoder.dtype, [layer.window for layer in decoder.layers]
-    )
+    static = StaticKVCache(cache, mask, 1, steps.shape[0], decoder.dtype, decoder.windows)  # a copy of the prefill's
     expected, got = [], []
     for index, tokens in enumerate(steps):
         mask = F.pad(mask, (0, 1), value=1)
         at = (positions + index)[:, None]
-        out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=at, **{keyword: caches[0]})
+        out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=at, **{keyword: cache})
         expected.append(out.logits[:, -1].float())
         static.open_column()
         got.append(decoder.step(tokens, positions + index, static))

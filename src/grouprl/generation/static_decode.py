@@ -292,8 +292,7 @@ class CapturedGenerator:
             logits_to_keep=1,
         ).logits[:, -1]
         decoder = FusedDecoder(base, pack=not self.compile_step)  # the weights as they are now; in place where no cast
-        windows = [layer.window for layer in decoder.layers]
-        cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype, windows)
+        cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype, decoder.windows)
         decoder.tabulate_rope(cache.valid.shape[1])  # every position a row reaches is below the cache's columns
         del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
