@@ -104,6 +104,23 @@ def _phi3():  # q/k/v and gate/up each one stacked projection; RoPE on half of e
     return Phi3ForCausalLM(config)
 
 
+def _phi3_longrope(pretraining_length=64):
+    """Phi-3.5 / Phi-4-mini's longrope: short factors while a forward's positions stay below the pretraining length,
+    long ones for every position once one passes it (with an attention factor on cos/sin throughout)."""
+    rope = dict(rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 2.5], long_factor=[3.0, 5.0, 7.0, 9.0])
+    config = Phi3Config(
+        **SIZES,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=pretraining_length,  # Phi3Config writes its own into rope_parameters
+        rope_parameters={**rope, "original_max_position_embeddings": pretraining_length, "rope_theta": 10_000.0},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Phi3ForCausalLM(config)
+
+
 def _smollm3():  # a NoPE layer (SmolLM3's every fourth): q and k not rotated
     return SmolLM3ForCausalLM(
         SmolLM3Config(**SIZES, no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -119,6 +136,7 @@ ACCEPTED = {
     "mistral (sliding window)": _sliding_mistral,
     "gemma3": _gemma3,
     "phi3 (partial RoPE)": _phi3,
+    "phi3 (longrope)": _phi3_longrope,
 }
 
 
@@ -179,17 +197,55 @@ def test_the_captured_loop_decodes_each_accepted_family_as_its_forward(build, ti
         torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("build", [_llama, _qwen3], ids=["llama3 rope", "default rope"])
-def test_a_rope_table_holds_each_positions_own_values(build):
-    """The static loop's steps gather RoPE's cos and sin from a table made once per call; each entry is bit for bit
-    what a step computes at that position (each value depends on its own position only), whatever positions the
-    step's rows are at."""
+ROPE_TABLE_MODELS = {
+    "llama3 rope": _llama,
+    "default rope": _qwen3,
+    "longrope": lambda: _phi3_longrope(pretraining_length=8),
+}
+
+
+@pytest.mark.parametrize("build", ROPE_TABLE_MODELS.values(), ids=ROPE_TABLE_MODELS.keys())
+@pytest.mark.parametrize("positions", [[0, 5, 5, 7, 3, 1], [0, 5, 5, 63, 17, 100], [8, 0, 2]])
+def test_a_rope_table_holds_each_positions_own_values(build, positions):
+    """The static loop's steps gather RoPE's cos and sin from a table made once per call; what a step gathers is bit
+    for bit what the model's rotary embedding computes for that step's positions, whatever positions its rows are at.
+    For longrope that is its short factors while every row is below the pretraining length (8 here), its long ones
+    for every row once one has reached it."""
     torch.manual_seed(0)
     decoder = FusedDecoder(build().eval())
-    positions = torch.tensor([0, 5, 5, 63, 17, 100])
-    cos, signed_sin = decoder._rope(positions)
+    positions = torch.tensor(positions)
+    expected = decoder._rope(positions, ONE_ROPE)
     decoder.tabulate_rope(128)
-    assert torch.equal(decoder.rope_tables[ONE_ROPE][positions], torch.cat([cos, signed_sin], dim=1))
+    gathered = decoder._rope_at(positions, ONE_ROPE)
+    assert torch.equal(torch.cat(gathered, dim=1), torch.cat(expected, dim=1))
+
+
+def test_the_captured_loop_switches_longrope_factors_where_generate_does(tiny_model_dir):
+    """A longrope model whose pretraining length (12) the batch passes mid-generation: the captured loop's greedy
+    tokens are transformers generate's before and after the switch to the long factors."""
+    torch.manual_seed(2)  # a seed and scale whose tokens change if either factor set is used throughout
+    model = _phi3_longrope(pretraining_length=12).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and "embed" not in name:
+                param.mul_(2.0)
+    assert captured_supports(model, {}, None) is None
+    pad, eos, prompts = 0, 2, [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    sampler = CapturedGenerator(model, tokenizer, [eos], pad, capture=False)
+    greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=16, top_k=1))
+    width = max(map(len, prompts))
+    want = model.generate(
+        input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
+        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),
+        do_sample=False,
+        max_new_tokens=16,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )[:, width:].tolist()
+    want = [row[: row.index(eos) + 1] if eos in row else row for row in want]
+    assert max(map(len, want)) > 8  # the batch runs past the switch (a row at position 12)
+    assert [c.token_ids for c in greedy] == want
 
 
 def test_lora_adapters_are_merged_for_the_step():
@@ -220,6 +276,15 @@ def test_structures_it_cannot_run_are_named():
     softcapped = Gemma2ForCausalLM(Gemma2Config(**SIZES, head_dim=16, attn_logit_softcapping=50.0))
     assert structure_reason(softcapped) == "config.attn_logit_softcapping is set"
     assert "bfloat16" in structure_reason(_llama().to(torch.bfloat16))
+
+
+def test_the_captured_loop_names_a_rope_whose_values_follow_the_batch():
+    """Dynamic NTK RoPE rescales every position's frequencies by the longest sequence seen so far: no table made
+    once per call holds that, so the captured loop refuses it by name and 'auto' samples with generate."""
+    torch.manual_seed(0)
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10_000.0}
+    dynamic = LlamaForCausalLM(LlamaConfig(**SIZES, rope_parameters=rope))
+    assert captured_supports(dynamic, {}, None) == "its RoPE ('dynamic') recomputes cos/sin from the batch's positions"
 
 
 def test_a_model_that_computes_differently_is_caught_by_the_probe():

@@ -268,6 +268,7 @@ class FusedDecoder:
         scale = getattr(embedding, "embed_scale", None)
         self.embed_scale = None if scale is None else scale.to(embedding.weight.dtype)
         self.rotary, self.rope_tables = inner.rotary_emb, {}
+        self.short_rope_tables: dict[str, torch.Tensor] = {}  # longrope's short-factor tables (tabulate_rope)
         self.rope_by_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.embedding = embedding.weight.detach()
         self.layers = [self._gather(layer, config) for layer in inner.layers]
@@ -365,11 +366,29 @@ class FusedDecoder:
 
     def tabulate_rope(self, positions: int) -> None:
         """Steps gather RoPE's values for positions below `positions` from a table made once (one kernel a step
-        instead of about ten). For a loop whose positions stay below it, with a RoPE that never depends on the
-        batch (static_decode.STATIC_ROPE_TYPES): each value is computed from its own position, as in a step."""
-        every = torch.arange(positions, device=self.embedding.device)
+        instead of about ten). For a loop whose positions stay below it, with a RoPE whose values depend on their own
+        position only (static_decode.STATIC_ROPE_TYPES) or, for longrope (Phi-3.5, Phi-4-mini), also on whether the
+        step's largest position has passed the pretraining length: below it, its short factors, from there on its
+        long ones for every row. Each table is computed by the model's own rotary embedding, so a step takes the
+        values a forward at those positions would."""
+        device = self.embedding.device
         for kind in self.rope_kinds:
-            self.rope_tables[kind] = torch.cat(self._rope(every, kind), dim=1)  # (positions, 2, D)
+            self.rope_tables[kind] = torch.cat(self._rope(torch.arange(positions, device=device), kind), dim=1)
+            limit = longrope_limit(self.rotary, kind)
+            if limit is not None and positions > limit:  # the whole table was made with long factors
+                self.short_rope_tables[kind] = torch.cat(self._rope(torch.arange(limit, device=device), kind), dim=1)
+
+    def _rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_rope`'s values for a step at `positions`, gathered from the tables where `tabulate_rope` made them."""
+        if kind not in self.rope_tables:
+            return self._rope(positions, kind)
+        both = self.rope_tables[kind].index_select(0, positions)
+        short = self.short_rope_tables.get(kind)
+        if short is not None:  # longrope's short factors until the step's largest position reaches the limit
+            limit = short.shape[0]
+            early = short.index_select(0, positions.clamp(max=limit - 1))
+            both = torch.where(positions.max() < limit, early, both)
+        return both[:, :1], both[:, 1:]
 
     def _residual(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """hidden + out in the residual stream's dtype; the add promotes a bf16 `out` itself (no cast kernel)."""
@@ -395,13 +414,7 @@ class FusedDecoder:
         hidden = F.embedding(tokens, self.embedding)  # (R, H), the residual stream
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        ropes = {None: (None, None)}  # each kind's (cos, signed sin), (R, 1, D) each: broadcast over the heads
-        for kind in self.rope_kinds:
-            if kind not in self.rope_tables:
-                ropes[kind] = self._rope(positions, kind)
-            else:
-                both = self.rope_tables[kind].index_select(0, positions)
-                ropes[kind] = both[:, :1], both[:, 1:]
+        ropes = {None: (None, None), **{kind: self._rope_at(positions, kind) for kind in self.rope_kinds}}
         mlp_out = None
         for index, layer in enumerate(self.layers):
             hidden, mlp_out = self.layer_step(self, hidden, mlp_out, layer, cache.layer(index), *ropes[layer.rope])
@@ -490,6 +503,16 @@ class FusedDecoder:
         outs = self._outputs(x, layer.gate_up)
         gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
         return self._apply(self.activation(gate) * up, layer.down)
+
+
+def longrope_limit(rotary: torch.nn.Module, kind: str) -> int | None:
+    """The pretraining length past which a longrope embedding of layers `kind` switches to its long factors (None for
+    other RoPE types): transformers picks them when a forward's largest position + 1 exceeds it."""
+    rope_type = getattr(rotary, "rope_type", None)
+    parameters = rotary.config.rope_parameters
+    if isinstance(rope_type, dict):  # one RoPE a layer type
+        rope_type, parameters = rope_type.get(kind), parameters.get(kind, {})
+    return int(parameters["original_max_position_embeddings"]) if rope_type == "longrope" else None
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:

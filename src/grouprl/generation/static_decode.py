@@ -62,7 +62,9 @@ CHECK_EVERY = 16  # decode steps between the host's reads of "has every row fini
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
 KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3")
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
-STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # whose cos/sin never depend on the batch's largest position
+# RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own, or, for longrope,
+# switching once from short to long factors when the step's largest position passes the pretraining length
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def captured_supports(
