@@ -9,7 +9,9 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
@@ -24,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SiglipVisionConfig,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -276,6 +279,77 @@ def test_structures_it_cannot_run_are_named():
     softcapped = Gemma2ForCausalLM(Gemma2Config(**SIZES, head_dim=16, attn_logit_softcapping=50.0))
     assert structure_reason(softcapped) == "config.attn_logit_softcapping is set"
     assert "bfloat16" in structure_reason(_llama().to(torch.bfloat16))
+
+
+def _gemma3_vision_language(image_token=95):
+    """Gemma 3 4B and up: the Gemma 3 text decoder of `_gemma3` under a SigLIP tower, as
+    Gemma3ForConditionalGeneration (which transformers loads for text too)."""
+    text = _gemma3().config.to_dict()
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=image_token,
+        boi_token_index=93,
+        eoi_token_index=94,
+    )
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(std=0.3)
+            if param.ndim == 2 and "embed" not in name and "vision" not in name:
+                param.mul_(4.0)
+    return model
+
+
+def test_the_captured_loop_serves_a_vision_language_models_text_prompts(tiny_model_dir):
+    """Text-only prompts to a vision-language model run through its language model in the captured loop, its image
+    placeholder never sampled (transformers generate is told to suppress it, as TRL does): greedy, the tokens are
+    generate's; sampled, each token's logprob is a separate forward's with the placeholder removed."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    image_token, pad, eos = 95, 0, 2
+    model = _gemma3_vision_language(image_token).eval().to(device)
+    with torch.no_grad():  # the placeholder as likely as a token greedy decoding picks: suppressing it matters
+        model.lm_head.weight[image_token] = 2 * model.lm_head.weight[80]
+    assert captured_supports(model, {}, None) is None
+    prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    sampler = CapturedGenerator(model, tokenizer, [eos], pad, capture=False, suppress_token_ids=[image_token])
+    width = max(map(len, prompts))
+    inputs = dict(
+        input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device),
+        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device),
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    assert image_token in model.generate(**inputs)[:, width:]  # unsuppressed, greedy decoding would emit it
+    want = model.generate(**inputs, suppress_tokens=[image_token])[:, width:].tolist()
+    greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=12, top_k=1))
+    assert [c.token_ids for c in greedy] == [row[: row.index(eos) + 1] if eos in row else row for row in want]
+    for sample in sampler.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0)):
+        prompt = prompts[sample.prompt_index]
+        assert image_token not in sample.token_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + sample.token_ids], device=device)).logits[0].float()
+        logits = logits[len(prompt) - 1 : -1].index_fill(1, torch.tensor([image_token], device=device), -float("inf"))
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids, device=device)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected.cpu(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_vision_language_model_whose_language_model_is_not_known_is_named():
+    from vlm_models import tiny_qwen2_vl
+
+    model, _ = tiny_qwen2_vl()
+    assert captured_supports(model, {}, None) == (
+        "its language model's family ('qwen2_vl_text') is not one the decode step is known to match"
+    )
 
 
 def test_the_captured_loop_names_a_rope_whose_values_follow_the_batch():

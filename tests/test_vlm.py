@@ -21,6 +21,7 @@ from vlm_models import (
     image,
     save_tiny_llava,
     sharpen,
+    tiny_llava,
     tiny_qwen2_vl,
     trained_logprobs,
 )
@@ -32,6 +33,7 @@ from grouprl.data.multimodal_prompts import MultimodalPromptTokenizer, attach_im
 from grouprl.data.prompts import PromptTokenizer
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.protocol import left_pad
+from grouprl.generation.static_decode import CapturedGenerator
 from grouprl.model.logprobs import completion_logprobs
 from grouprl.model.multimodal import PromptImages, collate, continuation_inputs, with_tool_images
 from grouprl.rollout.train_batch import pack_rollout
@@ -556,6 +558,39 @@ def test_each_architecture_trains_every_parameter_on_image_prompts(tmp_path, arc
     still = [name for name, p in model.named_parameters() if torch.equal(p, before[name])]
     unread = [name for name in before if arch == "llava" and ("encoder.layers.1." in name or "post_layernorm" in name)]
     assert still == unread, still
+
+
+def test_the_captured_loop_samples_text_prompts_and_generate_those_with_images(tmp_path, monkeypatch):
+    """generation_engine='captured' on a vision-language model (LLaVA's Llama here; Gemma 3 4B and up on a GPU): a
+    sampling call whose prompts are text only runs through its language model in the captured loop, a call with an
+    image prompt through transformers generate with its images; the run trains."""
+    model, processor = tiny_llava()
+    calls = {"captured": 0, "images": 0}
+    captured_sample, generate = CapturedGenerator._sample, TransformersGenerator.generate
+
+    def counted_sample(self, *args, **kwargs):
+        calls["captured"] += 1
+        return captured_sample(self, *args, **kwargs)
+
+    def counted_generate(self, *args, multimodal=None, **kwargs):
+        calls["images"] += multimodal is not None and any(m is not None for m in multimodal)
+        return generate(self, *args, multimodal=multimodal, **kwargs)
+
+    monkeypatch.setattr(CapturedGenerator, "_sample", counted_sample)
+    monkeypatch.setattr(TransformersGenerator, "generate", counted_generate)
+    rows = [{"prompt": user(f"describe {i}"), "images": [image(i)] if i % 4 == 0 else []} for i in range(8)]
+    config = vlm_config(tmp_path, generation_engine="captured", max_steps=4, per_device_train_batch_size=2)
+    trainer = GRPOTrainer(
+        model,
+        lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions],
+        args=config,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=processor,
+    )
+    assert trainer.generation_backend.engine.suppress_token_ids == [model.config.image_token_id]
+    trainer.train()
+    assert calls["captured"] > 0 and calls["images"] > 0, calls
+    assert all(math.isfinite(log["loss"]) for log in trainer.state.log_history if "loss" in log)
 
 
 def sampling_rollout_func(form):

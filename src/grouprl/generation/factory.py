@@ -177,12 +177,17 @@ def in_process_backend(
         raise ValueError(
             f"GRPOConfig.generation_engine={engine!r} cannot be used: {reason}. Use 'auto' or 'transformers'."
         )
+    # A vision-language model's text-only prompts take the captured loop, its prompts with images transformers
+    # generate (captured_supports)
+    options = (
+        dict(compile_step=compile_step, suppress_token_ids=image_token_ids(model.config), images_backend=transformers)
+        if engine == "captured"
+        else {}
+    )
     # These engines never call model.generate: while the user has replaced it, 'auto' calls it and an
     # explicit engine refuses (engine.EngineUnlessGenerateOverridden).
     backend = EngineUnlessGenerateOverridden(
-        in_process(
-            model, tokenizer, eos_token_ids, tokenizer.pad_token_id, **({"compile_step": True} if compile_step else {})
-        ),
+        in_process(model, tokenizer, eos_token_ids, tokenizer.pad_token_id, **options),
         fallback=transformers if requested == "auto" else None,
         name=engine,
     )

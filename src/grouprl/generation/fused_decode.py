@@ -166,9 +166,8 @@ def _linear_weight(proj: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | 
 def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | None:
     """None if `model` looks like a Llama-family decoder FusedDecoder can run, else what differs. `check_dtype`:
     require fp32 weights, the ones its probe can check (`probe`)."""
-    inner = getattr(model, "model", None)
+    inner, config = text_decoder(model)
     layers = getattr(inner, "layers", None)
-    config = getattr(model, "config", None)
     if layers is None or config is None or getattr(inner, "rotary_emb", None) is None:
         return "not a Llama-family causal LM (no model.layers / model.rotary_emb)"
     if is_heterogeneous(config):
@@ -244,7 +243,7 @@ class FusedDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, pack: bool = True):
-        inner, config = model.model, model.config
+        inner, config = text_decoder(model)
         device = model.get_input_embeddings().weight.device
         self.device_type = device.type
         autocast = torch.is_autocast_enabled(device.type)
@@ -515,6 +514,17 @@ def longrope_limit(rotary: torch.nn.Module, kind: str) -> int | None:
     return int(parameters["original_max_position_embeddings"]) if rope_type == "longrope" else None
 
 
+def text_decoder(model: torch.nn.Module) -> tuple[torch.nn.Module | None, Any]:
+    """The decoder stack under a causal LM (`model.model`) and its config; for a vision-language model that keeps its
+    language model apart (Gemma 3 4B and up, LLaVA, Mistral 3: `model.model.language_model`), that one and its text
+    config: what text-only prompts run through."""
+    inner, config = getattr(model, "model", None), getattr(model, "config", None)
+    language = getattr(inner, "language_model", None)
+    if language is not None and config is not None:
+        return language, config.get_text_config()
+    return inner, config
+
+
 def _base(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a peft wrapper (its LoRA layers stay in place), or `model` itself."""
     return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
@@ -541,7 +551,7 @@ def fused_decoder(model: torch.nn.Module) -> FusedDecoder:
 
 def has_sliding_windows(model: torch.nn.Module) -> bool:
     """Whether some layer attends over a sliding window (FusedDecoder then runs over a static cache only)."""
-    config = model.config
+    config = text_decoder(model)[1]
     return getattr(config, "sliding_window", None) is not None and any(
         kind != "full_attention" for kind in getattr(config, "layer_types", None) or ["sliding"]
     )

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -49,8 +49,8 @@ from transformers import DynamicCache
 
 from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation.engine import engine_supports
-from grouprl.generation.fused_decode import FusedDecoder, _base, fuses, structure_reason
-from grouprl.generation.protocol import cut_at_eos, left_pad
+from grouprl.generation.fused_decode import FusedDecoder, _base, fuses, structure_reason, text_decoder
+from grouprl.generation.protocol import GenerationBackend, cut_at_eos, left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
 from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword
@@ -70,24 +70,29 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 def captured_supports(
     model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]
 ) -> Optional[str]:
-    """None if CapturedGenerator can serve this model and options, else the reason it cannot."""
-    reason = engine_supports(model, generation_kwargs, cache_implementation)
+    """None if CapturedGenerator can serve this model and options, else the reason it cannot. A vision-language
+    model is served for its text-only prompts if its language model is (prompts with images: `images_backend`)."""
+    reason = engine_supports(model, generation_kwargs, cache_implementation, text_of_vision_language=True)
     if reason:
         return reason
     base = _base(model)
     reason = structure_reason(base, check_dtype=False)
     if reason:
         return reason
-    rope = getattr(base.model.rotary_emb, "rope_type", "default")
+    decoder, config = text_decoder(base)
+    rope = getattr(decoder.rotary_emb, "rope_type", "default")
     for kind in rope.values() if isinstance(rope, dict) else [rope]:  # Gemma 3: one a layer type
         if kind not in STATIC_ROPE_TYPES:
             return f"its RoPE ({kind!r}) recomputes cos/sin from the batch's positions"
-    if base.get_input_embeddings().weight.dtype == torch.float32:
+    vision_language = decoder is not getattr(base, "model", None)
+    if base.get_input_embeddings().weight.dtype == torch.float32 and not vision_language:
         return None if fuses(model) else "the fused decode step's probe did not match its forward"
-    family = getattr(base.config, "model_type", None)
-    if family not in KNOWN_FAMILIES:
-        return f"its weights are not fp32 and its family ({family!r}) is not one the decode step is known to match"
-    return None
+    family = getattr(config, "model_type", None)
+    if family in KNOWN_FAMILIES:
+        return None
+    if vision_language:  # the probe runs text causal LMs only
+        return f"its language model's family ({family!r}) is not one the decode step is known to match"
+    return f"its weights are not fp32 and its family ({family!r}) is not one the decode step is known to match"
 
 
 def bucketed(length: int, multiple: int) -> int:
@@ -110,8 +115,10 @@ class DecodeLoop:
         pad_token_id: int,
         sampling_method: str,
         compiled: bool = False,
+        suppressed: torch.Tensor | None = None,  # token ids never sampled (a vision-language model's placeholders)
     ):
         self.decoder, self.cache, self.params, self.eos = decoder, cache, params, eos
+        self.suppressed = suppressed
         self.pad_token_id, self.sampling_method = pad_token_id, sampling_method
         self.min_new_tokens = int(params.extra.get("min_new_tokens", 0))
         rows, new_tokens, device = first.shape[0], params.max_new_tokens, first.device
@@ -137,6 +144,8 @@ class DecodeLoop:
     def record(self, logits: torch.Tensor) -> None:
         """Sample the next tokens from the step's logits and record them, their logprobs and finished rows."""
         cache = self.cache
+        if self.suppressed is not None:
+            logits = logits.index_fill(1, self.suppressed, -float("inf"))
         if self.min_new_tokens:
             blocked = logits.index_fill(1, self.eos, -float("inf"))
             logits = torch.where(self.step_index < self.min_new_tokens, blocked, logits)
@@ -221,7 +230,12 @@ def run_steps(loop: DecodeLoop, steps: int, capture: bool) -> int:
 
 class CapturedGenerator:
     """A `GenerationBackend` that samples from the training model in this process through the static decode loop
-    (module doc): replayed as a CUDA graph on CUDA, eager elsewhere."""
+    (module doc): replayed as a CUDA graph on CUDA, eager elsewhere.
+
+    A vision-language model's text-only prompts run through its language model here, its placeholder tokens
+    (`suppress_token_ids`) never sampled, as transformers generate is told; a call with images goes to
+    `images_backend` (transformers generate).
+    """
 
     needs_importance_correction = False  # samples come from the trained weights themselves
 
@@ -236,6 +250,8 @@ class CapturedGenerator:
         capture: Optional[bool] = None,
         sampling_method: str = "inverse_cdf",
         compile_step: bool = False,
+        suppress_token_ids: Sequence[int] = (),
+        images_backend: Optional[GenerationBackend] = None,
     ):
         if sampling_method not in SAMPLING_METHODS:
             raise ValueError(
@@ -245,13 +261,27 @@ class CapturedGenerator:
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.prompt_bucket, self.capture, self.sampling_method = prompt_bucket, capture, sampling_method
         self.compile_step = compile_step
+        self.suppress_token_ids, self.images_backend = list(suppress_token_ids), images_backend
         self.last_decode = (0, 0.0)  # (decode steps, seconds) of the last call, for benchmarks
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
+        if self.images_backend is not None:
+            self.images_backend.sync_weights(model)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, multimodal: list[Any] | None = None
+    ) -> list[Completion]:
+        """`multimodal`: (prompts,) each prompt's images or None; a call where some prompt has images is sampled by
+        `images_backend`."""
+        if multimodal is not None and any(m is not None for m in multimodal):
+            if self.images_backend is None:
+                raise ValueError(
+                    "CapturedGenerator samples text-only prompts; this call has prompts with images and no "
+                    "images_backend to sample them."
+                )
+            return self.images_backend.generate(prompt_ids, num_samples, params, multimodal=multimodal)
         unsupported = set(params.extra) - {"min_new_tokens"}
         if unsupported:
             raise ValueError(
@@ -298,7 +328,10 @@ class CapturedGenerator:
         decoder.tabulate_rope(cache.valid.shape[1])  # every position a row reaches is below the cache's columns
         del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
+        suppressed = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=device)
         logits = logits.repeat_interleave(g, 0)
+        if self.suppress_token_ids:
+            logits = logits.index_fill(1, suppressed, -float("inf"))
         if params.extra.get("min_new_tokens", 0) > 0:
             logits = logits.index_fill(1, eos, -float("inf"))
         prompt_tokens = ids.repeat_interleave(g, 0)
@@ -316,6 +349,7 @@ class CapturedGenerator:
             self.pad_token_id,
             self.sampling_method,
             compiled=self.compile_step,
+            suppressed=suppressed if self.suppress_token_ids else None,
         )
         capture = device.type == "cuda" if self.capture is None else self.capture
         started = time.perf_counter()
