@@ -226,8 +226,9 @@ def test_a_rope_table_holds_each_positions_own_values(build, positions):
 def test_the_captured_loop_switches_longrope_factors_where_generate_does(tiny_model_dir):
     """A longrope model whose pretraining length (12) the batch passes mid-generation: the captured loop's greedy
     tokens are transformers generate's before and after the switch to the long factors."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(2)  # a seed and scale whose tokens change if either factor set is used throughout
-    model = _phi3_longrope(pretraining_length=12).eval()
+    model = _phi3_longrope(pretraining_length=12).eval().to(device)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim == 2 and "embed" not in name:
@@ -239,8 +240,8 @@ def test_the_captured_loop_switches_longrope_factors_where_generate_does(tiny_mo
     greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=16, top_k=1))
     width = max(map(len, prompts))
     want = model.generate(
-        input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
-        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),
+        input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device),
+        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device),
         do_sample=False,
         max_new_tokens=16,
         eos_token_id=eos,
