@@ -1,9 +1,9 @@
 """Language models whose layers are not all full attention: hybrids (Qwen3.5: gated-delta-rule linear attention
 beside full attention; Nemotron-H: Mamba-2 layers) and sliding windows (Gemma 3: sliding layers between full ones;
 Mistral: every layer; GPT-OSS, with attention sinks and experts besides; Gemma 4, whose full-attention layers have
-a head_dim of their own), built tiny here. Each sampler that takes them decodes what the model's own forward says,
-a training forward scores a row the same alone or left-padded in a batch, and the samplers that cannot serve them
-say so by name."""
+a head_dim of their own) and routed experts (Qwen3-MoE), built tiny here. Each sampler that takes them decodes what
+the model's own forward says, a training forward scores a row the same alone or left-padded in a batch, and the
+samplers that cannot serve them say so by name."""
 
 import logging
 
@@ -69,6 +69,13 @@ def gpt_oss():
     return GptOssForCausalLM(config)
 
 
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SIZES, num_hidden_layers=2, head_dim=16, **experts))
+
+
 def gemma4():
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
@@ -93,6 +100,7 @@ MODELS = {
     "gemma3": (gemma3, ("transformers", "engine", "captured")),
     "mistral": (mistral, ("transformers", "engine", "captured")),
     "gpt_oss": (gpt_oss, ("transformers", "engine")),  # attention sinks, sliding windows, experts
+    "qwen3_moe": (qwen3_moe, ("transformers", "engine", "captured")),  # routed experts
     "gemma4": (gemma4, ("transformers", "engine")),  # layers of different head_dim (a heterogeneous config)
     "nemotron_h": (nemotron_h, ("transformers",)),  # Mamba-2 layers beside attention and MLP-only ones
 }

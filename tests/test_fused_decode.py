@@ -21,11 +21,17 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SiglipVisionConfig,
     SmolLM3Config,
     SmolLM3ForCausalLM,
@@ -33,7 +39,7 @@ from transformers import (
 
 from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
-from grouprl.generation import FastGenerator, fused_decode
+from grouprl.generation import FastGenerator, fused_decode, static_decode
 from grouprl.generation.fused_decode import (
     ONE_ROPE,
     FusedDecoder,
@@ -46,7 +52,7 @@ from grouprl.generation.fused_decode import (
     structure_reason,
 )
 from grouprl.generation.shared_prefix import shared_decode
-from grouprl.generation.static_decode import CapturedGenerator, captured_supports
+from grouprl.generation.static_decode import CapturedGenerator, captured_supports, run_steps
 
 SIZES = dict(
     vocab_size=96,
@@ -124,6 +130,25 @@ def _phi3_longrope(pretraining_length=64):
     return Phi3ForCausalLM(config)
 
 
+MOE = dict(num_experts_per_tok=2, head_dim=16)
+
+
+def _qwen3_moe():  # routed experts (top 2 of 4, renormalised) in one layer, a dense MLP in the other
+    config = Qwen3MoeConfig(
+        **SIZES, **MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def _qwen2_moe():  # a shared expert beside the routed ones, gated by its own sigmoid; q/k/v biases
+    config = Qwen2MoeConfig(**SIZES, **MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return Qwen2MoeForCausalLM(config)
+
+
+def _mixtral():
+    return MixtralForCausalLM(MixtralConfig(**SIZES, **MOE, num_local_experts=4, sliding_window=None))
+
+
 def _smollm3():  # a NoPE layer (SmolLM3's every fourth): q and k not rotated
     return SmolLM3ForCausalLM(
         SmolLM3Config(**SIZES, no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -140,6 +165,9 @@ ACCEPTED = {
     "gemma3": _gemma3,
     "phi3 (partial RoPE)": _phi3,
     "phi3 (longrope)": _phi3_longrope,
+    "qwen3_moe (a dense layer too)": _qwen3_moe,
+    "qwen2_moe (a shared expert)": _qwen2_moe,
+    "mixtral": _mixtral,
 }
 
 
@@ -353,6 +381,41 @@ def test_a_vision_language_model_whose_language_model_is_not_known_is_named():
     )
 
 
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_routed_experts_give_the_forwards_logits_under_each_experts_implementation(implementation):
+    """A layer of routed experts runs the model's own block in the step, so whichever of transformers' experts
+    implementations the model is set to (the captured loop sets grouped_mm while it captures), the step's logits are
+    the forward's under it."""
+    torch.manual_seed(0)
+    model = _qwen3_moe().eval()
+    model.config._experts_implementation = implementation
+    expected, got = _random_decode(model)
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
+
+
+def test_captured_steps_run_the_experts_with_grouped_mm_and_restore_the_models_choice(tiny_model_dir, monkeypatch):
+    """transformers' eager experts read on the host which experts were hit, which a CUDA graph cannot hold: while the
+    loop records and replays its steps the experts run grouped_mm, and the model's own choice is back afterwards."""
+    torch.manual_seed(0)
+    model = _qwen3_moe().eval()
+    model.config._experts_implementation = "eager"
+    seen = []
+
+    def steps_without_a_graph(loop, steps, capture):  # this machine may have no CUDA: what is set, then run eagerly
+        seen.append((capture, model.config._experts_implementation))
+        return run_steps(loop, steps, capture=False)
+
+    monkeypatch.setattr(static_decode, "run_steps", steps_without_a_graph)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    for capture in (True, False):
+        CapturedGenerator(model, tokenizer, [2], 0, capture=capture).generate(
+            [[5, 9, 13]], 2, SamplingParams(max_new_tokens=8)
+        )
+    assert seen == [(True, "grouped_mm"), (False, "eager")]
+    assert model.config._experts_implementation == "eager"
+
+
 def test_the_captured_loop_names_a_rope_whose_values_follow_the_batch():
     """Dynamic NTK RoPE rescales every position's frequencies by the longest sequence seen so far: no table made
     once per call holds that, so the captured loop refuses it by name and 'auto' samples with generate."""
@@ -435,7 +498,7 @@ def test_a_refused_model_still_generates_through_its_forward(tiny_model_dir, tok
 
 
 @pytest.mark.parametrize("packing", ["as this CPU allows", "declined"])
-@pytest.mark.parametrize("build", [_llama, _phi3], ids=["llama", "phi3 (partial RoPE)"])
+@pytest.mark.parametrize("build", [_llama, _phi3, _qwen3_moe], ids=["llama", "phi3 (partial RoPE)", "qwen3_moe"])
 def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards(packing, build, monkeypatch):
     """Under bf16 autocast neither path matches fp32 exactly; the fused one must be no further from it. "declined"
     is the path of a CPU whose oneDNN runs no bf16 (AVX2-only): the bf16 weights multiplied unpacked. Here (the

@@ -126,11 +126,13 @@ class _Layer(NamedTuple):
     attention_out_norm: tuple[torch.Tensor, float] | None  # Gemma: the attention's output normed before the add ...
     post_norm: torch.Tensor
     post_eps: float
-    gate_up: Product
+    gate_up: Product  # empty in a layer of routed experts
     down: Product
+    experts: torch.nn.Module | None  # a layer's routed-experts block (Qwen3-MoE, Mixtral), run as the model's own
     mlp_out_norm: tuple[torch.Tensor, float] | None  # ... and so is its MLP's
 
 
+FULL = "full_attention"  # a layer type without a window
 ONE_ROPE = "every layer"  # the RoPE table key of a model whose layers share one
 SCALED_EMBEDDINGS = ("Gemma3TextScaledWordEmbedding",)  # an nn.Embedding times its `embed_scale`
 GEMMA_NORMS = ("GemmaRMSNorm", "Gemma3RMSNorm")  # x normed in fp32 times (1 + w), rounded to x's dtype once
@@ -184,15 +186,21 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
         return "its LM head is not an nn.Linear"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if getattr(attn, "sinks", None) is not None:
+            return "its attention has sink logits (GPT-OSS)"
+        routed = routed_experts(mlp)
         attention, feedforward = _projection_names(attn, mlp)
+        feedforward = () if routed is not None else feedforward
         projections = [getattr(attn, n, None) for n in attention] + [getattr(mlp, n, None) for n in feedforward]
         for proj in projections:
             reason = _projection_reason(proj)
             if reason:
                 return reason
+        if routed is not None and not hasattr(routed, "is_transposed"):
+            return "its experts are not a transformers experts module (use_experts_implementation)"
         if any(getattr(getattr(mlp, n), "bias", None) is not None for n in feedforward):
             return "its MLP has biases"
-        if not _is_silu(_activation(mlp)) and type(_activation(mlp)).__name__ not in TANH_GELUS:
+        if routed is None and not _is_silu(_activation(mlp)) and type(_activation(mlp)).__name__ not in TANH_GELUS:
             return "its MLP activation is neither SiLU nor tanh-approximated GELU"
         norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
         norms += [
@@ -216,6 +224,11 @@ def _projection_names(attn: torch.nn.Module | None, mlp: torch.nn.Module | None)
         ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
     )
     return attention, feedforward
+
+
+def routed_experts(mlp: torch.nn.Module | None) -> torch.nn.Module | None:
+    """A mixture-of-experts block's experts (None for a dense MLP)."""
+    return getattr(mlp, "experts", None)
 
 
 def _activation(mlp: torch.nn.Module | None) -> object:
@@ -246,7 +259,7 @@ class FusedDecoder:
         inner, config = text_decoder(model)
         device = model.get_input_embeddings().weight.device
         self.device_type = device.type
-        autocast = torch.is_autocast_enabled(device.type)
+        self.autocast = autocast = torch.is_autocast_enabled(device.type)
         self.residual_dtype = model.get_input_embeddings().weight.dtype
         self.dtype = torch.get_autocast_dtype(device.type) if autocast else self.residual_dtype
         self.packed = pack and packs_weights(self.dtype, device)
@@ -259,8 +272,9 @@ class FusedDecoder:
         # Gemma scales scores by query_pre_attn_scalar**-0.5, not head_dim's
         self.scaling = getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5)
         self.gemma_norms = type(inner.norm).__name__ in GEMMA_NORMS
+        dense = [layer.mlp for layer in inner.layers if routed_experts(layer.mlp) is None]
         self.activation = (
-            F.silu if _is_silu(_activation(inner.layers[0].mlp)) else functools.partial(F.gelu, approximate="tanh")
+            F.silu if not dense or _is_silu(_activation(dense[0])) else functools.partial(F.gelu, approximate="tanh")
         )
         embedding = model.get_input_embeddings()
         # Gemma scales the embeddings by sqrt(hidden), rounded to the weights' dtype (as its embedding does)
@@ -270,7 +284,7 @@ class FusedDecoder:
         self.short_rope_tables: dict[str, torch.Tensor] = {}  # longrope's short-factor tables (tabulate_rope)
         self.rope_by_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.embedding = embedding.weight.detach()
-        self.layers = [self._gather(layer, config) for layer in inner.layers]
+        self.layers = [self._gather(layer, config, kind) for layer, kind in zip(inner.layers, layer_kinds(config))]
         self.windows = [layer.window for layer in self.layers]  # what a StaticKVCache for these layers masks
         self.rope_kinds = sorted({layer.rope for layer in self.layers if layer.rope is not None})
         # the dimensions RoPE rotates: all of a head's, or its first ones (Phi-3's partial_rotary_factor); the rest
@@ -283,11 +297,12 @@ class FusedDecoder:
         weight, bias = _linear_weight(head)
         self.head = self._packed([(weight.to(head_dtype), None if bias is None else bias.to(head_dtype))])
 
-    def _gather(self, layer: torch.nn.Module, config: Any) -> _Layer:
+    def _gather(self, layer: torch.nn.Module, config: Any, kind: str) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         attention, feedforward = _projection_names(attn, mlp)  # stacked ones (Phi-3) are one product as they are
+        routed = routed_experts(mlp) is not None
         *qkv, o = (_linear_weight(getattr(attn, n)) for n in attention)
-        *gate_up, down = (_linear_weight(getattr(mlp, n)) for n in feedforward)
+        *gate_up, down = [None] if routed else (_linear_weight(getattr(mlp, n)) for n in feedforward)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         # Gemma's post_attention_layernorm norms the attention's output; its pre_feedforward_layernorm is the
         # MLP-input norm that Llama calls post_attention_layernorm
@@ -302,14 +317,15 @@ class FusedDecoder:
             k_norm=None if k_norm is None else self._norm_weight(k_norm),
             head_eps=None if q_norm is None else _norm_eps(q_norm),
             rope=rope if getattr(attn, "use_rope", True) else None,
-            # Mistral's attention reads its window from the config, for every layer
-            window=getattr(attn, "sliding_window", getattr(config, "sliding_window", None)),
+            # Mistral's attention reads its window from the config, for every layer (it names no layer types)
+            window=getattr(attn, "sliding_window", getattr(config, "sliding_window", None) if kind != FULL else None),
             o=self._product([o]),
             attention_out_norm=self._norm_pair(layer.post_attention_layernorm) if gemma else None,
             post_norm=self._norm_weight(mlp_input_norm),
             post_eps=_norm_eps(mlp_input_norm),
-            gate_up=self._product(gate_up),
-            down=self._product([down]),
+            gate_up=[] if routed else self._product(gate_up),
+            down=[] if routed else self._product([down]),
+            experts=mlp if routed else None,
             mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma else None,
         )
 
@@ -490,7 +506,10 @@ class FusedDecoder:
         return hidden, out if layer.mlp_out_norm is None else self._norm(out, *layer.mlp_out_norm)
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        """down(act(gate) * up) of the normed (R, H) rows (act: SiLU, or Gemma's tanh-approximated GELU)."""
+        """down(act(gate) * up) of the normed (R, H) rows (act: SiLU, or Gemma's tanh-approximated GELU); a layer of
+        routed experts runs the model's own block (`_routed`)."""
+        if layer.experts is not None:
+            return self._routed(x, layer.experts)
         if self.mlp_transposed and len(layer.gate_up) == 1:
             # gate/up stacked in one weight: the (2I, R) product W @ x^T has each half contiguous, where the halves of
             # x @ W^T's (R, 2I) are strided, which CUDA's SiLU and product run by its generic elementwise kernel
@@ -502,6 +521,14 @@ class FusedDecoder:
         outs = self._outputs(x, layer.gate_up)
         gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
         return self._apply(self.activation(gate) * up, layer.down)
+
+    def _routed(self, x: torch.Tensor, block: torch.nn.Module) -> torch.Tensor:
+        """The model's own mixture-of-experts block on the normed (R, H) rows, under the autocast the decoder was
+        built in, as the forward runs it: its router, top-k and experts (transformers' experts implementations, the
+        model's weights read in place, LoRA on them included) are the model's code, not a copy."""
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
+            out = block(x[:, None])
+        return (out[0] if isinstance(out, tuple) else out)[:, 0]  # some blocks also return their router's logits
 
 
 def longrope_limit(rotary: torch.nn.Module, kind: str) -> int | None:
@@ -549,12 +576,18 @@ def fused_decoder(model: torch.nn.Module) -> FusedDecoder:
     return FusedDecoder(_base(model))
 
 
+def layer_kinds(config: Any) -> list[str]:
+    """Each layer's attention type: config.layer_types, or, for a config that names none, a sliding window in every
+    layer where config.sliding_window is set (Mistral)."""
+    if getattr(config, "layer_types", None):
+        return list(config.layer_types)
+    return [FULL if getattr(config, "sliding_window", None) is None else "sliding_attention"] * config.num_hidden_layers
+
+
 def has_sliding_windows(model: torch.nn.Module) -> bool:
     """Whether some layer attends over a sliding window (FusedDecoder then runs over a static cache only)."""
     config = text_decoder(model)[1]
-    return getattr(config, "sliding_window", None) is not None and any(
-        kind != "full_attention" for kind in getattr(config, "layer_types", None) or ["sliding"]
-    )
+    return getattr(config, "sliding_window", None) is not None and any(kind != FULL for kind in layer_kinds(config))
 
 
 @torch.no_grad()

@@ -38,9 +38,10 @@ adapters are merged into the decode weights for the call (a copy of the adapted 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -60,7 +61,10 @@ from grouprl.model.patches import grouprl_patches
 PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
-KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3")
+KNOWN_FAMILIES = (
+    *("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3"),
+    *("qwen3_moe", "qwen2_moe", "mixtral"),  # their experts run the model's own block (FusedDecoder._routed)
+)
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
 # RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own, or, for longrope,
 # switching once from short to long factors when the step's largest position passes the pretraining length
@@ -193,6 +197,22 @@ def _stopping(function: Callable[..., Any], graphs_per_shape: int) -> Callable[.
             ) from err
 
     return run
+
+
+@contextlib.contextmanager
+def capturable_experts(model: torch.nn.Module, capture: bool) -> Iterator[None]:
+    """While decode steps are recorded as a CUDA graph, a mixture-of-experts model's experts run transformers'
+    `grouped_mm` implementation: its eager one reads on the host which experts the batch hit (a capture cannot hold
+    that), and its `batched_mm` one copies the weights of every expert each row picked (rows x top-k a layer)."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "is_transposed") and hasattr(m, "config")}
+    previous = {key: config._experts_implementation for key, config in configs.items()}
+    try:
+        for config in configs.values() if capture else ():
+            config._experts_implementation = "grouped_mm"
+        yield
+    finally:
+        for key, config in configs.items():
+            config._experts_implementation = previous[key]
 
 
 @functools.cache
@@ -353,7 +373,8 @@ class CapturedGenerator:
         )
         capture = device.type == "cuda" if self.capture is None else self.capture
         started = time.perf_counter()
-        ran = run_steps(loop, params.max_new_tokens - 1, capture)
+        with capturable_experts(base, capture):
+            ran = run_steps(loop, params.max_new_tokens - 1, capture)
         tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
         self.last_decode = (ran, time.perf_counter() - started)
         return tokens, logprobs
