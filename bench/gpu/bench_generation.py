@@ -56,7 +56,8 @@ class Shape:
     kv_heads: int
     intermediate: int
     vocab: int
-    family: str = "qwen2"  # or "gemma3": Gemma 3's layers, head_dim 256, five sliding (512) to a full one
+    family: str = "qwen2"  # or "gemma3": Gemma 3's layers, head_dim 256, five sliding (512) to a full one; or
+    # "qwen3_moe": Qwen3-MoE's layers, head_dim 64 (16 at the tiny shape), 64 experts of `intermediate`, top 8
 
 
 SHAPES = {
@@ -65,6 +66,9 @@ SHAPES = {
     "gemma3-1B": Shape("gemma3-1B", 1152, 26, 4, 1, 6912, 262_144, "gemma3"),
     "tiny": Shape("tiny", 64, 2, 4, 2, 128, 512),
     "tiny-gemma3": Shape("tiny-gemma3", 64, 6, 4, 1, 128, 512, "gemma3"),
+    # Qwen3-MoE's layout at ~1.4B parameters, ~0.35B active: trainable in full on one GPU beside TRL
+    "qwen3-moe-1.4B": Shape("qwen3-moe-1.4B", 1024, 24, 16, 4, 256, 151_936, "qwen3_moe"),
+    "tiny-qwen3-moe": Shape("tiny-qwen3-moe", 64, 2, 4, 2, 32, 512, "qwen3_moe"),
 }
 
 
@@ -99,11 +103,24 @@ PLAN = (
     Case("1.5B, 48-token prompts, 1024 new tokens", "1.5B", 8, 8, 48, 0, 1024, 2, ("trl", "captured")),
     # Gemma 3 (since 2026-11-29 the captured loop's): 1024 new tokens, so its 512-token windows slide
     Case("Gemma 3 1B, 48-token prompts, 1024 new tokens", "gemma3-1B", 8, 8, 48, 0, 1024, 2, ("trl", "captured")),
+    # routed experts (since 2026-11-29 the captured loop's, grouped_mm in the graph) against transformers' own
+    Case(
+        "Qwen3-MoE 1.4B (64 experts, top 8), 48-token prompts",
+        "qwen3-moe-1.4B",
+        8,
+        8,
+        48,
+        0,
+        256,
+        2,
+        ("trl", "captured"),
+    ),
 )
 TINY_PLAN = (
     Case("tiny, 12-token prompts", "tiny", 2, 4, 12, 0, 16, 2, ("trl", *ENGINES)),
     Case("tiny, 40-token shared prompt + 12", "tiny", 2, 4, 12, 40, 16, 2, ("trl", *ENGINES)),
     Case("tiny Gemma 3, 12-token prompts", "tiny-gemma3", 2, 4, 12, 0, 16, 2, ("trl", "transformers", "captured")),
+    Case("tiny Qwen3-MoE, 12-token prompts", "tiny-qwen3-moe", 2, 4, 12, 0, 16, 2, ("trl", "transformers", "captured")),
 )
 
 
@@ -131,6 +148,11 @@ def model_config(shape: Shape):
         return transformers.Gemma3TextConfig(
             **sizes, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=window, layer_types=layers
         ), transformers.Gemma3ForCausalLM
+    if shape.family == "qwen3_moe":
+        experts = dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=shape.intermediate)
+        return transformers.Qwen3MoeConfig(
+            **sizes, **experts, head_dim=64 if shape.hidden > 256 else 16, norm_topk_prob=True
+        ), transformers.Qwen3MoeForCausalLM
     return transformers.Qwen2Config(**sizes), transformers.Qwen2ForCausalLM
 
 
