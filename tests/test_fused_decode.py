@@ -211,7 +211,7 @@ def test_the_captured_loop_decodes_each_accepted_family_as_its_forward(build, ti
     assert captured_supports(model, {}, None) is None
     pad, eos, prompts = 0, 2, [[5, 9, 13, 2, 7, 30], [40, 41], [3, 3, 8, 60]]
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    sampler = CapturedGenerator(model, tokenizer, [eos], pad, capture=False)
+    sampler = CapturedGenerator(model, tokenizer, [eos], pad)  # a CUDA graph on CUDA
     greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=12, top_k=1))
     width = max(map(len, prompts))
     want = model.generate(
@@ -264,7 +264,7 @@ def test_the_captured_loop_switches_longrope_factors_where_generate_does(tiny_mo
     assert captured_supports(model, {}, None) is None
     pad, eos, prompts = 0, 2, [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    sampler = CapturedGenerator(model, tokenizer, [eos], pad, capture=False)
+    sampler = CapturedGenerator(model, tokenizer, [eos], pad)  # a CUDA graph on CUDA
     greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=16, top_k=1))
     width = max(map(len, prompts))
     want = model.generate(
@@ -348,7 +348,7 @@ def test_the_captured_loop_serves_a_vision_language_models_text_prompts(tiny_mod
     assert captured_supports(model, {}, None) is None
     prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    sampler = CapturedGenerator(model, tokenizer, [eos], pad, capture=False, suppress_token_ids=[image_token])
+    sampler = CapturedGenerator(model, tokenizer, [eos], pad, suppress_token_ids=[image_token])
     width = max(map(len, prompts))
     inputs = dict(
         input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device),
@@ -392,6 +392,27 @@ def test_routed_experts_give_the_forwards_logits_under_each_experts_implementati
     expected, got = _random_decode(model)
     for want, have in zip(expected, got):
         torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
+
+
+def test_experts_multiply_in_the_products_dtype_and_lora_on_them_is_named():
+    """fp32 weights under bf16 autocast (the trainer's GPU setting): the step's experts run on bf16 copies, as its
+    dense products do (transformers' grouped_mm multiplies in the weights' dtype, and on CUDA only bf16 needs no host
+    sync, which a CUDA graph cannot hold); in fp32 they are read in place. LoRA on the experts' parameters is not
+    merged into those copies, so the step refuses it by name."""
+    torch.manual_seed(0)
+    model = _qwen3_moe().eval()
+    assert FusedDecoder(model).layers[1].experts[1] == {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        copies = FusedDecoder(model).layers[1].experts[1]
+    assert {name: w.dtype for name, w in copies.items()} == {
+        "experts.gate_up_proj": torch.bfloat16,
+        "experts.down_proj": torch.bfloat16,
+    }
+    peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
+    adapted = peft.get_peft_model(
+        model, peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    )
+    assert "LoRA on its experts' parameters" in structure_reason(adapted.get_base_model())
 
 
 def test_captured_steps_run_the_experts_with_grouped_mm_and_restore_the_models_choice(tiny_model_dir, monkeypatch):

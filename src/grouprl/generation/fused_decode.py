@@ -128,7 +128,7 @@ class _Layer(NamedTuple):
     post_eps: float
     gate_up: Product  # empty in a layer of routed experts
     down: Product
-    experts: torch.nn.Module | None  # a layer's routed-experts block (Qwen3-MoE, Mixtral), run as the model's own
+    experts: tuple[torch.nn.Module, dict[str, torch.Tensor]] | None  # a routed-experts block, its experts' weights
     mlp_out_norm: tuple[torch.Tensor, float] | None  # ... and so is its MLP's
 
 
@@ -196,6 +196,8 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
             reason = _projection_reason(proj)
             if reason:
                 return reason
+        if routed is not None and type(routed).__module__.startswith("peft."):
+            return "LoRA on its experts' parameters (target_parameters) is not merged into the decode step"
         if routed is not None and not hasattr(routed, "is_transposed"):
             return "its experts are not a transformers experts module (use_experts_implementation)"
         if any(getattr(getattr(mlp, n), "bias", None) is not None for n in feedforward):
@@ -325,7 +327,7 @@ class FusedDecoder:
             post_eps=_norm_eps(mlp_input_norm),
             gate_up=[] if routed else self._product(gate_up),
             down=[] if routed else self._product([down]),
-            experts=mlp if routed else None,
+            experts=(mlp, self._expert_weights(mlp)) if routed else None,
             mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma else None,
         )
 
@@ -522,12 +524,22 @@ class FusedDecoder:
         gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
         return self._apply(self.activation(gate) * up, layer.down)
 
-    def _routed(self, x: torch.Tensor, block: torch.nn.Module) -> torch.Tensor:
+    def _expert_weights(self, block: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The experts' weights in the products' dtype, by their names in `block`, where that takes a copy (as the
+        dense products' weights, `_product`); none where they are in it already, read in place. transformers'
+        grouped_mm experts multiply in the weights' dtype, and on CUDA only bf16 runs without a host sync."""
+        experts = dict(block.experts.named_parameters(prefix="experts"))
+        if all(weight.dtype == self.dtype for weight in experts.values()):
+            return {}
+        return {name: weight.detach().to(self.dtype) for name, weight in experts.items()}
+
+    def _routed(self, x: torch.Tensor, experts: tuple[torch.nn.Module, dict[str, torch.Tensor]]) -> torch.Tensor:
         """The model's own mixture-of-experts block on the normed (R, H) rows, under the autocast the decoder was
-        built in, as the forward runs it: its router, top-k and experts (transformers' experts implementations, the
-        model's weights read in place, LoRA on them included) are the model's code, not a copy."""
+        built in: its router, top-k and experts are transformers' code (its experts implementation), run with the
+        model's weights, the experts' in the products' dtype (`_expert_weights`)."""
+        block, weights = experts
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
-            out = block(x[:, None])
+            out = torch.func.functional_call(block, weights, (x[:, None],)) if weights else block(x[:, None])
         return (out[0] if isinstance(out, tuple) else out)[:, 0]  # some blocks also return their router's logits
 
 
