@@ -415,9 +415,10 @@ def test_experts_multiply_in_the_products_dtype_and_lora_on_them_is_named():
     assert "LoRA on its experts' parameters" in structure_reason(adapted.get_base_model())
 
 
-def test_captured_steps_run_the_experts_with_grouped_mm_and_restore_the_models_choice(tiny_model_dir, monkeypatch):
+def test_captured_steps_run_the_experts_without_host_syncs_and_restore_the_models_choice(tiny_model_dir, monkeypatch):
     """transformers' eager experts read on the host which experts were hit, which a CUDA graph cannot hold: while the
-    loop records and replays its steps the experts run grouped_mm, and the model's own choice is back afterwards."""
+    loop records and replays its steps the experts run grouped_mm where they multiply in bf16 (torch's reads its
+    offsets on the host in other dtypes), else batched_mm; the model's own choice is back afterwards."""
     torch.manual_seed(0)
     model = _qwen3_moe().eval()
     model.config._experts_implementation = "eager"
@@ -429,11 +430,12 @@ def test_captured_steps_run_the_experts_with_grouped_mm_and_restore_the_models_c
 
     monkeypatch.setattr(static_decode, "run_steps", steps_without_a_graph)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    for capture in (True, False):
-        CapturedGenerator(model, tokenizer, [2], 0, capture=capture).generate(
-            [[5, 9, 13]], 2, SamplingParams(max_new_tokens=8)
-        )
-    assert seen == [(True, "grouped_mm"), (False, "eager")]
+    for capture, precision in ((True, torch.bfloat16), (True, torch.float32), (False, torch.bfloat16)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
+            CapturedGenerator(model, tokenizer, [2], 0, capture=capture).generate(
+                [[5, 9, 13]], 2, SamplingParams(max_new_tokens=8)
+            )
+    assert seen == [(True, "grouped_mm"), (True, "batched_mm"), (False, "eager")]
     assert model.config._experts_implementation == "eager"
 
 

@@ -200,15 +200,16 @@ def _stopping(function: Callable[..., Any], graphs_per_shape: int) -> Callable[.
 
 
 @contextlib.contextmanager
-def capturable_experts(model: torch.nn.Module, capture: bool) -> Iterator[None]:
-    """While decode steps are recorded as a CUDA graph, a mixture-of-experts model's experts run transformers'
-    `grouped_mm` implementation: its eager one reads on the host which experts the batch hit (a capture cannot hold
-    that), and its `batched_mm` one copies the weights of every expert each row picked (rows x top-k a layer)."""
+def capturable_experts(model: torch.nn.Module, capture: bool, dtype: torch.dtype) -> Iterator[None]:
+    """While decode steps are recorded as a CUDA graph, a mixture-of-experts model's experts run an implementation of
+    transformers' that never syncs with the host: its eager one reads which experts the batch hit (a capture cannot
+    hold that). `grouped_mm` where they multiply in bf16 (`dtype`; torch's grouped_mm reads its offsets on the host
+    in any other dtype), else `batched_mm`, which copies the weights of every expert each row picked."""
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "is_transposed") and hasattr(m, "config")}
     previous = {key: config._experts_implementation for key, config in configs.items()}
     try:
         for config in configs.values() if capture else ():
-            config._experts_implementation = "grouped_mm"
+            config._experts_implementation = "grouped_mm" if dtype == torch.bfloat16 else "batched_mm"
         yield
     finally:
         for key, config in configs.items():
@@ -373,7 +374,7 @@ class CapturedGenerator:
         )
         capture = device.type == "cuda" if self.capture is None else self.capture
         started = time.perf_counter()
-        with capturable_experts(base, capture):
+        with capturable_experts(base, capture, decoder.dtype):
             ran = run_steps(loop, params.max_new_tokens - 1, capture)
         tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
         self.last_decode = (ran, time.perf_counter() - started)
