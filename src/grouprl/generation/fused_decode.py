@@ -31,7 +31,10 @@ these families is a parameter of the step:
   `partial_rotary_factor` of each head;
 - Gemma 3 scales its embeddings by sqrt(hidden), norms by (1 + w) in fp32 (four norms a layer: its attention's and
   its MLP's outputs are normed too), uses tanh-approximated GELU and a score scale of its own, and gives its
-  sliding-window layers a RoPE table of their own.
+  sliding-window layers a RoPE table of their own;
+- a layer of routed experts (Qwen3-MoE, Qwen2-MoE, Mixtral) runs the model's own block, its router and top-k and
+  transformers' experts implementation, the experts' weights in the products' dtype (`FusedDecoder._routed`);
+- a vision-language model's language model (Gemma 3 4B and up, LLaVA) runs its text-only prompts (`text_decoder`).
 Sliding windows (Gemma 3, Mistral) run over the static decode loop's cache only (static_kv_cache.py); shared-prefix
 decoding serves none.
 
@@ -555,8 +558,8 @@ def longrope_limit(rotary: torch.nn.Module, kind: str) -> int | None:
 
 def text_decoder(model: torch.nn.Module) -> tuple[torch.nn.Module | None, Any]:
     """The decoder stack under a causal LM (`model.model`) and its config; for a vision-language model that keeps its
-    language model apart (Gemma 3 4B and up, LLaVA, Mistral 3: `model.model.language_model`), that one and its text
-    config: what text-only prompts run through."""
+    language model apart (Gemma 3 4B and up, LLaVA: `model.model.language_model`), that one and its text config:
+    what text-only prompts run through."""
     inner, config = getattr(model, "model", None), getattr(model, "config", None)
     language = getattr(inner, "language_model", None)
     if language is not None and config is not None:
@@ -593,7 +596,7 @@ def layer_kinds(config: Any) -> list[str]:
     layer where config.sliding_window is set (Mistral)."""
     if getattr(config, "layer_types", None):
         return list(config.layer_types)
-    return [FULL if getattr(config, "sliding_window", None) is None else "sliding_attention"] * config.num_hidden_layers
+    return [FULL if not getattr(config, "sliding_window", None) else "sliding_attention"] * config.num_hidden_layers
 
 
 def has_sliding_windows(model: torch.nn.Module) -> bool:
