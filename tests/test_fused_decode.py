@@ -15,6 +15,8 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -145,6 +147,12 @@ def _qwen2_moe():  # a shared expert beside the routed ones, gated by its own si
     return Qwen2MoeForCausalLM(config)
 
 
+def _glm4_moe():  # GLM-4.5: a dense first layer, then routed experts beside a shared one, grouped top-k with a bias
+    experts = dict(n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1, n_shared_experts=1)
+    config = Glm4MoeConfig(**SIZES, **MOE, **experts, n_group=2, topk_group=1, pad_token_id=0, eos_token_id=2)
+    return Glm4MoeForCausalLM(config)
+
+
 def _mixtral():
     return MixtralForCausalLM(MixtralConfig(**SIZES, **MOE, num_local_experts=4, sliding_window=None))
 
@@ -168,6 +176,7 @@ ACCEPTED = {
     "qwen3_moe (a dense layer too)": _qwen3_moe,
     "qwen2_moe (a shared expert)": _qwen2_moe,
     "mixtral": _mixtral,
+    "glm4_moe (partial RoPE, grouped routing)": _glm4_moe,
 }
 
 

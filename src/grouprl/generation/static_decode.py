@@ -29,9 +29,9 @@ bucket and row count is a static graph of its own, up to `MAX_COMPILED_SHAPES`).
 packed CPU weights).
 
 Models: those FusedDecoder runs (fused_decode.structure_reason: the Llama family, SmolLM3, Phi-3, Gemma 3, and
-Qwen3-MoE / Qwen2-MoE / Mixtral, whose experts run without host syncs while captured: `capturable_experts`), sliding-
-window layers included (their keys outside the window masked in the cache), and a vision-language model's
-text-only prompts (its prompts with images go to `images_backend`); fp32 weights also pass its
+Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5, whose experts run without host syncs while captured:
+`capturable_experts`), sliding-window layers included (their keys outside the window masked in the cache), and a
+vision-language model's text-only prompts (its prompts with images go to `images_backend`); fp32 weights also pass its
 probe against the model's forward, lower-precision ones must be of a family whose forward it is known to
 match (`KNOWN_FAMILIES`), since there a probe cannot tell rounding from a different computation. LoRA
 adapters are merged into the decode weights for the call (a copy of the adapted projections); a quantized
@@ -65,7 +65,7 @@ CHECK_EVERY = 16  # decode steps between the host's reads of "has every row fini
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
 KNOWN_FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3"),
-    *("qwen3_moe", "qwen2_moe", "mixtral"),  # their experts run the model's own block (FusedDecoder._routed)
+    *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),  # their experts run the model's own block (_routed)
 )
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
 # RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own, or, for longrope,
