@@ -99,7 +99,7 @@ MODELS = {
     "qwen3_5": (qwen3_5, ("transformers",)),
     "gemma3": (gemma3, ("transformers", "engine", "captured")),
     "mistral": (mistral, ("transformers", "engine", "captured")),
-    "gpt_oss": (gpt_oss, ("transformers", "engine")),  # attention sinks, sliding windows, experts
+    "gpt_oss": (gpt_oss, ("transformers", "engine", "captured")),  # attention sinks, sliding windows, experts
     "qwen3_moe": (qwen3_moe, ("transformers", "engine", "captured")),  # routed experts
     "gemma4": (gemma4, ("transformers", "engine")),  # layers of different head_dim (a heterogeneous config)
     "nemotron_h": (nemotron_h, ("transformers",)),  # Mamba-2 layers beside attention and MLP-only ones

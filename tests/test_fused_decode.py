@@ -19,6 +19,8 @@ from transformers import (
     Glm4MoeForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -153,6 +155,22 @@ def _glm4_moe():  # GLM-4.5: a dense first layer, then routed experts beside a s
     return Glm4MoeForCausalLM(config)
 
 
+def _gpt_oss():
+    """GPT-OSS: attention sinks, windows of 4 in every other layer, q/k/v/o biases, YaRN RoPE given once for both
+    halves, experts with biases and a clamped gate."""
+    rope = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0)
+    config = GptOssConfig(
+        **{**SIZES, **MOE},
+        num_local_experts=4,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={**rope, "rope_theta": 150_000.0},
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    return GptOssForCausalLM(config)
+
+
 def _mixtral():
     return MixtralForCausalLM(MixtralConfig(**SIZES, **MOE, num_local_experts=4, sliding_window=None))
 
@@ -177,6 +195,7 @@ ACCEPTED = {
     "qwen2_moe (a shared expert)": _qwen2_moe,
     "mixtral": _mixtral,
     "glm4_moe (partial RoPE, grouped routing)": _glm4_moe,
+    "gpt_oss (sinks, windows, yarn)": _gpt_oss,
 }
 
 
@@ -530,7 +549,9 @@ def test_a_refused_model_still_generates_through_its_forward(tiny_model_dir, tok
 
 
 @pytest.mark.parametrize("packing", ["as this CPU allows", "declined"])
-@pytest.mark.parametrize("build", [_llama, _phi3, _qwen3_moe], ids=["llama", "phi3 (partial RoPE)", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "build", [_llama, _phi3, _qwen3_moe, _gpt_oss], ids=["llama", "phi3 (partial RoPE)", "qwen3_moe", "gpt_oss"]
+)
 def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards(packing, build, monkeypatch):
     """Under bf16 autocast neither path matches fp32 exactly; the fused one must be no further from it. "declined"
     is the path of a CPU whose oneDNN runs no bf16 (AVX2-only): the bf16 weights multiplied unpacked. Here (the

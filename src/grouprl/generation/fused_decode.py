@@ -125,6 +125,7 @@ class _Layer(NamedTuple):
     head_eps: float | None
     rope: str | None  # the RoPE table its q and k take (Gemma 3: one a layer type); None: a NoPE layer (SmolLM3)
     window: int | None  # a sliding-window layer's window (the static cache's biases; shared prefixes serve none)
+    sinks: torch.Tensor | None  # GPT-OSS: a logit per head that takes softmax mass and adds nothing (static cache)
     o: Product
     attention_out_norm: tuple[torch.Tensor, float] | None  # Gemma: the attention's output normed before the add ...
     post_norm: torch.Tensor
@@ -189,8 +190,6 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
         return "its LM head is not an nn.Linear"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if getattr(attn, "sinks", None) is not None:
-            return "its attention has sink logits (GPT-OSS)"
         routed = routed_experts(mlp)
         attention, feedforward = _projection_names(attn, mlp)
         feedforward = () if routed is not None else feedforward
@@ -294,6 +293,11 @@ class FusedDecoder:
         self.rope_kinds = sorted({layer.rope for layer in self.layers if layer.rope is not None})
         # the dimensions RoPE rotates: all of a head's, or its first ones (Phi-3's partial_rotary_factor); the rest
         # pass through unrotated
+        # GPT-OSS's rotary embedding gives each frequency's cos and sin once, for the two halves it turns against
+        # each other, where the others repeat them for the two halves (transformers' rotate_half layout)
+        at_one = torch.ones(1, dtype=torch.long, device=device)
+        given = self._rope(at_one, self.rope_kinds[0], as_given=True)[0] if self.rope_kinds else None
+        self.rope_halves = given is not None and not _repeats_halves(given)
         probe = torch.zeros(1, dtype=torch.long, device=device)
         self.rotary_dim = self._rope(probe, self.rope_kinds[0])[0].shape[-1] if self.rope_kinds else self.head_dim
         self.final_norm, self.final_eps = self._norm_weight(inner.norm), _norm_eps(inner.norm)
@@ -324,6 +328,7 @@ class FusedDecoder:
             rope=rope if getattr(attn, "use_rope", True) else None,
             # Mistral's attention reads its window from the config, for every layer (it names no layer types)
             window=getattr(attn, "sliding_window", getattr(config, "sliding_window", None) if kind != FULL else None),
+            sinks=None if getattr(attn, "sinks", None) is None else attn.sinks.detach(),
             o=self._product([o]),
             attention_out_norm=self._norm_pair(layer.post_attention_layernorm) if gemma else None,
             post_norm=self._norm_weight(mlp_input_norm),
@@ -374,12 +379,19 @@ class FusedDecoder:
         outs = self._outputs(x, product)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _rope(self, positions: torch.Tensor, kind: str = ONE_ROPE) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, positions: torch.Tensor, kind: str = ONE_ROPE, as_given: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and sign-folded sin at `positions` (R,), each (R, 1, D) in the residual stream's dtype, as the
         model's rotary embedding gives them for layers of RoPE `kind` (a layer type, where they differ):
-        rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2), one cat of x."""
+        rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2), one cat of x. Given once for both halves
+        (`rope_halves`), they are repeated for each (unless `as_given`)."""
         by_type = (kind,) if self.rope_by_layer_type else ()
         cos, sin = self.rotary(self.embedding[:1], positions[:, None], *by_type)  # its dtype: the hidden states'
+        if as_given:
+            return cos, sin
+        if self.rope_halves:
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         half = cos.shape[-1] // 2
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         return cos.to(self.residual_dtype), signed_sin.to(self.residual_dtype)
@@ -501,7 +513,11 @@ class FusedDecoder:
             else:
                 torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads, :rot])
         cache.write(rotated[:, heads:, None])  # (R, 2 * kv_heads, 1, D): keys, then values
-        attended = cache.attend(rotated[:, :heads, None], self.scaling)  # (R, 1, heads, D)
+        query = rotated[:, :heads, None]
+        if layer.sinks is None:
+            attended = cache.attend(query, self.scaling)  # (R, 1, heads, D)
+        else:
+            attended = cache.attend_with_sinks(query, self.scaling, layer.sinks)
         out = self._apply(attended.reshape(rows, q_width), layer.o)
         if layer.attention_out_norm is not None:
             out = self._norm(out, *layer.attention_out_norm)
@@ -544,6 +560,12 @@ class FusedDecoder:
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
             out = torch.func.functional_call(block, weights, (x[:, None],)) if weights else block(x[:, None])
         return (out[0] if isinstance(out, tuple) else out)[:, 0]  # some blocks also return their router's logits
+
+
+def _repeats_halves(cos: torch.Tensor) -> bool:
+    """Whether a rotary embedding's cos at a position holds each frequency twice, once for each half it turns."""
+    half = cos.shape[-1] // 2
+    return cos.shape[-1] % 2 == 0 and torch.equal(cos[..., :half], cos[..., half:])
 
 
 def longrope_limit(rotary: torch.nn.Module, kind: str) -> int | None:

@@ -66,11 +66,12 @@ WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the ke
 KNOWN_FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3"),
     *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),  # their experts run the model's own block (_routed)
+    "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
 )
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
 # RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own, or, for longrope,
 # switching once from short to long factors when the step's largest position passes the pretraining length
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def captured_supports(
