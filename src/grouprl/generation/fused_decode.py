@@ -34,7 +34,9 @@ these families is a parameter of the step:
   sliding-window layers a RoPE table of their own;
 - a layer of routed experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5) runs the model's own block, its router and
   top-k and transformers' experts implementation, the experts' weights in the products' dtype (`FusedDecoder._routed`);
-- a vision-language model's language model (Gemma 3 4B and up, LLaVA) runs its text-only prompts (`text_decoder`).
+- a vision-language model's language model (Gemma 3 4B and up, LLaVA) runs its text-only prompts (`text_decoder`);
+- GPT-OSS's attention sinks join each head's softmax (over the static cache only), and its RoPE, given once for
+  both halves, is repeated for the rotate_half layout (`rope_halves`).
 Sliding windows (Gemma 3, Mistral) run over the static decode loop's cache only (static_kv_cache.py); shared-prefix
 decoding serves none.
 

@@ -29,7 +29,7 @@ bucket and row count is a static graph of its own, up to `MAX_COMPILED_SHAPES`).
 packed CPU weights).
 
 Models: those FusedDecoder runs (fused_decode.structure_reason: the Llama family, SmolLM3, Phi-3, Gemma 3, and
-Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5, whose experts run without host syncs while captured:
+Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / GPT-OSS, whose experts run without host syncs while captured:
 `capturable_experts`), sliding-window layers included (their keys outside the window masked in the cache), and a
 vision-language model's text-only prompts (its prompts with images go to `images_backend`); fp32 weights also pass its
 probe against the model's forward, lower-precision ones must be of a family whose forward it is known to
