@@ -282,3 +282,20 @@ def test_where_peft_allows_one_expert_adapter_an_untrained_one_is_disabled_and_a
     assert list(trainer.model.peft_config) == ["default"] and first_kl(trainer) == pytest.approx(0.0, abs=1e-7)
     with pytest.raises(ValueError, match=r"adapter 'default' is trained .* Upgrade peft .* or set beta=0.0"):
         lora_trainer(experts_lora(trained=True), tmp_path / "trained")
+
+
+def test_the_captured_loop_samples_a_trained_lora_on_expert_parameters_as_the_forward(tmp_path):
+    """TRL's GPT-OSS recipe, LoRA on the experts' parameters, trained with generation_engine='captured' (eager here,
+    a CUDA graph on CUDA): after training, the loop's greedy tokens are the trained model's own forward's, so each
+    generation samples the adapters as they are then."""
+    trainer = lora_trainer(experts_lora(trained=True), tmp_path, generation_engine="captured")
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "lora_B.default" in name}
+    trainer.train()
+    model = trainer.model.eval()
+    assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters() if name in before)
+    expected = [argmax_without_cache(model, p) for p in PROMPTS]
+    expected = [row[: row.index(EOS) + 1] if EOS in row else row for row in expected]
+    greedy = CapturedGenerator(model, TOKENIZER, [EOS], EOS).generate(
+        PROMPTS, 1, SamplingParams(max_new_tokens=NEW_TOKENS, top_k=1)
+    )
+    assert [c.token_ids for c in greedy] == expected

@@ -329,6 +329,35 @@ def test_lora_adapters_are_merged_for_the_step():
         torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("build", [_qwen3_moe, _gpt_oss], ids=["qwen3_moe", "gpt_oss"])
+def test_lora_on_the_experts_parameters_is_merged_for_the_step(build):
+    """LoRA on the experts' parameters (peft's target_parameters, TRL's GPT-OSS recipe): the step runs the experts
+    with each active adapter's delta added, peft's wrappers passed by meanwhile; with the adapters disabled it runs
+    the base weights; and the wrappers are as they were after each step (the training forward keeps its LoRA)."""
+    peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
+    torch.manual_seed(0)
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # two wrappers, nested
+    model = peft.get_peft_model(
+        build(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=targets)
+    )
+    with torch.no_grad():  # trained adapters: B is zero at initialisation, which would hide a missing delta
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    model.eval()
+    base = model.get_base_model()
+    assert structure_reason(base) is None
+    expected, got = _random_decode(base)
+    with model.disable_adapter():
+        without_adapters, fused_without = _random_decode(base)
+    assert (expected[0] - without_adapters[0]).abs().max() > 0.1  # the adapters change the logits ...
+    for want, have in zip(expected + without_adapters, got + fused_without):  # ... the fused step follows them
+        torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
+    wrappers = [m for m in base.modules() if hasattr(m, "parameter_name")]
+    assert len(wrappers) == 2 * sum(hasattr(layer.mlp, "experts") for layer in base.model.layers)
+    assert not any(w.disable_adapters for w in wrappers)
+
+
 def test_structures_it_cannot_run_are_named():
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64))
@@ -422,25 +451,19 @@ def test_routed_experts_give_the_forwards_logits_under_each_experts_implementati
         torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
 
 
-def test_experts_multiply_in_the_products_dtype_and_lora_on_them_is_named():
+def test_experts_multiply_in_the_products_dtype():
     """fp32 weights under bf16 autocast (the trainer's GPU setting): the step's experts run on bf16 copies, as its
     dense products do (transformers' grouped_mm multiplies in the weights' dtype, and on CUDA only bf16 needs no host
-    sync, which a CUDA graph cannot hold); in fp32 they are read in place. LoRA on the experts' parameters is not
-    merged into those copies, so the step refuses it by name."""
+    sync, which a CUDA graph cannot hold); in fp32 they are read in place."""
     torch.manual_seed(0)
     model = _qwen3_moe().eval()
-    assert FusedDecoder(model).layers[1].experts[1] == {}
+    assert FusedDecoder(model).layers[1].experts.weights == {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        copies = FusedDecoder(model).layers[1].experts[1]
+        copies = FusedDecoder(model).layers[1].experts.weights
     assert {name: w.dtype for name, w in copies.items()} == {
         "experts.gate_up_proj": torch.bfloat16,
         "experts.down_proj": torch.bfloat16,
     }
-    peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
-    adapted = peft.get_peft_model(
-        model, peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
-    )
-    assert "LoRA on its experts' parameters" in structure_reason(adapted.get_base_model())
 
 
 def test_captured_steps_run_the_experts_without_host_syncs_and_restore_the_models_choice(tiny_model_dir, monkeypatch):

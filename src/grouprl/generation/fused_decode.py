@@ -118,6 +118,14 @@ FEW_ROWS = range(2, 33)
 UNPADDED_ROWS = 8  # above this, rows are padded to a multiple of 16
 
 
+class _Experts(NamedTuple):
+    block: torch.nn.Module  # the model's mixture-of-experts block: router, top-k and experts
+    weights: dict[
+        str, torch.Tensor
+    ]  # the experts' weights the step substitutes, by name in `block` (none: as they are)
+    wrappers: list[torch.nn.Module]  # peft's LoRA wrappers of the experts' parameters, passed by while substituted
+
+
 class _Layer(NamedTuple):
     input_norm: torch.Tensor
     input_eps: float
@@ -134,7 +142,7 @@ class _Layer(NamedTuple):
     post_eps: float
     gate_up: Product  # empty in a layer of routed experts
     down: Product
-    experts: tuple[torch.nn.Module, dict[str, torch.Tensor]] | None  # a routed-experts block, its experts' weights
+    experts: _Experts | None  # a layer of routed experts (Qwen3-MoE, GPT-OSS): run as the model's own block
     mlp_out_norm: tuple[torch.Tensor, float] | None  # ... and so is its MLP's
 
 
@@ -200,9 +208,7 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
             reason = _projection_reason(proj)
             if reason:
                 return reason
-        if routed is not None and type(routed).__module__.startswith("peft."):
-            return "LoRA on its experts' parameters (target_parameters) is not merged into the decode step"
-        if routed is not None and not hasattr(routed, "is_transposed"):
+        if routed is not None and not hasattr(_unwrapped(routed)[0], "is_transposed"):
             return "its experts are not a transformers experts module (use_experts_implementation)"
         if any(getattr(getattr(mlp, n), "bias", None) is not None for n in feedforward):
             return "its MLP has biases"
@@ -337,7 +343,7 @@ class FusedDecoder:
             post_eps=_norm_eps(mlp_input_norm),
             gate_up=[] if routed else self._product(gate_up),
             down=[] if routed else self._product([down]),
-            experts=(mlp, self._expert_weights(mlp)) if routed else None,
+            experts=self._experts(mlp) if routed else None,
             mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma else None,
         )
 
@@ -545,23 +551,50 @@ class FusedDecoder:
         gate, up = outs if len(outs) == 2 else outs[0].chunk(2, dim=-1)
         return self._apply(self.activation(gate) * up, layer.down)
 
-    def _expert_weights(self, block: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The experts' weights in the products' dtype, by their names in `block`, where that takes a copy (as the
-        dense products' weights, `_product`); none where they are in it already, read in place. transformers'
-        grouped_mm experts multiply in the weights' dtype, and on CUDA only bf16 runs without a host sync."""
-        experts = dict(block.experts.named_parameters(prefix="experts"))
-        if all(weight.dtype == self.dtype for weight in experts.values()):
-            return {}
-        return {name: weight.detach().to(self.dtype) for name, weight in experts.items()}
+    def _experts(self, block: torch.nn.Module) -> _Experts:
+        """A layer's experts with the weights they apply (LoRA adapters on their parameters added, as for the dense
+        products: `_linear_weight`) in the products' dtype: copies where that takes one, none where they are in it
+        and unadapted, read in place. transformers' grouped_mm experts multiply in the weights' dtype, and on CUDA
+        only bf16 runs without a host sync."""
+        experts, wrappers = _unwrapped(block.experts)
+        prefix = "experts" + ".base_layer" * len(wrappers)
+        weights = {name: weight.detach() for name, weight in experts.named_parameters(recurse=False)}
+        for wrapper in wrappers:
+            if wrapper.merged or wrapper.disable_adapters:
+                continue
+            for adapter in (a for a in wrapper.active_adapters if a in wrapper.lora_A):
+                weight = weights[wrapper.parameter_name]
+                weights[wrapper.parameter_name] = weight + wrapper.get_delta_weight(adapter).detach().to(weight.dtype)
+        if not wrappers and all(weight.dtype == self.dtype for weight in weights.values()):
+            return _Experts(block, {}, [])
+        return _Experts(block, {f"{prefix}.{n}": w.to(self.dtype) for n, w in weights.items()}, wrappers)
 
-    def _routed(self, x: torch.Tensor, experts: tuple[torch.nn.Module, dict[str, torch.Tensor]]) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, experts: _Experts) -> torch.Tensor:
         """The model's own mixture-of-experts block on the normed (R, H) rows, under the autocast the decoder was
         built in: its router, top-k and experts are transformers' code (its experts implementation), run with the
-        model's weights, the experts' in the products' dtype (`_expert_weights`)."""
-        block, weights = experts
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
-            out = torch.func.functional_call(block, weights, (x[:, None],)) if weights else block(x[:, None])
+        model's weights, the experts' as `_experts` gives them (peft's wrappers, whose adapters those include, are
+        switched off meanwhile, so that they pass the call to the experts as they are)."""
+        block, weights, wrappers = experts
+        switched = [wrapper._disable_adapters for wrapper in wrappers]
+        for wrapper in wrappers:
+            wrapper._disable_adapters = True
+        try:
+            with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
+                out = torch.func.functional_call(block, weights, (x[:, None],)) if weights else block(x[:, None])
+        finally:
+            for wrapper, off in zip(wrappers, switched):
+                wrapper._disable_adapters = off
         return (out[0] if isinstance(out, tuple) else out)[:, 0]  # some blocks also return their router's logits
+
+
+def _unwrapped(experts: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """An experts module under peft's LoRA wrappers of its parameters (`target_parameters`, one a parameter, nested),
+    and those wrappers, outermost first."""
+    wrappers = []
+    while hasattr(experts, "parameter_name") and hasattr(experts, "base_layer"):
+        wrappers.append(experts)
+        experts = experts.base_layer
+    return experts, wrappers
 
 
 def _repeats_halves(cos: torch.Tensor) -> bool:
