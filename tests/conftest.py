@@ -105,8 +105,9 @@ def grouprl_server(tiny_model_dir):
 
 
 @contextlib.contextmanager
-def serving(model_dir):
-    """`grouprl serve --model model_dir` in a subprocess, once it answers: (base url, process); killed after."""
+def serving(model_dir, *flags):
+    """`grouprl serve --model model_dir [flags]` in a subprocess, once it answers: (base url, process); killed
+    after."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     from grouprl.generation.remote import RemoteGenerator, ServerError
@@ -125,6 +126,7 @@ def serving(model_dir):
             "127.0.0.1",
             "--port",
             str(port),
+            *flags,
         ],
         env=env,
         stdout=subprocess.PIPE,

@@ -55,14 +55,20 @@ def step_entries(trainer):
     return [e for e in trainer.state.log_history if "async/staleness_max" in e]
 
 
-def test_max_staleness_zero_trains_only_on_the_current_weights(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["auto", "captured"])
+def test_max_staleness_zero_trains_only_on_the_current_weights(tiny_model_dir, tmp_path, engine):
+    """The local worker samples with the trainer's generation_engine (auto: the engine on a CPU; the captured loop,
+    eager here), and its samples are the trained weights' own."""
     trainer = GRPOTrainer(
         model=tiny_model_dir,
         reward_funcs=slow_distinct_tokens,
-        args=async_config(tmp_path, max_staleness=0),
+        args=async_config(tmp_path, max_staleness=0, generation_engine=engine),
         train_dataset=PROMPTS,
     )
     trainer.train()
+    started = open(tmp_path / "out" / "generation_worker.log").read()
+    picked = {"auto": "captured" if torch.cuda.is_available() else "engine"}.get(engine, engine)  # the trainer's device
+    assert f"generation_engine '{picked}'" in started
     entries = step_entries(trainer)
     assert len(entries) == 4
     for entry in entries:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import free_port
 from helpers import odd_prompts_tie, sample_through_the_backend
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.core.types import SamplingParams
@@ -356,6 +356,62 @@ def test_a_vlm_servers_logprobs_are_those_of_the_distribution_generate_sampled_f
     # The check can fail: the temperature alone (what the server used to return) scores the same tokens otherwise.
     plain = with_logprobs(model, [prompt], [Completion(0, tokens, "", "length")], SamplingParams(12, 0.8), [images])
     assert (torch.tensor(plain[0].sampler_logprobs) - torch.tensor(expected)).abs().max() > 1e-2
+
+
+def test_the_server_picks_its_sampler_as_the_trainer_does(tiny_model_dir):
+    """`grouprl serve --generation_engine`: 'auto' is the trainer's pick for the model's device (the fast engine on
+    a CPU, the captured loop on CUDA) where it serves the model, else transformers generate with the reason; an
+    explicit engine that cannot serve the model stops the server naming why; a vision-language model samples with
+    generate, which takes its images."""
+    from test_architectures import qwen3_5
+    from vlm_models import tiny_llava
+
+    from grouprl.generation.engine import FastGenerator
+    from grouprl.generation.hf import TransformersGenerator
+    from grouprl.generation.server import server_sampler
+    from grouprl.generation.static_decode import CapturedGenerator
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pick = {"cpu": (FastGenerator, "engine"), "cuda": (CapturedGenerator, "captured")}[model.device.type]
+    for engine, (kind, named) in {
+        "auto": pick,
+        "engine": (FastGenerator, "engine"),
+        "captured": (CapturedGenerator, "captured"),
+    }.items():
+        sampler, described = server_sampler(model, tokenizer, [0], 0, engine)
+        assert type(sampler) is kind and described == f"generation_engine {named!r}"
+    sampler, described = server_sampler(model, tokenizer, [0], 0, "transformers")
+    assert type(sampler) is TransformersGenerator and described == "transformers generate"
+    hybrid = qwen3_5()  # linear-attention layers: neither engine serves it
+    sampler, described = server_sampler(hybrid, tokenizer, [0], 0, "auto")
+    assert type(sampler) is TransformersGenerator and "cannot: the model has non-attention layers" in described
+    with pytest.raises(ValueError, match="--generation_engine captured: the model has non-attention layers"):
+        server_sampler(hybrid, tokenizer, [0], 0, "captured")
+    vlm, processor = tiny_llava()
+    sampler, _ = server_sampler(vlm, processor.tokenizer, [0], 0, "captured")
+    assert type(sampler) is TransformersGenerator and sampler.suppress_token_ids == [vlm.config.image_token_id]
+
+
+def test_a_server_started_with_the_captured_loop_samples_through_it(tiny_model_dir):
+    """`grouprl serve --generation_engine captured` (eager on a CPU): /health names the sampler, and its greedy
+    completions are the captured loop's here, with their logprobs."""
+    from conftest import serving
+
+    from grouprl.generation.static_decode import CapturedGenerator
+
+    with serving(tiny_model_dir, "--generation_engine", "captured") as (url, _):
+        client = RemoteGenerator(url)
+        assert client.info["sampler"] == "generation_engine 'captured'"  # its /health at connection
+        greedy = SamplingParams(max_new_tokens=6, top_k=1)
+        served = client.generate([[5, 6, 7], [8, 9]], 2, greedy)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    local = CapturedGenerator(model, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id, capture=False)
+    expected = local.generate([[5, 6, 7], [8, 9]], 2, greedy)
+    assert [c.token_ids for c in served] == [c.token_ids for c in expected]
+    for got, want in zip(served, expected):
+        torch.testing.assert_close(got.sampler_logprobs, want.sampler_logprobs, atol=1e-5, rtol=1e-5)
 
 
 def test_unreachable_server_fails_fast_with_the_settings(tiny_model_dir, tmp_path):

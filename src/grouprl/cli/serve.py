@@ -26,6 +26,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="Sampling seed at start-up (a request's seed overrides it)."
     )
+    parser.add_argument(
+        "--generation_engine",
+        default="auto",
+        choices=["auto", "engine", "captured", "transformers"],
+        help="What samples a text model (default auto: the fast engine on a CPU, the captured decode loop on CUDA, "
+        "where they serve the model, else transformers generate; a vision-language model always samples with "
+        "transformers generate).",
+    )
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow custom model code.")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
     parser.add_argument(

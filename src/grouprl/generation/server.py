@@ -1,5 +1,6 @@
-"""`grouprl serve`: a generation server hosting the fast engine (transformers generate for a vision-language model),
-with weight updates from a trainer.
+"""`grouprl serve`: a generation server hosting grouprl's samplers (`--generation_engine`, as the trainer picks them:
+the fast engine on a CPU, the captured decode loop on CUDA; transformers generate for a vision-language model and
+where those cannot serve the model), with weight updates from a trainer.
 
 This module is the app and its start-up; the choices it returns are built in `server_choices.py`,
 the weights it receives are loaded by `server_weights.py`.
@@ -37,7 +38,7 @@ from typing import Any, Optional, Union
 import torch
 
 from grouprl.core.types import SamplingParams
-from grouprl.generation.engine import FastGenerator
+from grouprl.generation.factory import IN_PROCESS_ENGINES, auto_engine, model_device
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.server_choices import sample_choice, score_choice, token_prompts, with_logprobs
 from grouprl.generation.server_weights import WeightReceiver
@@ -45,6 +46,33 @@ from grouprl.model.multimodal import image_token_ids, images_from_bytes, is_visi
 
 # Request fields accepted without effect here: formatting switches of vLLM's API.
 INERT_FIELDS = {"return_token_ids", "return_tokens_as_token_ids", "stream", "user", "model"}
+SERVER_ENGINES = ("auto", "engine", "captured", "transformers")  # `grouprl serve --generation_engine`
+
+
+def server_sampler(
+    model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], pad_token_id: int, engine: str = "auto"
+) -> tuple[Any, str]:
+    """What samples the server's requests, and that in words. A vision-language model's: transformers generate (it
+    takes the image inputs and suppresses their placeholders). A text model's: `engine`; 'auto' is the trainer's pick
+    for the model's device (factory.auto_engine: the fast engine on a CPU, the captured loop on CUDA) where that
+    serves the model, else transformers generate, the reason said."""
+    if engine not in SERVER_ENGINES:
+        raise ValueError(f"grouprl serve --generation_engine must be one of {SERVER_ENGINES}, got {engine!r}.")
+    transformers = TransformersGenerator(
+        model, tokenizer, eos_token_ids, pad_token_id, suppress_token_ids=image_token_ids(model.config)
+    )
+    if is_vision_language_config(model.config) or engine == "transformers":
+        return transformers, "transformers generate"
+    chosen = auto_engine(model_device(model)) if engine == "auto" else engine
+    if chosen == "transformers":
+        return transformers, "transformers generate"
+    supports, sampler = IN_PROCESS_ENGINES[chosen]
+    reason = supports(model, {}, None)
+    if reason is None:
+        return sampler(model, tokenizer, eos_token_ids, pad_token_id), f"generation_engine {chosen!r}"
+    if engine == "auto":
+        return transformers, f"transformers generate ({chosen!r} cannot: {reason})"
+    raise ValueError(f"grouprl serve --generation_engine {engine}: {reason}. Use auto or transformers.")
 
 
 def require_server_libraries() -> tuple[Any, Any]:
@@ -57,8 +85,14 @@ def require_server_libraries() -> tuple[Any, Any]:
 
 
 def create_app(
-    model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], model_name: str, weight_version: int = 0
+    model: torch.nn.Module,
+    tokenizer: Any,
+    eos_token_ids: list[int],
+    model_name: str,
+    weight_version: int = 0,
+    engine: str = "auto",
 ) -> Any:
+    """The server's app; `engine`: which sampler serves text models (`server_sampler`)."""
     fastapi, _ = require_server_libraries()
     from fastapi import HTTPException, Request
     from pydantic import BaseModel, ConfigDict
@@ -94,23 +128,24 @@ def create_app(
 
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
     vision = is_vision_language_config(model.config)
-    generator: Any = (  # the fast engine is text-only; generate takes the image inputs and suppresses placeholders
-        TransformersGenerator(
-            model, tokenizer, eos_token_ids, pad_token_id, suppress_token_ids=image_token_ids(model.config)
-        )
-        if vision
-        else FastGenerator(model, tokenizer, eos_token_ids, pad_token_id)
-    )
+    generator, app_sampler = server_sampler(model, tokenizer, eos_token_ids, pad_token_id, engine)
     weights = WeightReceiver(model, version=weight_version)
     lock = threading.Lock()
     app = fastapi.FastAPI(title="grouprl generation server")
+    app.state.sampler = app_sampler
 
     def bad_request(message: str) -> HTTPException:
         return HTTPException(status_code=400, detail=message)
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "server": "grouprl", "model": model_name, "weight_version": weights.version}
+        return {
+            "status": "ok",
+            "server": "grouprl",
+            "model": model_name,
+            "weight_version": weights.version,
+            "sampler": app_sampler,
+        }
 
     @app.get("/v1/models")
     def models() -> dict:
@@ -252,8 +287,10 @@ def serve(args: argparse.Namespace) -> None:
     model = loader.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     torch.manual_seed(args.seed)
-    app = create_app(model, tokenizer, eos_token_ids(tokenizer, model), args.model, args.weight_version)
-    print(f"grouprl serve: {args.model} on {device}, http://{args.host}:{args.port}", flush=True)
+    app = create_app(
+        model, tokenizer, eos_token_ids(tokenizer, model), args.model, args.weight_version, args.generation_engine
+    )
+    print(f"grouprl serve: {args.model} on {device}, {app.state.sampler}, http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

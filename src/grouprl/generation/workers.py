@@ -69,8 +69,10 @@ class LocalWorker:
         log_path: str,
         startup_timeout: float,
         seed: int = 0,
+        generation_engine: str = "auto",  # the trainer's: what samples in the worker (grouprl serve's flag)
     ):
         self.threads, self.log_path, self.startup_timeout, self.seed = threads, log_path, startup_timeout, seed
+        self.generation_engine = generation_engine
         self.device = next(model.parameters()).device.type  # the worker samples where the trainer trains
         self.directory = tempfile.mkdtemp(prefix="grouprl-worker-")
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -87,6 +89,7 @@ class LocalWorker:
         command += ["--port", str(port), "--dtype", self.dtype, "--device", self.device]
         command += ["--weight_version", str(version), "--parent_pid", str(os.getpid())]
         command += ["--seed", str(self.seed + version)]  # the run's seed, moved on by the version it starts at
+        command += ["--generation_engine", self.generation_engine]
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         if self.threads:
             command += ["--threads", str(self.threads)]

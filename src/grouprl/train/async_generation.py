@@ -110,6 +110,7 @@ def start_worker(
             log_path=os.path.join(config.output_dir, "generation_worker.log"),
             startup_timeout=config.vllm_server_timeout,
             seed=config.seed,
+            generation_engine=config.generation_engine,
         )
         url, client = worker.start(version), None
     if client is None:
