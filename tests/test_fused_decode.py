@@ -199,6 +199,35 @@ ACCEPTED = {
 }
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PAD, EOS = 0, 2  # the test models' padding and end-of-sequence ids
+
+
+def _sharpened(model, factor):
+    """Sharper attention and logits: a wrong step changes the tokens."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and "embed" not in name:
+                param.mul_(factor)
+    return model
+
+
+def _greedy_and_generates(sampler, prompts, new_tokens, **generate_options):
+    """(the sampler's greedy tokens, transformers generate's ended after EOS) for `prompts`, left-padded."""
+    greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=new_tokens, top_k=1))
+    width = max(map(len, prompts))
+    want = sampler.model.generate(
+        input_ids=torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], device=DEVICE),
+        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        **generate_options,
+    )[:, width:].tolist()
+    return [c.token_ids for c in greedy], [row[: row.index(EOS) + 1] if EOS in row else row for row in want]
+
+
 def _random_decode(model, steps=4, seed=0):
     """Both paths over the same left-padded prompts and fed tokens: (forward logits, fused logits)."""
     generator = torch.Generator().manual_seed(seed)
@@ -229,28 +258,13 @@ def test_fused_steps_give_the_forward_logits(build):
 def test_the_captured_loop_decodes_each_accepted_family_as_its_forward(build, tiny_model_dir):
     """generation_engine='captured' runs the same fused step over a static cache, for every family the step accepts:
     greedy, its tokens are transformers generate's; sampled, each token's logprob is a separate forward's."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = build().eval().to(device)
-    with torch.no_grad():  # sharper attention and logits: a wrong step changes the tokens
-        for name, param in model.named_parameters():
-            if param.ndim == 2 and "embed" not in name:
-                param.mul_(4.0)
+    model = _sharpened(build().eval().to(DEVICE), 4.0)
     assert captured_supports(model, {}, None) is None
-    pad, eos, prompts = 0, 2, [[5, 9, 13, 2, 7, 30], [40, 41], [3, 3, 8, 60]]
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    sampler = CapturedGenerator(model, tokenizer, [eos], pad)  # a CUDA graph on CUDA
-    greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=12, top_k=1))
-    width = max(map(len, prompts))
-    want = model.generate(
-        input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device),
-        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device),
-        do_sample=False,
-        max_new_tokens=12,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )[:, width:].tolist()
-    assert [c.token_ids for c in greedy] == [row[: row.index(eos) + 1] if eos in row else row for row in want]
+    prompts = [[5, 9, 13, 2, 7, 30], [40, 41], [3, 3, 8, 60]]
+    sampler = CapturedGenerator(model, PreTrainedTokenizerFast.from_pretrained(tiny_model_dir), [EOS], PAD)
+    got, want = _greedy_and_generates(sampler, prompts, 12)
+    assert got == want
     for sample in sampler.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0)):
         expected = forward_logprobs(model, prompts[sample.prompt_index], sample.token_ids, temperature=1.0)
         torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected, atol=1e-4, rtol=1e-4)
@@ -282,38 +296,35 @@ def test_a_rope_table_holds_each_positions_own_values(build, positions):
 def test_the_captured_loop_switches_longrope_factors_where_generate_does(tiny_model_dir):
     """A longrope model whose pretraining length (12) the batch passes mid-generation: the captured loop's greedy
     tokens are transformers generate's before and after the switch to the long factors."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(2)  # a seed and scale whose tokens change if either factor set is used throughout
-    model = _phi3_longrope(pretraining_length=12).eval().to(device)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2 and "embed" not in name:
-                param.mul_(2.0)
+    model = _sharpened(_phi3_longrope(pretraining_length=12).eval().to(DEVICE), 2.0)
     assert captured_supports(model, {}, None) is None
-    pad, eos, prompts = 0, 2, [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    sampler = CapturedGenerator(model, tokenizer, [eos], pad)  # a CUDA graph on CUDA
-    greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=16, top_k=1))
-    width = max(map(len, prompts))
-    want = model.generate(
-        input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device),
-        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device),
-        do_sample=False,
-        max_new_tokens=16,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )[:, width:].tolist()
-    want = [row[: row.index(eos) + 1] if eos in row else row for row in want]
+    sampler = CapturedGenerator(model, PreTrainedTokenizerFast.from_pretrained(tiny_model_dir), [EOS], PAD)
+    got, want = _greedy_and_generates(sampler, [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]], 16)
     assert max(map(len, want)) > 8  # the batch runs past the switch (a row at position 12)
-    assert [c.token_ids for c in greedy] == want
+    assert got == want
 
 
-def test_lora_adapters_are_merged_for_the_step():
+LORA = {
+    "llama, every linear layer": (_llama, dict(target_modules="all-linear", lora_dropout=0.0)),
+    # peft's target_parameters (TRL's GPT-OSS recipe): a wrapper a parameter, nested
+    **{
+        f"{name}, the experts' parameters": (
+            build,
+            dict(target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+        )
+        for name, build in (("qwen3_moe", _qwen3_moe), ("gpt_oss", _gpt_oss))
+    },
+}
+
+
+@pytest.mark.parametrize("build, targets", LORA.values(), ids=LORA.keys())
+def test_lora_adapters_are_merged_for_the_step(build, targets):
+    """The step applies each active adapter's delta (on the experts' parameters, peft's wrappers passed by meanwhile
+    and as they were after each step: the training forward keeps its LoRA); with the adapters disabled, the base."""
     peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
     torch.manual_seed(0)
-    model = peft.get_peft_model(
-        _llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    )
+    model = peft.get_peft_model(build(), peft.LoraConfig(r=4, lora_alpha=8, **targets))
     with torch.no_grad():  # trained adapters: B is zero at initialisation, which would hide a missing merge
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -327,34 +338,10 @@ def test_lora_adapters_are_merged_for_the_step():
     assert (expected[0] - without_adapters[0]).abs().max() > 0.1  # the adapters change the logits ...
     for want, have in zip(expected + without_adapters, got + fused_without):  # ... the fused step follows them
         torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("build", [_qwen3_moe, _gpt_oss], ids=["qwen3_moe", "gpt_oss"])
-def test_lora_on_the_experts_parameters_is_merged_for_the_step(build):
-    """LoRA on the experts' parameters (peft's target_parameters, TRL's GPT-OSS recipe): the step runs the experts
-    with each active adapter's delta added, peft's wrappers passed by meanwhile; with the adapters disabled it runs
-    the base weights; and the wrappers are as they were after each step (the training forward keeps its LoRA)."""
-    peft = pytest.importorskip("peft", reason="peft is an optional dependency (LoRA)")
-    torch.manual_seed(0)
-    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # two wrappers, nested
-    model = peft.get_peft_model(
-        build(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=targets)
-    )
-    with torch.no_grad():  # trained adapters: B is zero at initialisation, which would hide a missing delta
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.5)
-    model.eval()
-    base = model.get_base_model()
-    assert structure_reason(base) is None
-    expected, got = _random_decode(base)
-    with model.disable_adapter():
-        without_adapters, fused_without = _random_decode(base)
-    assert (expected[0] - without_adapters[0]).abs().max() > 0.1  # the adapters change the logits ...
-    for want, have in zip(expected + without_adapters, got + fused_without):  # ... the fused step follows them
-        torch.testing.assert_close(have, want.reshape(have.shape), atol=2e-5, rtol=1e-4)
     wrappers = [m for m in base.modules() if hasattr(m, "parameter_name")]
-    assert len(wrappers) == 2 * sum(hasattr(layer.mlp, "experts") for layer in base.model.layers)
+    assert len(wrappers) == len(targets.get("target_parameters", [])) * sum(
+        hasattr(layer.mlp, "experts") for layer in base.model.layers
+    )
     assert not any(w.disable_adapters for w in wrappers)
 
 
@@ -396,36 +383,26 @@ def test_the_captured_loop_serves_a_vision_language_models_text_prompts(tiny_mod
     """Text-only prompts to a vision-language model run through its language model in the captured loop, its image
     placeholder never sampled (transformers generate is told to suppress it, as TRL does): greedy, the tokens are
     generate's; sampled, each token's logprob is a separate forward's with the placeholder removed."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    image_token, pad, eos = 95, 0, 2
-    model = _gemma3_vision_language(image_token).eval().to(device)
+    image_token = 95
+    model = _gemma3_vision_language(image_token).eval().to(DEVICE)
     with torch.no_grad():  # the placeholder as likely as a token greedy decoding picks: suppressing it matters
         model.lm_head.weight[image_token] = 2 * model.lm_head.weight[80]
     assert captured_supports(model, {}, None) is None
     prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    sampler = CapturedGenerator(model, tokenizer, [eos], pad, suppress_token_ids=[image_token])
-    width = max(map(len, prompts))
-    inputs = dict(
-        input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device),
-        attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device),
-        do_sample=False,
-        max_new_tokens=12,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
-    assert image_token in model.generate(**inputs)[:, width:]  # unsuppressed, greedy decoding would emit it
-    want = model.generate(**inputs, suppress_tokens=[image_token])[:, width:].tolist()
-    greedy = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=12, top_k=1))
-    assert [c.token_ids for c in greedy] == [row[: row.index(eos) + 1] if eos in row else row for row in want]
+    sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, suppress_token_ids=[image_token])
+    unsuppressed = _greedy_and_generates(sampler, prompts, 12)[1]
+    assert any(image_token in row for row in unsuppressed)  # greedy decoding would emit it
+    got, want = _greedy_and_generates(sampler, prompts, 12, suppress_tokens=[image_token])
+    assert got == want
     for sample in sampler.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0)):
         prompt = prompts[sample.prompt_index]
         assert image_token not in sample.token_ids
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + sample.token_ids], device=device)).logits[0].float()
-        logits = logits[len(prompt) - 1 : -1].index_fill(1, torch.tensor([image_token], device=device), -float("inf"))
-        expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids, device=device)[:, None])[:, 0]
+            logits = model(input_ids=torch.tensor([prompt + sample.token_ids], device=DEVICE)).logits[0].float()
+        logits = logits[len(prompt) - 1 : -1].index_fill(1, torch.tensor([image_token], device=DEVICE), -float("inf"))
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids, device=DEVICE)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected.cpu(), atol=1e-4, rtol=1e-4)
 
 

@@ -537,6 +537,10 @@ def test_llava_from_a_path_trains_a_lora_adapter_on_the_language_model(tmp_path,
     assert {"adapter_model.safetensors", "processor_config.json"} <= set(os.listdir(config.output_dir))
 
 
+def content_length(completions, **kwargs):
+    return [float(len(c[0]["content"])) for c in completions]
+
+
 @pytest.mark.parametrize("arch", BUILDERS)
 def test_each_architecture_trains_every_parameter_on_image_prompts(tmp_path, arch):
     """TRL's test_train_vlm on each tiny architecture (Qwen3.5's language model is hybrid: a linear-attention layer
@@ -547,7 +551,7 @@ def test_each_architecture_trains_every_parameter_on_image_prompts(tmp_path, arc
     config = vlm_config(tmp_path, max_steps=1, learning_rate=0.1, beta=0.0)
     trainer = GRPOTrainer(
         model,
-        lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions],
+        content_length,
         args=config,
         train_dataset=datasets.Dataset.from_list(rows),
         processing_class=processor,
@@ -582,7 +586,7 @@ def test_the_captured_loop_samples_text_prompts_and_generate_those_with_images(t
     config = vlm_config(tmp_path, generation_engine="captured", max_steps=4, per_device_train_batch_size=2)
     trainer = GRPOTrainer(
         model,
-        lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions],
+        content_length,
         args=config,
         train_dataset=datasets.Dataset.from_list(rows),
         processing_class=processor,
