@@ -2,6 +2,8 @@
 architecture they accept, LoRA adapters included; a model they would get wrong is caught by the probe and
 decodes through its forward; generation samples the same tokens with and without them."""
 
+import logging
+
 import pytest
 import torch
 from helpers import distinct_tokens, forward_logprobs, numbered_prompts, quiet_config
@@ -43,7 +45,7 @@ from transformers import (
 
 from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
-from grouprl.generation import FastGenerator, fused_decode, static_decode
+from grouprl.generation import FastGenerator, TransformersGenerator, fused_decode, static_decode
 from grouprl.generation.fused_decode import (
     ONE_ROPE,
     FusedDecoder,
@@ -270,39 +272,46 @@ def test_the_captured_loop_decodes_each_accepted_family_as_its_forward(build, ti
         torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected, atol=1e-4, rtol=1e-4)
 
 
-ROPE_TABLE_MODELS = {
-    "llama3 rope": _llama,
-    "default rope": _qwen3,
-    "longrope": lambda: _phi3_longrope(pretraining_length=8),
-}
-
-
-@pytest.mark.parametrize("build", ROPE_TABLE_MODELS.values(), ids=ROPE_TABLE_MODELS.keys())
-@pytest.mark.parametrize("positions", [[0, 5, 5, 7, 3, 1], [0, 5, 5, 63, 17, 100], [8, 0, 2]])
-def test_a_rope_table_holds_each_positions_own_values(build, positions):
-    """The static loop's steps gather RoPE's cos and sin from a table made once per call; what a step gathers is bit
-    for bit what the model's rotary embedding computes for that step's positions, whatever positions its rows are at.
-    For longrope that is its short factors while every row is below the pretraining length (8 here), its long ones
-    for every row once one has reached it."""
+@pytest.mark.parametrize("build", [_llama, _qwen3, _phi3_longrope], ids=["llama3 rope", "default rope", "longrope"])
+def test_a_rope_table_holds_each_positions_own_values(build):
+    """The static loop's steps gather RoPE's cos and sin from a table made once per call; each entry is bit for bit
+    what a step computes at that position (each value depends on its own position only; longrope's below its
+    pretraining length, 64 here), whatever positions the step's rows are at."""
     torch.manual_seed(0)
     decoder = FusedDecoder(build().eval())
-    positions = torch.tensor(positions)
-    expected = decoder._rope(positions, ONE_ROPE)
-    decoder.tabulate_rope(128)
-    gathered = decoder._rope_at(positions, ONE_ROPE)
-    assert torch.equal(torch.cat(gathered, dim=1), torch.cat(expected, dim=1))
+    positions = torch.tensor([0, 5, 5, 63, 17, 40])
+    cos, signed_sin = decoder._rope(positions)
+    decoder.tabulate_rope(64)
+    assert torch.equal(torch.cat(decoder._rope_at(positions, ONE_ROPE), dim=1), torch.cat([cos, signed_sin], dim=1))
 
 
-def test_the_captured_loop_switches_longrope_factors_where_generate_does(tiny_model_dir):
-    """A longrope model whose pretraining length (12) the batch passes mid-generation: the captured loop's greedy
-    tokens are transformers generate's before and after the switch to the long factors."""
-    torch.manual_seed(2)  # a seed and scale whose tokens change if either factor set is used throughout
+def test_a_longrope_call_past_the_pretraining_length_goes_to_generate(tiny_model_dir, caplog):
+    """transformers rotates a longrope model's (Phi-3.5, Phi-4-mini) sequences with its short factors below the
+    pretraining length, and on the step where generate's sequences pass it, drops the cache and encodes them again
+    with the long ones. The captured loop serves the calls that stay below it; a call whose prompt + new tokens could
+    pass it goes to transformers generate, said once, and samples what generate does; without a fallback, an error
+    says why."""
+    torch.manual_seed(2)
     model = _sharpened(_phi3_longrope(pretraining_length=12).eval().to(DEVICE), 2.0)
-    assert captured_supports(model, {}, None) is None
-    sampler = CapturedGenerator(model, PreTrainedTokenizerFast.from_pretrained(tiny_model_dir), [EOS], PAD)
-    got, want = _greedy_and_generates(sampler, [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]], 16)
-    assert max(map(len, want)) > 8  # the batch runs past the switch (a row at position 12)
-    assert got == want
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    fallback = TransformersGenerator(model, tokenizer, [EOS], PAD)
+    sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, fallback=fallback)
+    prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
+    assert sampler.served_reason(prompts, SamplingParams(max_new_tokens=6)) is None  # 6 + 6 = 12 tokens at most
+    got, want = _greedy_and_generates(sampler, prompts, 6)
+    assert got == want and sampler.last_decode[0] > 0  # the loop's steps
+    sampler.last_decode = (0, 0.0)
+    answers = []
+    generate = fallback.generate
+    fallback.generate = lambda *args, **kwargs: answers.append(generate(*args, **kwargs)) or answers[-1]
+    greedy = SamplingParams(max_new_tokens=16, top_k=1)
+    with caplog.at_level(logging.INFO, logger="grouprl"):
+        got = [sampler.generate(prompts, 1, greedy) for _ in range(2)]
+    assert got == answers and sampler.last_decode == (0, 0.0)  # generate's samples, no step of the loop
+    assert max(len(c.token_ids) for c in got[0]) > 7  # past position 12
+    assert caplog.text.count("pass the pretraining length of the model's longrope (12)") == 1
+    with pytest.raises(ValueError, match="sequences of up to 22 tokens .* no fallback"):
+        CapturedGenerator(model, tokenizer, [EOS], PAD).generate(prompts, 1, SamplingParams(max_new_tokens=16))
 
 
 LORA = {

@@ -177,10 +177,10 @@ def in_process_backend(
         raise ValueError(
             f"GRPOConfig.generation_engine={engine!r} cannot be used: {reason}. Use 'auto' or 'transformers'."
         )
-    # A vision-language model's text-only prompts take the captured loop, its prompts with images transformers
-    # generate (captured_supports)
+    # The captured loop passes the calls it cannot serve to transformers generate: a vision-language model's prompts
+    # with images, a longrope model's sequences past its pretraining length (CapturedGenerator.served_reason)
     options = (
-        dict(compile_step=compile_step, suppress_token_ids=image_token_ids(model.config), images_backend=transformers)
+        dict(compile_step=compile_step, suppress_token_ids=image_token_ids(model.config), fallback=transformers)
         if engine == "captured"
         else {}
     )

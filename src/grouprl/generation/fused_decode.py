@@ -293,7 +293,6 @@ class FusedDecoder:
         scale = getattr(embedding, "embed_scale", None)
         self.embed_scale = None if scale is None else scale.to(embedding.weight.dtype)
         self.rotary, self.rope_tables = inner.rotary_emb, {}
-        self.short_rope_tables: dict[str, torch.Tensor] = {}  # longrope's short-factor tables (tabulate_rope)
         self.rope_by_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.embedding = embedding.weight.detach()
         self.layers = [self._gather(layer, config, kind) for layer, kind in zip(inner.layers, layer_kinds(config))]
@@ -406,28 +405,18 @@ class FusedDecoder:
 
     def tabulate_rope(self, positions: int) -> None:
         """Steps gather RoPE's values for positions below `positions` from a table made once (one kernel a step
-        instead of about ten). For a loop whose positions stay below it, with a RoPE whose values depend on their own
-        position only (static_decode.STATIC_ROPE_TYPES) or, for longrope (Phi-3.5, Phi-4-mini), also on whether the
-        step's largest position has passed the pretraining length: below it, its short factors, from there on its
-        long ones for every row. Each table is computed by the model's own rotary embedding, so a step takes the
-        values a forward at those positions would."""
-        device = self.embedding.device
+        instead of about ten), computed by the model's own rotary embedding. For a loop whose positions stay below
+        it, with a RoPE whose values depend on their own position only (static_decode.STATIC_ROPE_TYPES; longrope's
+        short factors too, which hold below its pretraining length: `longrope_limit`)."""
+        every = torch.arange(positions, device=self.embedding.device)
         for kind in self.rope_kinds:
-            self.rope_tables[kind] = torch.cat(self._rope(torch.arange(positions, device=device), kind), dim=1)
-            limit = longrope_limit(self.rotary, kind)
-            if limit is not None and positions > limit:  # the whole table was made with long factors
-                self.short_rope_tables[kind] = torch.cat(self._rope(torch.arange(limit, device=device), kind), dim=1)
+            self.rope_tables[kind] = torch.cat(self._rope(every, kind), dim=1)  # (positions, 2, D)
 
     def _rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_rope`'s values for a step at `positions`, gathered from the tables where `tabulate_rope` made them."""
+        """`_rope`'s values for a step at `positions`, gathered from the table where `tabulate_rope` made one."""
         if kind not in self.rope_tables:
             return self._rope(positions, kind)
         both = self.rope_tables[kind].index_select(0, positions)
-        short = self.short_rope_tables.get(kind)
-        if short is not None:  # longrope's short factors until the step's largest position reaches the limit
-            limit = short.shape[0]
-            early = short.index_select(0, positions.clamp(max=limit - 1))
-            both = torch.where(positions.max() < limit, early, both)
         return both[:, :1], both[:, 1:]
 
     def _residual(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -603,14 +592,20 @@ def _repeats_halves(cos: torch.Tensor) -> bool:
     return cos.shape[-1] % 2 == 0 and torch.equal(cos[..., :half], cos[..., half:])
 
 
-def longrope_limit(rotary: torch.nn.Module, kind: str) -> int | None:
-    """The pretraining length past which a longrope embedding of layers `kind` switches to its long factors (None for
-    other RoPE types): transformers picks them when a forward's largest position + 1 exceeds it."""
-    rope_type = getattr(rotary, "rope_type", None)
-    parameters = rotary.config.rope_parameters
-    if isinstance(rope_type, dict):  # one RoPE a layer type
-        rope_type, parameters = rope_type.get(kind), parameters.get(kind, {})
-    return int(parameters["original_max_position_embeddings"]) if rope_type == "longrope" else None
+def longrope_limit(model: torch.nn.Module) -> int | None:
+    """The longest sequence a longrope model (Phi-3.5, Phi-4-mini) rotates with its short factors, its pretraining
+    length (None for other RoPE types). transformers takes the long ones for every position of a forward whose
+    largest position passes it, and on the step where generate's sequences pass it, drops the cache and encodes
+    them again: a static loop cannot follow that (static_decode serves only calls that stay below it)."""
+    inner, config = text_decoder(model)
+    rotary = getattr(inner, "rotary_emb", None)
+    kinds = getattr(rotary, "rope_type", None)
+    if "longrope" not in (kinds.values() if isinstance(kinds, dict) else [kinds]):
+        return None
+    return int(
+        getattr(config, "original_max_position_embeddings", None)
+        or rotary.config.rope_parameters["original_max_position_embeddings"]
+    )
 
 
 def text_decoder(model: torch.nn.Module) -> tuple[torch.nn.Module | None, Any]:
@@ -672,6 +667,9 @@ def probe(model: torch.nn.Module) -> str | None:
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], device=device)
     steps = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], device=device) % vocab
     forward = functools.partial(type(model).forward, model)  # the class forward (module doc)
+    # in eval mode, as generation runs: a training model with gradient checkpointing keeps no cache (transformers 5.17)
+    was_training = model.training
+    model.eval()
     with torch.autocast(device.type, enabled=False):
         try:
             if has_sliding_windows(model):
@@ -683,6 +681,8 @@ def probe(model: torch.nn.Module) -> str | None:
             if not is_unsupported(err):
                 raise
             return f"the probe's fused step failed: {describe(err)}"
+        finally:
+            model.train(was_training)
     for want, have in zip(expected, got):
         gap, allowed = float((have - want.reshape(have.shape)).abs().max()), logit_tolerance(want, noise=0.0)
         if gap > allowed:
@@ -716,14 +716,17 @@ def static_decode_pair(
     prompts, mask = prompts.repeat_interleave(SAMPLES, 0), mask.repeat_interleave(SAMPLES, 0)
     positions = mask.sum(dim=1)
     cache = DynamicCache(config=model.config)
-    forward(input_ids=prompts, attention_mask=mask, position_ids=position_ids_from_mask(mask), **{keyword: cache})
+    positions_now = position_ids_from_mask(mask)
+    forward(input_ids=prompts, attention_mask=mask, position_ids=positions_now, use_cache=True, **{keyword: cache})
     decoder = FusedDecoder(model)
     static = StaticKVCache(cache, mask, 1, steps.shape[0], decoder.dtype, decoder.windows)  # a copy of the prefill's
     expected, got = [], []
     for index, tokens in enumerate(steps):
         mask = F.pad(mask, (0, 1), value=1)
         at = (positions + index)[:, None]
-        out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=at, **{keyword: cache})
+        out = forward(
+            input_ids=tokens[:, None], attention_mask=mask, position_ids=at, use_cache=True, **{keyword: cache}
+        )
         expected.append(out.logits[:, -1].float())
         static.open_column()
         got.append(decoder.step(tokens, positions + index, static))

@@ -69,7 +69,8 @@ def server_sampler(
     supports, sampler = IN_PROCESS_ENGINES[chosen]
     reason = supports(model, {}, None)
     if reason is None:
-        return sampler(model, tokenizer, eos_token_ids, pad_token_id), f"generation_engine {chosen!r}"
+        options = {"fallback": transformers} if chosen == "captured" else {}  # CapturedGenerator.served_reason
+        return sampler(model, tokenizer, eos_token_ids, pad_token_id, **options), f"generation_engine {chosen!r}"
     if engine == "auto":
         return transformers, f"transformers generate ({chosen!r} cannot: {reason})"
     raise ValueError(f"grouprl serve --generation_engine {engine}: {reason}. Use auto or transformers.")

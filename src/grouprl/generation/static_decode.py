@@ -31,7 +31,7 @@ packed CPU weights).
 Models: those FusedDecoder runs (fused_decode.structure_reason: the Llama family, SmolLM3, Phi-3, Gemma 3, and
 Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / GPT-OSS, whose experts run without host syncs while captured:
 `capturable_experts`), sliding-window layers included (their keys outside the window masked in the cache), and a
-vision-language model's text-only prompts (its prompts with images go to `images_backend`); fp32 weights also pass its
+vision-language model's text-only prompts (its prompts with images go to `fallback`); fp32 weights also pass its
 probe against the model's forward, lower-precision ones must be of a family whose forward it is known to
 match (`KNOWN_FAMILIES`), since there a probe cannot tell rounding from a different computation. LoRA
 adapters are merged into the decode weights for the call (a copy of the adapted projections); a quantized
@@ -49,16 +49,26 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.utils import logging
 
 from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation.engine import engine_supports
-from grouprl.generation.fused_decode import FusedDecoder, _base, fuses, structure_reason, text_decoder
+from grouprl.generation.fused_decode import (
+    FusedDecoder,
+    _base,
+    fuses,
+    longrope_limit,
+    structure_reason,
+    text_decoder,
+)
 from grouprl.generation.protocol import GenerationBackend, cut_at_eos, left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
 from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword
 from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches
+
+logger = logging.get_logger("grouprl")
 
 PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
@@ -69,8 +79,8 @@ KNOWN_FAMILIES = (
     "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
 )
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
-# RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own, or, for longrope,
-# switching once from short to long factors when the step's largest position passes the pretraining length
+# RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own (longrope's below its
+# pretraining length, past which a call goes to the fallback: CapturedGenerator.served_reason)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -78,7 +88,7 @@ def captured_supports(
     model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]
 ) -> Optional[str]:
     """None if CapturedGenerator can serve this model and options, else the reason it cannot. A vision-language
-    model is served for its text-only prompts if its language model is (prompts with images: `images_backend`)."""
+    model is served for its text-only prompts if its language model is (prompts with images: its `fallback`)."""
     reason = engine_supports(model, generation_kwargs, cache_implementation, text_of_vision_language=True)
     if reason:
         return reason
@@ -257,8 +267,9 @@ class CapturedGenerator:
     (module doc): replayed as a CUDA graph on CUDA, eager elsewhere.
 
     A vision-language model's text-only prompts run through its language model here, its placeholder tokens
-    (`suppress_token_ids`) never sampled, as transformers generate is told; a call with images goes to
-    `images_backend` (transformers generate).
+    (`suppress_token_ids`) never sampled, as transformers generate is told. A call the loop cannot serve goes to
+    `fallback` (transformers generate; `served_reason`): one with images, or one whose sequences would pass a
+    longrope model's pretraining length.
     """
 
     needs_importance_correction = False  # samples come from the trained weights themselves
@@ -275,7 +286,7 @@ class CapturedGenerator:
         sampling_method: str = "inverse_cdf",
         compile_step: bool = False,
         suppress_token_ids: Sequence[int] = (),
-        images_backend: Optional[GenerationBackend] = None,
+        fallback: Optional[GenerationBackend] = None,
     ):
         if sampling_method not in SAMPLING_METHODS:
             raise ValueError(
@@ -285,27 +296,45 @@ class CapturedGenerator:
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.prompt_bucket, self.capture, self.sampling_method = prompt_bucket, capture, sampling_method
         self.compile_step = compile_step
-        self.suppress_token_ids, self.images_backend = list(suppress_token_ids), images_backend
+        self.suppress_token_ids, self.fallback = list(suppress_token_ids), fallback
         self.last_decode = (0, 0.0)  # (decode steps, seconds) of the last call, for benchmarks
+        self._fell_back: set[str] = set()  # reasons already logged
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
-        if self.images_backend is not None:
-            self.images_backend.sync_weights(model)
+        if self.fallback is not None:
+            self.fallback.sync_weights(model)
+
+    def served_reason(
+        self, prompt_ids: list[list[int]], params: SamplingParams, multimodal: list[Any] | None = None
+    ) -> Optional[str]:
+        """None if the loop serves this call, else why it goes to `fallback`."""
+        if multimodal is not None and any(m is not None for m in multimodal):
+            return "prompts with images are sampled by transformers generate"
+        limit = longrope_limit(_base(self.model))
+        longest = max(map(len, prompt_ids), default=0) + params.max_new_tokens
+        if limit is not None and longest > limit:
+            return (
+                f"sequences of up to {longest} tokens pass the pretraining length of the model's longrope "
+                f"({limit}), where transformers switches to its long factors and encodes the sequences again"
+            )
+        return None
 
     @torch.no_grad()
     def generate(
         self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams, multimodal: list[Any] | None = None
     ) -> list[Completion]:
-        """`multimodal`: (prompts,) each prompt's images or None; a call where some prompt has images is sampled by
-        `images_backend`."""
-        if multimodal is not None and any(m is not None for m in multimodal):
-            if self.images_backend is None:
-                raise ValueError(
-                    "CapturedGenerator samples text-only prompts; this call has prompts with images and no "
-                    "images_backend to sample them."
-                )
-            return self.images_backend.generate(prompt_ids, num_samples, params, multimodal=multimodal)
+        """`multimodal`: (prompts,) each prompt's images or None. A call the loop cannot serve goes to `fallback`
+        (`served_reason`), said once a reason."""
+        reason = self.served_reason(prompt_ids, params, multimodal)
+        if reason is not None:
+            if self.fallback is None:
+                raise ValueError(f"CapturedGenerator cannot sample this call: {reason}; and it has no fallback.")
+            if reason not in self._fell_back:
+                logger.info(f"grouprl: the captured decode loop passes a call to transformers generate: {reason}.")
+                self._fell_back.add(reason)
+            extra = {} if multimodal is None else {"multimodal": multimodal}
+            return self.fallback.generate(prompt_ids, num_samples, params, **extra)
         unsupported = set(params.extra) - {"min_new_tokens"}
         if unsupported:
             raise ValueError(
@@ -349,7 +378,9 @@ class CapturedGenerator:
         ).logits[:, -1]
         decoder = FusedDecoder(base, pack=not self.compile_step)  # the weights as they are now; in place where no cast
         cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype, decoder.windows)
-        decoder.tabulate_rope(cache.valid.shape[1])  # every position a row reaches is below the cache's columns
+        # every position a row reaches is below the longest prompt + new tokens (a longrope model's below its
+        # pretraining length: served_reason), and below the cache's columns
+        decoder.tabulate_rope(min(cache.valid.shape[1], max(map(len, prompt_ids)) + params.max_new_tokens))
         del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
         suppressed = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=device)
