@@ -29,6 +29,10 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -177,6 +181,35 @@ def _mixtral():
     return MixtralForCausalLM(MixtralConfig(**SIZES, **MOE, num_local_experts=4, sliding_window=None))
 
 
+def _olmo(config_class, model_class, **more):
+    """OLMo 2 / 3: the attention's and the MLP's outputs normed, not their inputs; q and k normed over the whole
+    projection, before it is split into heads."""
+    model = model_class(config_class(**SIZES, head_dim=16, pad_token_id=0, eos_token_id=2, **more))
+    with torch.no_grad():  # norms of weights of their own: a norm left out or misplaced changes the logits
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(mean=1.0, std=0.3)
+    return model
+
+
+def _olmo2():
+    return _olmo(Olmo2Config, Olmo2ForCausalLM)
+
+
+def _olmo3():  # a sliding layer of window 4 beside a full one, each with its RoPE (the full one's YaRN, as OLMo 3's)
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 5e5,
+        },
+    }
+    layers = ["sliding_attention", "full_attention"]
+    return _olmo(Olmo3Config, Olmo3ForCausalLM, sliding_window=4, layer_types=layers, rope_parameters=rope)
+
+
 def _smollm3():  # a NoPE layer (SmolLM3's every fourth): q and k not rotated
     return SmolLM3ForCausalLM(
         SmolLM3Config(**SIZES, no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -198,6 +231,8 @@ ACCEPTED = {
     "mixtral": _mixtral,
     "glm4_moe (partial RoPE, grouped routing)": _glm4_moe,
     "gpt_oss (sinks, windows, yarn)": _gpt_oss,
+    "olmo2 (outputs normed)": _olmo2,
+    "olmo3 (outputs normed, windows)": _olmo3,
 }
 
 

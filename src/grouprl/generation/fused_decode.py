@@ -36,7 +36,8 @@ these families is a parameter of the step:
   top-k and transformers' experts implementation, the experts' weights in the products' dtype (`FusedDecoder._routed`);
 - a vision-language model's language model (Gemma 3 4B and up, LLaVA) runs its text-only prompts (`text_decoder`);
 - GPT-OSS's attention sinks join each head's softmax (over the static cache only), and its RoPE, given once for
-  both halves, is repeated for the rotate_half layout (`rope_halves`).
+  both halves, is repeated for the rotate_half layout (`rope_halves`);
+- OLMo 2 / 3 norm their attention's and MLP's outputs only, and q and k over the whole projection.
 Sliding windows (Gemma 3, Mistral) run over the static decode loop's cache only (static_kv_cache.py); shared-prefix
 decoding serves none.
 
@@ -127,8 +128,8 @@ class _Experts(NamedTuple):
 
 
 class _Layer(NamedTuple):
-    input_norm: torch.Tensor
-    input_eps: float
+    input_norm: torch.Tensor | None  # None: OLMo 2 / 3, which norm the attention's and the MLP's outputs only
+    input_eps: float | None
     qkv: Product
     q_norm: torch.Tensor | None  # Qwen3, Gemma 3: RMSNorm of each head's q and k before RoPE
     k_norm: torch.Tensor | None
@@ -138,8 +139,8 @@ class _Layer(NamedTuple):
     sinks: torch.Tensor | None  # GPT-OSS: a logit per head that takes softmax mass and adds nothing (static cache)
     o: Product
     attention_out_norm: tuple[torch.Tensor, float] | None  # Gemma: the attention's output normed before the add ...
-    post_norm: torch.Tensor
-    post_eps: float
+    post_norm: torch.Tensor | None  # the MLP input's norm (None: OLMo 2 / 3)
+    post_eps: float | None
     gate_up: Product  # empty in a layer of routed experts
     down: Product
     experts: _Experts | None  # a layer of routed experts (Qwen3-MoE, GPT-OSS): run as the model's own block
@@ -214,15 +215,23 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
             return "its MLP has biases"
         if routed is None and not _is_silu(_activation(mlp)) and type(_activation(mlp)).__name__ not in TANH_GELUS:
             return "its MLP activation is neither SiLU nor tanh-approximated GELU"
-        norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+        outputs_normed = _norms_outputs_only(layer)
+        norms = [getattr(layer, "post_attention_layernorm", None)]
+        norms += [] if outputs_normed else [getattr(layer, "input_layernorm", None)]
         norms += [
             getattr(layer, n) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if hasattr(layer, n)
         ]
-        norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        norms += [n for n in (q_norm, k_norm) if n is not None]
         if any(n is None or _norm_eps(n) is None for n in norms):
             return "its layer norms are not RMSNorms with an eps"
-        if hasattr(layer, "pre_feedforward_layernorm") != hasattr(layer, "post_feedforward_layernorm"):
+        if not outputs_normed and hasattr(layer, "pre_feedforward_layernorm") != hasattr(
+            layer, "post_feedforward_layernorm"
+        ):
             return "its layers norm the MLP's input or output, not both"
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if q_norm is not None and q_norm.weight.shape[0] not in (head_dim, config.num_attention_heads * head_dim):
+            return "its q/k norms span neither a head nor the whole projection"
     weights = model.get_input_embeddings().weight
     if check_dtype and weights.dtype != torch.float32:
         return f"its weights are {weights.dtype} (the probe checks fp32 weights only)"
@@ -236,6 +245,11 @@ def _projection_names(attn: torch.nn.Module | None, mlp: torch.nn.Module | None)
         ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
     )
     return attention, feedforward
+
+
+def _norms_outputs_only(layer: torch.nn.Module) -> bool:
+    """Whether a layer norms its attention's and its MLP's outputs and not their inputs (OLMo 2 / 3)."""
+    return getattr(layer, "input_layernorm", None) is None and not hasattr(layer, "pre_feedforward_layernorm")
 
 
 def routed_experts(mlp: torch.nn.Module | None) -> torch.nn.Module | None:
@@ -321,29 +335,31 @@ class FusedDecoder:
         *gate_up, down = [None] if routed else (_linear_weight(getattr(mlp, n)) for n in feedforward)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         # Gemma's post_attention_layernorm norms the attention's output; its pre_feedforward_layernorm is the
-        # MLP-input norm that Llama calls post_attention_layernorm
-        gemma = hasattr(layer, "pre_feedforward_layernorm")
-        mlp_input_norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
-        rope = getattr(attn, "layer_type", None) if self.rope_by_layer_type else ONE_ROPE
+        # MLP-input norm that Llama calls post_attention_layernorm. OLMo 2 / 3 norm the outputs only.
+        gemma, outputs_only = hasattr(layer, "pre_feedforward_layernorm"), _norms_outputs_only(layer)
+        input_norm = None if outputs_only else layer.input_layernorm
+        mlp_input_norm = (
+            None if outputs_only else (layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm)
+        )
         return _Layer(
-            input_norm=self._norm_weight(layer.input_layernorm),
-            input_eps=_norm_eps(layer.input_layernorm),
+            input_norm=None if input_norm is None else self._norm_weight(input_norm),
+            input_eps=None if input_norm is None else _norm_eps(input_norm),
             qkv=self._product(qkv),
             q_norm=None if q_norm is None else self._norm_weight(q_norm),
             k_norm=None if k_norm is None else self._norm_weight(k_norm),
             head_eps=None if q_norm is None else _norm_eps(q_norm),
-            rope=rope if getattr(attn, "use_rope", True) else None,
+            rope=(kind if self.rope_by_layer_type else ONE_ROPE) if getattr(attn, "use_rope", True) else None,
             # Mistral's attention reads its window from the config, for every layer (it names no layer types)
             window=getattr(attn, "sliding_window", getattr(config, "sliding_window", None) if kind != FULL else None),
             sinks=None if getattr(attn, "sinks", None) is None else attn.sinks.detach(),
             o=self._product([o]),
-            attention_out_norm=self._norm_pair(layer.post_attention_layernorm) if gemma else None,
-            post_norm=self._norm_weight(mlp_input_norm),
-            post_eps=_norm_eps(mlp_input_norm),
+            attention_out_norm=self._norm_pair(layer.post_attention_layernorm) if gemma or outputs_only else None,
+            post_norm=None if mlp_input_norm is None else self._norm_weight(mlp_input_norm),
+            post_eps=None if mlp_input_norm is None else _norm_eps(mlp_input_norm),
             gate_up=[] if routed else self._product(gate_up),
             down=[] if routed else self._product([down]),
             experts=self._experts(mlp) if routed else None,
-            mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma else None,
+            mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma or outputs_only else None,
         )
 
     def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
@@ -468,7 +484,7 @@ class FusedDecoder:
         half = rot // 2
         if mlp_out is not None:
             hidden = self._residual(hidden, mlp_out)
-        x = self._norm(hidden, layer.input_norm, layer.input_eps)
+        x = hidden if layer.input_norm is None else self._norm(hidden, layer.input_norm, layer.input_eps)
         outs = self._outputs(x, layer.qkv)  # one stacked product, or q, k and v read in place (three)
         qkv = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(rows, heads + 2 * kv_heads, dim)
         # RoPE's output replaces q and k in place where the products' dtype is the cache's (the static loop's),
@@ -487,13 +503,15 @@ class FusedDecoder:
             )
         elif layer.q_norm is not None:
             qk = qk.to(rope_dtype)
-            qk = torch.cat(
-                [
-                    F.rms_norm(qk[:, :heads], (dim,), layer.q_norm.to(rope_dtype), layer.head_eps),
-                    F.rms_norm(qk[:, heads:], (dim,), layer.k_norm.to(rope_dtype), layer.head_eps),
-                ],
-                dim=1,
-            )
+            q, k = qk[:, :heads], qk[:, heads:]
+            if layer.q_norm.shape[0] == dim:  # each head's q and k (Qwen3)
+                q = F.rms_norm(q, (dim,), layer.q_norm.to(rope_dtype), layer.head_eps)
+                k = F.rms_norm(k, (dim,), layer.k_norm.to(rope_dtype), layer.head_eps)
+            else:  # the whole projection's, before it is split into heads (OLMo 2 / 3)
+                q = F.rms_norm(q.reshape(rows, -1), (q_width,), layer.q_norm.to(rope_dtype), layer.head_eps)
+                k = F.rms_norm(k.reshape(rows, -1), (kv_heads * dim,), layer.k_norm.to(rope_dtype), layer.head_eps)
+                q, k = q.view(rows, heads, dim), k.view(rows, kv_heads, dim)
+            qk = torch.cat([q, k], dim=1)
         moved = rotated is not qkv or layer.q_norm is not None  # q and k no longer where RoPE writes its output
         if layer.rope is None:  # q and k as they are, into the attention's dtype
             if moved:
@@ -519,7 +537,7 @@ class FusedDecoder:
         if layer.attention_out_norm is not None:
             out = self._norm(out, *layer.attention_out_norm)
         hidden = self._residual(hidden, out)
-        x = self._norm(hidden, layer.post_norm, layer.post_eps)
+        x = hidden if layer.post_norm is None else self._norm(hidden, layer.post_norm, layer.post_eps)
         out = self._mlp(x, layer)
         return hidden, out if layer.mlp_out_norm is None else self._norm(out, *layer.mlp_out_norm)
 
