@@ -312,13 +312,13 @@ class FusedDecoder:
         self.layers = [self._gather(layer, config, kind) for layer, kind in zip(inner.layers, layer_kinds(config))]
         self.windows = [layer.window for layer in self.layers]  # what a StaticKVCache for these layers masks
         self.rope_kinds = sorted({layer.rope for layer in self.layers if layer.rope is not None})
-        # the dimensions RoPE rotates: all of a head's, or its first ones (Phi-3's partial_rotary_factor); the rest
-        # pass through unrotated
         # GPT-OSS's rotary embedding gives each frequency's cos and sin once, for the two halves it turns against
         # each other, where the others repeat them for the two halves (transformers' rotate_half layout)
         at_one = torch.ones(1, dtype=torch.long, device=device)
         given = self._rope(at_one, self.rope_kinds[0], as_given=True)[0] if self.rope_kinds else None
         self.rope_halves = given is not None and not _repeats_halves(given)
+        # the dimensions RoPE rotates: all of a head's, or its first ones (Phi-3's partial_rotary_factor); the rest
+        # pass through unrotated
         probe = torch.zeros(1, dtype=torch.long, device=device)
         self.rotary_dim = self._rope(probe, self.rope_kinds[0])[0].shape[-1] if self.rope_kinds else self.head_dim
         self.final_norm, self.final_eps = self._norm_weight(inner.norm), _norm_eps(inner.norm)

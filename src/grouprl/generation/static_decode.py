@@ -315,8 +315,8 @@ class CapturedGenerator:
         longest = max(map(len, prompt_ids), default=0) + params.max_new_tokens
         if limit is not None and longest > limit:
             return (
-                f"sequences of up to {longest} tokens pass the pretraining length of the model's longrope "
-                f"({limit}), where transformers switches to its long factors and encodes the sequences again"
+                f"prompt + new tokens can pass the pretraining length of the model's longrope ({limit}), where "
+                "transformers switches to its long factors and encodes the sequences again"
             )
         return None
 
