@@ -33,6 +33,8 @@ from transformers import (
     Olmo2ForCausalLM,
     Olmo3Config,
     Olmo3ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -177,6 +179,10 @@ def _gpt_oss():
     return GptOssForCausalLM(config)
 
 
+def _olmoe():  # OLMoE: OLMo's whole-projection q/k norms (its inputs normed, as Llama's) and routed experts
+    return OlmoeForCausalLM(OlmoeConfig(**SIZES, **MOE, num_experts=4, pad_token_id=0, eos_token_id=2))
+
+
 def _mixtral():
     return MixtralForCausalLM(MixtralConfig(**SIZES, **MOE, num_local_experts=4, sliding_window=None))
 
@@ -233,6 +239,7 @@ ACCEPTED = {
     "gpt_oss (sinks, windows, yarn)": _gpt_oss,
     "olmo2 (outputs normed)": _olmo2,
     "olmo3 (outputs normed, windows)": _olmo3,
+    "olmoe (whole-projection q/k norms, experts)": _olmoe,
 }
 
 

@@ -75,7 +75,7 @@ CHECK_EVERY = 16  # decode steps between the host's reads of "has every row fini
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
 KNOWN_FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3", "olmo2", "olmo3"),
-    *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"),  # their experts run the model's own block (_routed)
+    *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe"),  # their experts run the model's own block (_routed)
     "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
 )
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
