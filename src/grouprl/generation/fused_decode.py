@@ -32,12 +32,13 @@ these families is a parameter of the step:
 - Gemma 3 scales its embeddings by sqrt(hidden), norms by (1 + w) in fp32 (four norms a layer: its attention's and
   its MLP's outputs are normed too), uses tanh-approximated GELU and a score scale of its own, and gives its
   sliding-window layers a RoPE table of their own;
-- a layer of routed experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, OLMoE, GPT-OSS) runs the model's own block, its router and
-  top-k and transformers' experts implementation, the experts' weights in the products' dtype (`FusedDecoder._routed`);
+- a layer of routed experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, OLMoE, GPT-OSS) runs the model's own block,
+  its router and top-k and transformers' experts implementation, the experts' weights in the products' dtype
+  (`FusedDecoder._routed`);
 - a vision-language model's language model (Gemma 3 4B and up, LLaVA) runs its text-only prompts (`text_decoder`);
 - GPT-OSS's attention sinks join each head's softmax (over the static cache only), and its RoPE, given once for
   both halves, is repeated for the rotate_half layout (`rope_halves`);
-- OLMo 2 / 3 norm their attention's and MLP's outputs only, and q and k over the whole projection.
+- OLMo 2 / 3 norm their attention's and MLP's outputs only, and q and k over the whole projection (OLMoE too).
 Sliding windows (Gemma 3, Mistral) run over the static decode loop's cache only (static_kv_cache.py); shared-prefix
 decoding serves none.
 
