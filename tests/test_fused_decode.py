@@ -25,6 +25,8 @@ from transformers import (
     GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MinistralConfig,
+    MinistralForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
@@ -44,6 +46,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SeedOssConfig,
+    SeedOssForCausalLM,
     SiglipVisionConfig,
     SmolLM3Config,
     SmolLM3ForCausalLM,
@@ -216,6 +220,17 @@ def _olmo3():  # a sliding layer of window 4 beside a full one, each with its Ro
     return _olmo(Olmo3Config, Olmo3ForCausalLM, sliding_window=4, layer_types=layers, rope_parameters=rope)
 
 
+def _ministral():  # Ministral 8B: a sliding window of 4 in one layer, full attention in the other
+    config = MinistralConfig(
+        **SIZES, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    )
+    return MinistralForCausalLM(config)
+
+
+def _seed_oss():  # Seed-OSS: q/k/v biases without an o bias
+    return SeedOssForCausalLM(SeedOssConfig(**SIZES, head_dim=16, attention_bias=True, pad_token_id=0, eos_token_id=2))
+
+
 def _smollm3():  # a NoPE layer (SmolLM3's every fourth): q and k not rotated
     return SmolLM3ForCausalLM(
         SmolLM3Config(**SIZES, no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -240,6 +255,8 @@ ACCEPTED = {
     "olmo2 (outputs normed)": _olmo2,
     "olmo3 (outputs normed, windows)": _olmo3,
     "olmoe (whole-projection q/k norms, experts)": _olmoe,
+    "ministral (windows)": _ministral,
+    "seed_oss (q/k/v biases)": _seed_oss,
 }
 
 

@@ -74,7 +74,8 @@ PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
 KNOWN_FAMILIES = (
-    *("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3", "olmo2", "olmo3"),
+    *("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "smollm3", "gemma3_text", "phi3"),
+    *("olmo2", "olmo3"),
     *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe"),  # their experts run the model's own block (_routed)
     "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
 )
