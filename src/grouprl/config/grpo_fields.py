@@ -147,10 +147,10 @@ class ModelAndSamplingFields:
         default="auto",
         metadata=_meta(
             "grouprl: 'engine' (fast in-process sampler: one prefill per prompt, finished rows leave the batch), "
-            "'captured' (a static decode loop for the Llama family, OLMo 2 / 3, Phi-3, Gemma 3, Qwen3-MoE, Mixtral, "
-            "GLM-4.5 and GPT-OSS, sliding windows included, and the text prompts of vision-language models built on "
-            "them: KV buffers allocated once, sampling inside the step, replayed as one CUDA graph per step on CUDA, "
-            "eager elsewhere; docs/benchmarks-gpu.md), "
+            "'captured' (a static decode loop for the model families docs/install.md lists, sliding windows and "
+            "mixtures of experts included, and the text prompts of vision-language models built on them: KV buffers "
+            "allocated once, sampling inside the step, replayed as one CUDA graph per step on CUDA, eager elsewhere; "
+            "docs/benchmarks-gpu.md), "
             "'transformers' (model.generate), 'auto' (where the model and options allow it: the engine on a CPU, the "
             "captured loop on CUDA, each measured fastest there; otherwise transformers generate; use_vllm=True "
             "picks vLLM), or 'server' (a `grouprl serve` server at vllm_server_base_url / "
