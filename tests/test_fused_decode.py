@@ -42,6 +42,10 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -61,9 +65,9 @@ from grouprl.generation.fused_decode import (
     FusedDecoder,
     _fused_decode,
     fuses,
-    has_sliding_windows,
     packs_weights,
     probe,
+    static_cache_only,
     static_decode_pair,
     structure_reason,
 )
@@ -191,6 +195,41 @@ def _mixtral():
     return MixtralForCausalLM(MixtralConfig(**SIZES, **MOE, num_local_experts=4, sliding_window=None))
 
 
+# Qwen3.5: linear-attention layers (a gated delta rule: 4 value heads served by 2 key heads, a convolution of 4)
+# beside gated attention with (1 + w) q/k norms and RoPE on a quarter of each head (multimodal RoPE's three axes)
+QWEN3_5 = dict(
+    **{**SIZES, "num_hidden_layers": 4},
+    head_dim=32,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000.0, partial_rotary_factor=0.25, mrope_section=[2, 1, 1]),
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+
+def _own_norm_weights(model):
+    """Norm weights of their own: Qwen3.5's (1 + w) norms start at w = 0, where w and (1 + w) would look alike."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(mean=0.5 if name.endswith("linear_attn.norm.weight") else 0.0, std=0.3)
+    return model
+
+
+def _qwen3_5():
+    return _own_norm_weights(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN3_5)))
+
+
+def _qwen3_5_moe():  # its MLPs routed experts (top 2 of 4) beside a gated shared expert
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return _own_norm_weights(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**QWEN3_5, **experts)))
+
+
 def _olmo(config_class, model_class, **more):
     """OLMo 2 / 3: the attention's and the MLP's outputs normed, not their inputs; q and k normed over the whole
     projection, before it is split into heads."""
@@ -257,6 +296,8 @@ ACCEPTED = {
     "olmoe (whole-projection q/k norms, experts)": _olmoe,
     "ministral (windows)": _ministral,
     "seed_oss (q/k/v biases)": _seed_oss,
+    "qwen3_5 (gated delta rule, gated attention)": _qwen3_5,
+    "qwen3_5_moe (gated delta rule, experts)": _qwen3_5_moe,
 }
 
 
@@ -299,7 +340,7 @@ def _random_decode(model, steps=4, seed=0):
     mask[2, :1] = 0
     fed = torch.randint(0, vocab, (steps, 6), generator=generator)  # 3 prompts x 2 samples per step
     with torch.no_grad():
-        if has_sliding_windows(model):  # served over the static cache only
+        if static_cache_only(model):  # served over the static cache only
             return static_decode_pair(model, prompts, mask, fed)
         return shared_decode(model, prompts, mask, fed), _fused_decode(model, prompts, mask, fed)
 
@@ -475,11 +516,13 @@ def test_the_captured_loop_serves_a_vision_language_models_text_prompts(tiny_mod
 
 
 def test_a_vision_language_model_whose_language_model_is_not_known_is_named():
+    """Qwen2-VL's (and Qwen3.5's) language model takes multimodal RoPE positions that the vision-language model
+    computes from its inputs; the captured loop names that."""
     from vlm_models import tiny_qwen2_vl
 
     model, _ = tiny_qwen2_vl()
     assert captured_supports(model, {}, None) == (
-        "its language model's family ('qwen2_vl_text') is not one the decode step is known to match"
+        "its language model's multimodal RoPE takes positions the vision-language model computes itself"
     )
 
 
@@ -618,7 +661,9 @@ def test_a_refused_model_still_generates_through_its_forward(tiny_model_dir, tok
 
 @pytest.mark.parametrize("packing", ["as this CPU allows", "declined"])
 @pytest.mark.parametrize(
-    "build", [_llama, _phi3, _qwen3_moe, _gpt_oss], ids=["llama", "phi3 (partial RoPE)", "qwen3_moe", "gpt_oss"]
+    "build",
+    [_llama, _phi3, _qwen3_moe, _gpt_oss, _qwen3_5],
+    ids=["llama", "phi3 (partial RoPE)", "qwen3_moe", "gpt_oss", "qwen3_5"],
 )
 def test_bf16_autocast_steps_are_as_close_to_fp32_as_the_forwards(packing, build, monkeypatch):
     """Under bf16 autocast neither path matches fp32 exactly; the fused one must be no further from it. "declined"

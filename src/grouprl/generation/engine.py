@@ -71,14 +71,26 @@ SHARED_PREFIX_MIN_TOKENS = 16
 STOCK_GENERATE = inspect.getattr_static(GenerationMixin, "generate")
 
 
-def engine_supports(
+def engine_supports(model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]) -> Optional[str]:
+    """None if FastGenerator can serve this model and options, else the reason it cannot."""
+    reason = in_process_sampler_reason(model, generation_kwargs, cache_implementation)
+    if reason:
+        return reason
+    kinds = getattr(model.config.get_text_config(), "layer_types", None) or []
+    if any(t not in (None, "full_attention", "sliding_attention") for t in kinds):
+        return "the model has non-attention layers (its cache cannot drop rows)"
+    return None
+
+
+def in_process_sampler_reason(
     model: torch.nn.Module,
     generation_kwargs: dict,
     cache_implementation: Optional[str],
     text_of_vision_language: bool = False,
 ) -> Optional[str]:
-    """None if FastGenerator can serve this model and options, else the reason it cannot. `text_of_vision_language`:
-    a vision-language model passes too, for its text-only prompts (the caller sends prompts with images elsewhere)."""
+    """None if this model and options suit a sampler of grouprl's own (the engine, the captured loop), else the reason
+    they do not. `text_of_vision_language`: a vision-language model passes too, for its text-only prompts (the caller
+    sends prompts with images elsewhere)."""
     unsupported = set(generation_kwargs) - SUPPORTED_EXTRA
     if unsupported:
         return f"generation_kwargs {sorted(unsupported)} need transformers generate"
@@ -88,9 +100,6 @@ def engine_supports(
     vision = hasattr(config, "vision_config")
     if config is None or getattr(config, "is_encoder_decoder", False) or (vision and not text_of_vision_language):
         return "the model is not a decoder-only text model"
-    config = config.get_text_config()
-    if any(t not in (None, "full_attention", "sliding_attention") for t in getattr(config, "layer_types", None) or []):
-        return "the model has non-attention layers (its cache cannot drop rows)"
     return None
 
 

@@ -93,6 +93,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from grouprl.core.cpu_capabilities import isa_limits, onednn_runs_bf16
+from grouprl.generation.delta_rule import DeltaNet, delta_net_step
 from grouprl.generation.shared_prefix import (
     SAMPLES,
     SharedPrefixCache,
@@ -108,7 +109,7 @@ from grouprl.model.loading import runs_head_in_fp32
 from grouprl.model.logprobs import position_ids_from_mask
 
 if TYPE_CHECKING:
-    from grouprl.generation.static_kv_cache import StaticLayerCache
+    from grouprl.generation.static_kv_cache import StaticLayerCache, StaticStateLayer
 
 logger = logging.get_logger("grouprl")
 
@@ -131,7 +132,9 @@ class _Experts(NamedTuple):
 class _Layer(NamedTuple):
     input_norm: torch.Tensor | None  # None: OLMo 2 / 3, which norm the attention's and the MLP's outputs only
     input_eps: float | None
-    qkv: Product
+    qkv: Product  # a gated attention's gate after v; a delta-rule layer's input projections (q/k/v, z, b, a)
+    gated: bool  # Qwen3.5's attention: its output times sigmoid(gate), a second half of each head's q projection
+    delta: DeltaNet | None  # a linear-attention layer (Qwen3.5's gated delta rule) in place of attention
     q_norm: torch.Tensor | None  # Qwen3, Gemma 3: RMSNorm of each head's q and k before RoPE
     k_norm: torch.Tensor | None
     head_eps: float | None
@@ -151,7 +154,10 @@ class _Layer(NamedTuple):
 FULL = "full_attention"  # a layer type without a window
 ONE_ROPE = "every layer"  # the RoPE table key of a model whose layers share one
 SCALED_EMBEDDINGS = ("Gemma3TextScaledWordEmbedding",)  # an nn.Embedding times its `embed_scale`
-GEMMA_NORMS = ("GemmaRMSNorm", "Gemma3RMSNorm")  # x normed in fp32 times (1 + w), rounded to x's dtype once
+# x normed in fp32 times (1 + w), rounded to x's dtype once (Qwen3.5's norms compute as Gemma's)
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma3RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
+LINEAR_ATTENTION = "linear_attention"  # a layer type whose mixer is a gated delta rule (Qwen3.5), not attention
+DELTA_NET_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Qwen3.5's projections
 TANH_GELUS = ("GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh")  # gelu_pytorch_tanh's classes across versions
 
 
@@ -204,6 +210,12 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         routed = routed_experts(mlp)
         attention, feedforward = _projection_names(attn, mlp)
+        linear = getattr(layer, "linear_attn", None)
+        if linear is not None:
+            reason = _delta_net_reason(linear)
+            if reason:
+                return reason
+            attn, attention = linear, DELTA_NET_PARTS
         feedforward = () if routed is not None else feedforward
         projections = [getattr(attn, n, None) for n in attention] + [getattr(mlp, n, None) for n in feedforward]
         for proj in projections:
@@ -223,7 +235,7 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
             getattr(layer, n) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if hasattr(layer, n)
         ]
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        norms += [n for n in (q_norm, k_norm) if n is not None]
+        norms += [n for n in (q_norm, k_norm, getattr(linear, "norm", None)) if n is not None]
         if any(n is None or _norm_eps(n) is None for n in norms):
             return "its layer norms are not RMSNorms with an eps"
         if not outputs_normed and hasattr(layer, "pre_feedforward_layernorm") != hasattr(
@@ -246,6 +258,18 @@ def _projection_names(attn: torch.nn.Module | None, mlp: torch.nn.Module | None)
         ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
     )
     return attention, feedforward
+
+
+def _delta_net_reason(linear: torch.nn.Module) -> str | None:
+    """None if a linear-attention mixer is Qwen3.5's gated delta rule as delta_rule.py computes it."""
+    needed = (*DELTA_NET_PARTS, "conv1d", "A_log", "dt_bias", "norm", "num_k_heads", "num_v_heads")
+    if any(not hasattr(linear, n) for n in needed) or getattr(linear, "activation", None) not in ("silu", "swish"):
+        return f"its linear-attention layers ({type(linear).__name__}) are not Qwen3.5's gated delta rule"
+    if type(linear.conv1d) is not torch.nn.Conv1d:
+        return f"its linear attention's convolution is a {type(linear.conv1d).__name__}, not an nn.Conv1d"
+    if getattr(linear.norm, "activation", "silu") not in ("silu", "swish"):
+        return "its linear attention's gated norm is not SiLU-gated"
+    return None
 
 
 def _norms_outputs_only(layer: torch.nn.Module) -> bool:
@@ -297,7 +321,8 @@ class FusedDecoder:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         # Gemma scales scores by query_pre_attn_scalar**-0.5, not head_dim's
-        self.scaling = getattr(inner.layers[0].self_attn, "scaling", self.head_dim**-0.5)
+        attention = next((layer.self_attn for layer in inner.layers if hasattr(layer, "self_attn")), None)
+        self.scaling = getattr(attention, "scaling", self.head_dim**-0.5)
         self.gemma_norms = type(inner.norm).__name__ in GEMMA_NORMS
         dense = [layer.mlp for layer in inner.layers if routed_experts(layer.mlp) is None]
         self.activation = (
@@ -309,6 +334,8 @@ class FusedDecoder:
         self.embed_scale = None if scale is None else scale.to(embedding.weight.dtype)
         self.rotary, self.rope_tables = inner.rotary_emb, {}
         self.rope_by_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        # Qwen3.5's multimodal RoPE takes a position for each of its three axes; a text token has the same on each
+        self.rope_axes = 3 if hasattr(self.rotary, "mrope_section") else None
         self.embedding = embedding.weight.detach()
         self.layers = [self._gather(layer, config, kind) for layer, kind in zip(inner.layers, layer_kinds(config))]
         self.windows = [layer.window for layer in self.layers]  # what a StaticKVCache for these layers masks
@@ -329,10 +356,21 @@ class FusedDecoder:
         self.head = self._packed([(weight.to(head_dtype), None if bias is None else bias.to(head_dtype))])
 
     def _gather(self, layer: torch.nn.Module, config: Any, kind: str) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = getattr(layer, "self_attn", None), layer.mlp
         attention, feedforward = _projection_names(attn, mlp)  # stacked ones (Phi-3) are one product as they are
         routed = routed_experts(mlp) is not None
+        delta = None if kind != LINEAR_ATTENTION else self._delta_net(layer.linear_attn)
+        if delta is not None:
+            attn, attention = layer.linear_attn, DELTA_NET_PARTS
         *qkv, o = (_linear_weight(getattr(attn, n)) for n in attention)
+        gated = delta is None and len(qkv) == 3 and qkv[0][0].shape[0] == 2 * self.heads * self.head_dim
+        if gated:  # each head's q, then its gate: the gate's rows go after v, so q, k and v stay as in the others
+            weight, bias = qkv[0]
+            halves = weight.view(self.heads, 2, self.head_dim, -1).unbind(1)
+            bias_halves = (None, None) if bias is None else bias.view(self.heads, 2, self.head_dim).unbind(1)
+            q_gate = [(w.reshape(self.heads * self.head_dim, -1), b) for w, b in zip(halves, bias_halves)]
+            q_gate = [(w, None if b is None else b.reshape(-1)) for w, b in q_gate]
+            qkv = [q_gate[0], *qkv[1:], q_gate[1]]
         *gate_up, down = [None] if routed else (_linear_weight(getattr(mlp, n)) for n in feedforward)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         # Gemma's post_attention_layernorm norms the attention's output; its pre_feedforward_layernorm is the
@@ -346,12 +384,16 @@ class FusedDecoder:
             input_norm=None if input_norm is None else self._norm_weight(input_norm),
             input_eps=None if input_norm is None else _norm_eps(input_norm),
             qkv=self._product(qkv),
+            gated=gated,
+            delta=delta,
             q_norm=None if q_norm is None else self._norm_weight(q_norm),
             k_norm=None if k_norm is None else self._norm_weight(k_norm),
             head_eps=None if q_norm is None else _norm_eps(q_norm),
-            rope=(kind if self.rope_by_layer_type else ONE_ROPE) if getattr(attn, "use_rope", True) else None,
+            rope=None if delta is not None or not getattr(attn, "use_rope", True) else self._rope_key(kind),
             # Mistral's attention reads its window from the config, for every layer (it names no layer types)
-            window=getattr(attn, "sliding_window", getattr(config, "sliding_window", None) if kind != FULL else None),
+            window=None
+            if delta is not None
+            else getattr(attn, "sliding_window", getattr(config, "sliding_window", None) if kind != FULL else None),
             sinks=None if getattr(attn, "sinks", None) is None else attn.sinks.detach(),
             o=self._product([o]),
             attention_out_norm=self._norm_pair(layer.post_attention_layernorm) if gemma or outputs_only else None,
@@ -361,6 +403,26 @@ class FusedDecoder:
             down=[] if routed else self._product([down]),
             experts=self._experts(mlp) if routed else None,
             mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma or outputs_only else None,
+        )
+
+    def _rope_key(self, kind: str) -> str:
+        return kind if self.rope_by_layer_type else ONE_ROPE
+
+    def _delta_net(self, linear: torch.nn.Module) -> DeltaNet:
+        """A gated delta-rule layer's constants; its convolution's weight in the products' dtype (a bf16 conv1d under
+        autocast multiplies bf16 copies)."""
+        bias = linear.conv1d.bias
+        return DeltaNet(
+            conv_weight=linear.conv1d.weight.detach()[:, 0].to(self.dtype),
+            conv_bias=None if bias is None else bias.detach().to(self.dtype),
+            decay_rate=-linear.A_log.detach().float().exp(),
+            dt_bias=linear.dt_bias.detach(),
+            norm_weight=linear.norm.weight.detach(),
+            norm_eps=_norm_eps(linear.norm),
+            key_heads=linear.num_k_heads,
+            key_dim=linear.head_k_dim,
+            value_heads=linear.num_v_heads,
+            value_dim=linear.head_v_dim,
         )
 
     def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
@@ -411,7 +473,8 @@ class FusedDecoder:
         rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2), one cat of x. Given once for both halves
         (`rope_halves`), they are repeated for each (unless `as_given`)."""
         by_type = (kind,) if self.rope_by_layer_type else ()
-        cos, sin = self.rotary(self.embedding[:1], positions[:, None], *by_type)  # its dtype: the hidden states'
+        at = positions[:, None] if self.rope_axes is None else positions[None, :, None].expand(self.rope_axes, -1, -1)
+        cos, sin = self.rotary(self.embedding[:1], at, *by_type)  # its dtype: the hidden states'
         if as_given:
             return cos, sin
         if self.rope_halves:
@@ -472,22 +535,42 @@ class FusedDecoder:
         hidden: torch.Tensor,
         mlp_out: torch.Tensor | None,
         layer: _Layer,
-        cache: StaticLayerCache | SharedPrefixLayer,
+        cache: StaticLayerCache | SharedPrefixLayer | StaticStateLayer,
         cos: torch.Tensor | None,
         signed_sin: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer: (the residual stream before it, the previous layer's MLP output or None) -> (the stream after
         its attention, its MLP output). Each layer adds the previous one's MLP output itself, so a compiled layer
         (static_decode's compile) fuses that add with its first norm."""
-        rows, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
-        rope_dtype, attention_dtype = self.residual_dtype, cache.kv_dtype
-        rot, q_width = self.rotary_dim, heads * dim
-        half = rot // 2
         if mlp_out is not None:
             hidden = self._residual(hidden, mlp_out)
         x = hidden if layer.input_norm is None else self._norm(hidden, layer.input_norm, layer.input_eps)
-        outs = self._outputs(x, layer.qkv)  # one stacked product, or q, k and v read in place (three)
-        qkv = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(rows, heads + 2 * kv_heads, dim)
+        if layer.delta is None:
+            out = self._attention(x, layer, cache, cos, signed_sin)
+        else:
+            out = self._apply(self._delta_rule(x, layer, cache), layer.o)
+        if layer.attention_out_norm is not None:
+            out = self._norm(out, *layer.attention_out_norm)
+        hidden = self._residual(hidden, out)
+        x = hidden if layer.post_norm is None else self._norm(hidden, layer.post_norm, layer.post_eps)
+        out = self._mlp(x, layer)
+        return hidden, out if layer.mlp_out_norm is None else self._norm(out, *layer.mlp_out_norm)
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        layer: _Layer,
+        cache: StaticLayerCache | SharedPrefixLayer,
+        cos: torch.Tensor | None,
+        signed_sin: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A layer's attention over its cache, from its normed input to its o product's output."""
+        rows, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        rope_dtype, attention_dtype = self.residual_dtype, cache.kv_dtype
+        rot, q_width = self.rotary_dim, heads * dim
+        half = rot // 2
+        outs = self._outputs(x, layer.qkv)  # one stacked product, or q, k and v (and a gate) read in place
+        qkv = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).view(rows, -1, dim)
         # RoPE's output replaces q and k in place where the products' dtype is the cache's (the static loop's),
         # so the cache takes k and v in one write; else (the engine's fp32 cache under autocast) a buffer does
         rotated = qkv if qkv.dtype == attention_dtype else torch.empty_like(qkv, dtype=attention_dtype)
@@ -528,19 +611,25 @@ class FusedDecoder:
                 rotated[:, : heads + kv_heads, :rot] = torch.addcmul(*rope_inputs)
             else:
                 torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads, :rot])
-        cache.write(rotated[:, heads:, None])  # (R, 2 * kv_heads, 1, D): keys, then values
+        cache.write(rotated[:, heads : heads + 2 * kv_heads, None])  # (R, 2 * kv_heads, 1, D): keys, then values
         query = rotated[:, :heads, None]
         if layer.sinks is None:
             attended = cache.attend(query, self.scaling)  # (R, 1, heads, D)
         else:
             attended = cache.attend_with_sinks(query, self.scaling, layer.sinks)
-        out = self._apply(attended.reshape(rows, q_width), layer.o)
-        if layer.attention_out_norm is not None:
-            out = self._norm(out, *layer.attention_out_norm)
-        hidden = self._residual(hidden, out)
-        x = hidden if layer.post_norm is None else self._norm(hidden, layer.post_norm, layer.post_eps)
-        out = self._mlp(x, layer)
-        return hidden, out if layer.mlp_out_norm is None else self._norm(out, *layer.mlp_out_norm)
+        attended = attended.reshape(rows, q_width)
+        if layer.gated:  # times the gate, in the products' dtype, as the forward's sigmoid(gate)
+            attended = attended * torch.sigmoid(qkv[:, heads + 2 * kv_heads :].reshape(rows, q_width))
+        return self._apply(attended, layer.o)
+
+    def _delta_rule(self, x: torch.Tensor, layer: _Layer, cache: StaticStateLayer) -> torch.Tensor:
+        """A linear-attention layer's gated delta rule at one token (delta_rule.py), its states in `cache`, from its
+        normed input to its out projection's input."""
+        delta = layer.delta
+        key_width, value_width = delta.key_heads * delta.key_dim, delta.value_heads * delta.value_dim
+        projected = self._apply(x, layer.qkv)  # q/k/v, z, b and a: one stacked product where the weights are cast
+        mixed, z, b, a = projected.split([2 * key_width + value_width, value_width, *(2 * [delta.value_heads])], -1)
+        return delta_net_step(delta, mixed, z, b, a, cache.conv_state, cache.recurrent_state)
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """down(act(gate) * up) of the normed (R, H) rows (act: SiLU, or Gemma's tanh-approximated GELU); a layer of
@@ -670,16 +759,19 @@ def layer_kinds(config: Any) -> list[str]:
     return [FULL if not getattr(config, "sliding_window", None) else "sliding_attention"] * config.num_hidden_layers
 
 
-def has_sliding_windows(model: torch.nn.Module) -> bool:
-    """Whether some layer attends over a sliding window (FusedDecoder then runs over a static cache only)."""
+def static_cache_only(model: torch.nn.Module) -> bool:
+    """Whether FusedDecoder runs `model`'s steps over a static cache only: some layer attends over a sliding window,
+    or is a linear-attention layer (shared-prefix decoding serves neither)."""
     config = text_decoder(model)[1]
-    return getattr(config, "sliding_window", None) is not None and any(kind != FULL for kind in layer_kinds(config))
+    kinds = layer_kinds(config)
+    windowed = getattr(config, "sliding_window", None) is not None and any(k not in (FULL, LINEAR_ATTENTION) for k in kinds)
+    return windowed or LINEAR_ATTENTION in kinds
 
 
 @torch.no_grad()
 def probe(model: torch.nn.Module) -> str | None:
     """None if FusedDecoder's steps give the model's own logits (fp32, through the same shared-prefix cache; a model
-    with sliding windows through the static cache, against its forward over its own cache)."""
+    with sliding windows or linear attention through the static cache, against its forward over its own cache)."""
     vocab = model.get_input_embeddings().weight.shape[0]
     device = model.get_input_embeddings().weight.device
     prompts = torch.tensor([[0, 3, 5, 7], [2, 4, 6, 8]], device=device) % vocab
@@ -691,7 +783,7 @@ def probe(model: torch.nn.Module) -> str | None:
     model.eval()
     with torch.autocast(device.type, enabled=False):
         try:
-            if has_sliding_windows(model):
+            if static_cache_only(model):
                 expected, got = static_decode_pair(model, prompts, mask, steps)
             else:
                 expected = shared_decode(model, prompts, mask, steps, forward=forward)

@@ -52,11 +52,14 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from grouprl.core.types import Completion, SamplingParams
-from grouprl.generation.engine import engine_supports
+from grouprl.generation.engine import in_process_sampler_reason
 from grouprl.generation.fused_decode import (
+    FULL,
+    LINEAR_ATTENTION,
     FusedDecoder,
     _base,
     fuses,
+    layer_kinds,
     longrope_limit,
     structure_reason,
     text_decoder,
@@ -78,6 +81,7 @@ KNOWN_FAMILIES = (
     *("olmo2", "olmo3"),
     *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe"),  # their experts run the model's own block (_routed)
     "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
+    *("qwen3_5_text", "qwen3_5_moe_text"),  # gated delta rule beside gated attention (delta_rule.py)
 )
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
 # RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own (longrope's below its
@@ -90,10 +94,13 @@ def captured_supports(
 ) -> Optional[str]:
     """None if CapturedGenerator can serve this model and options, else the reason it cannot. A vision-language
     model is served for its text-only prompts if its language model is (prompts with images: its `fallback`)."""
-    reason = engine_supports(model, generation_kwargs, cache_implementation, text_of_vision_language=True)
+    reason = in_process_sampler_reason(model, generation_kwargs, cache_implementation, text_of_vision_language=True)
     if reason:
         return reason
     base = _base(model)
+    kinds = set(layer_kinds(text_decoder(base)[1])) - {FULL, "sliding_attention", LINEAR_ATTENTION}
+    if kinds:
+        return f"its layers of type {sorted(kinds)} are neither attention nor Qwen3.5's linear attention"
     reason = structure_reason(base, check_dtype=False)
     if reason:
         return reason
@@ -103,6 +110,8 @@ def captured_supports(
         if kind not in STATIC_ROPE_TYPES:
             return f"its RoPE ({kind!r}) recomputes cos/sin from the batch's positions"
     vision_language = decoder is not getattr(base, "model", None)
+    if vision_language and getattr(decoder.rotary_emb, "mrope_section", None) is not None:
+        return "its language model's multimodal RoPE takes positions the vision-language model computes itself"
     if base.get_input_embeddings().weight.dtype == torch.float32 and not vision_language:
         return None if fuses(model) else "the fused decode step's probe did not match its forward"
     family = getattr(config, "model_type", None)

@@ -1,6 +1,8 @@
 """The static decode loop's KV cache (static_decode.py): every layer's keys and values in buffers allocated once
-per generate call, written at a column the decode step advances on the device, with a mask of the real columns.
-Nothing in it changes shape or address from step to step, so a step that uses it can be captured as a CUDA graph.
+per generate call, written at a column the decode step advances on the device, with a mask of the real columns; a
+linear-attention layer's states (Qwen3.5's gated delta rule: its convolution's last inputs, its recurrent matrix) in
+buffers updated in place. Nothing in it changes shape or address from step to step, so a step that uses it can be
+captured as a CUDA graph.
 
 The columns are allocated in a multiple of `COLUMN_MULTIPLE` (the extra ones never valid): CUDA's memory-efficient
 attention kernel pads a score bias whose rows are not 16-aligned, which would be a copy in every layer of every step.
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 COLUMN_MULTIPLE = 16
+STATE_NAMES = ("conv_states", "recurrent_states")  # transformers' LinearAttentionLayer's, each {0: tensor}
 
 
 class StaticKVCache:
@@ -32,6 +35,11 @@ class StaticKVCache:
     before the query's is masked too, in a bias kept once for each window. Every row's columns are its positions
     shifted by its left padding, so a column distance is a position distance. Their prefill may keep only the
     window's last tokens (transformers' sliding-window cache layers), right-aligned here.
+
+    A linear-attention layer of the prefill (transformers' `LinearAttentionLayer`: `conv_states`, `recurrent_states`)
+    becomes a `StaticStateLayer`: its convolution's state in `kv_dtype` (the products' outputs it holds), its
+    recurrent state in fp32, as transformers computes it. Left padding leaves both as without it: transformers zeroes
+    the padded positions' inputs, which leave a zero state zero.
     """
 
     def __init__(
@@ -45,16 +53,22 @@ class StaticKVCache:
     ):
         rows, prompt_length = prompt_mask.shape[0] * repeats, prompt_mask.shape[1]
         columns = -(-(prompt_length + new_tokens) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
-        _, kv_heads, _, head_dim = prefill.layers[0].keys.shape
         self.kv_dtype, device = kv_dtype, prompt_mask.device
         # a layer's keys and values in one buffer, so a step writes both at once (a kernel a layer fewer)
-        self.key_values = [
-            torch.zeros(rows, 2 * kv_heads, columns, head_dim, dtype=kv_dtype, device=device) for _ in prefill.layers
-        ]
-        for both, source in zip(self.key_values, prefill.layers):
-            start = prompt_length - source.keys.shape[2]
+        self.key_values: list[torch.Tensor | None] = []
+        self.states: dict[int, StaticStateLayer] = {}
+        for index, source in enumerate(prefill.layers):
+            if hasattr(source, "recurrent_states"):  # a linear-attention layer's
+                conv, recurrent = (getattr(source, n)[0].repeat_interleave(repeats, 0) for n in STATE_NAMES)
+                self.states[index] = StaticStateLayer(conv.to(kv_dtype), recurrent.float(), kv_dtype)
+                self.key_values.append(None)
+                continue
+            _, kv_heads, length, head_dim = source.keys.shape
+            both = torch.zeros(rows, 2 * kv_heads, columns, head_dim, dtype=kv_dtype, device=device)
+            start = prompt_length - length
             both[:, :kv_heads, start:prompt_length] = source.keys.repeat_interleave(repeats, 0)
             both[:, kv_heads:, start:prompt_length] = source.values.repeat_interleave(repeats, 0)
+            self.key_values.append(both)
         self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
         self.valid[:, :prompt_length] = prompt_mask.bool().repeat_interleave(repeats, 0)
         self.column = torch.full((1,), prompt_length, dtype=torch.long, device=device)
@@ -73,8 +87,11 @@ class StaticKVCache:
         for window, bias in self.window_biases.items():
             bias.copy_(self.bias.masked_fill(self.column_numbers <= self.column - window, float("-inf")))
 
-    def layer(self, index: int) -> "StaticLayerCache":
-        """Layer `index`'s buffer, with what a decode step's layer does with it (`write`, `attend`)."""
+    def layer(self, index: int) -> "StaticLayerCache | StaticStateLayer":
+        """Layer `index`'s buffer, with what a decode step's layer does with it (`write`, `attend`); a linear-attention
+        layer's states."""
+        if index in self.states:
+            return self.states[index]
         bias = self.window_biases.get(self.windows[index], self.bias)
         return StaticLayerCache(self.key_values[index], self.column, bias, self.kv_dtype)
 
@@ -121,3 +138,12 @@ class StaticLayerCache:
         weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the cat promotes to the sinks' dtype
         out = torch.matmul(weights.to(values.dtype), values)  # (rows, kv_heads, group, dim)
         return out.reshape(rows, 1, heads, dim)
+
+
+class StaticStateLayer:
+    """A linear-attention layer's states for decode steps, updated in place (delta_rule.py): `conv_state` (rows,
+    channels, kernel), the convolution's last inputs, oldest first; `recurrent_state` (rows, value heads, key dim,
+    value dim), fp32."""
+
+    def __init__(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, kv_dtype: torch.dtype):
+        self.conv_state, self.recurrent_state, self.kv_dtype = conv_state, recurrent_state, kv_dtype
