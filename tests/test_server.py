@@ -363,7 +363,7 @@ def test_the_server_picks_its_sampler_as_the_trainer_does(tiny_model_dir):
     a CPU, the captured loop on CUDA) where it serves the model, else transformers generate with the reason; an
     explicit engine that cannot serve the model stops the server naming why; a vision-language model samples with
     generate, which takes its images."""
-    from test_architectures import qwen3_5
+    from test_architectures import nemotron_h, qwen3_5
     from vlm_models import tiny_llava
 
     from grouprl.generation.engine import FastGenerator
@@ -383,11 +383,16 @@ def test_the_server_picks_its_sampler_as_the_trainer_does(tiny_model_dir):
         assert type(sampler) is kind and described == f"generation_engine {named!r}"
     sampler, described = server_sampler(model, tokenizer, [0], 0, "transformers")
     assert type(sampler) is TransformersGenerator and described == "transformers generate"
-    hybrid = qwen3_5()  # linear-attention layers: neither engine serves it
+    hybrid = qwen3_5()  # linear-attention layers: the engine cannot drop its rows, the captured loop serves it
     sampler, described = server_sampler(hybrid, tokenizer, [0], 0, "auto")
-    assert type(sampler) is TransformersGenerator and "cannot: the model has non-attention layers" in described
-    with pytest.raises(ValueError, match="--generation_engine captured: the model has non-attention layers"):
-        server_sampler(hybrid, tokenizer, [0], 0, "captured")
+    assert type(sampler) is CapturedGenerator and described.startswith("generation_engine 'captured'")
+    if model.device.type == "cpu":  # the engine tried first, and why not said
+        assert "(not 'engine': the model has non-attention layers" in described
+    mamba = nemotron_h()  # Mamba-2 layers: neither serves it
+    sampler, described = server_sampler(mamba, tokenizer, [0], 0, "auto")
+    assert type(sampler) is TransformersGenerator and "not 'captured': not a Llama-family causal LM" in described
+    with pytest.raises(ValueError, match="--generation_engine captured: not a Llama-family causal LM"):
+        server_sampler(mamba, tokenizer, [0], 0, "captured")
     vlm, processor = tiny_llava()
     sampler, _ = server_sampler(vlm, processor.tokenizer, [0], 0, "captured")
     assert type(sampler) is TransformersGenerator and sampler.suppress_token_ids == [vlm.config.image_token_id]

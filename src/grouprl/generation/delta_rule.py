@@ -49,7 +49,12 @@ def conv_step(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 def delta_rule_step(
-    state: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    state: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
 ) -> torch.Tensor:
     """One token of the gated delta rule, in fp32. state (rows, value heads, key dim, value dim), updated in place;
     query, key (rows, value heads, key dim) already normed and scaled; value (rows, value heads, value dim); g, beta

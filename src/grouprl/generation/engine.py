@@ -71,7 +71,9 @@ SHARED_PREFIX_MIN_TOKENS = 16
 STOCK_GENERATE = inspect.getattr_static(GenerationMixin, "generate")
 
 
-def engine_supports(model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]) -> Optional[str]:
+def engine_supports(
+    model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]
+) -> Optional[str]:
     """None if FastGenerator can serve this model and options, else the reason it cannot."""
     reason = in_process_sampler_reason(model, generation_kwargs, cache_implementation)
     if reason:

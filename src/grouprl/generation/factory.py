@@ -9,9 +9,10 @@ generation_engine="captured"         the static decode loop, one CUDA graph repl
                                      its step compiled first with compile_decode_step=True
                                      (static_decode.py, CapturedGenerator)
 generation_engine="auto"             where it applies and model.generate is transformers' own
-                                     (engine.py): on a CPU the engine, on CUDA the captured loop;
+                                     (engine.py): on a CPU the engine, else the captured loop
+                                     (hybrids such as Qwen3.5); on CUDA the captured loop;
                                      otherwise transformers `generate` (`AUTO_ENGINES`: each was
-                                     measured fastest there)
+                                     measured faster there than what follows it)
 generation_engine="transformers"     transformers `generate`
 use_transformers_continuous_batching transformers `generate_batch` (continuous_batching.py), in place of
                                      generation_engine's sampler
@@ -151,28 +152,27 @@ def in_process_backend(
     """The backend that samples from `model` in this process: generation_engine's (module doc)."""
     if args.use_transformers_continuous_batching:
         return continuous_batching_backend(model, tokenizer, eos_token_ids, args)
-    requested = args.generation_engine
-    engine = auto_engine(model_device(model)) if requested == "auto" else requested
+    requested, options = args.generation_engine, (args.generation_kwargs or {}, args.cache_implementation)
     transformers = transformers_backend(model, tokenizer, eos_token_ids, args)
     compile_step = args.compile_decode_step
+    engine, refusals = auto_choice(model, *options) if requested == "auto" else (requested, {})
+    if compile_step and "captured" in refusals:
+        raise ValueError(
+            f"GRPOConfig.compile_decode_step=True needs the captured decode loop, which cannot sample here: "
+            f"{refusals['captured']}. Leave compile_decode_step False."
+        )
     if compile_step and engine != "captured":
         raise ValueError(
             f"GRPOConfig.compile_decode_step=True compiles the captured decode loop, but generation_engine="
             f"{requested!r} samples with {engine!r} on {model_device(model).type}; set generation_engine='captured' "
             "or leave compile_decode_step False."
         )
+    if refusals:
+        logger.info(f"grouprl: generation_engine='auto' samples with {sampler_words(engine)}, {refused(refusals)}.")
     if engine == "transformers":
         return transformers
     supports, in_process = IN_PROCESS_ENGINES[engine]
-    reason = supports(model, args.generation_kwargs or {}, args.cache_implementation)
-    if reason and requested == "auto" and not compile_step:
-        logger.info(f"grouprl: generation_engine='auto' samples with transformers generate, not {engine!r}: {reason}.")
-        return transformers
-    if reason and compile_step:
-        raise ValueError(
-            f"GRPOConfig.compile_decode_step=True needs the captured decode loop, which cannot sample here: {reason}. "
-            "Leave compile_decode_step False."
-        )
+    reason = None if requested == "auto" else supports(model, *options)  # 'auto' picked one that serves it
     if reason:
         raise ValueError(
             f"GRPOConfig.generation_engine={engine!r} cannot be used: {reason}. Use 'auto' or 'transformers'."
@@ -197,15 +197,35 @@ def in_process_backend(
 
 IN_PROCESS_ENGINES = {"engine": (engine_supports, FastGenerator), "captured": (captured_supports, CapturedGenerator)}
 
-# What generation_engine='auto' picks on each device type, where it was tested and measured against the others
-# (docs/benchmarks.md on CPUs; docs/benchmarks-gpu.md on an H200: 2.45 s a step against transformers generate's
-# 9.16 for the Qwen2.5-0.5B shape); on any other device, or where the pick does not apply, transformers generate.
-AUTO_ENGINES = {"cpu": "engine", "cuda": "captured"}
+# What generation_engine='auto' tries on each device type, in order, the first that serves the model; each was
+# measured faster there than what follows it (docs/benchmarks.md on CPUs, where the captured loop runs eagerly:
+# 1.5-1.9x transformers generate's tokens/s for a Qwen3 and a Qwen3.5 of 8 layers; docs/benchmarks-gpu.md on an
+# H200: 2.45 s a step against transformers generate's 9.16 for the Qwen2.5-0.5B shape); after them, or on any other
+# device, transformers generate.
+AUTO_ENGINES = {"cpu": ("engine", "captured"), "cuda": ("captured",)}
 
 
-def auto_engine(device: torch.device) -> str:
-    """The generation_engine that 'auto' means on `device` (before checking that it applies to the model)."""
-    return AUTO_ENGINES.get(device.type, "transformers")
+def auto_choice(
+    model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]
+) -> tuple[str, dict[str, str]]:
+    """What generation_engine='auto' samples `model` with: the first of its device's `AUTO_ENGINES` that serves it
+    with these options, else 'transformers'; and why each one tried before it cannot."""
+    refusals = {}
+    for engine in AUTO_ENGINES.get(model_device(model).type, ()):
+        reason = IN_PROCESS_ENGINES[engine][0](model, generation_kwargs, cache_implementation)
+        if reason is None:
+            return engine, refusals
+        refusals[engine] = reason
+    return "transformers", refusals
+
+
+def sampler_words(engine: str) -> str:
+    return "transformers generate" if engine == "transformers" else repr(engine)
+
+
+def refused(refusals: dict[str, str]) -> str:
+    """'not 'engine': why; not 'captured': why' (auto_choice's refusals)."""
+    return "; ".join(f"not {engine!r}: {reason}" for engine, reason in refusals.items())
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

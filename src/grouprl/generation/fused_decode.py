@@ -764,7 +764,9 @@ def static_cache_only(model: torch.nn.Module) -> bool:
     or is a linear-attention layer (shared-prefix decoding serves neither)."""
     config = text_decoder(model)[1]
     kinds = layer_kinds(config)
-    windowed = getattr(config, "sliding_window", None) is not None and any(k not in (FULL, LINEAR_ATTENTION) for k in kinds)
+    windowed = getattr(config, "sliding_window", None) is not None and any(
+        k not in (FULL, LINEAR_ATTENTION) for k in kinds
+    )
     return windowed or LINEAR_ATTENTION in kinds
 
 

@@ -38,7 +38,7 @@ from typing import Any, Optional, Union
 import torch
 
 from grouprl.core.types import SamplingParams
-from grouprl.generation.factory import IN_PROCESS_ENGINES, auto_engine, model_device
+from grouprl.generation.factory import IN_PROCESS_ENGINES, auto_choice, refused
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.server_choices import sample_choice, score_choice, token_prompts, with_logprobs
 from grouprl.generation.server_weights import WeightReceiver
@@ -54,8 +54,8 @@ def server_sampler(
 ) -> tuple[Any, str]:
     """What samples the server's requests, and that in words. A vision-language model's: transformers generate (it
     takes the image inputs and suppresses their placeholders). A text model's: `engine`; 'auto' is the trainer's pick
-    for the model's device (factory.auto_engine: the fast engine on a CPU, the captured loop on CUDA) where that
-    serves the model, else transformers generate, the reason said."""
+    for the model's device (factory.auto_choice: the fast engine on a CPU, else the captured loop; the captured loop on
+    CUDA) where that serves the model, else transformers generate, the reasons said."""
     if engine not in SERVER_ENGINES:
         raise ValueError(f"grouprl serve --generation_engine must be one of {SERVER_ENGINES}, got {engine!r}.")
     transformers = TransformersGenerator(
@@ -63,16 +63,15 @@ def server_sampler(
     )
     if is_vision_language_config(model.config) or engine == "transformers":
         return transformers, "transformers generate"
-    chosen = auto_engine(model_device(model)) if engine == "auto" else engine
+    chosen, refusals = auto_choice(model, {}, None) if engine == "auto" else (engine, {})
+    why = f" ({refused(refusals)})" if refusals else ""
     if chosen == "transformers":
-        return transformers, "transformers generate"
+        return transformers, f"transformers generate{why}"
     supports, sampler = IN_PROCESS_ENGINES[chosen]
     reason = supports(model, {}, None)
     if reason is None:
         options = {"fallback": transformers} if chosen == "captured" else {}  # CapturedGenerator.served_reason
-        return sampler(model, tokenizer, eos_token_ids, pad_token_id, **options), f"generation_engine {chosen!r}"
-    if engine == "auto":
-        return transformers, f"transformers generate ({chosen!r} cannot: {reason})"
+        return sampler(model, tokenizer, eos_token_ids, pad_token_id, **options), f"generation_engine {chosen!r}{why}"
     raise ValueError(f"grouprl serve --generation_engine {engine}: {reason}. Use auto or transformers.")
 
 
