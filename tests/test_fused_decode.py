@@ -416,6 +416,8 @@ def test_a_longrope_call_past_the_pretraining_length_goes_to_generate(tiny_model
 
 LORA = {
     "llama, every linear layer": (_llama, dict(target_modules="all-linear", lora_dropout=0.0)),
+    # the delta rule's input and output projections, the gated attention's (q and its gate in one projection)
+    "qwen3_5, every linear layer": (_qwen3_5, dict(target_modules="all-linear", lora_dropout=0.0)),
     # peft's target_parameters (TRL's GPT-OSS recipe): a wrapper a parameter, nested
     **{
         f"{name}, the experts' parameters": (

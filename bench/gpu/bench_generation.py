@@ -57,7 +57,9 @@ class Shape:
     intermediate: int
     vocab: int
     family: str = "qwen2"  # or "gemma3": Gemma 3's layers, head_dim 256, five sliding (512) to a full one; or
-    # "qwen3_moe": Qwen3-MoE's layers, head_dim 64 (16 at the tiny shape), 64 experts of `intermediate`, top 8
+    # "qwen3_moe": Qwen3-MoE's layers, head_dim 64 (16 at the tiny shape), 64 experts of `intermediate`, top 8; or
+    # "qwen3_5": Qwen3.5's, three linear-attention layers (a gated delta rule, 16 key and 16 value heads of 128) to a
+    # gated full-attention one (head_dim 256, RoPE on a quarter of each head); smaller at the tiny shape
 
 
 SHAPES = {
@@ -69,6 +71,9 @@ SHAPES = {
     # Qwen3-MoE's layout at ~1.4B parameters, ~0.35B active: trainable in full on one GPU beside TRL
     "qwen3-moe-1.4B": Shape("qwen3-moe-1.4B", 1024, 24, 16, 4, 256, 151_936, "qwen3_moe"),
     "tiny-qwen3-moe": Shape("tiny-qwen3-moe", 64, 2, 4, 2, 32, 512, "qwen3_moe"),
+    # a hybrid of ~0.85B parameters, Qwen3.5's small models' widths and vocabulary
+    "qwen3.5-0.8B": Shape("qwen3.5-0.8B", 1024, 24, 8, 2, 3584, 248_320, "qwen3_5"),
+    "tiny-qwen3.5": Shape("tiny-qwen3.5", 64, 4, 4, 2, 128, 512, "qwen3_5"),
 }
 
 
@@ -115,12 +120,16 @@ PLAN = (
         2,
         ("trl", "captured"),
     ),
+    # linear attention (since 2026-11-29 the captured loop's: its states in place in the graph) against transformers'
+    # own decode, whose delta rule runs its PyTorch reference where flash-linear-attention is not installed
+    Case("Qwen3.5 0.8B layout, 48-token prompts", "qwen3.5-0.8B", 8, 8, 48, 0, 256, 2, ("trl", "captured")),
 )
 TINY_PLAN = (
     Case("tiny, 12-token prompts", "tiny", 2, 4, 12, 0, 16, 2, ("trl", *ENGINES)),
     Case("tiny, 40-token shared prompt + 12", "tiny", 2, 4, 12, 40, 16, 2, ("trl", *ENGINES)),
     Case("tiny Gemma 3, 12-token prompts", "tiny-gemma3", 2, 4, 12, 0, 16, 2, ("trl", "transformers", "captured")),
     Case("tiny Qwen3-MoE, 12-token prompts", "tiny-qwen3-moe", 2, 4, 12, 0, 16, 2, ("trl", "transformers", "captured")),
+    Case("tiny Qwen3.5, 12-token prompts", "tiny-qwen3.5", 2, 4, 12, 0, 16, 2, ("trl", "transformers", "captured")),
 )
 
 
@@ -153,6 +162,14 @@ def model_config(shape: Shape):
         return transformers.Qwen3MoeConfig(
             **sizes, **experts, head_dim=64 if shape.hidden > 256 else 16, norm_topk_prob=True
         ), transformers.Qwen3MoeForCausalLM
+    if shape.family == "qwen3_5":
+        big = shape.hidden > 256
+        layers = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(shape.layers)]
+        heads, dim = (16, 128) if big else (2, 16)
+        linear = dict(linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=dim)
+        return transformers.Qwen3_5TextConfig(
+            **sizes, **linear, linear_value_head_dim=dim, head_dim=256 if big else 16, layer_types=layers
+        ), transformers.Qwen3_5ForCausalLM
     return transformers.Qwen2Config(**sizes), transformers.Qwen2ForCausalLM
 
 

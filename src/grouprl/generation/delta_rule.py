@@ -26,8 +26,8 @@ L2_EPS = 1e-6  # transformers' l2norm inside the delta rule
 class DeltaNet(NamedTuple):
     """A gated delta-rule layer's constants for decode steps (fused_decode gathers them once a call)."""
 
-    conv_weight: torch.Tensor  # (q + k + v channels, kernel)
-    conv_bias: torch.Tensor | None
+    conv_weight: torch.Tensor  # (q + k + v channels, kernel), fp32 holding the products' dtype's values
+    conv_bias: torch.Tensor | None  # as the weight
     decay_rate: torch.Tensor  # (value heads,) fp32: -exp(A_log)
     dt_bias: torch.Tensor  # (value heads,)
     norm_weight: torch.Tensor  # (value dim,)
@@ -39,13 +39,14 @@ class DeltaNet(NamedTuple):
 
 
 def conv_step(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Push `x` (rows, channels) into `state` (rows, channels, kernel), oldest input first, in place; return SiLU of
-    the depthwise causal convolution at the new input, in `state`'s dtype."""
-    state.copy_(torch.cat([state[..., 1:], x.to(state.dtype)[..., None]], dim=-1))
-    out = torch.einsum("rck,ck->rc", state.float(), weight.float())
+    """Push `x` (rows, channels) into `state` (rows, channels, kernel; fp32, holding `x`'s dtype's values), oldest
+    input first, in place; return SiLU of the depthwise causal convolution at the new input, rounded to `x`'s dtype
+    before it, as a conv1d in that dtype rounds its output."""
+    state.copy_(torch.cat([state[..., 1:], x[..., None]], dim=-1))  # the cat promotes x to fp32 (exact)
+    out = torch.einsum("rck,ck->rc", state, weight)
     if bias is not None:
-        out = out + bias.float()
-    return F.silu(out.to(state.dtype))
+        out = out + bias
+    return F.silu(out.to(x.dtype))
 
 
 def delta_rule_step(
@@ -82,12 +83,14 @@ def delta_net_step(
     """The layer's output before its out projection, (rows, value heads x value dim) in `mixed`'s dtype, from its
     input projections' outputs at one token: `mixed` (q, k, v stacked), `gate_z`, `b` and `a`. Updates the states."""
     rows, dtype = mixed.shape[0], mixed.dtype
-    mixed = conv_step(conv_state, mixed, layer.conv_weight, layer.conv_bias)
-    key_width = layer.key_heads * layer.key_dim
-    query, key, value = mixed.float().split([key_width, key_width, layer.value_heads * layer.value_dim], dim=-1)
+    mixed = conv_step(conv_state, mixed, layer.conv_weight, layer.conv_bias).float()
+    key_width = 2 * layer.key_heads * layer.key_dim  # q's and k's
+    query_key, value = mixed.split([key_width, layer.value_heads * layer.value_dim], dim=-1)
+    query_key = l2_normed(query_key.view(rows, 2, layer.key_heads, layer.key_dim))  # q and k normed in one pass
     served = layer.value_heads // layer.key_heads  # value heads a key head serves, consecutive
-    query = l2_normed(query.view(rows, layer.key_heads, layer.key_dim)).repeat_interleave(served, dim=1)
-    key = l2_normed(key.view(rows, layer.key_heads, layer.key_dim)).repeat_interleave(served, dim=1)
+    if served > 1:
+        query_key = query_key.repeat_interleave(served, dim=2)
+    query, key = query_key.unbind(1)
     query = query * layer.key_dim**-0.5
     g = layer.decay_rate * F.softplus(a.float() + layer.dt_bias)
     out = delta_rule_step(

@@ -409,12 +409,12 @@ class FusedDecoder:
         return kind if self.rope_by_layer_type else ONE_ROPE
 
     def _delta_net(self, linear: torch.nn.Module) -> DeltaNet:
-        """A gated delta-rule layer's constants; its convolution's weight in the products' dtype (a bf16 conv1d under
-        autocast multiplies bf16 copies)."""
+        """A gated delta-rule layer's constants; its convolution's weight rounded to the products' dtype (a bf16 conv1d
+        under autocast multiplies bf16 copies), held in fp32, where the step convolves."""
         bias = linear.conv1d.bias
         return DeltaNet(
-            conv_weight=linear.conv1d.weight.detach()[:, 0].to(self.dtype),
-            conv_bias=None if bias is None else bias.detach().to(self.dtype),
+            conv_weight=linear.conv1d.weight.detach()[:, 0].to(self.dtype).float(),
+            conv_bias=None if bias is None else bias.detach().to(self.dtype).float(),
             decay_rate=-linear.A_log.detach().float().exp(),
             dt_bias=linear.dt_bias.detach(),
             norm_weight=linear.norm.weight.detach(),

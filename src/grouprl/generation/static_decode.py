@@ -201,7 +201,8 @@ def compiled_regions() -> tuple[Callable[..., Any], Callable[..., None]]:
     reason and the way out."""
     # Static shapes: a dynamic recompile's guards failed to build on CUDA (torch 2.11, "list index out of range"
     # for a size symbol inductor's 32-bit indexing check introduced), and a replayed graph needs fixed shapes anyway.
-    return _stopping(FusedDecoder._layer, graphs_per_shape=2), _stopping(DecodeLoop.record, graphs_per_shape=1)
+    # a layer: the first (no previous MLP output to add), the others, a linear-attention layer besides (Qwen3.5)
+    return _stopping(FusedDecoder._layer, graphs_per_shape=3), _stopping(DecodeLoop.record, graphs_per_shape=1)
 
 
 def _stopping(function: Callable[..., Any], graphs_per_shape: int) -> Callable[..., Any]:

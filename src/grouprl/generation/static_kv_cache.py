@@ -37,9 +37,9 @@ class StaticKVCache:
     window's last tokens (transformers' sliding-window cache layers), right-aligned here.
 
     A linear-attention layer of the prefill (transformers' `LinearAttentionLayer`: `conv_states`, `recurrent_states`)
-    becomes a `StaticStateLayer`: its convolution's state in `kv_dtype` (the products' outputs it holds), its
-    recurrent state in fp32, as transformers computes it. Left padding leaves both as without it: transformers zeroes
-    the padded positions' inputs, which leave a zero state zero.
+    becomes a `StaticStateLayer`: its convolution's state (the products' outputs, exact) and its recurrent state in
+    fp32, where the step computes with them, as transformers does. Left padding leaves both as without it:
+    transformers zeroes the padded positions' inputs, which leave a zero state zero.
     """
 
     def __init__(
@@ -60,7 +60,7 @@ class StaticKVCache:
         for index, source in enumerate(prefill.layers):
             if hasattr(source, "recurrent_states"):  # a linear-attention layer's
                 conv, recurrent = (getattr(source, n)[0].repeat_interleave(repeats, 0) for n in STATE_NAMES)
-                self.states[index] = StaticStateLayer(conv.to(kv_dtype), recurrent.float(), kv_dtype)
+                self.states[index] = StaticStateLayer(conv.float(), recurrent.float(), kv_dtype)
                 self.key_values.append(None)
                 continue
             _, kv_heads, length, head_dim = source.keys.shape
@@ -141,9 +141,9 @@ class StaticLayerCache:
 
 
 class StaticStateLayer:
-    """A linear-attention layer's states for decode steps, updated in place (delta_rule.py): `conv_state` (rows,
+    """A linear-attention layer's states for decode steps, updated in place (delta_rule.py), fp32: `conv_state` (rows,
     channels, kernel), the convolution's last inputs, oldest first; `recurrent_state` (rows, value heads, key dim,
-    value dim), fp32."""
+    value dim)."""
 
     def __init__(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, kv_dtype: torch.dtype):
         self.conv_state, self.recurrent_state, self.kv_dtype = conv_state, recurrent_state, kv_dtype
