@@ -71,7 +71,7 @@ SHAPES = {
     # Qwen3-MoE's layout at ~1.4B parameters, ~0.35B active: trainable in full on one GPU beside TRL
     "qwen3-moe-1.4B": Shape("qwen3-moe-1.4B", 1024, 24, 16, 4, 256, 151_936, "qwen3_moe"),
     "tiny-qwen3-moe": Shape("tiny-qwen3-moe", 64, 2, 4, 2, 32, 512, "qwen3_moe"),
-    # a hybrid of ~0.85B parameters, Qwen3.5's small models' widths and vocabulary
+    # a hybrid of ~0.75B parameters (0.50B outside the embedding), at widths and vocabulary of Qwen3.5's small models
     "qwen3.5-0.8B": Shape("qwen3.5-0.8B", 1024, 24, 8, 2, 3584, 248_320, "qwen3_5"),
     "tiny-qwen3.5": Shape("tiny-qwen3.5", 64, 4, 4, 2, 128, 512, "qwen3_5"),
 }

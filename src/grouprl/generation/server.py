@@ -1,6 +1,6 @@
 """`grouprl serve`: a generation server hosting grouprl's samplers (`--generation_engine`, as the trainer picks them:
-the fast engine on a CPU, the captured decode loop on CUDA; transformers generate for a vision-language model and
-where those cannot serve the model), with weight updates from a trainer.
+on a CPU the fast engine, else the captured decode loop; on CUDA the captured decode loop; transformers generate for
+a vision-language model and where those cannot serve the model), with weight updates from a trainer.
 
 This module is the app and its start-up; the choices it returns are built in `server_choices.py`,
 the weights it receives are loaded by `server_weights.py`.
