@@ -518,14 +518,42 @@ def test_the_captured_loop_serves_a_vision_language_models_text_prompts(tiny_mod
 
 
 def test_a_vision_language_model_whose_language_model_is_not_known_is_named():
-    """Qwen2-VL's (and Qwen3.5's) language model takes multimodal RoPE positions that the vision-language model
-    computes from its inputs; the captured loop names that."""
     from vlm_models import tiny_qwen2_vl
 
     model, _ = tiny_qwen2_vl()
     assert captured_supports(model, {}, None) == (
-        "its language model's multimodal RoPE takes positions the vision-language model computes itself"
+        "its language model's family ('qwen2_vl_text') is not one the decode step is known to match"
     )
+
+
+def test_the_captured_loop_serves_qwen3_5s_vision_language_model_for_text_prompts():
+    """Qwen3.5's checkpoints load as Qwen3_5ForConditionalGeneration (grouprl and TRL load a model id whose config
+    has a vision tower that way). Its text tokens take the same position on the three axes of its multimodal RoPE,
+    so a text-only call runs through its hybrid language model in the captured loop: greedy, generate's tokens; sampled,
+    a separate forward's logprobs."""
+    from vlm_models import sharpen, tiny_qwen3_5
+
+    model, processor = tiny_qwen3_5()
+    model = _own_norm_weights(sharpen(model, 4.0)).eval().to(DEVICE)
+    assert captured_supports(model, {}, None) is None
+    tokenizer, eos = processor.tokenizer, model.generation_config.eos_token_id
+    image_token = model.config.image_token_id
+    prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
+    sampler = CapturedGenerator(model, tokenizer, [eos], eos, suppress_token_ids=[image_token])
+    greedy = [c.token_ids for c in sampler.generate(prompts, 1, SamplingParams(max_new_tokens=12, top_k=1))]
+    for prompt, got in zip(prompts, greedy):  # one prompt at a time: no padding, the model's own positions
+        want = model.generate(
+            input_ids=torch.tensor([prompt], device=DEVICE), do_sample=False, max_new_tokens=12,
+            suppress_tokens=[image_token], eos_token_id=eos, pad_token_id=eos,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+        assert got == (want[: want.index(eos) + 1] if eos in want else want)
+    for sample in sampler.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0)):
+        prompt = prompts[sample.prompt_index]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + sample.token_ids], device=DEVICE)).logits[0].float()
+        logits = logits[len(prompt) - 1 : -1].index_fill(1, torch.tensor([image_token], device=DEVICE), -float("inf"))
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids, device=DEVICE)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected.cpu(), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])

@@ -30,9 +30,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--generation_engine",
         default="auto",
         choices=["auto", "engine", "captured", "transformers"],
-        help="What samples a text model (default auto: on a CPU the fast engine, else the captured decode loop; on "
-        "CUDA the captured decode loop; where they serve the model, else transformers generate; a vision-language model always samples with "
-        "transformers generate).",
+        help="What samples a text model (default auto: on a CPU the fast engine, else the captured decode loop; "
+        "on CUDA the captured decode loop; where they serve the model, else transformers generate; a "
+        "vision-language model always samples with transformers generate).",
     )
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow custom model code.")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")

@@ -148,13 +148,14 @@ class ModelAndSamplingFields:
         metadata=_meta(
             "grouprl: 'engine' (fast in-process sampler: one prefill per prompt, finished rows leave the batch), "
             "'captured' (a static decode loop for the model families docs/install.md lists, sliding windows, "
-            "mixtures of experts and Qwen3.5's linear attention included, and the text prompts of vision-language models built on them: KV buffers "
-            "allocated once, sampling inside the step, replayed as one CUDA graph per step on CUDA, eager elsewhere; "
-            "docs/benchmarks-gpu.md), "
+            "mixtures of experts and Qwen3.5's linear attention included, and the text prompts of vision-language "
+            "models built on them: KV buffers allocated once, sampling inside the step, replayed as one CUDA graph "
+            "per step on CUDA, eager elsewhere; docs/benchmarks-gpu.md), "
             "'transformers' (model.generate), 'auto' (where the model and options allow it: on a CPU the engine, else "
             "the captured loop; on CUDA the captured loop; each measured faster there than what follows it; "
-            "otherwise transformers generate; use_vllm=True picks vLLM), or 'server' (a `grouprl serve` server at vllm_server_base_url / "
-            "vllm_server_host:vllm_server_port). Asynchronous generation's local worker samples with the same choice."
+            "otherwise transformers generate; use_vllm=True picks vLLM), or 'server' (a `grouprl serve` server at "
+            "vllm_server_base_url / vllm_server_host:vllm_server_port). Asynchronous generation's local worker "
+            "samples with the same choice."
         ),
     )
     compile_decode_step: bool = field(

@@ -110,8 +110,6 @@ def captured_supports(
         if kind not in STATIC_ROPE_TYPES:
             return f"its RoPE ({kind!r}) recomputes cos/sin from the batch's positions"
     vision_language = decoder is not getattr(base, "model", None)
-    if vision_language and getattr(decoder.rotary_emb, "mrope_section", None) is not None:
-        return "its language model's multimodal RoPE takes positions the vision-language model computes itself"
     if base.get_input_embeddings().weight.dtype == torch.float32 and not vision_language:
         return None if fuses(model) else "the fused decode step's probe did not match its forward"
     family = getattr(config, "model_type", None)
