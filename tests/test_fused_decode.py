@@ -37,6 +37,8 @@ from transformers import (
     Olmo3ForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
+    OlmoHybridConfig,
+    OlmoHybridForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -50,6 +52,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
     SeedOssConfig,
     SeedOssForCausalLM,
     SiglipVisionConfig,
@@ -463,6 +467,14 @@ def test_structures_it_cannot_run_are_named():
     softcapped = Gemma2ForCausalLM(Gemma2Config(**SIZES, head_dim=16, attn_logit_softcapping=50.0))
     assert structure_reason(softcapped) == "config.attn_logit_softcapping is set"
     assert "bfloat16" in structure_reason(_llama().to(torch.bfloat16))
+    # gated delta rules laid out otherwise than Qwen3.5's (Qwen3-Next interleaves q/k/v/z in one projection)
+    hybrid = dict(**SIZES, layer_types=["linear_attention", "full_attention"], head_dim=16, pad_token_id=0)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    for model, mixer in (
+        (Qwen3NextForCausalLM(Qwen3NextConfig(**hybrid, **experts)), "Qwen3NextGatedDeltaNet"),
+        (OlmoHybridForCausalLM(OlmoHybridConfig(**hybrid)), "OlmoHybridGatedDeltaNet"),
+    ):
+        assert structure_reason(model) == f"its linear-attention layers ({mixer}) are not Qwen3.5's gated delta rule"
 
 
 def _gemma3_vision_language(image_token=95):
