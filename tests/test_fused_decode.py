@@ -3,6 +3,7 @@ architecture they accept, LoRA adapters included; a model they would get wrong i
 decodes through its forward; generation samples the same tokens with and without them."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ from transformers import (
     GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Ministral3Config,
+    Ministral3ForCausalLM,
     MinistralConfig,
     MinistralForCausalLM,
     MistralConfig,
@@ -152,6 +155,17 @@ def _phi3_longrope(pretraining_length=64):
         eos_token_id=2,
     )
     return Phi3ForCausalLM(config)
+
+
+def _ministral3(original_length=64):
+    """Ministral 3: YaRN RoPE, and queries scaled by 1 + beta log(1 + floor(position / original length)) (exactly 1
+    below that length, `llama_4_scaling_beta`)."""
+    rope = dict(rope_type="yarn", factor=2.0, beta_fast=32.0, beta_slow=1.0, llama_4_scaling_beta=2.0)
+    rope.update(rope_theta=10_000.0, original_max_position_embeddings=original_length)
+    config = Ministral3Config(**{**SIZES, "max_position_embeddings": 2 * original_length}, head_dim=16)
+    config.rope_parameters = rope  # as given (the config's own checks would rewrite the factor)
+    config.sliding_window, config.pad_token_id, config.bos_token_id, config.eos_token_id = None, 0, 1, 2
+    return Ministral3ForCausalLM(config)
 
 
 MOE = dict(num_experts_per_tok=2, head_dim=16)
@@ -299,6 +313,7 @@ ACCEPTED = {
     "olmo3 (outputs normed, windows)": _olmo3,
     "olmoe (whole-projection q/k norms, experts)": _olmoe,
     "ministral (windows)": _ministral,
+    "ministral3 (yarn, queries scaled past 64 positions)": _ministral3,
     "seed_oss (q/k/v biases)": _seed_oss,
     "qwen3_5 (gated delta rule, gated attention)": _qwen3_5,
     "qwen3_5_moe (gated delta rule, experts)": _qwen3_5_moe,
@@ -389,14 +404,22 @@ def test_a_rope_table_holds_each_positions_own_values(build):
     assert torch.equal(torch.cat(decoder._rope_at(positions, ONE_ROPE), dim=1), torch.cat([cos, signed_sin], dim=1))
 
 
-def test_a_longrope_call_past_the_pretraining_length_goes_to_generate(tiny_model_dir, caplog):
+@pytest.mark.parametrize(
+    "build, limit",
+    [
+        (lambda: _phi3_longrope(pretraining_length=12), "the pretraining length of the model's longrope (12)"),
+        (lambda: _ministral3(original_length=12), "12 positions, past which the model scales its queries by position"),
+    ],
+    ids=["longrope", "ministral3's query scaling"],
+)
+def test_a_call_past_the_steps_position_limit_goes_to_generate(tiny_model_dir, caplog, build, limit):
     """transformers rotates a longrope model's (Phi-3.5, Phi-4-mini) sequences with its short factors below the
     pretraining length, and on the step where generate's sequences pass it, drops the cache and encodes them again
-    with the long ones. The captured loop serves the calls that stay below it; a call whose prompt + new tokens could
-    pass it goes to transformers generate, said once, and samples what generate does; without a fallback, an error
-    says why."""
+    with the long ones; Ministral 3 scales its queries by position past its original length. The captured loop serves
+    the calls that stay below it; a call whose prompt + new tokens could pass it goes to transformers generate, said
+    once, and samples what generate does; without a fallback, an error says why."""
     torch.manual_seed(2)
-    model = _sharpened(_phi3_longrope(pretraining_length=12).eval().to(DEVICE), 2.0)
+    model = _sharpened(build().eval().to(DEVICE), 2.0)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
     fallback = TransformersGenerator(model, tokenizer, [EOS], PAD)
     sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, fallback=fallback)
@@ -413,9 +436,23 @@ def test_a_longrope_call_past_the_pretraining_length_goes_to_generate(tiny_model
         got = [sampler.generate(prompts, 1, greedy) for _ in range(2)]
     assert got == answers and sampler.last_decode == (0, 0.0)  # generate's samples, no step of the loop
     assert max(len(c.token_ids) for c in got[0]) > 7  # past position 12
-    assert caplog.text.count("pass the pretraining length of the model's longrope (12)") == 1
-    with pytest.raises(ValueError, match=r"prompt \+ new tokens can pass .* longrope \(12\).* no fallback"):
+    assert caplog.text.count(f"prompt + new tokens can pass {limit}") == 1
+    with pytest.raises(ValueError, match=rf"prompt \+ new tokens can pass {re.escape(limit)}.* no fallback"):
         CapturedGenerator(model, tokenizer, [EOS], PAD).generate(prompts, 1, SamplingParams(max_new_tokens=16))
+
+
+def test_the_engine_decodes_past_ministral3s_position_limit_through_the_forward(tiny_model_dir):
+    """The CPU engine's fused step serves calls within the limit only; past it, its steps run the model's forward,
+    which scales the queries: each sampled token's logprob is a separate forward's."""
+    torch.manual_seed(2)
+    model = _ministral3(original_length=12).eval().to(DEVICE)
+    engine = FastGenerator(model, PreTrainedTokenizerFast.from_pretrained(tiny_model_dir), [EOS], PAD)
+    prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
+    samples = engine.generate(prompts, 2, SamplingParams(max_new_tokens=16, temperature=1.0))
+    assert max(len(s.token_ids) for s in samples) > 7  # past position 12
+    for sample in samples:
+        expected = forward_logprobs(model, prompts[sample.prompt_index], sample.token_ids, temperature=1.0)
+        torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected, atol=1e-4, rtol=1e-4)
 
 
 LORA = {

@@ -49,7 +49,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
 from grouprl.core.types import Completion, SamplingParams
-from grouprl.generation.fused_decode import fused_decoder, fuses, weight_major_decode
+from grouprl.generation.fused_decode import fused_decoder, fuses_up_to, weight_major_decode
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.kv_buffers import preallocate
 from grouprl.generation.protocol import left_pad
@@ -169,7 +169,8 @@ class FastGenerator:
         ids, mask = left_pad(prompt_ids, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         standard = self.share_prefix and matches_standard_attention(self.model)
-        fused = standard and self.fuse_decode and fuses(self.model)
+        longest = max(map(len, prompt_ids)) + params.max_new_tokens
+        fused = standard and self.fuse_decode and fuses_up_to(self.model, longest)
         # the fused step reads the shared-prefix cache, and with it the shared cache pays off at any prompt length
         shared = standard and (fused or mask.sum(dim=1).float().mean() >= SHARED_PREFIX_MIN_TOKENS)
         if not self.share_prefix:

@@ -487,7 +487,7 @@ class FusedDecoder:
         """Steps gather RoPE's values for positions below `positions` from a table made once (one kernel a step
         instead of about ten), computed by the model's own rotary embedding. For a loop whose positions stay below
         it, with a RoPE whose values depend on their own position only (static_decode.STATIC_ROPE_TYPES; longrope's
-        short factors too, which hold below its pretraining length: `longrope_limit`)."""
+        short factors too, which hold below its pretraining length: `position_limit`)."""
         every = torch.arange(positions, device=self.embedding.device)
         for kind in self.rope_kinds:
             self.rope_tables[kind] = torch.cat(self._rope(every, kind), dim=1)  # (positions, 2, D)
@@ -700,20 +700,27 @@ def _repeats_halves(cos: torch.Tensor) -> bool:
     return cos.shape[-1] % 2 == 0 and torch.equal(cos[..., :half], cos[..., half:])
 
 
-def longrope_limit(model: torch.nn.Module) -> int | None:
-    """The longest sequence a longrope model (Phi-3.5, Phi-4-mini) rotates with its short factors, its pretraining
-    length (None for other RoPE types). transformers takes the long ones for every position of a forward whose
-    largest position passes it, and on the step where generate's sequences pass it, drops the cache and encodes
-    them again: a static loop cannot follow that (static_decode serves only calls that stay below it)."""
+def position_limit(model: torch.nn.Module) -> tuple[int, str] | None:
+    """The longest sequence whose decode steps FusedDecoder computes as the model's forward does, and what changes
+    past it (None: no limit):
+    - a longrope model (Phi-3.5, Phi-4-mini) rotates with its short factors up to its pretraining length; transformers
+      takes the long ones for every position of a forward whose largest position passes it, and on the step where
+      generate's sequences pass it, drops the cache and encodes them again;
+    - Ministral 3 scales its queries by 1 + beta log(1 + floor(position / original length)) (`llama_4_scaling_beta`),
+      exactly 1 below that length.
+    Neither can be followed by a cache kept from step to step: the samplers serve only calls that stay within it."""
     inner, config = text_decoder(model)
     rotary = getattr(inner, "rotary_emb", None)
     kinds = getattr(rotary, "rope_type", None)
-    if "longrope" not in (kinds.values() if isinstance(kinds, dict) else [kinds]):
-        return None
-    return int(
-        getattr(config, "original_max_position_embeddings", None)
-        or rotary.config.rope_parameters["original_max_position_embeddings"]
+    parameters = getattr(getattr(rotary, "config", config), "rope_parameters", None) or {}
+    original = getattr(config, "original_max_position_embeddings", None) or parameters.get(
+        "original_max_position_embeddings"
     )
+    if "longrope" in (kinds.values() if isinstance(kinds, dict) else [kinds]):
+        return int(original), f"the pretraining length of the model's longrope ({int(original)})"
+    if parameters.get("llama_4_scaling_beta"):
+        return int(original), f"{int(original)} positions, past which the model scales its queries by position"
+    return None
 
 
 def text_decoder(model: torch.nn.Module) -> tuple[torch.nn.Module | None, Any]:
@@ -744,6 +751,12 @@ def fuses(model: torch.nn.Module) -> bool:
         else:
             logger.info(f"grouprl: fused decode steps are off for {name}: {reason}. Decode steps run its forward.")
     return _VERDICTS[target] is None
+
+
+def fuses_up_to(model: torch.nn.Module, longest: int) -> bool:
+    """`fuses`, for a call whose sequences reach `longest` tokens: within the model's `position_limit`."""
+    limit = position_limit(_base(model))
+    return (limit is None or longest <= limit[0]) and fuses(model)
 
 
 def fused_decoder(model: torch.nn.Module) -> FusedDecoder:

@@ -60,7 +60,7 @@ from grouprl.generation.fused_decode import (
     _base,
     fuses,
     layer_kinds,
-    longrope_limit,
+    position_limit,
     structure_reason,
     text_decoder,
 )
@@ -78,6 +78,7 @@ CHECK_EVERY = 16  # decode steps between the host's reads of "has every row fini
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
 KNOWN_FAMILIES = (
     *("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "smollm3", "gemma3_text", "phi3"),
+    "ministral3",  # Ministral 3: within position_limit (its queries scaled by position past it)
     *("olmo2", "olmo3"),
     *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe"),  # their experts run the model's own block (_routed)
     "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
@@ -277,8 +278,9 @@ class CapturedGenerator:
 
     A vision-language model's text-only prompts run through its language model here, its placeholder tokens
     (`suppress_token_ids`) never sampled, as transformers generate is told. A call the loop cannot serve goes to
-    `fallback` (transformers generate; `served_reason`): one with images, or one whose sequences would pass a
-    longrope model's pretraining length.
+    `fallback` (transformers generate; `served_reason`): one with images, or one whose sequences would pass the
+    length up to which its step computes as the forward (fused_decode.position_limit: a longrope model's pretraining
+    length, Ministral 3's query scaling).
     """
 
     needs_importance_correction = False  # samples come from the trained weights themselves
@@ -320,13 +322,10 @@ class CapturedGenerator:
         """None if the loop serves this call, else why it goes to `fallback`."""
         if multimodal is not None and any(m is not None for m in multimodal):
             return "prompts with images are sampled by transformers generate"
-        limit = longrope_limit(_base(self.model))
+        limit = position_limit(_base(self.model))
         longest = max(map(len, prompt_ids), default=0) + params.max_new_tokens
-        if limit is not None and longest > limit:
-            return (
-                f"prompt + new tokens can pass the pretraining length of the model's longrope ({limit}), where "
-                "transformers switches to its long factors and encodes the sequences again"
-            )
+        if limit is not None and longest > limit[0]:
+            return f"prompt + new tokens can pass {limit[1]}, which the loop's cache cannot follow"
         return None
 
     @torch.no_grad()
@@ -387,8 +386,8 @@ class CapturedGenerator:
         ).logits[:, -1]
         decoder = FusedDecoder(base, pack=not self.compile_step)  # the weights as they are now; in place where no cast
         cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype, decoder.windows)
-        # every position a row reaches is below the longest prompt + new tokens (a longrope model's below its
-        # pretraining length: served_reason), and below the cache's columns
+        # every position a row reaches is below the longest prompt + new tokens (within position_limit:
+        # served_reason), and below the cache's columns
         decoder.tabulate_rope(min(cache.valid.shape[1], max(map(len, prompt_ids)) + params.max_new_tokens))
         del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
