@@ -30,6 +30,8 @@ from transformers import (
     Ministral3ForCausalLM,
     MinistralConfig,
     MinistralForCausalLM,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
@@ -44,6 +46,7 @@ from transformers import (
     OlmoHybridForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
+    PixtralVisionConfig,
     PreTrainedTokenizerFast,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
@@ -573,6 +576,25 @@ def test_a_vision_language_model_whose_language_model_is_not_known_is_named():
     assert captured_supports(model, {}, None) == (
         "its language model's family ('qwen2_vl_text') is not one the decode step is known to match"
     )
+
+
+def test_the_captured_loop_serves_ministral3s_vision_language_model_for_text_prompts(tiny_model_dir):
+    """Ministral 3's checkpoints are Mistral3ForConditionalGeneration (a Pixtral tower): its text-only calls run
+    through its language model in the captured loop, greedy as generate, its image placeholder never sampled."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    config = Mistral3Config(
+        text_config=_ministral3().config.to_dict(),
+        vision_config=PixtralVisionConfig(**vision, image_size=16, patch_size=4).to_dict(),
+        image_token_index=95,
+    )
+    torch.manual_seed(0)
+    model = _sharpened(Mistral3ForConditionalGeneration(config).eval().to(DEVICE), 4.0)
+    assert captured_supports(model, {}, None) is None
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, suppress_token_ids=[95])
+    for prompt in ([5, 9, 13, 4, 7, 30], [40, 41]):  # one at a time: the model's own positions, no padding
+        got, want = _greedy_and_generates(sampler, [prompt], 12, suppress_tokens=[95])
+        assert got == want
 
 
 def test_the_captured_loop_serves_qwen3_5s_vision_language_model_for_text_prompts():
