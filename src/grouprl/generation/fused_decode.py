@@ -365,18 +365,16 @@ class FusedDecoder:
         *qkv, o = (_linear_weight(getattr(attn, n)) for n in attention)
         gated = delta is None and len(qkv) == 3 and qkv[0][0].shape[0] == 2 * self.heads * self.head_dim
         if gated:  # each head's q, then its gate: the gate's rows go after v, so q, k and v stay as in the others
-            weight, bias = qkv[0]
-            halves = weight.view(self.heads, 2, self.head_dim, -1).unbind(1)
-            bias_halves = (None, None) if bias is None else bias.view(self.heads, 2, self.head_dim).unbind(1)
-            q_gate = [(w.reshape(self.heads * self.head_dim, -1), b) for w, b in zip(halves, bias_halves)]
-            q_gate = [(w, None if b is None else b.reshape(-1)) for w, b in q_gate]
-            qkv = [q_gate[0], *qkv[1:], q_gate[1]]
+            q, gate = (self._head_halves(qkv[0], half) for half in (0, 1))
+            qkv = [q, *qkv[1:], gate]
         *gate_up, down = [None] if routed else (_linear_weight(getattr(mlp, n)) for n in feedforward)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         # Gemma's post_attention_layernorm norms the attention's output; its pre_feedforward_layernorm is the
         # MLP-input norm that Llama calls post_attention_layernorm. OLMo 2 / 3 norm the outputs only.
         gemma, outputs_only = hasattr(layer, "pre_feedforward_layernorm"), _norms_outputs_only(layer)
         input_norm = None if outputs_only else layer.input_layernorm
+        # Mistral's attention reads its window from the config, for every layer (it names no layer types)
+        window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None) if kind != FULL else None)
         mlp_input_norm = (
             None if outputs_only else (layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm)
         )
@@ -390,10 +388,7 @@ class FusedDecoder:
             k_norm=None if k_norm is None else self._norm_weight(k_norm),
             head_eps=None if q_norm is None else _norm_eps(q_norm),
             rope=None if delta is not None or not getattr(attn, "use_rope", True) else self._rope_key(kind),
-            # Mistral's attention reads its window from the config, for every layer (it names no layer types)
-            window=None
-            if delta is not None
-            else getattr(attn, "sliding_window", getattr(config, "sliding_window", None) if kind != FULL else None),
+            window=None if delta is not None else window,
             sinks=None if getattr(attn, "sinks", None) is None else attn.sinks.detach(),
             o=self._product([o]),
             attention_out_norm=self._norm_pair(layer.post_attention_layernorm) if gemma or outputs_only else None,
@@ -404,6 +399,12 @@ class FusedDecoder:
             experts=self._experts(mlp) if routed else None,
             mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma or outputs_only else None,
         )
+
+    def _head_halves(self, pair: tuple[torch.Tensor, torch.Tensor | None], half: int) -> tuple[torch.Tensor, Any]:
+        """The rows (and bias) of each head's first or second half of a projection whose heads hold two (q, gate)."""
+        weight, bias = pair
+        rows = weight.view(self.heads, 2, self.head_dim, -1)[:, half].reshape(self.heads * self.head_dim, -1)
+        return rows, None if bias is None else bias.view(self.heads, 2, self.head_dim)[:, half].reshape(-1)
 
     def _rope_key(self, kind: str) -> str:
         return kind if self.rope_by_layer_type else ONE_ROPE
@@ -707,8 +708,8 @@ def position_limit(model: torch.nn.Module) -> tuple[int, str] | None:
       takes the long ones for every position of a forward whose largest position passes it, and on the step where
       generate's sequences pass it, drops the cache and encodes them again;
     - Ministral 3 scales its queries by 1 + beta log(1 + floor(position / original length)) (`llama_4_scaling_beta`),
-      exactly 1 below that length.
-    Neither can be followed by a cache kept from step to step: the samplers serve only calls that stay within it."""
+      exactly 1 below that length, where the step need not.
+    The samplers fuse steps only for calls that stay within it."""
     inner, config = text_decoder(model)
     rotary = getattr(inner, "rotary_emb", None)
     kinds = getattr(rotary, "rope_type", None)
