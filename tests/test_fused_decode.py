@@ -24,6 +24,8 @@ from transformers import (
     GPT2LMHeadModel,
     GptOssConfig,
     GptOssForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Ministral3Config,
@@ -158,6 +160,13 @@ def _phi3_longrope(pretraining_length=64):
         eos_token_id=2,
     )
     return Phi3ForCausalLM(config)
+
+
+def _granite():
+    """Granite: its embeddings, each layer's outputs (before the residual adds) and its logits scaled by multipliers of
+    its own, its scores by an attention multiplier instead of head_dim^-0.5."""
+    multipliers = dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.05, logits_scaling=4.0)
+    return GraniteForCausalLM(GraniteConfig(**SIZES, **multipliers, pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
 def _ministral3(original_length=64):
@@ -317,6 +326,7 @@ ACCEPTED = {
     "olmoe (whole-projection q/k norms, experts)": _olmoe,
     "ministral (windows)": _ministral,
     "ministral3 (yarn, queries scaled past 64 positions)": _ministral3,
+    "granite (multipliers)": _granite,
     "seed_oss (q/k/v biases)": _seed_oss,
     "qwen3_5 (gated delta rule, gated attention)": _qwen3_5,
     "qwen3_5_moe (gated delta rule, experts)": _qwen3_5_moe,

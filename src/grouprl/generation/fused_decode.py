@@ -332,6 +332,11 @@ class FusedDecoder:
         # Gemma scales the embeddings by sqrt(hidden), rounded to the weights' dtype (as its embedding does)
         scale = getattr(embedding, "embed_scale", None)
         self.embed_scale = None if scale is None else scale.to(embedding.weight.dtype)
+        # Granite's multipliers (Python floats, as its forward applies them): of the embeddings, of each layer's
+        # attention and MLP outputs before their residual adds, and a divisor of the logits
+        self.embedding_multiplier = getattr(inner, "embedding_multiplier", None)
+        self.residual_multiplier = getattr(inner.layers[0], "residual_multiplier", None)
+        self.logits_scaling = getattr(config, "logits_scaling", None)
         self.rotary, self.rope_tables = inner.rotary_emb, {}
         self.rope_by_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         # Qwen3.5's multimodal RoPE takes a position for each of its three axes; a text token has the same on each
@@ -502,6 +507,8 @@ class FusedDecoder:
 
     def _residual(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """hidden + out in the residual stream's dtype; the add promotes a bf16 `out` itself (no cast kernel)."""
+        if self.residual_multiplier is not None:
+            out = out * self.residual_multiplier
         return hidden + (out if self.adds_promoted else out.to(self.residual_dtype))
 
     @torch.no_grad()
@@ -524,12 +531,15 @@ class FusedDecoder:
         hidden = F.embedding(tokens, self.embedding)  # (R, H), the residual stream
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        if self.embedding_multiplier is not None:
+            hidden = hidden * self.embedding_multiplier
         ropes = {None: (None, None), **{kind: self._rope_at(positions, kind) for kind in self.rope_kinds}}
         mlp_out = None
         for index, layer in enumerate(self.layers):
             hidden, mlp_out = self.layer_step(self, hidden, mlp_out, layer, cache.layer(index), *ropes[layer.rope])
         hidden = self._norm(self._residual(hidden, mlp_out), self.final_norm, self.final_eps)
-        return self._apply(hidden, self.head).float()
+        logits = self._apply(hidden, self.head)
+        return (logits if self.logits_scaling is None else logits / self.logits_scaling).float()
 
     def _layer(
         self,

@@ -79,6 +79,7 @@ WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the ke
 KNOWN_FAMILIES = (
     *("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "smollm3", "gemma3_text", "phi3"),
     "ministral3",  # Ministral 3: within position_limit (its queries scaled by position past it)
+    "granite",  # its multipliers (FusedDecoder.embedding_multiplier, residual_multiplier, logits_scaling)
     *("olmo2", "olmo3"),
     *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe"),  # their experts run the model's own block (_routed)
     "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
