@@ -552,6 +552,19 @@ def _gemma3_vision_language(image_token=95):
     return model
 
 
+def _samples_keep_to_the_forward_without(sampler, prompts, suppressed):
+    """Sampled, each token's logprob is a separate forward's with the `suppressed` token removed, which never comes."""
+    model = sampler.model
+    for sample in sampler.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0)):
+        prompt = prompts[sample.prompt_index]
+        assert suppressed not in sample.token_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + sample.token_ids], device=DEVICE)).logits[0].float()
+        logits = logits[len(prompt) - 1 : -1].index_fill(1, torch.tensor([suppressed], device=DEVICE), -float("inf"))
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids, device=DEVICE)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected.cpu(), atol=1e-4, rtol=1e-4)
+
+
 def test_the_captured_loop_serves_a_vision_language_models_text_prompts(tiny_model_dir):
     """Text-only prompts to a vision-language model run through its language model in the captured loop, its image
     placeholder never sampled (transformers generate is told to suppress it, as TRL does): greedy, the tokens are
@@ -569,14 +582,7 @@ def test_the_captured_loop_serves_a_vision_language_models_text_prompts(tiny_mod
     assert any(image_token in row for row in unsuppressed)  # greedy decoding would emit it
     got, want = _greedy_and_generates(sampler, prompts, 12, suppress_tokens=[image_token])
     assert got == want
-    for sample in sampler.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0)):
-        prompt = prompts[sample.prompt_index]
-        assert image_token not in sample.token_ids
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + sample.token_ids], device=DEVICE)).logits[0].float()
-        logits = logits[len(prompt) - 1 : -1].index_fill(1, torch.tensor([image_token], device=DEVICE), -float("inf"))
-        expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids, device=DEVICE)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected.cpu(), atol=1e-4, rtol=1e-4)
+    _samples_keep_to_the_forward_without(sampler, prompts, image_token)
 
 
 def test_a_vision_language_model_whose_language_model_is_not_known_is_named():
@@ -628,13 +634,7 @@ def test_the_captured_loop_serves_qwen3_5s_vision_language_model_for_text_prompt
             suppress_tokens=[image_token], eos_token_id=eos, pad_token_id=eos,
         )[0, len(prompt) :].tolist()  # fmt: skip
         assert got == (want[: want.index(eos) + 1] if eos in want else want)
-    for sample in sampler.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0)):
-        prompt = prompts[sample.prompt_index]
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + sample.token_ids], device=DEVICE)).logits[0].float()
-        logits = logits[len(prompt) - 1 : -1].index_fill(1, torch.tensor([image_token], device=DEVICE), -float("inf"))
-        expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids, device=DEVICE)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(sample.sampler_logprobs), expected.cpu(), atol=1e-4, rtol=1e-4)
+    _samples_keep_to_the_forward_without(sampler, prompts, image_token)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
