@@ -18,8 +18,12 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    Glm4Config,
+    Glm4ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GlmConfig,
+    GlmForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GptOssConfig,
@@ -167,6 +171,21 @@ def _granite():
     its own, its scores by an attention multiplier instead of head_dim^-0.5."""
     multipliers = dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.05, logits_scaling=4.0)
     return GraniteForCausalLM(GraniteConfig(**SIZES, **multipliers, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _glm4():
+    """GLM-4: RoPE on half of each head turning neighbouring pairs (not halves), the attention's and the MLP's outputs
+    normed besides their inputs, q/k/v biases, stacked gate/up."""
+    model = Glm4ForCausalLM(Glm4Config(**SIZES, head_dim=16, pad_token_id=0, eos_token_id=2))
+    with torch.no_grad():  # norms of weights of their own: a norm left out or misplaced changes the logits
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(mean=1.0, std=0.3)
+    return model
+
+
+def _glm():  # GLM-4's first layout (GLM-4-9B-chat): Llama's norms, GLM's pairwise RoPE
+    return GlmForCausalLM(GlmConfig(**SIZES, head_dim=16, pad_token_id=0, eos_token_id=2))
 
 
 def _ministral3(original_length=64):
@@ -327,6 +346,8 @@ ACCEPTED = {
     "ministral (windows)": _ministral,
     "ministral3 (yarn, queries scaled past 64 positions)": _ministral3,
     "granite (multipliers)": _granite,
+    "glm4 (pairwise partial RoPE, output norms)": _glm4,
+    "glm (pairwise partial RoPE)": _glm,
     "seed_oss (q/k/v biases)": _seed_oss,
     "qwen3_5 (gated delta rule, gated attention)": _qwen3_5,
     "qwen3_5_moe (gated delta rule, experts)": _qwen3_5_moe,

@@ -158,6 +158,13 @@ SCALED_EMBEDDINGS = ("Gemma3TextScaledWordEmbedding",)  # an nn.Embedding times 
 GEMMA_NORMS = ("GemmaRMSNorm", "Gemma3RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 LINEAR_ATTENTION = "linear_attention"  # a layer type whose mixer is a gated delta rule (Qwen3.5), not attention
 DELTA_NET_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Qwen3.5's projections
+# norms of a layer's attention or MLP output (Gemma, OLMo 2 / 3: post_attention_layernorm too; `_output_norms`)
+OUTPUT_NORM_NAMES = (
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "post_self_attn_layernorm",
+    "post_mlp_layernorm",
+)
 TANH_GELUS = ("GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh")  # gelu_pytorch_tanh's classes across versions
 
 
@@ -231,9 +238,7 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
         outputs_normed = _norms_outputs_only(layer)
         norms = [getattr(layer, "post_attention_layernorm", None)]
         norms += [] if outputs_normed else [getattr(layer, "input_layernorm", None)]
-        norms += [
-            getattr(layer, n) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if hasattr(layer, n)
-        ]
+        norms += [getattr(layer, n) for n in OUTPUT_NORM_NAMES if hasattr(layer, n)]
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         norms += [n for n in (q_norm, k_norm, getattr(linear, "norm", None)) if n is not None]
         if any(n is None or _norm_eps(n) is None for n in norms):
@@ -270,6 +275,17 @@ def _delta_net_reason(linear: torch.nn.Module) -> str | None:
     if getattr(linear.norm, "activation", "silu") not in ("silu", "swish"):
         return "its linear attention's gated norm is not SiLU-gated"
     return None
+
+
+def _output_norms(layer: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The norms of a layer's attention output and MLP output, before their residual adds (None, None: Llama's
+    layout): Gemma's and OLMo 2 / 3's (post_attention_layernorm, post_feedforward_layernorm), GLM-4's
+    (post_self_attn_layernorm, post_mlp_layernorm; its post_attention_layernorm norms the MLP's input, as Llama's)."""
+    if hasattr(layer, "post_mlp_layernorm"):
+        return layer.post_self_attn_layernorm, layer.post_mlp_layernorm
+    if hasattr(layer, "pre_feedforward_layernorm") or _norms_outputs_only(layer):
+        return layer.post_attention_layernorm, layer.post_feedforward_layernorm
+    return None, None
 
 
 def _norms_outputs_only(layer: torch.nn.Module) -> bool:
@@ -341,6 +357,7 @@ class FusedDecoder:
         self.rope_by_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         # Qwen3.5's multimodal RoPE takes a position for each of its three axes; a text token has the same on each
         self.rope_axes = 3 if hasattr(self.rotary, "mrope_section") else None
+        self.rope_interleaved = _rotates_interleaved_pairs(attention)
         self.embedding = embedding.weight.detach()
         self.layers = [self._gather(layer, config, kind) for layer, kind in zip(inner.layers, layer_kinds(config))]
         self.windows = [layer.window for layer in self.layers]  # what a StaticKVCache for these layers masks
@@ -383,6 +400,7 @@ class FusedDecoder:
         mlp_input_norm = (
             None if outputs_only else (layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm)
         )
+        attention_out_norm, mlp_out_norm = _output_norms(layer)
         return _Layer(
             input_norm=None if input_norm is None else self._norm_weight(input_norm),
             input_eps=None if input_norm is None else _norm_eps(input_norm),
@@ -396,13 +414,13 @@ class FusedDecoder:
             window=None if delta is not None else window,
             sinks=None if getattr(attn, "sinks", None) is None else attn.sinks.detach(),
             o=self._product([o]),
-            attention_out_norm=self._norm_pair(layer.post_attention_layernorm) if gemma or outputs_only else None,
+            attention_out_norm=None if attention_out_norm is None else self._norm_pair(attention_out_norm),
             post_norm=None if mlp_input_norm is None else self._norm_weight(mlp_input_norm),
             post_eps=None if mlp_input_norm is None else _norm_eps(mlp_input_norm),
             gate_up=[] if routed else self._product(gate_up),
             down=[] if routed else self._product([down]),
             experts=self._experts(mlp) if routed else None,
-            mlp_out_norm=self._norm_pair(layer.post_feedforward_layernorm) if gemma or outputs_only else None,
+            mlp_out_norm=None if mlp_out_norm is None else self._norm_pair(mlp_out_norm),
         )
 
     def _head_halves(self, pair: tuple[torch.Tensor, torch.Tensor | None], half: int) -> tuple[torch.Tensor, Any]:
@@ -486,6 +504,9 @@ class FusedDecoder:
         if self.rope_halves:
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         half = cos.shape[-1] // 2
+        if self.rope_interleaved:  # each frequency for a pair of neighbours: (x0, x1) -> (-x1 sin, x0 sin) added
+            cos, sin = cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half]
+            return cos.to(self.residual_dtype), torch.stack([-sin, sin], dim=-1).flatten(-2).to(self.residual_dtype)
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         return cos.to(self.residual_dtype), signed_sin.to(self.residual_dtype)
 
@@ -615,9 +636,13 @@ class FusedDecoder:
             if rot < dim and moved:  # the dimensions RoPE leaves alone
                 rotated[:, : heads + kv_heads, rot:] = qk[..., rot:]
             turned = qk[..., :rot]
+            if self.rope_interleaved:  # each pair's neighbours swapped
+                swapped = turned.unflatten(-1, (half, 2)).flip(-1).flatten(-2)
+            else:  # the halves swapped
+                swapped = torch.cat([turned[..., half:], turned[..., :half]], dim=-1)
             # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output; the
             # inputs are computed before the output overwrites q and k
-            rope_inputs = (turned * cos, torch.cat([turned[..., half:], turned[..., :half]], dim=-1), signed_sin)
+            rope_inputs = (turned * cos, swapped, signed_sin)
             if torch.compiler.is_compiling():  # dynamo refuses a strided `out=`; inductor fuses the copy anyway
                 rotated[:, : heads + kv_heads, :rot] = torch.addcmul(*rope_inputs)
             else:
@@ -703,6 +728,16 @@ def _unwrapped(experts: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn
         wrappers.append(experts)
         experts = experts.base_layer
     return experts, wrappers
+
+
+def _rotates_interleaved_pairs(attention: torch.nn.Module | None) -> bool:
+    """Whether the model's RoPE turns each pair of neighbouring dimensions (GLM, GLM-4: its module's `rotate_half`
+    takes x[0::2] and x[1::2]) rather than the two halves of the rotated dimensions, told by the module's own
+    function."""
+    rotate = getattr(inspect.getmodule(type(attention)), "rotate_half", None)
+    if rotate is None:
+        return False
+    return torch.equal(rotate(torch.arange(4.0)), torch.tensor([-1.0, 0.0, -3.0, 2.0]))
 
 
 def _repeats_halves(cos: torch.Tensor) -> bool:
