@@ -10,6 +10,8 @@ import torch
 from helpers import distinct_tokens, forward_logprobs, numbered_prompts, quiet_config
 from transformers import (
     AutoModelForCausalLM,
+    Ernie4_5Config,
+    Ernie4_5ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3Config,
@@ -188,6 +190,10 @@ def _glm():  # GLM-4's first layout (GLM-4-9B-chat): Llama's norms, GLM's pairwi
     return GlmForCausalLM(GlmConfig(**SIZES, head_dim=16, pad_token_id=0, eos_token_id=2))
 
 
+def _ernie4_5():  # ERNIE 4.5 (0.3B): Llama's layers with GLM's pairwise RoPE
+    return Ernie4_5ForCausalLM(Ernie4_5Config(**SIZES, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
 def _ministral3(original_length=64):
     """Ministral 3: YaRN RoPE, and queries scaled by 1 + beta log(1 + floor(position / original length)) (exactly 1
     below that length, `llama_4_scaling_beta`)."""
@@ -348,6 +354,7 @@ ACCEPTED = {
     "granite (multipliers)": _granite,
     "glm4 (pairwise partial RoPE, output norms)": _glm4,
     "glm (pairwise partial RoPE)": _glm,
+    "ernie4_5 (pairwise RoPE)": _ernie4_5,
     "seed_oss (q/k/v biases)": _seed_oss,
     "qwen3_5 (gated delta rule, gated attention)": _qwen3_5,
     "qwen3_5_moe (gated delta rule, experts)": _qwen3_5_moe,

@@ -395,8 +395,9 @@ class FusedDecoder:
         # MLP-input norm that Llama calls post_attention_layernorm. OLMo 2 / 3 norm the outputs only.
         gemma, outputs_only = hasattr(layer, "pre_feedforward_layernorm"), _norms_outputs_only(layer)
         input_norm = None if outputs_only else layer.input_layernorm
-        # Mistral's attention reads its window from the config, for every layer (it names no layer types)
-        window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None) if kind != FULL else None)
+        # Mistral's attention reads its window from the config, for every layer (it names no layer types); a full
+        # layer has none, whatever its attention keeps (EXAONE 4's keeps the config's window in every layer)
+        window = None if kind == FULL else getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
         mlp_input_norm = (
             None if outputs_only else (layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm)
         )

@@ -80,7 +80,7 @@ KNOWN_FAMILIES = (
     *("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "smollm3", "gemma3_text", "phi3"),
     "ministral3",  # Ministral 3: within position_limit (its queries scaled by position past it)
     "granite",  # its multipliers (FusedDecoder.embedding_multiplier, residual_multiplier, logits_scaling)
-    *("glm", "glm4"),  # RoPE on neighbouring pairs (FusedDecoder.rope_interleaved); GLM-4's output norms
+    *("glm", "glm4", "ernie4_5"),  # RoPE on neighbouring pairs (FusedDecoder.rope_interleaved); GLM-4's output norms
     *("olmo2", "olmo3"),
     *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe"),  # their experts run the model's own block (_routed)
     "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
