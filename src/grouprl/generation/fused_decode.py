@@ -38,7 +38,13 @@ these families is a parameter of the step:
 - a vision-language model's language model (Gemma 3 4B and up, LLaVA) runs its text-only prompts (`text_decoder`);
 - GPT-OSS's attention sinks join each head's softmax (over the static cache only), and its RoPE, given once for
   both halves, is repeated for the rotate_half layout (`rope_halves`);
-- OLMo 2 / 3 norm their attention's and MLP's outputs only, and q and k over the whole projection (OLMoE too).
+- OLMo 2 / 3 norm their attention's and MLP's outputs only, and q and k over the whole projection (OLMoE too);
+  GLM-4 norms both, inputs and outputs;
+- GLM, GLM-4 and ERNIE 4.5 turn neighbouring pairs of dimensions in RoPE, not halves (`rope_interleaved`);
+- Granite multiplies its embeddings and its layers' outputs and divides its logits by constants of its config;
+- Qwen3.5's linear-attention layers run a gated delta rule over the static cache's state buffers (delta_rule.py),
+  its attention multiplies its output by a gate from its q projection, and its norms are Gemma's (1 + w);
+- Ministral 3's and longrope's steps hold within `position_limit` only.
 Sliding windows (Gemma 3, Mistral) run over the static decode loop's cache only (static_kv_cache.py); shared-prefix
 decoding serves none.
 

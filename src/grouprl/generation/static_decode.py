@@ -28,10 +28,11 @@ elementwise passes around the products. One compiled layer serves all of a model
 bucket and row count is a static graph of its own, up to `MAX_COMPILED_SHAPES`). Products then take `F.linear` (no
 packed CPU weights).
 
-Models: those FusedDecoder runs (fused_decode.structure_reason: the Llama family, SmolLM3, Phi-3, Gemma 3, and
-Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / GPT-OSS, whose experts run without host syncs while captured:
-`capturable_experts`), sliding-window layers included (their keys outside the window masked in the cache), and a
-vision-language model's text-only prompts (its prompts with images go to `fallback`); fp32 weights also pass its
+Models: those FusedDecoder runs (fused_decode.structure_reason: the Llama family, SmolLM3, Phi-3, Gemma 3, GLM-4,
+Granite, Qwen3.5 and its linear attention, and Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / GPT-OSS, whose experts
+run without host syncs while captured: `capturable_experts`), sliding-window layers included (their keys outside
+the window masked in the cache), and a vision-language model's text-only prompts (its prompts with images go to
+`fallback`); fp32 weights also pass its
 probe against the model's forward, lower-precision ones must be of a family whose forward it is known to
 match (`KNOWN_FAMILIES`), since there a probe cannot tell rounding from a different computation. LoRA
 adapters are merged into the decode weights for the call (a copy of the adapted projections); a quantized
