@@ -12,6 +12,8 @@ from transformers import (
     AutoModelForCausalLM,
     Ernie4_5Config,
     Ernie4_5ForCausalLM,
+    Exaone4Config,
+    Exaone4ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3Config,
@@ -194,6 +196,20 @@ def _ernie4_5():  # ERNIE 4.5 (0.3B): Llama's layers with GLM's pairwise RoPE
     return Ernie4_5ForCausalLM(Ernie4_5Config(**SIZES, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
+def _exaone4():
+    """EXAONE 4: OLMo 2's output norms, per-head q/k norms, a sliding layer of window 4 beside a full one that skips
+    RoPE."""
+    layers = ["sliding_attention", "full_attention"]
+    model = Exaone4ForCausalLM(
+        Exaone4Config(**SIZES, sliding_window=4, layer_types=layers, pad_token_id=0, eos_token_id=2)
+    )
+    with torch.no_grad():  # norms of weights of their own: a norm left out or misplaced changes the logits
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(mean=1.0, std=0.3)
+    return model
+
+
 def _ministral3(original_length=64):
     """Ministral 3: YaRN RoPE, and queries scaled by 1 + beta log(1 + floor(position / original length)) (exactly 1
     below that length, `llama_4_scaling_beta`)."""
@@ -355,6 +371,7 @@ ACCEPTED = {
     "glm4 (pairwise partial RoPE, output norms)": _glm4,
     "glm (pairwise partial RoPE)": _glm,
     "ernie4_5 (pairwise RoPE)": _ernie4_5,
+    "exaone4 (outputs normed, a window, a NoPE full layer)": _exaone4,
     "seed_oss (q/k/v biases)": _seed_oss,
     "qwen3_5 (gated delta rule, gated attention)": _qwen3_5,
     "qwen3_5_moe (gated delta rule, experts)": _qwen3_5_moe,

@@ -417,7 +417,7 @@ class FusedDecoder:
             q_norm=None if q_norm is None else self._norm_weight(q_norm),
             k_norm=None if k_norm is None else self._norm_weight(k_norm),
             head_eps=None if q_norm is None else _norm_eps(q_norm),
-            rope=None if delta is not None or not getattr(attn, "use_rope", True) else self._rope_key(kind),
+            rope=None if delta is not None or _skips_rope(attn) else self._rope_key(kind),
             window=None if delta is not None else window,
             sinks=None if getattr(attn, "sinks", None) is None else attn.sinks.detach(),
             o=self._product([o]),
@@ -735,6 +735,14 @@ def _unwrapped(experts: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn
         wrappers.append(experts)
         experts = experts.base_layer
     return experts, wrappers
+
+
+def _skips_rope(attention: torch.nn.Module) -> bool:
+    """Whether a layer's attention leaves q and k unrotated: SmolLM3's NoPE layers (`use_rope`), EXAONE 4's full
+    layers in a model with sliding ones (its attention rotates where `sliding_window is None or is_sliding`)."""
+    if not getattr(attention, "use_rope", True):
+        return True
+    return getattr(attention, "is_sliding", True) is False and getattr(attention, "sliding_window", None) is not None
 
 
 def _rotates_interleaved_pairs(attention: torch.nn.Module | None) -> bool:

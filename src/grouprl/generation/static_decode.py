@@ -82,7 +82,7 @@ KNOWN_FAMILIES = (
     "ministral3",  # Ministral 3: within position_limit (its queries scaled by position past it)
     "granite",  # its multipliers (FusedDecoder.embedding_multiplier, residual_multiplier, logits_scaling)
     *("glm", "glm4", "ernie4_5"),  # RoPE on neighbouring pairs (FusedDecoder.rope_interleaved); GLM-4's output norms
-    *("olmo2", "olmo3"),
+    *("olmo2", "olmo3", "exaone4"),  # outputs normed; EXAONE 4's full layers without RoPE (fused_decode._skips_rope)
     *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe"),  # their experts run the model's own block (_routed)
     "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
     *("qwen3_5_text", "qwen3_5_moe_text"),  # gated delta rule beside gated attention (delta_rule.py)
