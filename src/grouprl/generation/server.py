@@ -68,7 +68,7 @@ def server_sampler(
     if chosen == "transformers":
         return transformers, f"transformers generate{why}"
     supports, sampler = IN_PROCESS_ENGINES[chosen]
-    reason = supports(model, {}, None)
+    reason = None if engine == "auto" else supports(model, {}, None)  # 'auto' picked one that serves it
     if reason is None:
         options = {"fallback": transformers} if chosen == "captured" else {}  # CapturedGenerator.served_reason
         return sampler(model, tokenizer, eos_token_ids, pad_token_id, **options), f"generation_engine {chosen!r}{why}"
