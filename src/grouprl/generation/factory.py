@@ -199,7 +199,7 @@ IN_PROCESS_ENGINES = {"engine": (engine_supports, FastGenerator), "captured": (c
 
 # What generation_engine='auto' tries on each device type, in order, the first that serves the model; each was
 # measured faster there than what follows it (on CPUs the engine: docs/benchmarks.md; the captured loop, eager there:
-# 1.5-1.9x transformers generate's tokens/s for a Qwen3 and a Qwen3.5 of 8 layers, docs/benchmarks-gpu.md; on an
+# 1.4-1.9x transformers generate's tokens/s for a Qwen3 and a Qwen3.5 of 8 layers, docs/benchmarks-gpu.md; on an
 # H200 the captured loop: 2.45 s a step against transformers generate's 9.16 for the Qwen2.5-0.5B shape, same page);
 # after them, or on any other device, transformers generate.
 AUTO_ENGINES = {"cpu": ("engine", "captured"), "cuda": ("captured",)}
