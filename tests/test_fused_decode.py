@@ -34,6 +34,8 @@ from transformers import (
     GptOssForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
+    HunYuanDenseV1Config,
+    HunYuanDenseV1ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Ministral3Config,
@@ -210,6 +212,23 @@ def _exaone4():
     return model
 
 
+def _hunyuan():
+    """HunYuan (dense): q and k normed per head after RoPE, not before; its NTK-alpha RoPE (a fixed base stretch,
+    a RoPE type of its own since transformers 5.2x; 5.17 labels it dynamic, which the captured loop refuses)."""
+    from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as hunyuan
+
+    alpha = hasattr(hunyuan.HunYuanDenseV1RotaryEmbedding, "compute_ntk_alpha_rope_parameters")
+    config = HunYuanDenseV1Config(**SIZES, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    rope = dict(rope_type="default", rope_theta=10_000.0)
+    config.rope_parameters = {**rope, "rope_type": "ntk_alpha", "alpha": 4.0} if alpha else rope
+    model = HunYuanDenseV1ForCausalLM(config)
+    with torch.no_grad():  # q/k norm weights of their own: norms before and after RoPE then differ
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.normal_(mean=1.0, std=0.3)
+    return model
+
+
 def _ministral3(original_length=64):
     """Ministral 3: YaRN RoPE, and queries scaled by 1 + beta log(1 + floor(position / original length)) (exactly 1
     below that length, `llama_4_scaling_beta`)."""
@@ -372,6 +391,7 @@ ACCEPTED = {
     "glm (pairwise partial RoPE)": _glm,
     "ernie4_5 (pairwise RoPE)": _ernie4_5,
     "exaone4 (outputs normed, a window, a NoPE full layer)": _exaone4,
+    "hunyuan (q/k normed after RoPE)": _hunyuan,
     "seed_oss (q/k/v biases)": _seed_oss,
     "qwen3_5 (gated delta rule, gated attention)": _qwen3_5,
     "qwen3_5_moe (gated delta rule, experts)": _qwen3_5_moe,

@@ -144,6 +144,7 @@ class _Layer(NamedTuple):
     q_norm: torch.Tensor | None  # Qwen3, Gemma 3: RMSNorm of each head's q and k before RoPE
     k_norm: torch.Tensor | None
     head_eps: float | None
+    norm_after_rope: bool  # HunYuan: q and k normed after RoPE
     rope: str | None  # the RoPE table its q and k take (Gemma 3: one a layer type); None: a NoPE layer (SmolLM3)
     window: int | None  # a sliding-window layer's window (the static cache's biases; shared prefixes serve none)
     sinks: torch.Tensor | None  # GPT-OSS: a logit per head that takes softmax mass and adds nothing (static cache)
@@ -245,7 +246,7 @@ def structure_reason(model: torch.nn.Module, check_dtype: bool = True) -> str | 
         norms = [getattr(layer, "post_attention_layernorm", None)]
         norms += [] if outputs_normed else [getattr(layer, "input_layernorm", None)]
         norms += [getattr(layer, n) for n in OUTPUT_NORM_NAMES if hasattr(layer, n)]
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        q_norm, k_norm = _head_norms(attn)
         norms += [n for n in (q_norm, k_norm, getattr(linear, "norm", None)) if n is not None]
         if any(n is None or _norm_eps(n) is None for n in norms):
             return "its layer norms are not RMSNorms with an eps"
@@ -269,6 +270,14 @@ def _projection_names(attn: torch.nn.Module | None, mlp: torch.nn.Module | None)
         ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
     )
     return attention, feedforward
+
+
+def _head_norms(attention: torch.nn.Module | None) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """A layer's q and k norms: Qwen3's (q_norm, k_norm, before RoPE), HunYuan's (query_layernorm, key_layernorm,
+    after it), or none."""
+    if hasattr(attention, "query_layernorm"):
+        return attention.query_layernorm, attention.key_layernorm
+    return getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
 
 
 def _delta_net_reason(linear: torch.nn.Module) -> str | None:
@@ -396,7 +405,7 @@ class FusedDecoder:
             q, gate = (self._head_halves(qkv[0], half) for half in (0, 1))
             qkv = [q, *qkv[1:], gate]
         *gate_up, down = [None] if routed else (_linear_weight(getattr(mlp, n)) for n in feedforward)
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        q_norm, k_norm = _head_norms(attn)
         # Gemma's post_attention_layernorm norms the attention's output; its pre_feedforward_layernorm is the
         # MLP-input norm that Llama calls post_attention_layernorm. OLMo 2 / 3 norm the outputs only.
         gemma, outputs_only = hasattr(layer, "pre_feedforward_layernorm"), _norms_outputs_only(layer)
@@ -417,6 +426,7 @@ class FusedDecoder:
             q_norm=None if q_norm is None else self._norm_weight(q_norm),
             k_norm=None if k_norm is None else self._norm_weight(k_norm),
             head_eps=None if q_norm is None else _norm_eps(q_norm),
+            norm_after_rope=hasattr(attn, "query_layernorm"),
             rope=None if delta is not None or _skips_rope(attn) else self._rope_key(kind),
             window=None if delta is not None else window,
             sinks=None if getattr(attn, "sinks", None) is None else attn.sinks.detach(),
@@ -605,7 +615,7 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """A layer's attention over its cache, from its normed input to its o product's output."""
         rows, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        rope_dtype, attention_dtype = self.residual_dtype, cache.kv_dtype
+        attention_dtype = cache.kv_dtype
         rot, q_width = self.rotary_dim, heads * dim
         half = rot // 2
         outs = self._outputs(x, layer.qkv)  # one stacked product, or q, k and v (and a gate) read in place
@@ -613,29 +623,14 @@ class FusedDecoder:
         # RoPE's output replaces q and k in place where the products' dtype is the cache's (the static loop's),
         # so the cache takes k and v in one write; else (the engine's fp32 cache under autocast) a buffer does
         rotated = qkv if qkv.dtype == attention_dtype else torch.empty_like(qkv, dtype=attention_dtype)
-        qk = qkv[:, : heads + kv_heads]  # `qk * cos` below computes in rope_dtype
+        qk = qkv[:, : heads + kv_heads]  # `qk * cos` below computes in the residual stream's dtype
         if rotated is not qkv:
             rotated[:, heads + kv_heads :] = qkv[:, heads + kv_heads :]
-        if layer.q_norm is not None and self.gemma_norms:  # normed in fp32, rounded to the products' dtype
-            qk = torch.cat(
-                [
-                    self._norm(qk[:, :heads], layer.q_norm, layer.head_eps),
-                    self._norm(qk[:, heads:], layer.k_norm, layer.head_eps),
-                ],
-                dim=1,
-            )
-        elif layer.q_norm is not None:
-            qk = qk.to(rope_dtype)
-            q, k = qk[:, :heads], qk[:, heads:]
-            if layer.q_norm.shape[0] == dim:  # each head's q and k (Qwen3)
-                q = F.rms_norm(q, (dim,), layer.q_norm.to(rope_dtype), layer.head_eps)
-                k = F.rms_norm(k, (dim,), layer.k_norm.to(rope_dtype), layer.head_eps)
-            else:  # the whole projection's, before it is split into heads (OLMo 2 / 3)
-                q = F.rms_norm(q.reshape(rows, -1), (q_width,), layer.q_norm.to(rope_dtype), layer.head_eps)
-                k = F.rms_norm(k.reshape(rows, -1), (kv_heads * dim,), layer.k_norm.to(rope_dtype), layer.head_eps)
-                q, k = q.view(rows, heads, dim), k.view(rows, kv_heads, dim)
-            qk = torch.cat([q, k], dim=1)
-        moved = rotated is not qkv or layer.q_norm is not None  # q and k no longer where RoPE writes its output
+        normed_after = layer.norm_after_rope and layer.rope is not None
+        if layer.q_norm is not None and not normed_after:
+            qk = self._qk_normed(qk, layer)
+        # q and k no longer where RoPE writes its output
+        moved = rotated is not qkv or (layer.q_norm is not None and not normed_after)
         if layer.rope is None:  # q and k as they are, into the attention's dtype
             if moved:
                 rotated[:, : heads + kv_heads] = qk
@@ -650,7 +645,12 @@ class FusedDecoder:
             # rounded once, into the attention's dtype, as the training forward's autocast rounds RoPE's output; the
             # inputs are computed before the output overwrites q and k
             rope_inputs = (turned * cos, swapped, signed_sin)
-            if torch.compiler.is_compiling():  # dynamo refuses a strided `out=`; inductor fuses the copy anyway
+            if normed_after:  # HunYuan: q and k normed per head after RoPE, in its dtype, then rounded
+                roped = torch.addcmul(*rope_inputs)
+                if rot < dim:
+                    roped = torch.cat([roped, qk[..., rot:].to(roped.dtype)], dim=-1)
+                rotated[:, : heads + kv_heads] = self._qk_normed(roped, layer)
+            elif torch.compiler.is_compiling():  # dynamo refuses a strided `out=`; inductor fuses the copy anyway
                 rotated[:, : heads + kv_heads, :rot] = torch.addcmul(*rope_inputs)
             else:
                 torch.addcmul(*rope_inputs, out=rotated[:, : heads + kv_heads, :rot])
@@ -664,6 +664,26 @@ class FusedDecoder:
         if layer.gated:  # times the gate, in the products' dtype, as the forward's sigmoid(gate)
             attended = attended * torch.sigmoid(qkv[:, heads + 2 * kv_heads :].reshape(rows, q_width))
         return self._apply(attended, layer.o)
+
+    def _qk_normed(self, qk: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """q and k (rows, heads + kv_heads, head_dim) through the layer's q and k norms: Gemma's in fp32, rounded to
+        `qk`'s dtype; the others in the residual stream's dtype, per head (Qwen3) or over the whole projection
+        (OLMo 2 / 3)."""
+        rows, heads, kv_heads, dim = qk.shape[0], self.heads, self.kv_heads, self.head_dim
+        if self.gemma_norms:
+            q = self._norm(qk[:, :heads], layer.q_norm, layer.head_eps)
+            return torch.cat([q, self._norm(qk[:, heads:], layer.k_norm, layer.head_eps)], dim=1)
+        rope_dtype = self.residual_dtype
+        qk = qk.to(rope_dtype)
+        q, k = qk[:, :heads], qk[:, heads:]
+        if layer.q_norm.shape[0] == dim:
+            q = F.rms_norm(q, (dim,), layer.q_norm.to(rope_dtype), layer.head_eps)
+            k = F.rms_norm(k, (dim,), layer.k_norm.to(rope_dtype), layer.head_eps)
+        else:
+            q = F.rms_norm(q.reshape(rows, -1), (heads * dim,), layer.q_norm.to(rope_dtype), layer.head_eps)
+            k = F.rms_norm(k.reshape(rows, -1), (kv_heads * dim,), layer.k_norm.to(rope_dtype), layer.head_eps)
+            q, k = q.view(rows, heads, dim), k.view(rows, kv_heads, dim)
+        return torch.cat([q, k], dim=1)
 
     def _delta_rule(self, x: torch.Tensor, layer: _Layer, cache: StaticStateLayer) -> torch.Tensor:
         """A linear-attention layer's gated delta rule at one token (delta_rule.py), its states in `cache`, from its

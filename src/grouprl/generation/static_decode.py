@@ -80,6 +80,7 @@ WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the ke
 KNOWN_FAMILIES = (
     *("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "smollm3", "gemma3_text", "phi3"),
     "ministral3",  # Ministral 3: within position_limit (its queries scaled by position past it)
+    "hunyuan_v1_dense",  # q and k normed after RoPE (FusedDecoder._qk_normed after the rotation)
     "granite",  # its multipliers (FusedDecoder.embedding_multiplier, residual_multiplier, logits_scaling)
     *("glm", "glm4", "ernie4_5"),  # RoPE on neighbouring pairs (FusedDecoder.rope_interleaved); GLM-4's output norms
     *("olmo2", "olmo3", "exaone4"),  # outputs normed; EXAONE 4's full layers without RoPE (fused_decode._skips_rope)
@@ -90,7 +91,7 @@ KNOWN_FAMILIES = (
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
 # RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own (longrope's below its
 # pretraining length, past which a call goes to the fallback: CapturedGenerator.served_reason)
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "ntk_alpha")  # ntk_alpha: HunYuan's fixed base
 
 
 def captured_supports(
