@@ -179,15 +179,21 @@ def _granite():
     return GraniteForCausalLM(GraniteConfig(**SIZES, **multipliers, pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
+def _own_norms(model, part="norm"):
+    """Norm weights of their own (around 1) for the parameters whose name holds `part`: a norm left out or misplaced
+    changes the logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if part in name:
+                param.normal_(mean=1.0, std=0.3)
+    return model
+
+
 def _glm4():
     """GLM-4: RoPE on half of each head turning neighbouring pairs (not halves), the attention's and the MLP's outputs
     normed besides their inputs, q/k/v biases, stacked gate/up."""
     model = Glm4ForCausalLM(Glm4Config(**SIZES, head_dim=16, pad_token_id=0, eos_token_id=2))
-    with torch.no_grad():  # norms of weights of their own: a norm left out or misplaced changes the logits
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(mean=1.0, std=0.3)
-    return model
+    return _own_norms(model)
 
 
 def _glm():  # GLM-4's first layout (GLM-4-9B-chat): Llama's norms, GLM's pairwise RoPE
@@ -205,11 +211,7 @@ def _exaone4():
     model = Exaone4ForCausalLM(
         Exaone4Config(**SIZES, sliding_window=4, layer_types=layers, pad_token_id=0, eos_token_id=2)
     )
-    with torch.no_grad():  # norms of weights of their own: a norm left out or misplaced changes the logits
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(mean=1.0, std=0.3)
-    return model
+    return _own_norms(model)
 
 
 def _hunyuan():
@@ -222,11 +224,7 @@ def _hunyuan():
     rope = dict(rope_type="default", rope_theta=10_000.0)
     config.rope_parameters = {**rope, "rope_type": "ntk_alpha", "alpha": 4.0} if alpha else rope
     model = HunYuanDenseV1ForCausalLM(config)
-    with torch.no_grad():  # q/k norm weights of their own: norms before and after RoPE then differ
-        for name, param in model.named_parameters():
-            if "layernorm" in name:
-                param.normal_(mean=1.0, std=0.3)
-    return model
+    return _own_norms(model, "layernorm")  # q/k norms of their own: before and after RoPE then differ
 
 
 def _ministral3(original_length=64):
@@ -324,11 +322,7 @@ def _olmo(config_class, model_class, **more):
     """OLMo 2 / 3: the attention's and the MLP's outputs normed, not their inputs; q and k normed over the whole
     projection, before it is split into heads."""
     model = model_class(config_class(**SIZES, head_dim=16, pad_token_id=0, eos_token_id=2, **more))
-    with torch.no_grad():  # norms of weights of their own: a norm left out or misplaced changes the logits
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(mean=1.0, std=0.3)
-    return model
+    return _own_norms(model)
 
 
 def _olmo2():

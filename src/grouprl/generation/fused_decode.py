@@ -411,8 +411,10 @@ class FusedDecoder:
         gemma, outputs_only = hasattr(layer, "pre_feedforward_layernorm"), _norms_outputs_only(layer)
         input_norm = None if outputs_only else layer.input_layernorm
         # Mistral's attention reads its window from the config, for every layer (it names no layer types); a full
-        # layer has none, whatever its attention keeps (EXAONE 4's keeps the config's window in every layer)
-        window = None if kind == FULL else getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
+        # layer has none, whatever its attention keeps (EXAONE 4's keeps the config's window in every layer), nor has
+        # a linear-attention one
+        windowless = kind in (FULL, LINEAR_ATTENTION)
+        window = None if windowless else getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
         mlp_input_norm = (
             None if outputs_only else (layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm)
         )
@@ -428,7 +430,7 @@ class FusedDecoder:
             head_eps=None if q_norm is None else _norm_eps(q_norm),
             norm_after_rope=hasattr(attn, "query_layernorm"),
             rope=None if delta is not None or _skips_rope(attn) else self._rope_key(kind),
-            window=None if delta is not None else window,
+            window=window,
             sinks=None if getattr(attn, "sinks", None) is None else attn.sinks.detach(),
             o=self._product([o]),
             attention_out_norm=None if attention_out_norm is None else self._norm_pair(attention_out_norm),

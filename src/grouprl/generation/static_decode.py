@@ -106,10 +106,10 @@ def captured_supports(
     reason = structure_reason(base, check_dtype=False)
     if reason:
         return reason
-    kinds = set(layer_kinds(text_decoder(base)[1])) - {FULL, "sliding_attention", LINEAR_ATTENTION}
+    decoder, config = text_decoder(base)
+    kinds = set(layer_kinds(config)) - {FULL, "sliding_attention", LINEAR_ATTENTION}
     if kinds:
         return f"its layers of type {sorted(kinds)} are neither attention nor Qwen3.5's linear attention"
-    decoder, config = text_decoder(base)
     rope = getattr(decoder.rotary_emb, "rope_type", "default")
     for kind in rope.values() if isinstance(rope, dict) else [rope]:  # Gemma 3: one a layer type
         if kind not in STATIC_ROPE_TYPES:
