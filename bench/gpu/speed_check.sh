@@ -1,24 +1,20 @@
 #!/usr/bin/env bash
-# One device call for the generation-speed work (docs/benchmarks-gpu.md), inside ~9 minutes on an H100/H200:
-#   1. the GPU tests of the captured loop, its compiled step included, and its families (Gemma 3 and sliding windows
-#      since 2026-11-29) against generate (check.sh, at most 120 s; 66 s on the H200 before the families);
+# One device call for the generation-speed work (docs/benchmarks-gpu.md), inside ~10 minutes on an H100/H200,
+# the most wanted first (each part has a time limit, so one that hangs leaves the rest their time):
+#   1. the 0.5B case through TRL 1.16, grouprl's captured loop and the captured loop with its step compiled:
+#      s/step, decode ms/step, kernels per decode step, peak memory (bench.sh, at most 200 s; 134 s on the H200);
 #   2. the decode step alone, as the trainer generates (fp32 weights under bf16 autocast), as it is, with its MLP in
 #      the row-major orientation it had before, and compiled: ms and kernels a step, peak memory
 #      (bench/bench_decode_step.py, at most 80 s): whether W @ x^T pays on CUDA (fused_decode.mlp_transposed_pays_off)
 #      and whether compile_decode_step should become the default;
 #   3. the decode step's draw alone, by each sampling method, replayed from a graph (bench/bench_sampling.py, at most
-#      20 s): the two-level inverse CDF (since the 2026-11-27 H200 run) against multinomial's exponential race;
-#      and the decode step's attention by each way (bench/bench_decode_attention.py, at most 30 s): which kernel the
-#      loop's attention should take (cuDNN's took 11.4 us a layer on an H200);
-#   4. the 0.5B case through TRL 1.16, grouprl's captured loop and the captured loop with its step compiled:
-#      s/step, decode ms/step, kernels per decode step, peak memory (bench.sh, at most 200 s; 134 s on the H200);
-#   5. the training pass alone at the 0.5B shape, both cases, packed (one row of all packs, sdpa's kernel: the GPU's
-#      defaults since that run) / plain / naive, packed in rows of 8,192 tokens and packed by explicit products:
-#      operators, seconds, peak memory (bench/bench_train_ops.py, at most 90 s): whether packing pays on the GPU
-#      (prompt_packing.worth_packing), its rows' cap there (row_token_cap), which attention it should take there
-#      (packed_attention._explicit_products_pay_off);
+#      20 s): the two-level inverse CDF against multinomial's exponential race;
+#   4. the GPU tests of the captured loop, its compiled step and its families (check.sh, at most 120 s);
+#   5. the Qwen3.5 0.8B layout (linear attention) through TRL 1.16 and the captured loop (at most 90 s);
 #   6. one step of the captured 0.5B case under torch.profiler: kernels by GPU time, and what holds memory at its
 #      peak (profile_step.py --memory, at most 70 s).
+# The device tool returns at most 8 files from $OUT: the parts' extra files (junit.xml, the memory snapshot, the
+# benchmark's log, whose result lines this log holds) are removed or moved to /tmp.
 # Run from the repository's root there, with .whl carried (bench/gpu/fetch_wheels.sh made it here):
 #   bash bench/gpu/speed_check.sh          # logs and JSON under $OUT (or /tmp/grouprl-gpu)
 set -uo pipefail
@@ -26,14 +22,29 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/grouprl-gpu}"
 mkdir -p "$OUT"
 export OUT
-LIMIT=120 bash bench/gpu/check.sh tests/test_gpu.py tests/test_static_decode.py tests/test_fused_decode.py 2>&1 | tail -15
-# check.sh installed the carried wheels (grouprl imports datasets)
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "speed_check.sh: installing the carried wheels failed"; exit 1; }
+fi
 export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+part() { echo "== $1 ($(date +%T))"; }
+part "0.5B case"
+BUDGET=160 timeout 200 bash bench/gpu/bench.sh --cases 1 --only trl,captured,captured+compile || tail -25 "$OUT/bench.log"
+mv "$OUT/bench_generation.json" "$OUT/bench_case1.json" 2>/dev/null; rm -f "$OUT/bench.log"
+part "decode step"
 timeout 80 python3 bench/bench_decode_step.py 2>&1 | tee "$OUT/decode_step.jsonl" | grep '"way"'
+part "draw"
 timeout 20 python3 bench/bench_sampling.py 2>&1 | tee "$OUT/sampling.json" | grep '"method"'
-timeout 30 python3 bench/bench_decode_attention.py 2>&1 | tee "$OUT/decode_attention.json" | grep '"way"'
-BUDGET=160 timeout 200 bash bench/gpu/bench.sh --cases 1 --only trl,captured,captured+compile
-timeout 90 python3 bench/bench_train_ops.py --width real --device cuda --cases 1,2 --repeat 2 --row-tokens 8192 --explicit-products 2>&1 \
-    | tee "$OUT/train_ops.json" | grep -E '"(case|packed.*|plain|naive|model_forwards|median_seconds|peak_gpu_memory_gb)"'
+part "GPU tests"
+LIMIT=120 bash bench/gpu/check.sh tests/test_gpu.py tests/test_static_decode.py tests/test_fused_decode.py 2>&1 | tail -25
+rm -f "$OUT/junit.xml"
+part "Qwen3.5 case"
+BUDGET=60 timeout 90 bash bench/gpu/bench.sh --cases 6 --only trl,captured || tail -25 "$OUT/bench.log"
+mv "$OUT/bench_generation.json" "$OUT/bench_case6.json" 2>/dev/null; rm -f "$OUT/bench.log"
+part "profiled step"
 timeout 70 python3 bench/gpu/profile_step.py --case 1 --memory --rows 25 --out "$OUT/profile_step.txt" 2>&1 \
     | grep -v "^\s*$" | tail -45
+mv "$OUT"/*.memory.pickle.gz /tmp/ 2>/dev/null
+part "done"
+ls "$OUT"
