@@ -197,8 +197,8 @@ def test_auto_picks_the_engine_measured_fastest_on_the_device(
 
 def test_compile_decode_step_needs_the_captured_loop(tiny_model_dir, tmp_path, monkeypatch):
     """compile_decode_step compiles the captured loop's step: asked with another engine it is refused, by the config
-    when the engine is named and by the backend when 'auto' resolves to another; with the captured loop (here 'auto'
-    on a faked CUDA device) the loop is built to compile its step."""
+    when the engine is named and by the backend when 'auto' resolves to another; unset, nothing is refused; with the
+    captured loop (here 'auto' on a faked CUDA device) the loop gets the setting as it is."""
     from grouprl import GRPOConfig
     from grouprl.generation import factory
 
@@ -207,16 +207,16 @@ def test_compile_decode_step_needs_the_captured_loop(tiny_model_dir, tmp_path, m
     with pytest.raises(ValueError, match="compile_decode_step=True.*use_vllm=True"):
         GRPOConfig(output_dir=str(tmp_path), use_vllm=True, compile_decode_step=True)
 
-    def build():
+    def build(**fields):
         return GRPOTrainer(
-            model=tiny_model_dir,
-            reward_funcs=text_length,
-            args=config(tmp_path, compile_decode_step=True),
-            train_dataset=prompts(),
+            model=tiny_model_dir, reward_funcs=text_length, args=config(tmp_path, **fields), train_dataset=prompts()
         )
 
     with pytest.raises(ValueError, match="compile_decode_step=True.*samples with 'engine' on cpu"):
-        build()
+        build(compile_decode_step=True)
+    assert GRPOConfig(output_dir=str(tmp_path)).compile_decode_step is None
+    build()  # unset: the CPU's engine, nothing refused
     monkeypatch.setattr(factory, "model_device", lambda model: torch.device("cuda"))  # weights stay on the CPU
-    backend = build().generation_backend
-    assert type(backend.engine) is CapturedGenerator and backend.engine.compile_step
+    for asked in (True, None, False):  # None: the loop compiles on CUDA, and runs as written should that fail
+        backend = build(compile_decode_step=asked).generation_backend
+        assert type(backend.engine) is CapturedGenerator and backend.engine.compile_step is asked

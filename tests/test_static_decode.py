@@ -293,30 +293,60 @@ def test_either_mlp_orientation_keeps_to_the_training_forward(model_and_tokenize
         assert [c.token_ids for c in other] == [c.token_ids for c in completions]
 
 
-def test_a_step_that_cannot_compile_stops_with_the_way_out(model_and_tokenizer, monkeypatch):
-    """torch.compile's failure (no C++ compiler, an operator it lacks, ...) names the field that turns it off."""
+@pytest.mark.parametrize("asked", [True, None])
+def test_a_step_that_cannot_compile_stops_or_runs_as_written(model_and_tokenizer, monkeypatch, caplog, asked):
+    """torch.compile's failure (no C++ compiler, an operator it lacks, ...): asked for (compile_decode_step=True), it
+    stops the run naming the field that turns it off; by default (unset, where it compiles: CUDA, faked here) the loop
+    says so once and samples as written, the eager loop's very tokens, and tries no more compiles."""
+    import logging
+
     import torch._dynamo.exc
 
     from grouprl.generation import static_decode
 
+    attempts = []
+
     def failing(fn, **kwargs):
         def compiled(*args):
+            attempts.append(fn.__name__)
             raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
 
         return compiled
 
     monkeypatch.setattr(torch, "compile", failing)
+    monkeypatch.setattr(static_decode, "compiles_by_default", lambda device: True)
     static_decode.compiled_regions.cache_clear()
     model, tokenizer = model_and_tokenizer
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
     try:
-        with pytest.raises(
-            RuntimeError, match="compile_decode_step=True.*no C.. compiler found.*compile_decode_step=False"
-        ):
-            generator(model, tokenizer, [], compile_step=True).generate(
-                prompts_of(tokenizer), 1, SamplingParams(max_new_tokens=4)
-            )
+        sampler = generator(model, tokenizer, [], compile_step=asked)
+        if asked:
+            with pytest.raises(
+                RuntimeError, match="compile_decode_step=True.*no C.. compiler found.*compile_decode_step=False"
+            ):
+                sampler.generate(prompts_of(tokenizer), 1, params)
+            return
+        with caplog.at_level(logging.WARNING, logger="grouprl"):
+            runs = []
+            for _ in range(2):
+                torch.manual_seed(0)
+                runs.append([c.token_ids for c in sampler.generate(prompts_of(tokenizer), 2, params)])
+        torch.manual_seed(0)
+        eager = [c.token_ids for c in generator(model, tokenizer, [], compile_step=False).generate(
+            prompts_of(tokenizer), 2, params
+        )]  # fmt: skip
+        assert runs == [eager, eager] and len(attempts) == 1 and sampler.compile_step is False
+        assert caplog.text.count("could not compile its decode step (TorchDynamoException: no C++ compiler") == 1
     finally:
         static_decode.compiled_regions.cache_clear()  # the next test compiles for real
+
+
+def test_the_step_compiles_by_default_on_cuda_only():
+    """compile_decode_step unset: compiled where it was measured faster (an H200), not on a CPU, where inductor's C++
+    build costs seconds a shape and needs a compiler."""
+    from grouprl.generation.static_decode import compiles_by_default
+
+    assert compiles_by_default(torch.device("cuda", 0)) and not compiles_by_default(torch.device("cpu"))
 
 
 def test_static_cache_attention_equals_repeated_heads():

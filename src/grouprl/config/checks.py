@@ -86,7 +86,7 @@ def _check_choices(config: GRPOFields) -> None:
         engine = "use_vllm=True" if config.use_vllm else f"generation_engine={config.generation_engine!r}"
         raise ValueError(
             f"GRPOConfig.compile_decode_step=True compiles the captured decode loop's step, which {engine} does not "
-            "run; set generation_engine='captured' (or 'auto' on CUDA), or leave compile_decode_step False."
+            "run; set generation_engine='captured' (or 'auto' on CUDA), or leave compile_decode_step unset."
         )
     check_choice("generation_server_weight_transfer", config.generation_server_weight_transfer, ("http", "broadcast"))
     if config.generation_server_retries < 0 or config.vllm_server_timeout <= 0:

@@ -6,7 +6,7 @@ use_vllm=True, vllm_mode="colocate"  vLLM inside each training process
 generation_engine="server"           a grouprl server, named the grouprl way
 generation_engine="engine"           the fast in-process engine (FastGenerator)
 generation_engine="captured"         the static decode loop, one CUDA graph replayed per step on CUDA,
-                                     its step compiled first with compile_decode_step=True
+                                     its step compiled first on CUDA (compile_decode_step unset or True)
                                      (static_decode.py, CapturedGenerator)
 generation_engine="auto"             where it applies and model.generate is transformers' own
                                      (engine.py): on a CPU the engine, else the captured loop
@@ -87,7 +87,7 @@ def lockstep_backend(
         raise ValueError(
             f"GRPOConfig.ds3_gather_for_generation=False samples from the sharded model with transformers generate, "
             f"every process in step; {chosen} needs the whole model in each process. Leave generation_engine 'auto' "
-            "(or 'transformers') and compile_decode_step False, or set ds3_gather_for_generation=True."
+            "(or 'transformers') and compile_decode_step unset, or set ds3_gather_for_generation=True."
         )
     return transformers_backend(model, tokenizer, eos_token_ids, args, synced_gpus=True)
 
@@ -127,7 +127,7 @@ def continuous_batching_backend(
     other = args.generation_engine != "auto" or args.compile_decode_step
     reason = (
         f"generation_engine={args.generation_engine!r} / compile_decode_step={args.compile_decode_step} ask for "
-        "another sampler; leave them at 'auto' / False"
+        "another sampler; leave them at 'auto' / unset"
         if other
         else continuous_batching_refusal(sampling_params(args))
     )
@@ -154,18 +154,18 @@ def in_process_backend(
         return continuous_batching_backend(model, tokenizer, eos_token_ids, args)
     requested, options = args.generation_engine, (args.generation_kwargs or {}, args.cache_implementation)
     transformers = transformers_backend(model, tokenizer, eos_token_ids, args)
-    compile_step = args.compile_decode_step
+    compile_step = args.compile_decode_step  # None: on CUDA, if it compiles (CapturedGenerator)
     engine, refusals = auto_choice(model, *options) if requested == "auto" else (requested, {})
     if compile_step and "captured" in refusals:
         raise ValueError(
             f"GRPOConfig.compile_decode_step=True needs the captured decode loop, which cannot sample here: "
-            f"{refusals['captured']}. Leave compile_decode_step False."
+            f"{refusals['captured']}. Leave compile_decode_step unset."
         )
     if compile_step and engine != "captured":
         raise ValueError(
             f"GRPOConfig.compile_decode_step=True compiles the captured decode loop, but generation_engine="
             f"{requested!r} samples with {engine!r} on {model_device(model).type}; set generation_engine='captured' "
-            "or leave compile_decode_step False."
+            "or leave compile_decode_step unset."
         )
     if refusals:
         logger.info(f"grouprl: generation_engine='auto' samples with {sampler_words(engine)}, {refused(refusals)}.")

@@ -20,13 +20,14 @@ On CUDA the first `WARMUP_STEPS` steps run eagerly (on a side stream, as capturi
 captured (`torch.cuda.CUDAGraph`) and replayed for the rest; the graph is recorded again each call, since
 the call's buffers are new. Elsewhere the same step runs eagerly, which is how the CPU tests check it.
 
-With `compile_step` (GRPOConfig.compile_decode_step) the step's layer and its sampling are `torch.compile`d
-(inductor, each one whole graph; `compiled_regions`) before the step is captured: a replayed graph still runs one
-kernel per operator, a few microseconds each, and the compiled regions fuse the norms, RoPE, casts and sampling's
-elementwise passes around the products. One compiled layer serves all of a model's layers. The first call compiles
-(once per process, sampling setting and shape: the graphs hold the sampling fields as constants, and each prompt
-bucket and row count is a static graph of its own, up to `MAX_COMPILED_SHAPES`). Products then take `F.linear` (no
-packed CPU weights).
+With `compile_step` (GRPOConfig.compile_decode_step; unset, on CUDA) the step's layer and its sampling are
+`torch.compile`d (inductor, each one whole graph; `compiled_regions`) before the step is captured: a replayed graph
+still runs one kernel per operator, a few microseconds each, and the compiled regions fuse the norms, RoPE, casts
+and sampling's elementwise passes around the products. One compiled layer serves all of a model's layers. The first
+call compiles (once per process, sampling setting and shape: the graphs hold the sampling fields as constants, and
+each prompt bucket and row count is a static graph of its own, up to `MAX_COMPILED_SHAPES`). Products then take
+`F.linear` (no packed CPU weights). Measured on an H200 (docs/benchmarks-gpu.md, 2026-11-30): the 0.5B case's decode
+step 1.67 ms against 2.29 eager, its GRPO step 0.86 s against 1.07, its first step 9 s longer (the compile).
 
 Models: those FusedDecoder runs (fused_decode.structure_reason: the Llama family, SmolLM3, Phi-3, Gemma 3, GLM-4,
 Granite, Qwen3.5 and its linear attention, and Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / GPT-OSS, whose experts
@@ -190,8 +191,25 @@ class DecodeLoop:
         cache.column.add_(1)
 
 
+def random_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def restore_random_states(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1]:
+        torch.cuda.set_rng_state_all(states[1])
+
+
 def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     return (tokens[:, None] == eos[None, :]).any(dim=1)
+
+
+def compiles_by_default(device: torch.device) -> bool:
+    """Where compile_decode_step, left unset, compiles the step: CUDA, where it was measured faster (module doc). A
+    CPU compiles only when asked: inductor's C++ build takes seconds a shape there and needs a compiler."""
+    return device.type == "cuda"
 
 
 @functools.cache
@@ -200,15 +218,14 @@ def compiled_regions() -> tuple[Callable[..., Any], Callable[..., None]]:
     every call of the process, so a shape compiles once. A layer is compiled once for all of a model's layers (a
     graph for the first, which has no previous MLP output to add, and one for the others), not unrolled in a graph
     of the whole step: on this project's 2-core CPU a graph of the whole step took 17.9 s to compile for 24 layers
-    (4.7 s for 2), the compiled layer 4.8 s for 24. A region torch.compile cannot compile stops the run with the
-    reason and the way out."""
+    (4.7 s for 2), the compiled layer 4.8 s for 24. A region torch.compile cannot compile raises `StepCompileError`."""
     # Static shapes: a dynamic recompile's guards failed to build on CUDA (torch 2.11, "list index out of range"
     # for a size symbol inductor's 32-bit indexing check introduced), and a replayed graph needs fixed shapes anyway.
     # a layer: the first (no previous MLP output to add), the others, a linear-attention layer besides (Qwen3.5)
-    return _stopping(FusedDecoder._layer, graphs_per_shape=3), _stopping(DecodeLoop.record, graphs_per_shape=1)
+    return _reporting(FusedDecoder._layer, graphs_per_shape=3), _reporting(DecodeLoop.record, graphs_per_shape=1)
 
 
-def _stopping(function: Callable[..., Any], graphs_per_shape: int) -> Callable[..., Any]:
+def _reporting(function: Callable[..., Any], graphs_per_shape: int) -> Callable[..., Any]:
     compiled = torch.compile(function, fullgraph=True, dynamic=False)
 
     def run(*args: Any) -> Any:
@@ -217,13 +234,21 @@ def _stopping(function: Callable[..., Any], graphs_per_shape: int) -> Callable[.
             with torch._dynamo.config.patch(recompile_limit=graphs_per_shape * MAX_COMPILED_SHAPES):
                 return compiled(*args)
         except torch._dynamo.exc.TorchDynamoException as err:
-            raise RuntimeError(
-                f"GRPOConfig.compile_decode_step=True: torch.compile could not compile the captured loop's decode "
-                f"step ({type(err).__name__}: {str(err).strip()[:500]}). Set compile_decode_step=False to run the "
-                "step as written."
-            ) from err
+            raise StepCompileError(f"{type(err).__name__}: {str(err).strip()[:500]}") from err
 
     return run
+
+
+class StepCompileError(RuntimeError):
+    """torch.compile could not compile the decode step; `reason` says why. Asked for (compile_decode_step=True) it stops
+    the run; by default (unset) the loop warns and runs the step as written from then on."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(
+            f"GRPOConfig.compile_decode_step=True: torch.compile could not compile the captured loop's decode step "
+            f"({reason}). Set compile_decode_step=False to run the step as written."
+        )
 
 
 @contextlib.contextmanager
@@ -285,6 +310,9 @@ class CapturedGenerator:
     `fallback` (transformers generate; `served_reason`): one with images, or one whose sequences would pass the
     length up to which its step computes as the forward (fused_decode.position_limit: a longrope model's pretraining
     length, Ministral 3's query scaling).
+
+    `compile_step`: True compiles the step (module doc) on any device and stops on a compile error; None (the
+    trainer's default) compiles on CUDA and, should the compile fail, warns once and runs the step as written.
     """
 
     needs_importance_correction = False  # samples come from the trained weights themselves
@@ -299,7 +327,7 @@ class CapturedGenerator:
         prompt_bucket: int = PROMPT_BUCKET,
         capture: Optional[bool] = None,
         sampling_method: str = "inverse_cdf",
-        compile_step: bool = False,
+        compile_step: Optional[bool] = False,
         suppress_token_ids: Sequence[int] = (),
         fallback: Optional[GenerationBackend] = None,
     ):
@@ -359,7 +387,19 @@ class CapturedGenerator:
         self.model.eval()
         try:
             with grouprl_patches(self.model):
-                tokens, logprobs = self._sample(prompt_ids, num_samples, params)
+                seeds = random_states() if self.compile_step is None else None
+                try:
+                    tokens, logprobs = self._sample(prompt_ids, num_samples, params)
+                except StepCompileError as err:
+                    if seeds is None:
+                        raise
+                    logger.warning(
+                        f"grouprl: the captured loop could not compile its decode step ({err.reason}); it runs the "
+                        "step as written from now on. Set compile_decode_step=False to skip the attempt."
+                    )
+                    self.compile_step = False
+                    restore_random_states(seeds)  # a seeded run samples as if it had never tried
+                    tokens, logprobs = self._sample(prompt_ids, num_samples, params)
         finally:
             self.model.train(was_training)
         eos = set(self.eos_token_ids)
@@ -388,7 +428,8 @@ class CapturedGenerator:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        decoder = FusedDecoder(base, pack=not self.compile_step)  # the weights as they are now; in place where no cast
+        compiled = compiles_by_default(device) if self.compile_step is None else self.compile_step
+        decoder = FusedDecoder(base, pack=not compiled)  # the weights as they are now; in place where no cast
         cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype, decoder.windows)
         # every position a row reaches is below the longest prompt + new tokens (within position_limit:
         # served_reason), and below the cache's columns
@@ -415,7 +456,7 @@ class CapturedGenerator:
             eos,
             self.pad_token_id,
             self.sampling_method,
-            compiled=self.compile_step,
+            compiled=compiled,
             suppressed=suppressed if self.suppress_token_ids else None,
         )
         capture = device.type == "cuda" if self.capture is None else self.capture
