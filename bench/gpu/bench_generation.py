@@ -90,7 +90,8 @@ class Case:
     runs: tuple[str, ...]  # "trl" and grouprl's engines
 
 
-# +compile: GRPOConfig.compile_decode_step; continuous_batching: use_transformers_continuous_batching (TRL's
+# captured: the step eager (compile_decode_step=False; left unset it compiles on CUDA), +compile: compiled
+# (compile_decode_step=True); continuous_batching: use_transformers_continuous_batching (TRL's
 # use_transformers_paged), transformers' generate_batch with its paged cache
 ENGINES = ("transformers", "engine", "captured", "captured+compile", "continuous_batching")
 
