@@ -6,10 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/grouprl-gpu}"
 mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "bench.sh: installing the carried wheels failed"; exit 1; }
-fi
-export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+source bench/gpu/carried_wheels.sh
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 timeout 480 python3 bench/gpu/bench_generation.py --budget "${BUDGET:-400}" --out "$OUT/bench_generation.json" "$@" \
     2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -40

@@ -23,11 +23,8 @@ OUT="${OUT:-/tmp/grouprl-gpu}"
 mkdir -p "$OUT"
 export OUT
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "speed_check.sh: installing the carried wheels failed"; exit 1; }
-fi
-export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+source bench/gpu/carried_wheels.sh
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 part() { echo "== $1 ($(date +%T))"; }
 part "0.5B case"
 BUDGET=160 timeout 200 bash bench/gpu/bench.sh --cases 1 --only trl,captured,captured+compile || tail -25 "$OUT/bench.log"
