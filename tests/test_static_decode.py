@@ -13,7 +13,9 @@ from helpers import distinct_tokens, forward_logprobs, numbered_prompts, quiet_c
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl.core.types import SamplingParams
-from grouprl.generation.static_decode import CapturedGenerator, captured_supports
+from grouprl.generation import decode_probe
+from grouprl.generation.model_step import ModelStep
+from grouprl.generation.static_decode import DECODE_STEPS, CapturedGenerator, captured_supports
 from grouprl.generation.static_kv_cache import StaticKVCache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,6 +36,12 @@ def generator(model, tokenizer, eos, **kwargs):
     return CapturedGenerator(model, tokenizer, eos, tokenizer.pad_token_id, capture=False, **kwargs)
 
 
+@pytest.fixture(params=DECODE_STEPS)
+def decode_step(request):
+    """The model's own forward (ModelStep) and the hand-written step (FusedDecoder), each."""
+    return request.param
+
+
 def transformers_generate(model, tokenizer, prompts, g, **sampling):
     width = max(map(len, prompts))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts], device=DEVICE)
@@ -45,12 +53,14 @@ def transformers_generate(model, tokenizer, prompts, g, **sampling):
 
 
 @pytest.mark.parametrize("bucket", [1, 64])
-def test_seeded_samples_equal_transformers_generate(model_and_tokenizer, bucket):
+def test_seeded_samples_equal_transformers_generate(model_and_tokenizer, bucket, decode_step):
     """No EOS, transformers' multinomial draw: the random stream is consumed as generate consumes it, so the same
     seed gives the same tokens, with temperature, top-k and top-p, and prompts padded to a bucket or not."""
     model, tokenizer = model_and_tokenizer
     prompts = prompts_of(tokenizer)
-    ours = generator(model, tokenizer, [], prompt_bucket=bucket, sampling_method="multinomial")
+    ours = generator(
+        model, tokenizer, decode_step=decode_step, eos=[], prompt_bucket=bucket, sampling_method="multinomial"
+    )
     sampling = {"temperature": 0.9, "top_k": 50, "top_p": 0.95}
     torch.manual_seed(0)
     got = ours.generate(prompts, 4, SamplingParams(max_new_tokens=10, **sampling))
@@ -63,25 +73,27 @@ def test_seeded_samples_equal_transformers_generate(model_and_tokenizer, bucket)
     assert ours.last_decode[0] == 9  # every step after the prefill's token ran
 
 
-def test_greedy_with_repetition_penalty_equals_transformers_generate(model_and_tokenizer):
+def test_greedy_with_repetition_penalty_equals_transformers_generate(model_and_tokenizer, decode_step):
     """The penalty reads the history buffer (prompt and decoded tokens by cache column); prompts of one length,
     since transformers also penalises the padding of shorter ones (sampling.py)."""
     model, tokenizer = model_and_tokenizer
     prompts = [tokenizer("12+7=")["input_ids"], tokenizer("13+8=")["input_ids"]]
     assert len(prompts[0]) == len(prompts[1])
-    got = generator(model, tokenizer, []).generate(
+    got = generator(model, tokenizer, decode_step=decode_step, eos=[]).generate(
         prompts, 1, SamplingParams(max_new_tokens=16, top_k=1, repetition_penalty=1.5)
     )
     want = transformers_generate(
         model, tokenizer, prompts, 1, do_sample=False, max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.5
     )
     assert [c.token_ids for c in got] == want
-    unpenalised = generator(model, tokenizer, []).generate(prompts, 1, SamplingParams(max_new_tokens=16, top_k=1))
+    unpenalised = generator(model, tokenizer, decode_step=decode_step, eos=[]).generate(
+        prompts, 1, SamplingParams(max_new_tokens=16, top_k=1)
+    )
     assert [c.token_ids for c in unpenalised] != want  # the penalty changed the tokens: the test can tell
 
 
 @pytest.mark.parametrize("rows_finish", [False, True])
-def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer, rows_finish):
+def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer, rows_finish, decode_step):
     """Each returned logprob is the sampled token's under the processed (temperature 0.7) distribution of a
     fresh forward over prompt + completion; with a quarter of the vocabulary as EOS rows finish at many steps,
     record nothing after their EOS and stop with finish_reason 'stop'."""
@@ -89,7 +101,7 @@ def test_sampler_logprobs_equal_a_separate_forward(model_and_tokenizer, rows_fin
     prompts = prompts_of(tokenizer)
     eos = list(range(0, 60)) if rows_finish else []
     torch.manual_seed(1)
-    completions = generator(model, tokenizer, eos, prompt_bucket=8).generate(
+    completions = generator(model, tokenizer, decode_step=decode_step, eos=eos, prompt_bucket=8).generate(
         prompts, 6, SamplingParams(max_new_tokens=12, temperature=0.7)
     )
     lengths = {len(c.token_ids) for c in completions}
@@ -145,7 +157,7 @@ def test_the_loop_stops_once_every_row_finished(model_and_tokenizer):
     assert steps < 199 and steps % 16 == 0  # stopped at a check, long before max_new_tokens
 
 
-def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer):
+def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer, decode_step):
     """compile_step=True (GRPOConfig.compile_decode_step): the step traced whole by torch.compile and run by
     inductor's kernels. Drawing its random numbers as eager code does (inductor's fallback_random), the same seed
     gives the eager loop's tokens with every sampling field and rows that finish; the logprobs agree; a second call
@@ -161,10 +173,12 @@ def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer):
     with patch.object(inductor, "fallback_random", True), patch.object(inductor, "fx_graph_cache", False):
         for compiled in (False, True):
             torch.manual_seed(0)
-            runs[compiled] = generator(model, tokenizer, eos, compile_step=compiled).generate(prompts, 3, params)
+            runs[compiled] = generator(
+                model, tokenizer, decode_step=decode_step, eos=eos, compile_step=compiled
+            ).generate(prompts, 3, params)
         graphs = counters["stats"]["unique_graphs"]
         torch.manual_seed(1)
-        generator(model, tokenizer, eos, compile_step=True).generate(prompts, 3, params)
+        generator(model, tokenizer, decode_step=decode_step, eos=eos, compile_step=True).generate(prompts, 3, params)
         assert counters["stats"]["unique_graphs"] == graphs
     assert [c.token_ids for c in runs[True]] == [c.token_ids for c in runs[False]]
     assert any(c.finish_reason == "stop" for c in runs[True]) and any(c.finish_reason == "length" for c in runs[True])
@@ -236,7 +250,7 @@ def test_the_compiled_step_writes_one_column_not_the_whole_cache(model_and_token
     assert f"{whole}L" not in code and f"xnumel = {whole}" not in code, f"a loop over all {whole} cache elements"
 
 
-def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(model_and_tokenizer):
+def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(model_and_tokenizer, decode_step):
     """fp32 weights under bf16 autocast, as the trainer generates with bf16=True. The eager loop rounds where the
     training forward's autocast rounds (the products' inputs, RoPE's output before attention, which runs in bf16, the
     KV cache included), so its logprobs are the training forward's (measured on this model: largest gap 5e-7, where
@@ -251,7 +265,9 @@ def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(mod
     with patch.object(inductor, "fx_graph_cache", False), torch.autocast(DEVICE, dtype=torch.bfloat16):
         for compiled in (False, True):
             torch.manual_seed(0)
-            completions = generator(model, tokenizer, [], compile_step=compiled).generate(prompts, 3, params)
+            completions = generator(model, tokenizer, decode_step=decode_step, eos=[], compile_step=compiled).generate(
+                prompts, 3, params
+            )
             forward = [forward_logprobs(model, prompts[c.prompt_index], c.token_ids, 0.8) for c in completions]
             gaps[compiled] = torch.cat([torch.tensor(c.sampler_logprobs) - f for c, f in zip(completions, forward)])
     gaps = {compiled: gap.abs() for compiled, gap in gaps.items()}
@@ -370,7 +386,7 @@ def test_static_cache_attention_equals_repeated_heads():
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_lora_policy_samples_with_its_adapter(model_and_tokenizer):
+def test_lora_policy_samples_with_its_adapter(model_and_tokenizer, decode_step):
     """A peft LoRA policy: the decode step reads base + adapter (merged for the call), as the model's forward."""
     peft = pytest.importorskip("peft")
     model, tokenizer = model_and_tokenizer
@@ -380,7 +396,9 @@ def test_lora_policy_samples_with_its_adapter(model_and_tokenizer):
     )
     assert captured_supports(policy, {}, None) is None
     prompts = prompts_of(tokenizer)
-    got = generator(policy, tokenizer, []).generate(prompts, 1, SamplingParams(max_new_tokens=8, top_k=1))
+    got = generator(policy, tokenizer, decode_step=decode_step, eos=[]).generate(
+        prompts, 1, SamplingParams(max_new_tokens=8, top_k=1)
+    )
     want = transformers_generate(policy, tokenizer, prompts, 1, do_sample=False, max_new_tokens=8, min_new_tokens=8)
     assert [c.token_ids for c in got] == want
     with policy.disable_adapter():
@@ -393,10 +411,19 @@ def test_declines_what_it_cannot_run(model_and_tokenizer):
     assert captured_supports(model, {}, None) is None
     assert "generation_kwargs" in captured_supports(model, {"num_beams": 2}, None)
     assert "cache_implementation" in captured_supports(model, {}, "static")
+
+
+def test_bf16_weights_are_admitted_by_their_fp32_twin_not_by_name(model_and_tokenizer, monkeypatch):
+    """A bf16 model's step is judged on an fp32 twin of its class and config: a step that computes differently there
+    (RoPE one position ahead) is refused, whatever the model type says."""
+    model, _ = model_and_tokenizer
     bf16 = AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=torch.bfloat16)
-    assert captured_supports(bf16, {}, None) is None  # a known family: lower-precision weights run
-    bf16.config.model_type = "gemma"  # Llama's module names, another computation: no probe can tell in bf16
-    assert "family" in captured_supports(bf16, {}, None)
+    monkeypatch.setattr(decode_probe, "_VERDICTS", {})
+    assert captured_supports(bf16, {}, None, decode_step="model") is None
+    forward = ModelStep._forward
+    monkeypatch.setattr(ModelStep, "_forward", lambda self, tokens, at, view: forward(self, tokens, at + 1, view))
+    monkeypatch.setattr(decode_probe, "_VERDICTS", {})
+    assert "differs from its forward" in captured_supports(bf16, {}, None, decode_step="model")
 
 
 def test_training_with_the_captured_engine_learns(tmp_path, tiny_model_dir):

@@ -551,6 +551,13 @@ class FusedDecoder:
             out = out * self.residual_multiplier
         return hidden + (out if self.adds_promoted else out.to(self.residual_dtype))
 
+    @contextlib.contextmanager
+    def active(self, cache: StaticKVCache, longest: int) -> Iterator[None]:
+        """The block a call's steps over `cache` run in (ModelStep's interface): RoPE tabulated for `longest`
+        positions, at most the cache's columns."""
+        self.tabulate_rope(min(cache.valid.shape[1], longest))
+        yield
+
     @torch.no_grad()
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: SharedPrefixCache | StaticKVCache
@@ -661,7 +668,7 @@ class FusedDecoder:
         if layer.sinks is None:
             attended = cache.attend(query, self.scaling)  # (R, 1, heads, D)
         else:
-            attended = cache.attend_with_sinks(query, self.scaling, layer.sinks)
+            attended = cache.attend_eager(query, self.scaling, sinks=layer.sinks)
         attended = attended.reshape(rows, q_width)
         if layer.gated:  # times the gate, in the products' dtype, as the forward's sigmoid(gate)
             attended = attended * torch.sigmoid(qkv[:, heads + 2 * kv_heads :].reshape(rows, q_width))

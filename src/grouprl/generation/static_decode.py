@@ -54,18 +54,19 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from grouprl.core.types import Completion, SamplingParams
+from grouprl.generation import decode_probe
 from grouprl.generation.engine import in_process_sampler_reason
 from grouprl.generation.fused_decode import (
     FULL,
     LINEAR_ATTENTION,
     FusedDecoder,
     _base,
-    fuses,
     layer_kinds,
     position_limit,
     structure_reason,
     text_decoder,
 )
+from grouprl.generation.model_step import ModelStep, model_step_reason
 from grouprl.generation.protocol import GenerationBackend, cut_at_eos, left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
 from grouprl.generation.static_kv_cache import StaticKVCache
@@ -78,17 +79,16 @@ logger = logging.get_logger("grouprl")
 PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
-KNOWN_FAMILIES = (
-    *("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "smollm3", "gemma3_text", "phi3"),
-    "ministral3",  # Ministral 3: within position_limit (its queries scaled by position past it)
-    "hunyuan_v1_dense",  # q and k normed after RoPE (FusedDecoder._qk_normed after the rotation)
-    "granite",  # its multipliers (FusedDecoder.embedding_multiplier, residual_multiplier, logits_scaling)
-    *("glm", "glm4", "ernie4_5"),  # RoPE on neighbouring pairs (FusedDecoder.rope_interleaved); GLM-4's output norms
-    *("olmo2", "olmo3", "exaone4"),  # outputs normed; EXAONE 4's full layers without RoPE (fused_decode._skips_rope)
-    *("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "olmoe"),  # their experts run the model's own block (_routed)
-    "gpt_oss",  # experts as those, attention sinks (StaticLayerCache.attend_with_sinks)
-    *("qwen3_5_text", "qwen3_5_moe_text"),  # gated delta rule beside gated attention (delta_rule.py)
-)
+# The hand-written step (fused_decode.FusedDecoder) is kept for these model types only, each a GPU case where it
+# was measured faster than the model's own forward (ModelStep) before the generic step existed; bench/gpu's
+# `bench_generation.py --steps model,fused` decides whether each stays (a row stays at >= 1.25x ModelStep's ms/step).
+# Every other model type runs ModelStep.
+FUSED_STEP_FAMILIES = {
+    "qwen2": "the 0.5B dense case (Qwen2.5-0.5B's shape)",
+    "qwen3_moe": "Qwen3-MoE",
+    "gemma3_text": "Gemma 3",
+}
+DECODE_STEPS = ("model", "fused")  # CapturedGenerator(decode_step=...): None picks by FUSED_STEP_FAMILIES
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
 # RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own (longrope's below its
 # pretraining length, past which a call goes to the fallback: CapturedGenerator.served_reason)
@@ -96,18 +96,36 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "ntk_alp
 
 
 def captured_supports(
-    model: torch.nn.Module, generation_kwargs: dict, cache_implementation: Optional[str]
+    model: torch.nn.Module,
+    generation_kwargs: dict,
+    cache_implementation: Optional[str],
+    decode_step: Optional[str] = None,
 ) -> Optional[str]:
     """None if CapturedGenerator can serve this model and options, else the reason it cannot. A vision-language
     model is served for its text-only prompts if its language model is (prompts with images: its `fallback`)."""
     reason = in_process_sampler_reason(model, generation_kwargs, cache_implementation, text_of_vision_language=True)
-    if reason:
-        return reason
+    return reason or step_choice(model, decode_step)[1]
+
+
+def step_choice(model: torch.nn.Module, requested: Optional[str] = None) -> tuple[str, Optional[str]]:
+    """The decode step the loop runs `model` with ('model': its own forward, ModelStep; 'fused': FusedDecoder), and
+    None, or the reason it cannot run it. `requested` None: 'fused' for the model types of FUSED_STEP_FAMILIES whose
+    structure FusedDecoder runs, else 'model'. Either is admitted only once its steps computed as the forward on the
+    model's fp32 twin (decode_probe.verdict), whatever the model's dtype."""
     base = _base(model)
-    reason = structure_reason(base, check_dtype=False)
-    if reason:
-        return reason
-    decoder, config = text_decoder(base)
+    family = getattr(text_decoder(base)[1], "model_type", None)
+    fusable = family in FUSED_STEP_FAMILIES and structure_reason(base, check_dtype=False) is None
+    kind = requested or ("fused" if fusable else "model")
+    if kind == "fused":
+        reason = structure_reason(base, check_dtype=False) or fused_rope_reason(base)
+        return kind, reason or decode_probe.verdict(base, kind, FusedDecoder)
+    reason = model_step_reason(base) or model_rope_reason(base)
+    return kind, reason or decode_probe.verdict(base, kind, ModelStep)
+
+
+def fused_rope_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why FusedDecoder cannot run this model's layer types or RoPE (its table serves fixed cos/sin only)."""
+    decoder, config = text_decoder(model)
     kinds = set(layer_kinds(config)) - {FULL, "sliding_attention", LINEAR_ATTENTION}
     if kinds:
         return f"its layers of type {sorted(kinds)} are neither attention nor Qwen3.5's linear attention"
@@ -115,15 +133,18 @@ def captured_supports(
     for kind in rope.values() if isinstance(rope, dict) else [rope]:  # Gemma 3: one a layer type
         if kind not in STATIC_ROPE_TYPES:
             return f"its RoPE ({kind!r}) recomputes cos/sin from the batch's positions"
-    vision_language = decoder is not getattr(base, "model", None)
-    if base.get_input_embeddings().weight.dtype == torch.float32 and not vision_language:
-        return None if fuses(model) else "the fused decode step's probe did not match its forward"
-    family = getattr(config, "model_type", None)
-    if family in KNOWN_FAMILIES:
-        return None
-    if vision_language:  # the probe runs text causal LMs only
-        return f"its language model's family ({family!r}) is not one the decode step is known to match"
-    return f"its weights are not fp32 and its family ({family!r}) is not one the decode step is known to match"
+    return None
+
+
+def model_rope_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why ModelStep cannot be captured for this model's RoPE: one that reads the batch's largest position on the
+    host at every step (transformers' dynamic_rope_update, for 'dynamic' and 'longrope')."""
+    for module in model.modules():
+        rope = getattr(module, "rope_type", None) if "Rotary" in type(module).__name__ else None
+        for kind in rope.values() if isinstance(rope, dict) else [rope]:
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                return f"its RoPE ({kind!r}) reads the batch's largest position on the host at every step"
+    return None
 
 
 def bucketed(length: int, multiple: int) -> int:
@@ -135,7 +156,7 @@ class DecodeLoop:
 
     def __init__(
         self,
-        decoder: FusedDecoder,
+        decoder: FusedDecoder | ModelStep,
         cache: StaticKVCache,
         prompt_tokens: torch.Tensor,  # (rows, prompt columns), left-padded
         first: torch.Tensor,  # (rows,) the tokens sampled from the prefill's logits
@@ -162,8 +183,10 @@ class DecodeLoop:
         self.history = torch.full_like(cache.valid, pad_token_id, dtype=torch.long)  # the token of each column
         self.history[:, : prompt_tokens.shape[1]] = prompt_tokens
         self.record_step = type(self).record  # (self, logits); compiled, its compiled twin, and the decoder's layer
-        if compiled:
+        if compiled and isinstance(decoder, FusedDecoder):
             decoder.layer_step, self.record_step = compiled_regions()
+        elif compiled:
+            decoder.forward, self.record_step = compiled_model_step()
 
     def step(self) -> None:
         """Feed the last sampled tokens, sample the next ones; no host sync."""
@@ -223,6 +246,13 @@ def compiled_regions() -> tuple[Callable[..., Any], Callable[..., None]]:
     # for a size symbol inductor's 32-bit indexing check introduced), and a replayed graph needs fixed shapes anyway.
     # a layer: the first (no previous MLP output to add), the others, a linear-attention layer besides (Qwen3.5)
     return _reporting(FusedDecoder._layer, graphs_per_shape=3), _reporting(DecodeLoop.record, graphs_per_shape=1)
+
+
+@functools.cache
+def compiled_model_step() -> tuple[Callable[..., Any], Callable[..., None]]:
+    """ModelStep's forward and `DecodeLoop.record` compiled by inductor, each one whole graph, shared by every call
+    of the process (`compiled_regions`' rules); the forward unrolls the model's layers in one graph."""
+    return _reporting(ModelStep._forward, graphs_per_shape=1), _reporting(DecodeLoop.record, graphs_per_shape=1)
 
 
 def _reporting(function: Callable[..., Any], graphs_per_shape: int) -> Callable[..., Any]:
@@ -307,9 +337,12 @@ class CapturedGenerator:
 
     A vision-language model's text-only prompts run through its language model here, its placeholder tokens
     (`suppress_token_ids`) never sampled, as transformers generate is told. A call the loop cannot serve goes to
-    `fallback` (transformers generate; `served_reason`): one with images, or one whose sequences would pass the
-    length up to which its step computes as the forward (fused_decode.position_limit: a longrope model's pretraining
-    length, Ministral 3's query scaling).
+    `fallback` (transformers generate; `served_reason`): one with images, or, for the fused step, one whose sequences
+    would pass the length up to which it computes as the forward (fused_decode.position_limit: a longrope model's
+    pretraining length, Ministral 3's query scaling).
+
+    `decode_step`: 'model' (the model's own forward, ModelStep), 'fused' (FusedDecoder) or None (`step_choice`: the
+    fused step for FUSED_STEP_FAMILIES, else the model's).
 
     `compile_step`: True compiles the step (module doc) on any device and stops on a compile error; None (the
     trainer's default) compiles on CUDA and, should the compile fail, warns once and runs the step as written.
@@ -330,7 +363,12 @@ class CapturedGenerator:
         compile_step: Optional[bool] = False,
         suppress_token_ids: Sequence[int] = (),
         fallback: Optional[GenerationBackend] = None,
+        decode_step: Optional[str] = None,
     ):
+        if decode_step not in (None, *DECODE_STEPS):
+            raise ValueError(
+                f"CapturedGenerator: decode_step must be one of {DECODE_STEPS} or None, got {decode_step!r}."
+            )
         if sampling_method not in SAMPLING_METHODS:
             raise ValueError(
                 f"CapturedGenerator: sampling_method must be one of {SAMPLING_METHODS}, got {sampling_method!r}."
@@ -338,7 +376,7 @@ class CapturedGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.prompt_bucket, self.capture, self.sampling_method = prompt_bucket, capture, sampling_method
-        self.compile_step = compile_step
+        self.compile_step, self.decode_step = compile_step, decode_step
         self.suppress_token_ids, self.fallback = list(suppress_token_ids), fallback
         self.last_decode = (0, 0.0)  # (decode steps, seconds) of the last call, for benchmarks
         self._fell_back: set[str] = set()  # reasons already logged
@@ -354,7 +392,8 @@ class CapturedGenerator:
         """None if the loop serves this call, else why it goes to `fallback`."""
         if multimodal is not None and any(m is not None for m in multimodal):
             return "prompts with images are sampled by transformers generate"
-        limit = position_limit(_base(self.model))
+        fused = step_choice(self.model, self.decode_step)[0] == "fused"
+        limit = position_limit(_base(self.model)) if fused else None
         longest = max(map(len, prompt_ids), default=0) + params.max_new_tokens
         if limit is not None and longest > limit[0]:
             return f"prompt + new tokens can pass {limit[1]}, which the loop's cache cannot follow"
@@ -429,11 +468,15 @@ class CapturedGenerator:
             logits_to_keep=1,
         ).logits[:, -1]
         compiled = compiles_by_default(device) if self.compile_step is None else self.compile_step
-        decoder = FusedDecoder(base, pack=not compiled)  # the weights as they are now; in place where no cast
+        kind, reason = step_choice(self.model, self.decode_step)
+        if reason is not None:
+            raise ValueError(f"CapturedGenerator cannot run the {kind!r} decode step for this model: {reason}.")
+        step_class = FusedDecoder if kind == "fused" else ModelStep
+        decoder = step_class(base, pack=not compiled)  # the weights as they are now; in place where no cast
         cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype, decoder.windows)
-        # every position a row reaches is below the longest prompt + new tokens (within position_limit:
-        # served_reason), and below the cache's columns
-        decoder.tabulate_rope(min(cache.valid.shape[1], max(map(len, prompt_ids)) + params.max_new_tokens))
+        # every position a row reaches is below the longest prompt + new tokens (within the fused step's
+        # position_limit: served_reason)
+        longest = max(map(len, prompt_ids)) + params.max_new_tokens
         del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
         suppressed = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=device)
@@ -461,7 +504,7 @@ class CapturedGenerator:
         )
         capture = device.type == "cuda" if self.capture is None else self.capture
         started = time.perf_counter()
-        with capturable_experts(base, capture, decoder.dtype):
+        with decoder.active(cache, longest), capturable_experts(base, capture, decoder.dtype):
             ran = run_steps(loop, params.max_new_tokens - 1, capture)
         tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
         self.last_decode = (ran, time.perf_counter() - started)

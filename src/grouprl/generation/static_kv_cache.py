@@ -125,17 +125,30 @@ class StaticLayerCache:
         )  # (rows, kv_heads, group, dim)
         return out.reshape(rows, 1, heads, dim)  # in `kv_dtype`, which the o product takes as it is
 
-    def attend_with_sinks(self, query: torch.Tensor, scaling: float, sinks: torch.Tensor) -> torch.Tensor:
-        """`attend` for attention with sinks (GPT-OSS): each head's `sinks` logit joins its scores in the softmax
-        and adds no value, so it only takes weight from the keys. sdpa has no such input; computed as transformers'
-        eager attention does, the scores in `kv_dtype` and the softmax in the sinks' dtype (fp32 weights: fp32)."""
+    def attend_eager(
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """`attend` as transformers' eager attention computes it, for what sdpa has no input for: attention sinks
+        (GPT-OSS: each head's `sinks` logit joins its scores in the softmax and adds no value, so it only takes
+        weight from the keys; the softmax in the sinks' dtype) and soft-capped scores (Gemma 2: cap * tanh(s / cap),
+        the softmax in fp32). The scores in `kv_dtype`."""
         rows, heads, _, dim = query.shape
         keys, values = self.key_values.chunk(2, dim=1)
         kv_heads = keys.shape[1]
         grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).to(self.kv_dtype)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling + self.bias  # (rows, kv_heads, group, cols)
-        sink = sinks.reshape(1, kv_heads, heads // kv_heads, 1).expand(rows, -1, -1, 1)
-        weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the cat promotes to the sinks' dtype
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling  # (rows, kv_heads, group, columns)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores + self.bias
+        if sinks is None:
+            weights = scores.softmax(dim=-1, dtype=torch.float32)
+        else:
+            sink = sinks.reshape(1, kv_heads, heads // kv_heads, 1).expand(rows, -1, -1, 1)
+            weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the cat promotes to the sinks'
         out = torch.matmul(weights.to(values.dtype), values)  # (rows, kv_heads, group, dim)
         return out.reshape(rows, 1, heads, dim)
 
