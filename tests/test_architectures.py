@@ -14,11 +14,12 @@ import torch
 from grouprl import GRPOConfig, GRPOTrainer
 from grouprl.core.types import SamplingParams
 from grouprl.demo.tokenizer import EOS_TOKEN, build_tokenizer
-from grouprl.generation import fused_decode
+from grouprl.generation import decode_probe
 from grouprl.generation.engine import FastGenerator
 from grouprl.generation.hf import TransformersGenerator
+from grouprl.generation.model_step import ModelStep
 from grouprl.generation.protocol import left_pad
-from grouprl.generation.static_decode import CapturedGenerator, captured_supports
+from grouprl.generation.static_decode import CapturedGenerator, captured_supports, step_choice
 from grouprl.model.logprobs import completion_logprobs
 
 TOKENIZER = build_tokenizer()
@@ -96,12 +97,12 @@ def nemotron_h():
 
 # the in-process samplers each takes (the others refuse it by name)
 MODELS = {
-    "qwen3_5": (qwen3_5, ("transformers", "captured")),  # the captured loop's own delta-rule step
+    "qwen3_5": (qwen3_5, ("transformers", "captured")),  # its delta rule through the static cache's state buffers
     "gemma3": (gemma3, ("transformers", "engine", "captured")),
     "mistral": (mistral, ("transformers", "engine", "captured")),
     "gpt_oss": (gpt_oss, ("transformers", "engine", "captured")),  # attention sinks, sliding windows, experts
     "qwen3_moe": (qwen3_moe, ("transformers", "engine", "captured")),  # routed experts
-    "gemma4": (gemma4, ("transformers", "engine")),  # layers of different head_dim (a heterogeneous config)
+    "gemma4": (gemma4, ("transformers", "engine", "captured")),  # layers of different head_dim (heterogeneous)
     "nemotron_h": (nemotron_h, ("transformers",)),  # Mamba-2 layers beside attention and MLP-only ones
 }
 PROMPTS = [TOKENIZER("a fairly long prompt with many words in it")["input_ids"], TOKENIZER("short")["input_ids"]]
@@ -206,13 +207,14 @@ def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path, capl
     assert all(not torch.equal(p, before[name]) for name, p in model.named_parameters())
     if "captured" in MODELS[arch][1]:  # what 'auto' picks on CUDA, here eager: it samples from the trained weights
         trainer("captured").train()
-        assert fused_decode._VERDICTS[model] is None  # the fused step's verdict, reached by training, is positive
+        assert step_choice(model)[1] is None  # the step's verdict, reached by training, is positive
     for engine in {"engine", "captured"} - set(MODELS[arch][1]):
         with pytest.raises(ValueError, match=f"generation_engine='{engine}' cannot be used: .*Use 'auto'"):
             trainer(engine)
 
 
-def test_the_captured_loop_names_layers_that_differ_in_shape():
+def test_layers_that_differ_in_shape_run_the_models_own_step_not_the_fused_one():
+    """Gemma 4's layers of two head_dims: its own forward runs them (the fused step names why it cannot)."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     layers = ["full_attention"] * 2  # no sliding window: the shapes are the first thing it cannot serve
@@ -221,7 +223,10 @@ def test_the_captured_loop_names_layers_that_differ_in_shape():
     )
     if not getattr(config, "is_heterogeneous", False):
         pytest.skip("this transformers builds Gemma 4 with one head_dim for all layers (per_layer_config is newer)")
-    assert captured_supports(Gemma4ForCausalLM(config), {}, None) == (
+    model = Gemma4ForCausalLM(config).eval()
+    assert captured_supports(model, {}, None) is None and step_choice(model)[0] == "model"
+    assert decode_probe.step_gap(model, ModelStep, positions=128) < 1e-5
+    assert captured_supports(model, {}, None, decode_step="fused") == (
         "its layers differ in ['head_dim'] (config.per_layer_config)"
     )
 

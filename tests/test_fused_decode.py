@@ -94,7 +94,7 @@ from grouprl.generation.fused_decode import (
     structure_reason,
 )
 from grouprl.generation.shared_prefix import shared_decode
-from grouprl.generation.static_decode import CapturedGenerator, captured_supports, run_steps
+from grouprl.generation.static_decode import DECODE_STEPS, CapturedGenerator, captured_supports, run_steps
 
 SIZES = dict(
     vocab_size=96,
@@ -453,9 +453,11 @@ def test_the_captured_loop_decodes_each_accepted_family_as_its_forward(build, ti
     greedy, its tokens are transformers generate's; sampled, each token's logprob is a separate forward's."""
     torch.manual_seed(0)
     model = _sharpened(build().eval().to(DEVICE), 4.0)
-    assert captured_supports(model, {}, None) is None
+    assert captured_supports(model, {}, None, decode_step="fused") is None
     prompts = [[5, 9, 13, 2, 7, 30], [40, 41], [3, 3, 8, 60]]
-    sampler = CapturedGenerator(model, PreTrainedTokenizerFast.from_pretrained(tiny_model_dir), [EOS], PAD)
+    sampler = CapturedGenerator(
+        model, PreTrainedTokenizerFast.from_pretrained(tiny_model_dir), [EOS], PAD, decode_step="fused"
+    )
     got, want = _greedy_and_generates(sampler, prompts, 12)
     assert got == want
     for sample in sampler.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0)):
@@ -494,7 +496,7 @@ def test_a_call_past_the_steps_position_limit_goes_to_generate(tiny_model_dir, c
     model = _sharpened(build().eval().to(DEVICE), 2.0)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
     fallback = TransformersGenerator(model, tokenizer, [EOS], PAD)
-    sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, fallback=fallback)
+    sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, fallback=fallback, decode_step="fused")
     prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
     assert sampler.served_reason(prompts, SamplingParams(max_new_tokens=6)) is None  # 6 + 6 = 12 tokens at most
     got, want = _greedy_and_generates(sampler, prompts, 6)
@@ -510,7 +512,9 @@ def test_a_call_past_the_steps_position_limit_goes_to_generate(tiny_model_dir, c
     assert max(len(c.token_ids) for c in got[0]) > 7  # past position 12
     assert caplog.text.count(f"prompt + new tokens can pass {limit}") == 1
     with pytest.raises(ValueError, match=rf"prompt \+ new tokens can pass {re.escape(limit)}.* no fallback"):
-        CapturedGenerator(model, tokenizer, [EOS], PAD).generate(prompts, 1, SamplingParams(max_new_tokens=16))
+        CapturedGenerator(model, tokenizer, [EOS], PAD, decode_step="fused").generate(
+            prompts, 1, SamplingParams(max_new_tokens=16)
+        )
 
 
 def test_the_engine_decodes_past_ministral3s_position_limit_through_the_forward(tiny_model_dir):
@@ -633,10 +637,10 @@ def test_the_captured_loop_serves_a_vision_language_models_text_prompts(tiny_mod
     model = _gemma3_vision_language(image_token).eval().to(DEVICE)
     with torch.no_grad():  # the placeholder as likely as a token greedy decoding picks: suppressing it matters
         model.lm_head.weight[image_token] = 2 * model.lm_head.weight[80]
-    assert captured_supports(model, {}, None) is None
+    assert captured_supports(model, {}, None, decode_step="fused") is None
     prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, suppress_token_ids=[image_token])
+    sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, suppress_token_ids=[image_token], decode_step="fused")
     unsuppressed = _greedy_and_generates(sampler, prompts, 12)[1]
     assert any(image_token in row for row in unsuppressed)  # greedy decoding would emit it
     got, want = _greedy_and_generates(sampler, prompts, 12, suppress_tokens=[image_token])
@@ -644,13 +648,16 @@ def test_the_captured_loop_serves_a_vision_language_models_text_prompts(tiny_mod
     _samples_keep_to_the_forward_without(sampler, prompts, image_token)
 
 
-def test_a_vision_language_model_whose_language_model_is_not_known_is_named():
+def test_a_vision_language_model_without_a_twin_to_probe_is_refused_by_name():
+    """Qwen2-VL's text config has no causal LM of its own to build the probe's fp32 twin from: the loop says so."""
     from vlm_models import tiny_qwen2_vl
 
     model, _ = tiny_qwen2_vl()
-    assert captured_supports(model, {}, None) == (
-        "its language model's family ('qwen2_vl_text') is not one the decode step is known to match"
-    )
+    for step in DECODE_STEPS:
+        assert captured_supports(model, {}, None, decode_step=step) == (
+            f"its fp32 twin's {step} step failed: NotImplementedError: no causal LM of its text config "
+            "(Qwen2VLTextConfig) to build a twin from"
+        )
 
 
 def test_the_captured_loop_serves_ministral3s_vision_language_model_for_text_prompts(tiny_model_dir):
@@ -664,9 +671,9 @@ def test_the_captured_loop_serves_ministral3s_vision_language_model_for_text_pro
     )
     torch.manual_seed(0)
     model = _sharpened(Mistral3ForConditionalGeneration(config).eval().to(DEVICE), 4.0)
-    assert captured_supports(model, {}, None) is None
+    assert captured_supports(model, {}, None, decode_step="fused") is None
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, suppress_token_ids=[95])
+    sampler = CapturedGenerator(model, tokenizer, [EOS], PAD, suppress_token_ids=[95], decode_step="fused")
     for prompt in ([5, 9, 13, 4, 7, 30], [40, 41]):  # one at a time: the model's own positions, no padding
         got, want = _greedy_and_generates(sampler, [prompt], 12, suppress_tokens=[95])
         assert got == want
@@ -681,11 +688,11 @@ def test_the_captured_loop_serves_qwen3_5s_vision_language_model_for_text_prompt
 
     model, processor = tiny_qwen3_5()
     model = _own_norm_weights(sharpen(model, 4.0)).eval().to(DEVICE)
-    assert captured_supports(model, {}, None) is None
+    assert captured_supports(model, {}, None, decode_step="fused") is None
     tokenizer, eos = processor.tokenizer, model.generation_config.eos_token_id
     image_token = model.config.image_token_id
     prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
-    sampler = CapturedGenerator(model, tokenizer, [eos], eos, suppress_token_ids=[image_token])
+    sampler = CapturedGenerator(model, tokenizer, [eos], eos, suppress_token_ids=[image_token], decode_step="fused")
     greedy = [c.token_ids for c in sampler.generate(prompts, 1, SamplingParams(max_new_tokens=12, top_k=1))]
     for prompt, got in zip(prompts, greedy):  # one prompt at a time: no padding, the model's own positions
         want = model.generate(
@@ -741,7 +748,7 @@ def test_captured_steps_run_the_experts_without_host_syncs_and_restore_the_model
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
     for capture, precision in ((True, torch.bfloat16), (True, torch.float32), (False, torch.bfloat16)):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
-            CapturedGenerator(model, tokenizer, [2], 0, capture=capture).generate(
+            CapturedGenerator(model, tokenizer, [2], 0, capture=capture, decode_step="fused").generate(
                 [[5, 9, 13]], 2, SamplingParams(max_new_tokens=8)
             )
     assert seen == [(True, "grouped_mm"), (True, "batched_mm"), (False, "eager")]
@@ -754,7 +761,10 @@ def test_the_captured_loop_names_a_rope_whose_values_follow_the_batch():
     torch.manual_seed(0)
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10_000.0}
     dynamic = LlamaForCausalLM(LlamaConfig(**SIZES, rope_parameters=rope))
-    assert captured_supports(dynamic, {}, None) == "its RoPE ('dynamic') recomputes cos/sin from the batch's positions"
+    assert (
+        captured_supports(dynamic, {}, None, decode_step="fused")
+        == "its RoPE ('dynamic') recomputes cos/sin from the batch's positions"
+    )
 
 
 def test_a_model_that_computes_differently_is_caught_by_the_probe():

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from grouprl.generation.fused_decode import layer_kinds, text_decoder
+from grouprl.generation.fused_decode import layer_kinds
 from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword, describe, is_unsupported
 from grouprl.model.logprobs import position_ids_from_mask
@@ -44,9 +44,14 @@ _VERDICTS: dict[tuple[str, str, str], Optional[str]] = {}
 
 def twin(model: torch.nn.Module, *, seed: int = 0) -> torch.nn.Module:
     """`type(model)` from its config shrunk (module doc), fp32, random weights, in eval mode, on the model's device."""
-    config = copy.deepcopy(getattr(model, "config"))
+    config = copy.deepcopy(model.config)
     text = config.get_text_config()
-    cls = type(model) if text is config else AutoModelForCausalLM._model_mapping[type(text)]
+    if text is config:
+        cls = type(model)
+    elif type(text) in AutoModelForCausalLM._model_mapping:
+        cls = AutoModelForCausalLM._model_mapping[type(text)]
+    else:
+        raise NotImplementedError(f"no causal LM of its text config ({type(text).__name__}) to build a twin from")
     shrink(text)
     device = model.get_input_embeddings().weight.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -120,13 +125,15 @@ def step_gap(
     return float((got - want).abs().max())
 
 
-def verdict(model: torch.nn.Module, kind: str, make_step: Callable[[torch.nn.Module], Any]) -> Optional[str]:
-    """None if `make_step`'s steps compute as the forward on `model`'s fp32 twin (module doc), else why not; decided
-    once per model class, config and step kind."""
+def verdict(
+    model: torch.nn.Module, kind: str, make_step: Callable[[torch.nn.Module], Any], positions: int = POSITIONS
+) -> Optional[str]:
+    """None if `make_step`'s steps compute as the forward on `model`'s fp32 twin over `positions` steps (module
+    doc), else why not; decided once per model class, config and step kind."""
     key = (type(model).__qualname__, model.config.to_json_string(use_diff=False), kind)
     if key not in _VERDICTS:
         try:
-            gap = step_gap(twin(model), make_step)
+            gap = step_gap(twin(model), make_step, positions)
         except Exception as err:
             if not is_unsupported(err) and not isinstance(err, (AttributeError, KeyError)):
                 raise

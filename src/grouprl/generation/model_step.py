@@ -41,7 +41,6 @@ from grouprl.generation.fused_decode import (
     pack_weight,
     packed_linear,
     packs_weights,
-    text_decoder,
 )
 from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword
@@ -135,9 +134,10 @@ class UnkeptCacheAttribute(NotImplementedError, AttributeError):
 def model_step_reason(model: torch.nn.Module) -> Optional[str]:
     """None if ModelStep can run `model`'s decode steps (the probe decides whether they compute as its forward),
     else why not."""
-    decoder, config = text_decoder(model)
+    config = getattr(model, "config", None)
     if config is None or not hasattr(type(model), "set_attn_implementation"):
         return "not a transformers model"
+    config = config.get_text_config()
     kinds = set(layer_kinds(config)) - {FULL, "sliding_attention", "chunked_attention", LINEAR_ATTENTION}
     if kinds:
         return f"its layers of type {sorted(kinds)} are neither attention nor linear attention"
@@ -146,7 +146,7 @@ def model_step_reason(model: torch.nn.Module) -> Optional[str]:
 
 def windows(model: torch.nn.Module) -> list[Optional[int]]:
     """Each layer's sliding window as the model's attention passes it (None: a full or linear-attention layer)."""
-    config = text_decoder(model)[1]
+    config = model.config.get_text_config()
     window = getattr(config, "sliding_window", None)
     return [None if kind in (FULL, LINEAR_ATTENTION) else window for kind in layer_kinds(config)]
 

@@ -118,7 +118,11 @@ def step_choice(model: torch.nn.Module, requested: Optional[str] = None) -> tupl
     kind = requested or ("fused" if fusable else "model")
     if kind == "fused":
         reason = structure_reason(base, check_dtype=False) or fused_rope_reason(base)
-        return kind, reason or decode_probe.verdict(base, kind, FusedDecoder)
+        limit = position_limit(base)  # the twin's shrunk config keeps the model's limit; the probe stays within it
+        positions = (
+            decode_probe.POSITIONS if limit is None else min(decode_probe.POSITIONS, limit[0] - decode_probe.PROMPT)
+        )
+        return kind, reason or decode_probe.verdict(base, kind, FusedDecoder, positions)
     reason = model_step_reason(base) or model_rope_reason(base)
     return kind, reason or decode_probe.verdict(base, kind, ModelStep)
 
