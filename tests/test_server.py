@@ -394,7 +394,7 @@ def test_the_server_picks_its_sampler_as_the_trainer_does(tiny_model_dir):
         type(sampler) is TransformersGenerator
         and "not 'captured': its layers of type ['mlp'] are neither attention nor linear attention" in described
     )
-    with pytest.raises(ValueError, match="--generation_engine captured: its layers of type \[.mlp.\] are neither"):
+    with pytest.raises(ValueError, match=r"--generation_engine captured: its layers of type \[.mlp.\] are neither"):
         server_sampler(mamba, tokenizer, [0], 0, "captured")
     vlm, processor = tiny_llava()
     sampler, _ = server_sampler(vlm, processor.tokenizer, [0], 0, "captured")

@@ -402,6 +402,9 @@ class TrainBatch:
         None  # (n,) each row's prompt images (multimodal.PromptImages or None), collated per forward
     )
     pad_to_multiple_of: Optional[int] = None  # GRPOConfig's: P and T (and every forward's widths) are multiples of it
+    # what the loss's forward does with `sampler_logprobs` when nothing was computed before it (rollout/experience.py):
+    # "measure" the sampler-vs-trainer gap (the sampling/* statistics), "correct" by it too (is weights), None: nothing
+    sampler_in_forward: Optional[str] = None
 
     def __len__(self) -> int:
         """Rows (not keys: the TRL-style item access below is a view, not a full Mapping)."""

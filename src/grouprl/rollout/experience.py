@@ -103,13 +103,19 @@ def score_generation(
     batch, counts = draw_batch(sampling, inputs)
     sampling.rollouts.release_sampler()
     counts = {**counts, **sampling.rollouts.async_report()}
-    # An in-process sampler draws from the very weights being trained: nothing to correct, and the
-    # extra forward pass for pi_old would be pure cost. Separate engines (server, vLLM, async worker) need it.
+    # The gap between the sampler's logprobs and the trainer's is measured for every sampler that returns them. A
+    # separate engine (server, vLLM, an asynchronous worker) samples from another copy of the weights; an in-process
+    # one from the trained weights themselves, but wherever either computes below fp32 (bf16 autocast or weights) by
+    # other kernels and shapes than the training forward's, so its logprobs differ by rounding (0.03 nats a token
+    # measured on SmolLM2-135M): both are corrected by vllm_importance_sampling_correction (docs/generation.md).
     separate_sampler = sampling.rollouts.sampler_is_separate
+    measured = batch.sampler_logprobs is not None
     correct_sampler = (
-        batch.sampler_logprobs is not None and config.vllm_importance_sampling_correction and separate_sampler
+        measured
+        and config.vllm_importance_sampling_correction
+        and (separate_sampler or computes_below_fp32(model, accelerator))
     )
-    if config.vllm_importance_sampling_correction and separate_sampler and batch.sampler_logprobs is None:
+    if config.vllm_importance_sampling_correction and separate_sampler and not measured:
         logger.warning_once(
             "vllm_importance_sampling_correction: the sampler is a separate copy of the weights, but some completions "
             "came without the sampled tokens' logprobs (a rollout_func returning logprobs=None, or a generation "
@@ -117,9 +123,10 @@ def score_generation(
             "needs_importance_correction = False on a backend that samples from the training weights, or set "
             "vllm_importance_sampling_correction=False."
         )
-    # Asynchronous generation, trained once with the weights it is taken at: pi_old is what the training forward
-    # computes anyway, so the correction is made there (micro_step.py) instead of in a forward pass of its own.
-    in_forward = correct_sampler and config.async_generation and not plan.old_logprobs_needed
+    # Trained once with the weights it is sampled or taken at, pi_old is what the training forward computes anyway,
+    # so the gap is measured (and corrected) there (micro_step.py), not in a forward pass of its own; a synchronous
+    # separate engine keeps TRL's pass.
+    in_forward = measured and not plan.old_logprobs_needed and (config.async_generation or not separate_sampler)
     old_logprobs = is_weights = ref_logprobs = None
     sampler_stats: dict[str, Any] = {}
     if plan.old_logprobs_needed or (correct_sampler and not in_forward):  # pi_old: the trainer's view of the sampler
@@ -142,7 +149,7 @@ def score_generation(
                 "so it needs vllm_importance_sampling_mode='token_truncate' or 'token_mask', not "
                 f"{config.vllm_importance_sampling_mode!r}."
             )
-    if correct_sampler and not in_forward:
+    if measured and old_logprobs is not None:
         rho, values = sampler_importance_weights(
             old_logprobs,
             batch.sampler_logprobs,
@@ -151,8 +158,9 @@ def score_generation(
             clip_min=config.vllm_importance_sampling_clip_min,
             clip_max=config.vllm_importance_sampling_clip_max,
         )
-        is_weights = rho.expand_as(old_logprobs).contiguous()  # (n, T)
+        is_weights = rho.expand_as(old_logprobs).contiguous() if correct_sampler else None  # (n, T)
         sampler_stats = {_SAMPLER_STATS[name]: value for name, value in values.items()}
+    in_forward_use = None if not in_forward else "correct" if correct_sampler else "measure"
     if config.beta != 0.0:
         with timer.phase("ref_logprobs"):
             with reference.scoring(model, accelerator.unwrap_model(model)) as ref_model:
@@ -165,8 +173,22 @@ def score_generation(
                     config.pack_shared_prompts,
                     overrides,
                 )
-    batch = replace(batch, old_logprobs=old_logprobs, is_weights=is_weights, ref_logprobs=ref_logprobs)
+    batch = replace(
+        batch,
+        old_logprobs=old_logprobs,
+        is_weights=is_weights,
+        ref_logprobs=ref_logprobs,
+        sampler_in_forward=in_forward_use,
+    )
     return batch, ExperienceStats(advantages=batch.advantages, **sampler_stats, **counts)
+
+
+def computes_below_fp32(model: torch.nn.Module, accelerator: Any) -> bool:
+    """Whether sampling and training compute in a precision below fp32: bf16 / fp16 autocast, or such weights."""
+    if getattr(accelerator, "mixed_precision", "no") not in (None, "no"):
+        return True
+    weight = next(model.parameters(), None)
+    return weight is not None and weight.dtype in (torch.bfloat16, torch.float16)
 
 
 def split_generation(

@@ -6,7 +6,7 @@
                                                     (threshold over every process's loss tokens)
         -> off-policy sequence mask                 trainer.get_off_policy_mask
                                                     (behaviour = sampler logprobs if any, else pi_old)
-        -> sampler weights from this forward       asynchronous generation trained at the weights it is taken at:
+        -> sampler gap / weights from this forward  samples trained once at the weights they were drawn or taken at:
                                                     pi_old is this forward's logprobs (experience.py skips its pass)
         -> losses.policy_loss (objective, masks, sampler weights, KL, aggregation, entropy bonus)
         -> + router_aux_loss_coef * aux / GA
@@ -59,8 +59,8 @@ class Objective:
     aux_loss_coef: float  # MoE router load-balancing loss weight (0 = off)
     num_processes: int
     steps_per_generation: int
-    # (mode, clip_min, clip_max) when the sampler-mismatch weights come from the training forward (experience.py)
-    sampler_correction: Optional[tuple[str, Optional[float], Optional[float]]] = None
+    # (mode, clip_min, clip_max) of the sampler-mismatch weights, when the training forward computes them (experience.py)
+    sampler_correction: tuple[str, Optional[float], Optional[float]] = ("token_truncate", None, None)
 
     @classmethod
     def from_config(cls, config: GRPOConfig, plan: BatchPlan, aux_loss_coef: float = 0.0) -> "Objective":
@@ -82,9 +82,7 @@ class Objective:
                 config.vllm_importance_sampling_mode,
                 config.vllm_importance_sampling_clip_min,
                 config.vllm_importance_sampling_clip_max,
-            )
-            if config.async_generation and config.vllm_importance_sampling_correction and not plan.old_logprobs_needed
-            else None,
+            ),
         )
 
     @property
@@ -195,8 +193,9 @@ def micro_batch_loss(
                     sequence_keep, (len(b), 1), "get_off_policy_mask", out.logprobs.device
                 ).to(out.logprobs.dtype)
         sampler_weights, sampler_stats = b.is_weights, {}
-        if objective.sampler_correction is not None and b.sampler_logprobs is not None and b.is_weights is None:
-            sampler_weights, sampler_stats = weights_from_forward(out.logprobs, b, objective.sampler_correction)
+        if b.sampler_in_forward is not None and b.sampler_logprobs is not None and b.is_weights is None:
+            weights, sampler_stats = weights_from_forward(out.logprobs, b, objective.sampler_correction)
+            sampler_weights = weights if b.sampler_in_forward == "correct" else None
         loss, values = policy_loss(
             objective.loss_type,
             out.logprobs,
