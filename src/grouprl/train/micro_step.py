@@ -59,7 +59,7 @@ class Objective:
     aux_loss_coef: float  # MoE router load-balancing loss weight (0 = off)
     num_processes: int
     steps_per_generation: int
-    # (mode, clip_min, clip_max) of the sampler-mismatch weights, when the training forward computes them (experience.py)
+    # (mode, clip_min, clip_max) of the sampler-mismatch weights where the training forward computes them (experience)
     sampler_correction: tuple[str, Optional[float], Optional[float]] = ("token_truncate", None, None)
 
     @classmethod
