@@ -328,8 +328,12 @@ def training_mfu(model: torch.nn.Module, case: Case, seconds: float, device: str
     return 6 * parameters * tokens / seconds / peak
 
 
-def decode_run(engine: str, case: Case, model_dir: str, dtype: torch.dtype, device: str) -> dict:
-    """One generation of the case's rows through `engine` alone (warmed up once): ms per decode step."""
+def decode_run(
+    engine: str, case: Case, model_dir: str, dtype: torch.dtype, device: str, decode_step: str | None = None
+) -> dict:
+    """One generation of the case's rows through `engine` alone (warmed up once): ms per decode step; the warm-up
+    call's seconds apart (`first_call_s`: compiles included). `decode_step`: the captured loop's step ('model': the
+    model's own forward, 'fused': the hand-written one; None: static_decode.step_choice's)."""
     from transformers import AutoModelForCausalLM
 
     from grouprl.core.types import SamplingParams
@@ -347,22 +351,33 @@ def decode_run(engine: str, case: Case, model_dir: str, dtype: torch.dtype, devi
         "captured": CapturedGenerator,
         "continuous_batching": ContinuousBatchingGenerator,
     }
-    if engine == "captured+compile":
-        backend = CapturedGenerator(model, tokenizer, eos, pad, compile_step=True)
+    if engine.startswith("captured"):
+        backend = CapturedGenerator(
+            model, tokenizer, eos, pad, compile_step=engine == "captured+compile", decode_step=decode_step
+        )
     else:
         backend = backend_class[engine](model, tokenizer, eos, pad)
     prompts = [tokenizer(text)["input_ids"] for text in prompts_of(case, SHAPES[case.shape].vocab)[: case.prompts]]
     params = SamplingParams(max_new_tokens=case.new_tokens, temperature=1.0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    first = time.perf_counter()
     backend.generate(prompts, case.generations, params)  # warm-up, with the timed call's shapes (compiles, if any)
     if device == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
+    first_call_s = started - first
     completions = backend.generate(prompts, case.generations, params)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     steps = max(len(c.token_ids) for c in completions)
-    result = {"generation_s": seconds, "decode_ms_per_step": 1000 * seconds / steps, "new_tokens": steps}
+    result = {
+        "generation_s": seconds,
+        "first_call_s": first_call_s,
+        "decode_ms_per_step": 1000 * seconds / steps,
+        "new_tokens": steps,
+    }
     if engine.startswith("captured"):
         ran, decode_seconds = backend.last_decode
         result["decode_ms_per_step_loop_only"] = 1000 * decode_seconds / max(ran, 1)
@@ -429,6 +444,13 @@ def main() -> None:
         "continuous_batching)",
     )
     parser.add_argument("--kinds", default="train,decode", help="which measurements: train, decode or both")
+    parser.add_argument(
+        "--decode-steps",
+        default="",
+        help="the captured loop's decode runs once with each of these steps, comma-separated: model (its own "
+        "forward), fused (the hand-written step); empty: static_decode.step_choice's. FUSED_STEP_FAMILIES keeps a "
+        "family whose fused step is >= 1.25x faster a decode step than the model's",
+    )
     parser.add_argument("--cases", default="", help="comma-separated case numbers of the plan to run (1-based; all)")
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps a training run takes (the case's)")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast on a CPU too (always on CUDA)")
@@ -463,23 +485,27 @@ def main() -> None:
                     continue
                 if kind == "decode" and run == "trl":
                     continue  # TRL generates with transformers generate: the "transformers" decode row
-                entry = {"case": case.name, "run": run, "kind": kind}
-                if time.perf_counter() - started > args.budget:
-                    entry["error"] = "not run: the time budget was spent"
-                else:
-                    try:
-                        if kind == "train":
-                            library, engine = ("trl", None) if run == "trl" else ("grouprl", run)
-                            entry.update(train_run(library, engine, case, model_dir, bf16, device))
-                        else:
-                            entry.update(decode_run(run, case, model_dir, dtype, device))
-                    except Exception as err:  # noqa: BLE001 - a failed run is a result too
-                        entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-                    gc.collect()
-                    if device == "cuda":
-                        torch.cuda.empty_cache()
-                results["runs"].append(entry)
-                print(json.dumps(entry), flush=True)
+                steps = [None]
+                if kind == "decode" and run.startswith("captured") and args.decode_steps:
+                    steps = args.decode_steps.split(",")
+                for step in steps:
+                    entry = {"case": case.name, "run": run, "kind": kind, "decode_step": step}
+                    if time.perf_counter() - started > args.budget:
+                        entry["error"] = "not run: the time budget was spent"
+                    else:
+                        try:
+                            if kind == "train":
+                                library, engine = ("trl", None) if run == "trl" else ("grouprl", run)
+                                entry.update(train_run(library, engine, case, model_dir, bf16, device))
+                            else:
+                                entry.update(decode_run(run, case, model_dir, dtype, device, step))
+                        except Exception as err:  # noqa: BLE001 - a failed run is a result too
+                            entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                        gc.collect()
+                        if device == "cuda":
+                            torch.cuda.empty_cache()
+                    results["runs"].append(entry)
+                    print(json.dumps(entry), flush=True)
     results["wall_s"] = time.perf_counter() - started
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as handle:

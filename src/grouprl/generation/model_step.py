@@ -138,6 +138,17 @@ def model_step_reason(model: torch.nn.Module) -> Optional[str]:
     if config is None or not hasattr(type(model), "set_attn_implementation"):
         return "not a transformers model"
     config = config.get_text_config()
+    previous = model.config._attn_implementation
+    with grouprl_patches():  # whether it takes a registered attention function (some keep 'eager' whatever asked)
+        try:
+            model.set_attn_implementation(NAME)
+            switched = model.config._attn_implementation == NAME
+        except (ValueError, NotImplementedError, KeyError) as err:
+            return f"its attention cannot be switched to a registered function ({type(err).__name__}: {err})"
+        finally:
+            model.set_attn_implementation(previous)
+    if not switched:
+        return f"its attention stays {model.config._attn_implementation!r} when another is asked for"
     kinds = set(layer_kinds(config)) - {FULL, "sliding_attention", "chunked_attention", LINEAR_ATTENTION}
     if kinds:
         return f"its layers of type {sorted(kinds)} are neither attention nor linear attention"
