@@ -187,6 +187,7 @@ def test_a_decorated_loss_with_its_own_hyper_parameter_trains(tiny_model_dir, tm
                 max_steps=1,
                 loss_type="shifted_pg",
                 loss_kwargs=None if shift is None else {"shift": shift},
+                bf16=False,  # fp32: the in-process sampler's tokens are not reweighted (bf16 would scale the shift)
             )
             trainer = GRPOTrainer(
                 tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=numbered_prompts(12)

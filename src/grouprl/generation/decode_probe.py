@@ -132,8 +132,10 @@ def verdict(
     doc), else why not; decided once per model class, config and step kind."""
     key = (type(model).__qualname__, model.config.to_json_string(use_diff=False), kind)
     if key not in _VERDICTS:
+        device = model.get_input_embeddings().weight.device
         try:
-            gap = step_gap(twin(model), make_step, positions)
+            with torch.autocast(device.type, enabled=False):  # fp32: asked inside a bf16-autocast generation too
+                gap = step_gap(twin(model), make_step, positions)
         except Exception as err:
             if not is_unsupported(err) and not isinstance(err, (AttributeError, KeyError)):
                 raise

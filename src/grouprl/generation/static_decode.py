@@ -384,6 +384,7 @@ class CapturedGenerator:
         self.suppress_token_ids, self.fallback = list(suppress_token_ids), fallback
         self.last_decode = (0, 0.0)  # (decode steps, seconds) of the last call, for benchmarks
         self._fell_back: set[str] = set()  # reasons already logged
+        self._compiled_shapes: set[tuple] = set()  # (step, prompt bucket, rows, sampling) compiled in this process
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -512,4 +513,12 @@ class CapturedGenerator:
             ran = run_steps(loop, params.max_new_tokens - 1, capture)
         tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
         self.last_decode = (ran, time.perf_counter() - started)
+        shape = (kind, width, len(first), repr(params))
+        if compiled and shape not in self._compiled_shapes:  # its first call compiled the step: said, with its time
+            self._compiled_shapes.add(shape)
+            logger.info(
+                f"grouprl: the captured loop compiled its {kind!r} decode step for {len(first)} rows of {width}-token "
+                f"prompts (compiled shape {len(self._compiled_shapes)} of at most {MAX_COMPILED_SHAPES}); this "
+                f"call's decode took {self.last_decode[1]:.1f} s, compiling included."
+            )
         return tokens, logprobs
