@@ -10,8 +10,8 @@ replayed as one graph launch. This loop makes every step alike:
 - the keys and values of every layer live in buffers allocated once per call for prompt + new tokens
   (`StaticKVCache`, the prompt's part copied in from one prefill per prompt); the column a step writes is a
   device tensor that the step advances itself, and a (rows, columns) mask says which columns are real;
-- a step (fused_decode.FusedDecoder, the training weights read in place where their dtype is the
-  products') computes the logits, samples with TRL's fields (sampling.py: repetition penalty,
+- a step (the model's own forward or the fused one: "Models" below; the training weights read in place where their
+  dtype is the products') computes the logits, samples with TRL's fields (sampling.py: repetition penalty,
   temperature, top-k, top-p, min-p), records the token and its logprob under the processed distribution,
   and marks rows that emitted an EOS as finished; finished rows keep stepping and record padding;
 - the host reads only whether every row has finished, every `CHECK_EVERY` steps.
@@ -29,15 +29,12 @@ each prompt bucket and row count is a static graph of its own, up to `MAX_COMPIL
 `F.linear` (no packed CPU weights). Measured on an H200 (docs/benchmarks-gpu.md, 2026-11-30): the 0.5B case's decode
 step 1.67 ms against 2.29 eager, its GRPO step 0.86 s against 1.07, its first step 9 s longer (the compile).
 
-Models: those FusedDecoder runs (fused_decode.structure_reason: the Llama family, SmolLM3, Phi-3, Gemma 3, GLM-4,
-Granite, Qwen3.5 and its linear attention, and Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / GPT-OSS, whose experts
-run without host syncs while captured: `capturable_experts`), sliding-window layers included (their keys outside
-the window masked in the cache), and a vision-language model's text-only prompts (its prompts with images go to
-`fallback`); fp32 weights also pass its
-probe against the model's forward, lower-precision ones must be of a family whose forward it is known to
-match (`KNOWN_FAMILIES`), since there a probe cannot tell rounding from a different computation. LoRA
-adapters are merged into the decode weights for the call (a copy of the adapted projections); a quantized
-(QLoRA) layer is refused by the structure check.
+Models: the step is the model's own forward (model_step.ModelStep) for every model type whose forward decodes over
+the static cache, and the hand-written fused_decode.FusedDecoder for `FUSED_STEP_FAMILIES` only (`step_choice`);
+either is admitted once its steps compute as the forward on the model's fp32 twin (decode_probe.py), whatever the
+dtype. Mixture-of-experts layers run without host syncs while captured (`capturable_experts`); a vision-language
+model's text-only prompts are served (its prompts with images go to `fallback`); a quantized (QLoRA) layer keeps its
+own forward.
 """
 
 from __future__ import annotations
