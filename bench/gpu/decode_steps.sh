@@ -11,13 +11,7 @@
 #   bash bench/gpu/decode_steps.sh          # logs and JSON under $OUT (or /tmp/grouprl-gpu)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-/tmp/grouprl-gpu}"
-mkdir -p "$OUT"
-export OUT
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-source bench/gpu/carried_wheels.sh
-export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-part() { echo "== $1 ($(date +%T))"; }
+source bench/gpu/device_call.sh
 part "decode steps: model vs fused"
 BUDGET=220 timeout 260 bash bench/gpu/bench.sh --kinds decode --cases "${CASES:-1,4,5}" \
     --only captured,captured+compile --decode-steps model,fused "$@" || tail -25 "$OUT/bench.log"

@@ -19,13 +19,7 @@
 #   bash bench/gpu/speed_check.sh          # logs and JSON under $OUT (or /tmp/grouprl-gpu)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-/tmp/grouprl-gpu}"
-mkdir -p "$OUT"
-export OUT
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-source bench/gpu/carried_wheels.sh
-export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-part() { echo "== $1 ($(date +%T))"; }
+source bench/gpu/device_call.sh
 part "0.5B case"
 BUDGET=160 timeout 200 bash bench/gpu/bench.sh --cases 1 --only trl,captured,captured+compile || tail -25 "$OUT/bench.log"
 mv "$OUT/bench_generation.json" "$OUT/bench_case1.json" 2>/dev/null; rm -f "$OUT/bench.log"

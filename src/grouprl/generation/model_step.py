@@ -42,6 +42,7 @@ from grouprl.generation.fused_decode import (
     packed_linear,
     packs_weights,
 )
+from grouprl.generation.shared_prefix import attention_implementation
 from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword
 from grouprl.model.patches import grouprl_patches, scoped_attention
@@ -138,17 +139,11 @@ def model_step_reason(model: torch.nn.Module) -> Optional[str]:
     if config is None or not hasattr(type(model), "set_attn_implementation"):
         return "not a transformers model"
     config = config.get_text_config()
-    previous = model.config._attn_implementation
-    with grouprl_patches():  # whether it takes a registered attention function (some keep 'eager' whatever asked)
-        try:
-            model.set_attn_implementation(NAME)
-            switched = model.config._attn_implementation == NAME
-        except (ValueError, NotImplementedError, KeyError) as err:
-            return f"its attention cannot be switched to a registered function ({type(err).__name__}: {err})"
-        finally:
-            model.set_attn_implementation(previous)
-    if not switched:
-        return f"its attention stays {model.config._attn_implementation!r} when another is asked for"
+    try:  # whether it takes a registered attention function (some keep 'eager' whatever is asked)
+        with grouprl_patches(), attention_implementation(model, NAME):
+            pass
+    except (ValueError, NotImplementedError, KeyError) as err:
+        return f"its attention cannot be switched to a registered function ({type(err).__name__}: {err})"
     kinds = set(layer_kinds(config)) - {FULL, "sliding_attention", "chunked_attention", LINEAR_ATTENTION}
     if kinds:
         return f"its layers of type {sorted(kinds)} are neither attention nor linear attention"
@@ -182,17 +177,8 @@ class ModelStep:
         """The block a call's steps over `cache` run in; `longest`: the longest sequence they reach (unused here:
         the model's forward computes RoPE itself)."""
         model = self.model
-        previous = model.config._attn_implementation
-        with grouprl_patches(), cast_once(model, self.dtype, self.pack):
-            model.set_attn_implementation(NAME)
-            try:
-                if model.config._attn_implementation != NAME:
-                    raise NotImplementedError(
-                        f"{type(model).__name__} kept its attention at {model.config._attn_implementation!r}"
-                    )
-                yield
-            finally:
-                model.set_attn_implementation(previous)
+        with grouprl_patches(), cast_once(model, self.dtype, self.pack), attention_implementation(model, NAME):
+            yield
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """tokens, positions: (rows,) -> (rows, vocab) fp32 logits; writes the step's keys and values into `cache`."""

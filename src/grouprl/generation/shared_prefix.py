@@ -212,20 +212,11 @@ scoped_attention(NAME, shared_prefix_attention)  # a declaration: installed only
 @contextlib.contextmanager
 def decoding(model: torch.nn.Module, cache: SharedPrefixCache) -> Iterator[None]:
     """Within the block, `model`'s attention layers use `cache` through shared_prefix_attention."""
-    previous = model.config._attn_implementation
     with grouprl_patches():
         token = _ACTIVE.set(cache)
         try:
-            model.set_attn_implementation(NAME)
-            try:
-                if model.config._attn_implementation != NAME:  # transformers declined (it logs why): not this model
-                    raise NotImplementedError(
-                        f"{type(model).__name__} cannot switch its attention implementation "
-                        f"(set_attn_implementation left it at {model.config._attn_implementation!r})"
-                    )
+            with attention_implementation(model, NAME):
                 yield
-            finally:
-                model.set_attn_implementation(previous)
         finally:
             _ACTIVE.reset(token)
 
@@ -358,10 +349,16 @@ def shared_prefill(
 
 @contextlib.contextmanager
 def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """`model` runs with transformers' attention `name` inside the block, its own one after."""
+    """`model` runs with transformers' attention `name` inside the block, its own one after; NotImplementedError if
+    transformers declines the switch (it logs why): not this model."""
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:
+        if model.config._attn_implementation != name:
+            raise NotImplementedError(
+                f"{type(model).__name__} cannot switch its attention implementation "
+                f"(set_attn_implementation left it at {model.config._attn_implementation!r})"
+            )
         yield
     finally:
         model.set_attn_implementation(previous)

@@ -77,8 +77,8 @@ PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
 # The hand-written step (fused_decode.FusedDecoder) is kept for these model types only, each a GPU case where it
-# was measured faster than the model's own forward (ModelStep) before the generic step existed; bench/gpu's
-# `bench_generation.py --steps model,fused` decides whether each stays (a row stays at >= 1.25x ModelStep's ms/step).
+# was measured faster before the model's own forward (ModelStep) served it; bench/gpu/decode_steps.sh
+# (`bench_generation.py --decode-steps model,fused`) decides whether each stays: at >= 1.25x ModelStep's ms/step.
 # Every other model type runs ModelStep.
 FUSED_STEP_FAMILIES = {
     "qwen2": "the 0.5B dense case (Qwen2.5-0.5B's shape)",
@@ -111,10 +111,11 @@ def step_choice(model: torch.nn.Module, requested: Optional[str] = None) -> tupl
     model's fp32 twin (decode_probe.verdict), whatever the model's dtype."""
     base = _base(model)
     family = getattr(text_decoder(base)[1], "model_type", None)
-    fusable = family in FUSED_STEP_FAMILIES and structure_reason(base, check_dtype=False) is None
-    kind = requested or ("fused" if fusable else "model")
+    fused_candidate = requested == "fused" or (requested is None and family in FUSED_STEP_FAMILIES)
+    structure = structure_reason(base, check_dtype=False) if fused_candidate else None
+    kind = requested or ("fused" if fused_candidate and structure is None else "model")
     if kind == "fused":
-        reason = structure_reason(base, check_dtype=False) or fused_rope_reason(base)
+        reason = structure or fused_rope_reason(base)
         limit = position_limit(base)  # the twin's shrunk config keeps the model's limit; the probe stays within it
         positions = (
             decode_probe.POSITIONS if limit is None else min(decode_probe.POSITIONS, limit[0] - decode_probe.PROMPT)
@@ -382,11 +383,19 @@ class CapturedGenerator:
         self.last_decode = (0, 0.0)  # (decode steps, seconds) of the last call, for benchmarks
         self._fell_back: set[str] = set()  # reasons already logged
         self._compiled_shapes: set[tuple] = set()  # (step, prompt bucket, rows, sampling) compiled in this process
+        self._step: Optional[tuple[torch.nn.Module, str, Optional[str]]] = None  # (model, step_choice's answer)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
         if self.fallback is not None:
             self.fallback.sync_weights(model)
+
+    def step_choice(self) -> tuple[str, Optional[str]]:
+        """`step_choice` for the model sampled from, asked once per model (its structure does not change with its
+        weights; the admission probe sets attention implementations, which a call should not pay for)."""
+        if self._step is None or self._step[0] is not self.model:
+            self._step = (self.model, *step_choice(self.model, self.decode_step))
+        return self._step[1], self._step[2]
 
     def served_reason(
         self, prompt_ids: list[list[int]], params: SamplingParams, multimodal: list[Any] | None = None
@@ -394,7 +403,7 @@ class CapturedGenerator:
         """None if the loop serves this call, else why it goes to `fallback`."""
         if multimodal is not None and any(m is not None for m in multimodal):
             return "prompts with images are sampled by transformers generate"
-        fused = step_choice(self.model, self.decode_step)[0] == "fused"
+        fused = self.step_choice()[0] == "fused"
         limit = position_limit(_base(self.model)) if fused else None
         longest = max(map(len, prompt_ids), default=0) + params.max_new_tokens
         if limit is not None and longest > limit[0]:
@@ -470,7 +479,7 @@ class CapturedGenerator:
             logits_to_keep=1,
         ).logits[:, -1]
         compiled = compiles_by_default(device) if self.compile_step is None else self.compile_step
-        kind, reason = step_choice(self.model, self.decode_step)
+        kind, reason = self.step_choice()
         if reason is not None:
             raise ValueError(f"CapturedGenerator cannot run the {kind!r} decode step for this model: {reason}.")
         step_class = FusedDecoder if kind == "fused" else ModelStep
