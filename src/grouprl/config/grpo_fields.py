@@ -228,7 +228,11 @@ class ModelAndSamplingFields:
     vllm_max_model_length: Optional[int] = field(default=None, metadata=_meta("Colocate: context length."))
     vllm_tensor_parallel_size: int = field(default=1, metadata=_meta("Colocate: tensor parallel size."))
     vllm_importance_sampling_correction: bool = field(
-        default=True, metadata=_meta("Correct sampler/trainer logprob mismatch.")
+        default=True,
+        metadata=_meta(
+            "Correct sampler/trainer logprob mismatch: a separate sampler's, and an in-process one's where training "
+            "computes below fp32 (docs/objectives.md)."
+        ),
     )
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask", metadata=_meta("token_truncate, token_mask, sequence_truncate or sequence_mask.")
