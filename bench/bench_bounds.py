@@ -61,7 +61,7 @@ def _weights(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor]:
 def decode_seconds(layers: list[torch.Tensor], head: torch.Tensor, rows: int) -> float:
     """One decode step's products for `rows` rows: every layer weight and the LM head, in the fastest of
     x @ W^T and W @ x^T with and without rows padded to a multiple of 16 (grouprl's engine computes
-    few rows weight-major; fused_decode.py)."""
+    few rows weight-major; cpu_products.py)."""
     weights = layers + [head]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     padded = {w.shape[1]: torch.randn(-(-rows // 16) * 16, w.shape[1], dtype=w.dtype) for w in weights}

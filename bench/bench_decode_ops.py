@@ -52,7 +52,7 @@ def step_operators(
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from grouprl.core.types import SamplingParams
-    from grouprl.generation import fused_decode, static_decode
+    from grouprl.generation import fused_step, static_decode
 
     shape = SHAPES[shape]
     eos, pad = shape.vocab - 1, shape.vocab - 2
@@ -73,13 +73,13 @@ def step_operators(
 
     tokenizer = type("Tokenizer", (), {"decode": lambda self, ids, **kwargs: ""})()
     generator = static_decode.CapturedGenerator(model, tokenizer, [eos], pad, capture=False)
-    packs = fused_decode.packs_weights
-    static_decode.DecodeLoop.step, fused_decode.packs_weights = counting_step, lambda *args: False
+    packs = fused_step.packs_weights
+    static_decode.DecodeLoop.step, fused_step.packs_weights = counting_step, lambda *args: False
     try:
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
             generator.generate([[1, 2, 3, 4, 5]] * 8, rows // 8, SamplingParams(max_new_tokens=4, temperature=1.0))
     finally:
-        static_decode.DecodeLoop.step, fused_decode.packs_weights = step, packs
+        static_decode.DecodeLoop.step, fused_step.packs_weights = step, packs
     return counted[-1]
 
 

@@ -10,7 +10,7 @@ training run or TRL. On CUDA the step replays a CUDA graph, as in training; else
 The ways:
   as-is           `generation_engine="captured"` with this checkout's defaults
   mlp-row-major   a stacked gate/up product as x @ W^T, its halves strided (the step before W @ x^T became CUDA's
-                  default, fused_decode.mlp_transposed_pays_off)
+                  default, fused_step.mlp_transposed_pays_off)
   compiled        `compile_decode_step=True`: the step compiled by inductor before it is captured (its first call,
                   the compile, is the untimed warm-up)
 Random weights, built here, never emit an EOS: every row decodes every step. Each way: one untimed generate call,
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
 from bench_generation import SHAPES, kernels_per_step  # noqa: E402
 
 from grouprl.core.types import SamplingParams  # noqa: E402
-from grouprl.generation import fused_decode  # noqa: E402
+from grouprl.generation import fused_step  # noqa: E402
 from grouprl.generation.static_decode import CapturedGenerator  # noqa: E402
 
 WAYS = ("as-is", "mlp-row-major", "compiled")
@@ -66,7 +66,7 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str) -> torch.nn.Mo
 
 def one_way(way: str, model, prompts: list[list[int]], generations: int, params: SamplingParams, device: str) -> dict:
     backend = CapturedGenerator(model, NoText(), [], 0, compile_step=way == "compiled")
-    row_major = patch.object(fused_decode, "mlp_transposed_pays_off", lambda device: False)
+    row_major = patch.object(fused_step, "mlp_transposed_pays_off", lambda device: False)
     with row_major if way == "mlp-row-major" else contextlib.nullcontext():
         backend.generate(prompts, generations, params)  # warm-up: libraries' lazy set-up, the compile if any
         if device == "cuda":

@@ -1,4 +1,4 @@
-"""FastGenerator with and without fused decode steps (generation/fused_decode.py), alternating in one process.
+"""FastGenerator with and without fused decode steps (generation/fused_step.py), alternating in one process.
 
     python bench/bench_fused_decode.py W5 --dtype bf16 --pairs 3
 

@@ -214,7 +214,7 @@ def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path, capl
 
 
 def test_layers_that_differ_in_shape_run_the_models_own_step_not_the_fused_one():
-    """Gemma 4's layers of two head_dims: its own forward runs them (the fused step names why it cannot)."""
+    """Gemma 4's layers of two head_dims: its own forward runs them (the fused step has no row for it)."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     layers = ["full_attention"] * 2  # no sliding window: the shapes are the first thing it cannot serve
@@ -227,7 +227,7 @@ def test_layers_that_differ_in_shape_run_the_models_own_step_not_the_fused_one()
     assert captured_supports(model, {}, None) is None and step_choice(model)[0] == "model"
     assert decode_probe.step_gap(model, ModelStep, positions=128) < 1e-5
     assert captured_supports(model, {}, None, decode_step="fused") == (
-        "its layers differ in ['head_dim'] (config.per_layer_config)"
+        "its model type ('gemma4_text') has no row in fused_step.FAMILIES"
     )
 
 

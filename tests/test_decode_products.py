@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grouprl.generation import fused_decode
-from grouprl.generation.fused_decode import (
+from grouprl.generation import cpu_products
+from grouprl.generation.cpu_products import (
     pack_weight,
     packed_linear,
     packs_weights,
@@ -124,9 +124,9 @@ def test_only_bf16_cpu_products_are_packed():
 
 def test_packed_weights_are_declined_where_onednn_runs_no_bf16_and_the_reason_is_logged(monkeypatch, caplog):
     """An AVX2-only CPU (or ONEDNN_MAX_CPU_ISA=AVX2): torch says oneDNN runs no bf16, so nothing is packed."""
-    monkeypatch.setattr(fused_decode, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(cpu_products, "onednn_runs_bf16", lambda: False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    monkeypatch.setattr(fused_decode, "pack_weight", lambda w: pytest.fail("packed a weight oneDNN cannot run"))
+    monkeypatch.setattr(cpu_products, "pack_weight", lambda w: pytest.fail("packed a weight oneDNN cannot run"))
     with fresh_verdict(), caplog.at_level(logging.INFO, logger="grouprl"):
         assert not packs_weights(torch.bfloat16, torch.device("cpu"))
         assert not packs_weights(torch.bfloat16, torch.device("cpu"))
@@ -134,12 +134,12 @@ def test_packed_weights_are_declined_where_onednn_runs_no_bf16_and_the_reason_is
 
 
 def test_a_packed_product_that_is_not_supported_is_declined_and_other_errors_propagate(monkeypatch, caplog):
-    monkeypatch.setattr(fused_decode, "onednn_runs_bf16", lambda: True)
+    monkeypatch.setattr(cpu_products, "onednn_runs_bf16", lambda: True)
 
     def unsupported(weight):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
 
-    monkeypatch.setattr(fused_decode, "pack_weight", unsupported)
+    monkeypatch.setattr(cpu_products, "pack_weight", unsupported)
     with fresh_verdict(), caplog.at_level(logging.INFO, logger="grouprl"):
         assert not packs_weights(torch.bfloat16, torch.device("cpu"))
     assert "a packed product failed: RuntimeError: mkldnn_reorder_linear_weight" in caplog.text
@@ -147,7 +147,7 @@ def test_a_packed_product_that_is_not_supported_is_declined_and_other_errors_pro
     def out_of_memory(weight):
         raise torch.OutOfMemoryError("out of memory")
 
-    monkeypatch.setattr(fused_decode, "pack_weight", out_of_memory)
+    monkeypatch.setattr(cpu_products, "pack_weight", out_of_memory)
     with fresh_verdict(), pytest.raises(torch.OutOfMemoryError):
         packs_weights(torch.bfloat16, torch.device("cpu"))
 
@@ -155,8 +155,8 @@ def test_a_packed_product_that_is_not_supported_is_declined_and_other_errors_pro
 @contextlib.contextmanager
 def fresh_verdict():
     """packed_bf16_runs decides once per process: ask again inside the block, and let the next caller ask again."""
-    fused_decode.packed_bf16_runs.cache_clear()
+    cpu_products.packed_bf16_runs.cache_clear()
     try:
         yield
     finally:
-        fused_decode.packed_bf16_runs.cache_clear()
+        cpu_products.packed_bf16_runs.cache_clear()

@@ -75,6 +75,10 @@ def test_site_builds_strict_with_every_config_field(tmp_path):
     assert not absent, f"the GRPOConfig reference page lacks {absent}"
     # type and default cells render as code, unescaped (transformers annotates output_dir `str | None`)
     assert "<td><code>output_dir</code></td>\n<td><code>str | None</code></td>\n<td><code>None</code></td>" in reference
+    architecture = (site / "architecture.html").read_text(encoding="utf-8")
+    from grouprl.generation.fused_step import FAMILIES
+
+    assert all(f"<td><code>{model_type}</code></td>" in architecture for model_type in FAMILIES)
     trainer = (site / "reference" / "grpo_trainer.html").read_text(encoding="utf-8")
     for method in ("train", "evaluate", "save_model", "compute_loss"):
         assert f'id="grouprl.GRPOTrainer.{method}"' in trainer, f"GRPOTrainer.{method} is not in the API reference"

@@ -3,10 +3,12 @@ or is refused with its reason. The list comes from transformers' own auto mappin
 not from a hand-kept table, so a new release's models are tried as they arrive.
 
 For each accepted model type: the fp32 log-probabilities of the loop's step equal one full forward's within 1e-5 over
-128 positions (its sliding windows and attention chunks shrunk to decode_probe.WINDOW tokens, so that they slide),
-greedy tokens equal those of the model's full forward without a cache, and the planted errors are caught (the
-probe's gap passes 1e-5, or the step refuses): RoPE one position ahead, the norm weights 1% off (where the norms
-have weights), a sliding window one too wide (where there are windows). The counts and the lists are printed
+128 positions (2e-5 where some layers are linear attention: the forward's chunked scan and the step's recurrence sum
+in different orders, 1.1e-5 measured on OLMo-Hybrid on an AVX512-BF16 CPU), its sliding windows and attention
+chunks shrunk to decode_probe.WINDOW tokens, so that they slide; greedy tokens equal those of the model's full
+forward without a cache; and the planted errors are caught (the probe's gap passes that tolerance, or the step
+refuses): RoPE one position ahead, the norm weights 1% off (where the norms have weights), a sliding window one too
+wide (where there are windows). The counts and the lists are printed
 (`pytest -s`) and written to $GROUPRL_FAMILY_MATRIX when set.
 
 A tier of its own (`-m family_matrix`, deselected by default; .ci/run runs it against the pinned transformers and the
@@ -26,6 +28,7 @@ from grouprl.core.types import SamplingParams
 from grouprl.generation import decode_probe
 from grouprl.generation.model_step import ModelStep
 from grouprl.generation.static_decode import CapturedGenerator, step_choice
+from grouprl.model.layer_configs import LINEAR_ATTENTION, layer_kinds
 
 pytestmark = pytest.mark.family_matrix
 
@@ -109,13 +112,15 @@ def test_the_model_type_samples_through_the_captured_loop_or_is_refused_by_name(
         assert isinstance(reason, str) and len(reason) > 10  # a refusal names its reason
         return
     RESULTS["accepted"][model_type] = kind
-    assert decode_probe.step_gap(model, ModelStep, positions=128) < 1e-5
+    recurrent = LINEAR_ATTENTION in layer_kinds(model.config.get_text_config())
+    tolerance = 2e-5 if recurrent else 1e-5
+    assert decode_probe.step_gap(model, ModelStep, positions=128) < tolerance
     for what, make_step in planted_errors(model).items():
         try:
             gap = decode_probe.step_gap(model, make_step, positions=128)
         except NotImplementedError:
             continue  # the step refused to compute it
-        assert gap > 1e-5, f"{what} went unnoticed (gap {gap:.3g})"
+        assert gap > tolerance, f"{what} went unnoticed (gap {gap:.3g})"
     prompts = [[5, 9, 13, 2, 7, 30], [40, 41], [3, 3, 8, 60]]
     vocab = model.config.get_text_config().vocab_size
     prompts = [[t % vocab for t in p] for p in prompts]

@@ -23,7 +23,7 @@ import grouprl.generation.engine as engine
 import grouprl.model.forward as model_forward
 from grouprl import GRPOTrainer
 from grouprl.core.types import SamplingParams
-from grouprl.generation import fused_decode, shared_prefix
+from grouprl.generation import cpu_products, shared_prefix
 from grouprl.generation.engine import FastGenerator
 from grouprl.model import packed_attention, prompt_packing
 from grouprl.model.logprobs import completion_logprobs
@@ -72,7 +72,7 @@ def fast_paths(monkeypatch):
     real_packed, real_attend, real_linear = (
         packed_attention.packed_attention,
         shared_prefix.SharedPrefixCache.attend,
-        fused_decode.weight_major_linear,
+        cpu_products.weight_major_linear,
     )
 
     def packed(*args, **kwargs):
@@ -90,7 +90,7 @@ def fast_paths(monkeypatch):
 
     monkeypatch.setattr(packed_attention, "packed_attention", packed)
     monkeypatch.setattr(shared_prefix.SharedPrefixCache, "attend", attend)
-    monkeypatch.setattr(fused_decode, "weight_major_linear", linear)
+    monkeypatch.setattr(cpu_products, "weight_major_linear", linear)
     return calls
 
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grouprl.core.types import SamplingParams
 from grouprl.generation import decode_probe
 from grouprl.generation.model_step import ModelStep
-from grouprl.generation.static_decode import DECODE_STEPS, CapturedGenerator, captured_supports
+from grouprl.generation.static_decode import DECODE_STEPS, CapturedGenerator, captured_supports, step_choice
 from grouprl.generation.static_kv_cache import StaticKVCache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -283,17 +283,17 @@ def test_the_compiled_step_under_bf16_autocast_keeps_to_the_training_forward(mod
 @pytest.mark.parametrize("transposed", [False, True])
 def test_either_mlp_orientation_keeps_to_the_training_forward(model_and_tokenizer, transposed, monkeypatch):
     """Under bf16 autocast the step's gate/up weights are cast and stacked into one product, computed as x @ W^T
-    (CPUs) or as W @ x^T, each half of the output contiguous (CUDA: fused_decode.mlp_transposed_pays_off). Both are
+    (CPUs) or as W @ x^T, each half of the output contiguous (CUDA: fused_step.mlp_transposed_pays_off). Both are
     the same products of the same bf16 operands: each keeps the eager loop's bound to the training forward's
     logprobs (test above), and on this CPU the two sample the same tokens (measured: largest gap 5e-7 either way)."""
-    from grouprl.generation import fused_decode
+    from grouprl.generation import fused_step
 
-    monkeypatch.setattr(fused_decode, "mlp_transposed_pays_off", lambda device: transposed)
-    monkeypatch.setattr(fused_decode, "packs_weights", lambda dtype, device: False)  # as on CUDA
+    monkeypatch.setattr(fused_step, "mlp_transposed_pays_off", lambda device: transposed)
+    monkeypatch.setattr(fused_step, "packs_weights", lambda dtype, device: False)  # as on CUDA
     model, tokenizer = model_and_tokenizer
     prompts, params = prompts_of(tokenizer), SamplingParams(max_new_tokens=12, temperature=0.8)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        decoder = fused_decode.FusedDecoder(model)
+        decoder = fused_step.FusedDecoder(model)
         torch.manual_seed(0)
         completions = generator(model, tokenizer, []).generate(prompts, 3, params)
         forward = [forward_logprobs(model, prompts[c.prompt_index], c.token_ids, 0.8) for c in completions]
@@ -302,7 +302,7 @@ def test_either_mlp_orientation_keeps_to_the_training_forward(model_and_tokenize
     assert len(gaps) == 9 * 12
     assert gaps.max() < (1e-5 if DEVICE == "cpu" else 2e-4) and gaps.mean() < 5e-6
     if DEVICE == "cpu":  # a GPU's GEMM kernels for the two orientations may differ by an ulp, and so the tokens
-        monkeypatch.setattr(fused_decode, "mlp_transposed_pays_off", lambda device: not transposed)
+        monkeypatch.setattr(fused_step, "mlp_transposed_pays_off", lambda device: not transposed)
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             torch.manual_seed(0)
             other = generator(model, tokenizer, []).generate(prompts, 3, params)
@@ -447,3 +447,71 @@ def test_training_with_the_captured_engine_learns(tmp_path, tiny_model_dir):
     trainer.train()
     assert trainer.state.global_step == 2
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_a_vision_language_model_without_a_twin_to_probe_is_refused_by_name():
+    """Qwen2-VL's text config has no causal LM of its own to build the probe's fp32 twin from: the loop says so."""
+    from vlm_models import tiny_qwen2_vl
+
+    model, _ = tiny_qwen2_vl()
+    assert captured_supports(model, {}, None) == (
+        "its fp32 twin's model step failed: NotImplementedError: no causal LM of its text config "
+        "(Qwen2VLTextConfig) to build a twin from"
+    )
+
+
+def test_the_captured_loop_serves_ministral3s_vision_language_model_for_text_prompts(tiny_model_dir):
+    """Ministral 3's checkpoints are Mistral3ForConditionalGeneration (a Pixtral tower, YaRN RoPE, queries scaled by
+    position past the original length): its text-only calls run its language model's own forward in the captured
+    loop, greedy as generate past that length, its image placeholder never sampled."""
+    from decoding import greedy_and_generates, sharpened
+    from transformers import Ministral3Config, Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    rope = dict(rope_type="yarn", factor=2.0, beta_fast=32.0, beta_slow=1.0, llama_4_scaling_beta=2.0)
+    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    text = Ministral3Config(**sizes, num_key_value_heads=2, max_position_embeddings=24, head_dim=16)
+    text.rope_parameters = {**rope, "rope_theta": 10_000.0, "original_max_position_embeddings": 12}  # as given
+    text.sliding_window, text.pad_token_id, text.bos_token_id, text.eos_token_id = None, 0, 1, 2
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    config = Mistral3Config(
+        text_config=text.to_dict(),
+        vision_config=PixtralVisionConfig(**vision, image_size=16, patch_size=4).to_dict(),
+        image_token_index=95,
+    )
+    torch.manual_seed(0)
+    model = sharpened(Mistral3ForConditionalGeneration(config).eval().to(DEVICE), 4.0)
+    assert step_choice(model) == ("model", None)
+    sampler = CapturedGenerator(model, AutoTokenizer.from_pretrained(tiny_model_dir), [2], 0, suppress_token_ids=[95])
+    for prompt in ([5, 9, 13, 4, 7, 30], [40, 41]):  # one at a time: the model's own positions, no padding
+        got, want = greedy_and_generates(sampler, [prompt], 12, suppress_tokens=[95])
+        assert got == want and len(prompt) + len(got[0]) > 12  # past the original length
+
+
+def test_the_captured_loop_serves_qwen3_5s_vision_language_model_for_text_prompts():
+    """Qwen3.5's checkpoints load as Qwen3_5ForConditionalGeneration. Its text tokens take the same position on the
+    three axes of its multimodal RoPE, so a text-only call runs its hybrid language model's own forward (its gated
+    delta rule over the static cache's states) in the captured loop: greedy, generate's tokens; sampled, a separate
+    forward's logprobs."""
+    from decoding import samples_keep_to_the_forward_without
+    from vlm_models import sharpen, tiny_qwen3_5
+
+    model, processor = tiny_qwen3_5()
+    model = sharpen(model, 4.0)
+    with torch.no_grad():  # norm weights of their own: Qwen3.5's (1 + w) norms start at w = 0
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(mean=0.5 if name.endswith("linear_attn.norm.weight") else 0.0, std=0.3)
+    model = model.eval().to(DEVICE)
+    assert step_choice(model) == ("model", None)
+    tokenizer, eos = processor.tokenizer, model.generation_config.eos_token_id
+    image_token = model.config.image_token_id
+    prompts = [[5, 9, 13, 4, 7, 30], [40, 41], [3, 3, 8, 60]]
+    sampler = CapturedGenerator(model, tokenizer, [eos], eos, suppress_token_ids=[image_token])
+    greedy = [c.token_ids for c in sampler.generate(prompts, 1, SamplingParams(max_new_tokens=12, top_k=1))]
+    for prompt, got in zip(prompts, greedy):  # one prompt at a time: no padding, the model's own positions
+        want = model.generate(
+            input_ids=torch.tensor([prompt], device=DEVICE), do_sample=False, max_new_tokens=12,
+            suppress_tokens=[image_token], eos_token_id=eos, pad_token_id=eos,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+        assert got == (want[: want.index(eos) + 1] if eos in want else want)
+    samples_keep_to_the_forward_without(sampler, prompts, image_token)

@@ -17,8 +17,10 @@ from grouprl.core.overrides import OVERRIDE_POINTS
 ROOT = Path(__file__).resolve().parents[1]
 SRC = str(ROOT / "src" / "grouprl") + os.sep
 # Files of the package one optimizer step (with its generation) enters, the speed machinery included. The
-# target of issue 34 is 35; this ceiling only keeps the count from growing while modules are merged by job.
-MAX_STEP_FILES = 35
+# target of issue 34 was 35; issue 62 split the fused decode module by job (fused_step.py, cpu_products.py) and its
+# private copies of layer_kinds and base_model gave way to model/layer_configs.py's and model/adapters.py's: 37. This
+# ceiling only keeps the count from growing while modules are merged by job.
+MAX_STEP_FILES = 37
 
 
 def layer_ranks() -> dict[str, int]:
@@ -89,7 +91,7 @@ def test_one_step_calls_no_higher_layer_and_enters_few_files(tiny_model_dir, tmp
         sys.setprofile(None)
     assert trace.files["train/stages.py"] > 0 and trace.files["rollout/experience.py"] > 0, "the step was not traced"
     assert not trace.calls_up, f"calls from a lower layer into a higher one: {dict(trace.calls_up)}"
-    assert len(trace.files) <= MAX_STEP_FILES, sorted(trace.files)
+    assert len(trace.files) <= MAX_STEP_FILES, " ".join(sorted(trace.files))
 
 
 def test_the_trace_sees_a_call_up_a_layer():

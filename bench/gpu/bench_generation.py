@@ -448,8 +448,8 @@ def main() -> None:
         "--decode-steps",
         default="",
         help="the captured loop's decode runs once with each of these steps, comma-separated: model (its own "
-        "forward), fused (the hand-written step); empty: static_decode.step_choice's. FUSED_STEP_FAMILIES keeps a "
-        "family whose fused step is >= 1.25x faster a decode step than the model's",
+        "forward), fused (the hand-written step); empty: static_decode.step_choice's. A row of fused_step.FAMILIES "
+        "keeps the fused step for the captured loop where it is >= 1.25x faster a decode step than the model's",
     )
     parser.add_argument("--cases", default="", help="comma-separated case numbers of the plan to run (1-based; all)")
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps a training run takes (the case's)")

@@ -29,7 +29,7 @@ PY
 FILES=(
     tests/test_gpu.py tests/test_trainer.py tests/test_objectives_e2e.py tests/test_logprobs.py
     tests/test_shared_prompt_training.py tests/test_health.py tests/test_engine.py tests/test_generation_paths.py
-    tests/test_fused_decode.py tests/test_packed_attention.py tests/test_kv_buffers.py
+    tests/test_fused_step.py tests/test_packed_attention.py tests/test_kv_buffers.py
     tests/test_shared_prefix_probe.py tests/test_evaluation.py tests/test_gfpo.py tests/test_learning.py
     tests/test_checkpoint.py tests/test_weights.py tests/test_qlora.py tests/test_sampling.py tests/test_losses.py
     tests/test_combinations.py tests/test_reward_models.py tests/test_callbacks.py tests/test_trainer_surface.py

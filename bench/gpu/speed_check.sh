@@ -5,7 +5,7 @@
 #      s/step, decode ms/step, kernels per decode step, peak memory (bench.sh, at most 200 s; 134 s on the H200);
 #   2. the decode step alone, as the trainer generates (fp32 weights under bf16 autocast), as it is, with its MLP in
 #      the row-major orientation it had before, and compiled: ms and kernels a step, peak memory
-#      (bench/bench_decode_step.py, at most 80 s): whether W @ x^T pays on CUDA (fused_decode.mlp_transposed_pays_off)
+#      (bench/bench_decode_step.py, at most 80 s): whether W @ x^T pays on CUDA (fused_step.mlp_transposed_pays_off)
 #      and whether compile_decode_step should become the default;
 #   3. the decode step's draw alone, by each sampling method, replayed from a graph (bench/bench_sampling.py, at most
 #      20 s): the two-level inverse CDF against multinomial's exponential race;
@@ -28,7 +28,7 @@ timeout 80 python3 bench/bench_decode_step.py 2>&1 | tee "$OUT/decode_step.jsonl
 part "draw"
 timeout 20 python3 bench/bench_sampling.py 2>&1 | tee "$OUT/sampling.json" | grep '"method"'
 part "GPU tests"
-LIMIT=120 bash bench/gpu/check.sh tests/test_gpu.py tests/test_static_decode.py tests/test_fused_decode.py 2>&1 | tail -25
+LIMIT=120 bash bench/gpu/check.sh tests/test_gpu.py tests/test_static_decode.py tests/test_fused_step.py 2>&1 | tail -25
 rm -f "$OUT/junit.xml"
 part "Qwen3.5 case"
 BUDGET=60 timeout 90 bash bench/gpu/bench.sh --cases 6 --only trl,captured || tail -25 "$OUT/bench.log"

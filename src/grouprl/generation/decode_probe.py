@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from grouprl.generation.fused_decode import layer_kinds
 from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword, describe, is_unsupported
+from grouprl.model.layer_configs import layer_kinds
 from grouprl.model.logprobs import position_ids_from_mask
 
 POSITIONS = 40  # decode steps a row at admission (tests: 128)
@@ -86,12 +86,21 @@ def shrink(config: Any) -> None:
             setattr(config, name, 0)
 
 
-@torch.no_grad()
 def step_gap(
     model: torch.nn.Module, make_step: Callable[[torch.nn.Module], Any], positions: int = POSITIONS, seed: int = 0
 ) -> float:
     """The largest gap, in nats, between the log-probabilities `make_step(model)`'s decode steps give at each of
     `positions` steps and those of one forward over the whole sequences (module doc). Raises what the step raises."""
+    got, want = step_logprobs(model, make_step, positions, seed)
+    return float((got - want).abs().max())
+
+
+@torch.no_grad()
+def step_logprobs(
+    model: torch.nn.Module, make_step: Callable[[torch.nn.Module], Any], positions: int = POSITIONS, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the steps', the forward's) fp32 log-probabilities, each (rows, positions, vocab), for `step_gap`; under the
+    caller's autocast, if any."""
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(seed)
@@ -121,8 +130,7 @@ def step_gap(
     rows_mask = F.pad(mask.repeat_interleave(SAMPLES, 0), (0, positions), value=1)
     ids = torch.cat([prompts.repeat_interleave(SAMPLES, 0), fed], dim=1)
     full = forward(input_ids=ids, attention_mask=rows_mask, position_ids=position_ids_from_mask(rows_mask)).logits
-    want = full[:, PROMPT:].float().log_softmax(-1)
-    return float((got - want).abs().max())
+    return got, full[:, PROMPT:].float().log_softmax(-1)
 
 
 def verdict(

@@ -15,9 +15,9 @@ samples of the same prompt, with lengths that vary widely. This engine:
 4. writes each step's keys and values into buffers allocated once (kv_buffers.py) instead of
    growing the cache by concatenation;
 5. on CPU, computes the few-row products of a decode step with the weight as the left-hand
-   operand, which the CPU BLAS runs faster (fused_decode.py);
-6. runs the decode steps of Llama-family models from their weights with fewer, larger operators
-   than their forward (fused_decode.py), where a probe shows both give the same logits.
+   operand, which the CPU BLAS runs faster (cpu_products.py);
+6. runs the decode steps of the model types whose row of fused_step.FAMILIES keeps them on the CPU from
+   their weights with fewer, larger operators than their forward, once a probe shows both compute alike.
 
 It works with any transformers causal LM whose cache supports `batch_repeat_interleave` and
 `batch_select_indices` (DynamicCache: Llama, Qwen2/3, Mistral, Gemma, ...). It samples the same
@@ -49,12 +49,14 @@ from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
 from grouprl.core.types import Completion, SamplingParams
-from grouprl.generation.fused_decode import fused_decoder, fuses_up_to, weight_major_decode
+from grouprl.generation.cpu_products import weight_major_decode
+from grouprl.generation.fused_step import FusedDecoder, fuses
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.kv_buffers import preallocate
 from grouprl.generation.protocol import left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
 from grouprl.generation.shared_prefix import SharedPrefixCache, decoding, matches_standard_attention
+from grouprl.model.adapters import base_model
 from grouprl.model.forward import cache_keyword
 from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches
@@ -148,11 +150,12 @@ class FastGenerator:
         if not prompt_ids:
             return []
         device = next(self.model.parameters()).device
+        fuses_steps = self.fuse_decode and fuses(self.model)  # asked before the decode products replace forwards
         was_training = self.model.training
         self.model.eval()
         try:  # grouprl's attention functions registered, and the decode products, for this call only
             with grouprl_patches(self.model), weight_major_decode(self.model):
-                tokens, logprobs = self._sample(prompt_ids, num_samples, params, device)
+                tokens, logprobs = self._sample(prompt_ids, num_samples, params, device, fuses_steps)
         finally:
             self.model.train(was_training)
         completions = []
@@ -164,13 +167,12 @@ class FastGenerator:
         return completions
 
     def _sample(
-        self, prompt_ids: list[list[int]], g: int, params: SamplingParams, device: torch.device
+        self, prompt_ids: list[list[int]], g: int, params: SamplingParams, device: torch.device, fuses_steps: bool
     ) -> tuple[list[list[int]], list[list[float]]]:
         ids, mask = left_pad(prompt_ids, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         standard = self.share_prefix and matches_standard_attention(self.model)
-        longest = max(map(len, prompt_ids)) + params.max_new_tokens
-        fused = standard and self.fuse_decode and fuses_up_to(self.model, longest)
+        fused = standard and fuses_steps
         # the fused step reads the shared-prefix cache, and with it the shared cache pays off at any prompt length
         shared = standard and (fused or mask.sum(dim=1).float().mean() >= SHARED_PREFIX_MIN_TOKENS)
         if not self.share_prefix:
@@ -199,7 +201,7 @@ class FastGenerator:
             )
         if not shared:  # decode steps write into buffers instead of concatenating (kv_buffers.py)
             cache = preallocate(cache, params.max_new_tokens)
-        decoder = fused_decoder(self.model) if fused else None  # the weights as they are for this call
+        decoder = FusedDecoder(base_model(self.model)) if fused else None  # the weights as they are for this call
 
         rows = ids.shape[0]
         history, history_mask = ids, mask.bool()  # (R, L) for the repetition penalty

@@ -15,8 +15,7 @@ multipliers, routed experts, soft-capped logits) is its own code. What this modu
   get / update_recurrent_state);
 - `cast_once`: every plain `nn.Linear` multiplies by its weight cast to the step's dtype once per call (under bf16
   autocast the forward would cast every fp32 weight again at every step), packed for oneDNN where a CPU runs bf16
-  products from packed weights, and in the weight-major orientation for few fp32 rows on a CPU (fused_decode's
-  products).
+  products from packed weights, and in the weight-major orientation for few fp32 rows on a CPU (cpu_products.py).
 
 What it cannot run it refuses with a reason (`model_step_reason`), and what it would compute differently the
 probe finds (decode_probe.py): a layer whose keys and values differ in width (multi-head latent attention), a
@@ -33,18 +32,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from grouprl.generation.fused_decode import (
-    FULL,
-    LINEAR_ATTENTION,
-    few_row_linear,
-    layer_kinds,
-    pack_weight,
-    packed_linear,
-    packs_weights,
-)
+from grouprl.generation.cpu_products import few_row_linear, pack_weight, packed_linear, packs_weights
 from grouprl.generation.shared_prefix import attention_implementation
 from grouprl.generation.static_kv_cache import StaticKVCache
 from grouprl.model.forward import cache_keyword
+from grouprl.model.layer_configs import FULL, LINEAR_ATTENTION, layer_kinds
 from grouprl.model.patches import grouprl_patches, scoped_attention
 
 NAME = "grouprl_static_decode"

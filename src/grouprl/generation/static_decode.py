@@ -30,7 +30,8 @@ each prompt bucket and row count is a static graph of its own, up to `MAX_COMPIL
 step 1.67 ms against 2.29 eager, its GRPO step 0.86 s against 1.07, its first step 9 s longer (the compile).
 
 Models: the step is the model's own forward (model_step.ModelStep) for every model type whose forward decodes over
-the static cache, and the hand-written fused_decode.FusedDecoder for `FUSED_STEP_FAMILIES` only (`step_choice`);
+the static cache, and the hand-written fused_step.FusedDecoder for the rows of fused_step.FAMILIES that keep it here
+(`step_choice`);
 either is admitted once its steps compute as the forward on the model's fp32 twin (decode_probe.py), whatever the
 dtype. Mixture-of-experts layers run without host syncs while captured (`capturable_experts`); a vision-language
 model's text-only prompts are served (its prompts with images go to `fallback`); a quantized (QLoRA) layer keeps its
@@ -53,20 +54,12 @@ from transformers.utils import logging
 from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation import decode_probe
 from grouprl.generation.engine import in_process_sampler_reason
-from grouprl.generation.fused_decode import (
-    FULL,
-    LINEAR_ATTENTION,
-    FusedDecoder,
-    _base,
-    layer_kinds,
-    position_limit,
-    structure_reason,
-    text_decoder,
-)
+from grouprl.generation.fused_step import FusedDecoder, family_of, structure_reason
 from grouprl.generation.model_step import ModelStep, model_step_reason
 from grouprl.generation.protocol import GenerationBackend, cut_at_eos, left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
 from grouprl.generation.static_kv_cache import StaticKVCache
+from grouprl.model.adapters import base_model
 from grouprl.model.forward import cache_keyword
 from grouprl.model.logprobs import position_ids_from_mask
 from grouprl.model.patches import grouprl_patches
@@ -76,20 +69,8 @@ logger = logging.get_logger("grouprl")
 PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between the host's reads of "has every row finished?"
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
-# The hand-written step (fused_decode.FusedDecoder) is kept for these model types only, each a GPU case where it
-# was measured faster before the model's own forward (ModelStep) served it; bench/gpu/decode_steps.sh
-# (`bench_generation.py --decode-steps model,fused`) decides whether each stays: at >= 1.25x ModelStep's ms/step.
-# Every other model type runs ModelStep.
-FUSED_STEP_FAMILIES = {
-    "qwen2": "the 0.5B dense case (Qwen2.5-0.5B's shape)",
-    "qwen3_moe": "Qwen3-MoE",
-    "gemma3_text": "Gemma 3",
-}
-DECODE_STEPS = ("model", "fused")  # CapturedGenerator(decode_step=...): None picks by FUSED_STEP_FAMILIES
+DECODE_STEPS = ("model", "fused")  # CapturedGenerator(decode_step=...): None picks by fused_step.FAMILIES' gpu column
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
-# RoPE types a step's table serves (FusedDecoder.tabulate_rope): cos/sin of each position its own (longrope's below its
-# pretraining length, past which a call goes to the fallback: CapturedGenerator.served_reason)
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "ntk_alpha")  # ntk_alpha: HunYuan's fixed base
 
 
 def captured_supports(
@@ -106,36 +87,19 @@ def captured_supports(
 
 def step_choice(model: torch.nn.Module, requested: Optional[str] = None) -> tuple[str, Optional[str]]:
     """The decode step the loop runs `model` with ('model': its own forward, ModelStep; 'fused': FusedDecoder), and
-    None, or the reason it cannot run it. `requested` None: 'fused' for the model types of FUSED_STEP_FAMILIES whose
-    structure FusedDecoder runs, else 'model'. Either is admitted only once its steps computed as the forward on the
-    model's fp32 twin (decode_probe.verdict), whatever the model's dtype."""
-    base = _base(model)
-    family = getattr(text_decoder(base)[1], "model_type", None)
-    fused_candidate = requested == "fused" or (requested is None and family in FUSED_STEP_FAMILIES)
-    structure = structure_reason(base, check_dtype=False) if fused_candidate else None
+    None, or the reason it cannot run it. `requested` None: 'fused' for the model types whose row of
+    fused_step.FAMILIES keeps it for this loop (its `gpu` column) and whose structure it runs, else 'model'. Either is
+    admitted only once its steps computed as the forward on the model's fp32 twin (decode_probe.verdict), whatever
+    the model's dtype."""
+    base = base_model(model)
+    family = family_of(base)[1]
+    fused_candidate = requested == "fused" or (requested is None and family is not None and family.gpu is not None)
+    structure = structure_reason(base) if fused_candidate else None
     kind = requested or ("fused" if fused_candidate and structure is None else "model")
     if kind == "fused":
-        reason = structure or fused_rope_reason(base)
-        limit = position_limit(base)  # the twin's shrunk config keeps the model's limit; the probe stays within it
-        positions = (
-            decode_probe.POSITIONS if limit is None else min(decode_probe.POSITIONS, limit[0] - decode_probe.PROMPT)
-        )
-        return kind, reason or decode_probe.verdict(base, kind, FusedDecoder, positions)
+        return kind, structure or decode_probe.verdict(base, kind, FusedDecoder)
     reason = model_step_reason(base) or model_rope_reason(base)
     return kind, reason or decode_probe.verdict(base, kind, ModelStep)
-
-
-def fused_rope_reason(model: torch.nn.Module) -> Optional[str]:
-    """Why FusedDecoder cannot run this model's layer types or RoPE (its table serves fixed cos/sin only)."""
-    decoder, config = text_decoder(model)
-    kinds = set(layer_kinds(config)) - {FULL, "sliding_attention", LINEAR_ATTENTION}
-    if kinds:
-        return f"its layers of type {sorted(kinds)} are neither attention nor Qwen3.5's linear attention"
-    rope = getattr(decoder.rotary_emb, "rope_type", "default")
-    for kind in rope.values() if isinstance(rope, dict) else [rope]:  # Gemma 3: one a layer type
-        if kind not in STATIC_ROPE_TYPES:
-            return f"its RoPE ({kind!r}) recomputes cos/sin from the batch's positions"
-    return None
 
 
 def model_rope_reason(model: torch.nn.Module) -> Optional[str]:
@@ -246,7 +210,8 @@ def compiled_regions() -> tuple[Callable[..., Any], Callable[..., None]]:
     (4.7 s for 2), the compiled layer 4.8 s for 24. A region torch.compile cannot compile raises `StepCompileError`."""
     # Static shapes: a dynamic recompile's guards failed to build on CUDA (torch 2.11, "list index out of range"
     # for a size symbol inductor's 32-bit indexing check introduced), and a replayed graph needs fixed shapes anyway.
-    # a layer: the first (no previous MLP output to add), the others, a linear-attention layer besides (Qwen3.5)
+    # a layer: the first (no previous MLP output to add), the others, and another kind besides (Gemma 3's sliding
+    # layers, Qwen3-MoE's dense ones)
     return _reporting(FusedDecoder._layer, graphs_per_shape=3), _reporting(DecodeLoop.record, graphs_per_shape=1)
 
 
@@ -339,12 +304,10 @@ class CapturedGenerator:
 
     A vision-language model's text-only prompts run through its language model here, its placeholder tokens
     (`suppress_token_ids`) never sampled, as transformers generate is told. A call the loop cannot serve goes to
-    `fallback` (transformers generate; `served_reason`): one with images, or, for the fused step, one whose sequences
-    would pass the length up to which it computes as the forward (fused_decode.position_limit: a longrope model's
-    pretraining length, Ministral 3's query scaling).
+    `fallback` (transformers generate; `served_reason`): one with images.
 
     `decode_step`: 'model' (the model's own forward, ModelStep), 'fused' (FusedDecoder) or None (`step_choice`: the
-    fused step for FUSED_STEP_FAMILIES, else the model's).
+    fused step where its row of fused_step.FAMILIES keeps it here, else the model's).
 
     `compile_step`: True compiles the step (module doc) on any device and stops on a compile error; None (the
     trainer's default) compiles on CUDA and, should the compile fail, warns once and runs the step as written.
@@ -403,11 +366,6 @@ class CapturedGenerator:
         """None if the loop serves this call, else why it goes to `fallback`."""
         if multimodal is not None and any(m is not None for m in multimodal):
             return "prompts with images are sampled by transformers generate"
-        fused = self.step_choice()[0] == "fused"
-        limit = position_limit(_base(self.model)) if fused else None
-        longest = max(map(len, prompt_ids), default=0) + params.max_new_tokens
-        if limit is not None and longest > limit[0]:
-            return f"prompt + new tokens can pass {limit[1]}, which the loop's cache cannot follow"
         return None
 
     @torch.no_grad()
@@ -463,7 +421,7 @@ class CapturedGenerator:
     def _sample(
         self, prompt_ids: list[list[int]], g: int, params: SamplingParams
     ) -> tuple[list[list[int]], list[list[float]]]:
-        base = _base(self.model)
+        base = base_model(self.model)
         device = base.get_input_embeddings().weight.device
         ids, mask = left_pad(prompt_ids, self.pad_token_id)
         width = bucketed(ids.shape[1], self.prompt_bucket)
@@ -485,8 +443,7 @@ class CapturedGenerator:
         step_class = FusedDecoder if kind == "fused" else ModelStep
         decoder = step_class(base, pack=not compiled)  # the weights as they are now; in place where no cast
         cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype, decoder.windows)
-        # every position a row reaches is below the longest prompt + new tokens (within the fused step's
-        # position_limit: served_reason)
+        # every position a row reaches is below the longest prompt + new tokens
         longest = max(map(len, prompt_ids)) + params.max_new_tokens
         del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)

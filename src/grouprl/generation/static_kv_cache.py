@@ -154,9 +154,9 @@ class StaticLayerCache:
 
 
 class StaticStateLayer:
-    """A linear-attention layer's states for decode steps, updated in place (delta_rule.py), fp32: `conv_state` (rows,
-    channels, kernel), the convolution's last inputs, oldest first; `recurrent_state` (rows, value heads, key dim,
-    value dim)."""
+    """A linear-attention layer's states for decode steps, updated in place by the model's own recurrence
+    (model_step.StaticCacheView), fp32: `conv_state` (rows, channels, kernel), the convolution's last inputs, oldest
+    first; `recurrent_state` (rows, value heads, key dim, value dim)."""
 
     def __init__(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, kv_dtype: torch.dtype):
         self.conv_state, self.recurrent_state, self.kv_dtype = conv_state, recurrent_state, kv_dtype

@@ -20,3 +20,15 @@ def layer_configs(config: Any) -> list[Any]:
     if is_heterogeneous(config):
         return list(config.per_layer_config)
     return [config] * config.num_hidden_layers
+
+
+FULL = "full_attention"  # a layer type without a window
+LINEAR_ATTENTION = "linear_attention"  # a layer type whose mixer is a recurrence (Qwen3.5's gated delta rule)
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Each layer's attention type: config.layer_types, or, for a config that names none, a sliding window in every
+    layer where config.sliding_window is set (Mistral)."""
+    if getattr(config, "layer_types", None):
+        return list(config.layer_types)
+    return [FULL if not getattr(config, "sliding_window", None) else "sliding_attention"] * config.num_hidden_layers

@@ -18,7 +18,7 @@ Model changes are scoped where they are made, each undone in its own `finally`: 
 decode sets the model's attention implementation with `model.set_attn_implementation` for the
 decode loop and sets it back (`shared_prefix.decoding`); the head records its input during one
 forward (`forward.capture_head_input`); decode-step linear layers take the weight-major
-product during one generate call (`fused_decode.weight_major_decode`).
+product during one generate call (`cpu_products.weight_major_decode`).
 
 What is deliberately not undone, and why:
 - `GRPOConfig.keep_freed_host_memory=True` (off by default) raises glibc's malloc thresholds for the
