@@ -160,9 +160,10 @@ def test_the_loop_stops_once_every_row_finished(model_and_tokenizer):
 def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer, decode_step):
     """compile_step=True (GRPOConfig.compile_decode_step): the step traced whole by torch.compile and run by
     inductor's kernels. Drawing its random numbers as eager code does (inductor's fallback_random), the same seed
-    gives the eager loop's tokens with every sampling field and rows that finish; the logprobs agree; a second call
-    with the same shapes compiles nothing more. Inductor's on-disk graph cache is off here: an entry written under
-    another instruction-set limit (CI runs this file again held to AVX2) crashed when served (torch 2.13)."""
+    gives the eager loop's tokens with every sampling field and rows that finish; the logprobs agree; the compile's
+    seconds are reported apart (`report`); a second call with the same shapes compiles nothing more. Inductor's
+    on-disk graph cache is off here: an entry written under another instruction-set limit (CI runs this file again
+    held to AVX2) crashed when served (torch 2.13)."""
     import torch._inductor.config as inductor
     from torch._dynamo.utils import counters
 
@@ -173,9 +174,12 @@ def test_the_compiled_step_samples_as_the_eager_one(model_and_tokenizer, decode_
     with patch.object(inductor, "fallback_random", True), patch.object(inductor, "fx_graph_cache", False):
         for compiled in (False, True):
             torch.manual_seed(0)
-            runs[compiled] = generator(
-                model, tokenizer, decode_step=decode_step, eos=eos, compile_step=compiled
-            ).generate(prompts, 3, params)
+            sampler = generator(model, tokenizer, decode_step=decode_step, eos=eos, compile_step=compiled)
+            runs[compiled] = sampler.generate(prompts, 3, params)
+        report = sampler.report()  # the compiling step timed apart, a metric of the batch
+        assert report["compile_s"] > 0 and report["compiled_graphs"] == 1
+        sampler.generate(prompts, 3, params)
+        assert sampler.report() == {"compile_s": 0.0, "compiled_graphs": 1.0}
         graphs = counters["stats"]["unique_graphs"]
         torch.manual_seed(1)
         generator(model, tokenizer, decode_step=decode_step, eos=eos, compile_step=True).generate(prompts, 3, params)
@@ -426,9 +430,13 @@ def test_bf16_weights_are_admitted_by_their_fp32_twin_not_by_name(model_and_toke
     assert "differs from its forward" in captured_supports(bf16, {}, None, decode_step="model")
 
 
-def test_training_with_the_captured_engine_learns(tmp_path, tiny_model_dir):
-    """generation_engine='captured' end to end: the trainer samples through it and the weights move."""
+def test_training_with_the_captured_engine_learns(tmp_path, tiny_model_dir, monkeypatch):
+    """generation_engine='captured' end to end: the trainer samples through it and the weights move; what the loop
+    reports of its compiles is logged with each step (planted here: compiling on a CPU takes a C++ build)."""
     from grouprl import GRPOTrainer
+
+    compiles = iter([{"compile_s": 1.5, "compiled_graphs": 1.0}, {"compile_s": 0.0, "compiled_graphs": 1.0}])
+    monkeypatch.setattr(CapturedGenerator, "report", lambda self: next(compiles))
 
     config = quiet_config(
         tmp_path,
@@ -447,6 +455,8 @@ def test_training_with_the_captured_engine_learns(tmp_path, tiny_model_dir):
     trainer.train()
     assert trainer.state.global_step == 2
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    logged = [(h["generation/compile_s"], h["generation/compiled_graphs"]) for h in trainer.state.log_history[:2]]
+    assert logged == [(1.5, 1.0), (0.0, 1.0)]
 
 
 def test_a_vision_language_model_without_a_twin_to_probe_is_refused_by_name():

@@ -382,6 +382,7 @@ def decode_run(
         ran, decode_seconds = backend.last_decode
         result["decode_ms_per_step_loop_only"] = 1000 * decode_seconds / max(ran, 1)
         result["kernels_per_decode_step"] = kernels_per_step(backend, prompts, case.generations, params, device)
+        result["compile_s"] = backend.report().get("compile_s", 0.0)  # the warm-up's compiling step, timed apart
     del model, backend
     return result
 

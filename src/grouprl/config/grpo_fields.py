@@ -168,7 +168,11 @@ class ModelAndSamplingFields:
             "0.86 s against 1.07 (docs/benchmarks-gpu.md), and should the compile fail the loop warns and runs the "
             "step as written; elsewhere off. True: on any device (a CPU needs a C++ compiler), a compile error stops "
             "the run. False: never. The first generation compiles (~9 s on an H200 for 24 layers), and so does each "
-            "new prompt bucket, row count or sampling setting (evaluation's, say), up to 64 shapes."
+            "new prompt bucket, row count or sampling setting (evaluation's, say), up to 64 shapes: a run holds at "
+            "most one shape per 64-token bucket of its prompts for training's rows and setting, and as many again "
+            "for evaluation's. Each new shape is logged with its compile time, and generation/compile_s (seconds "
+            "spent compiling in the step's generations, apart from the steps' time) and generation/compiled_graphs "
+            "are logged metrics."
         ),
     )
     generation_server_retries: int = field(

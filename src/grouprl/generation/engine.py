@@ -53,7 +53,7 @@ from grouprl.generation.cpu_products import weight_major_decode
 from grouprl.generation.fused_step import FusedDecoder, fuses
 from grouprl.generation.hf import TransformersGenerator
 from grouprl.generation.kv_buffers import preallocate
-from grouprl.generation.protocol import left_pad
+from grouprl.generation.protocol import backend_report, left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
 from grouprl.generation.shared_prefix import SharedPrefixCache, decoding, matches_standard_attention
 from grouprl.model.adapters import base_model
@@ -292,6 +292,9 @@ class EngineUnlessGenerateOverridden:
         self.engine.sync_weights(model)
         if self.fallback is not None:
             self.fallback.sync_weights(model)
+
+    def report(self) -> dict[str, float]:
+        return backend_report(self.engine)
 
     def check(self) -> Optional[str]:
         """What replaced `generate` (None: nothing); raises under generation_engine='engine'."""

@@ -35,7 +35,7 @@ from grouprl.core.types import Completion, SamplingParams
 from grouprl.generation.continuous_batching import ContinuousBatchingGenerator, continuous_batching_refusal
 from grouprl.generation.engine import EngineUnlessGenerateOverridden, FastGenerator, engine_supports
 from grouprl.generation.hf import TransformersGenerator
-from grouprl.generation.protocol import GenerationBackend
+from grouprl.generation.protocol import GenerationBackend, backend_report
 from grouprl.generation.remote import RemoteGenerator
 from grouprl.generation.server_client import server_base_url
 from grouprl.generation.static_decode import CapturedGenerator, captured_supports
@@ -307,6 +307,9 @@ class ShardedPolicySampler:
         if self.backend is None or self.released:
             raise RuntimeError("ShardedPolicySampler.generate: call sync_weights first (it fills the replica).")
         return self.backend.generate(*args, **kwargs)
+
+    def report(self) -> dict[str, float]:
+        return backend_report(self.backend)
 
     def release_until_sync(self) -> None:
         """Free the replica's weights once a generation is sampled, until the next sync: training gets the memory

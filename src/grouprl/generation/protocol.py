@@ -45,7 +45,10 @@ class GenerationBackend(Protocol):
       needs as a prompt of its own (``num_samples`` 1), and makes it even with no rows (``sample_groups``).
 
     An optional method, ``release_until_sync()``, frees what the backend holds only to sample; the loop calls it
-    once a generation is sampled, and the next ``sync_weights`` comes before the next ``generate``.
+    once a generation is sampled, and the next ``sync_weights`` comes before the next ``generate``. Another,
+    ``report() -> dict[str, float]``, gives statistics since its last call, logged under ``generation/`` with the
+    batch's (the captured loop's: ``compile_s``, ``compiled_graphs``); its keys must be fields of
+    ``rollout.experience.ExperienceStats``.
     """
 
     def generate(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> list[Completion]:
@@ -59,6 +62,12 @@ class GenerationBackend(Protocol):
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the backend sample from `model`'s current weights (a no-op for in-process backends)."""
         ...
+
+
+def backend_report(backend: Any) -> dict[str, float]:
+    """A backend's optional `report()` (GenerationBackend's doc); {} for one without it, or for None."""
+    report = getattr(backend, "report", None)
+    return report() if callable(report) else {}
 
 
 def sample_groups(

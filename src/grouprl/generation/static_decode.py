@@ -344,6 +344,7 @@ class CapturedGenerator:
         self.compile_step, self.decode_step = compile_step, decode_step
         self.suppress_token_ids, self.fallback = list(suppress_token_ids), fallback
         self.last_decode = (0, 0.0)  # (decode steps, seconds) of the last call, for benchmarks
+        self.compile_seconds = 0.0  # spent compiling new shapes since the last `report`
         self._fell_back: set[str] = set()  # reasons already logged
         self._compiled_shapes: set[tuple] = set()  # (step, prompt bucket, rows, sampling) compiled in this process
         self._step: Optional[tuple[torch.nn.Module, str, Optional[str]]] = None  # (model, step_choice's answer)
@@ -471,17 +472,31 @@ class CapturedGenerator:
             suppressed=suppressed if self.suppress_token_ids else None,
         )
         capture = device.type == "cuda" if self.capture is None else self.capture
-        started = time.perf_counter()
-        with decoder.active(cache, longest), capturable_experts(base, capture, decoder.dtype):
-            ran = run_steps(loop, params.max_new_tokens - 1, capture)
-        tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
-        self.last_decode = (ran, time.perf_counter() - started)
         shape = (kind, width, len(first), repr(params))
-        if compiled and shape not in self._compiled_shapes:  # its first call compiled the step: said, with its time
-            self._compiled_shapes.add(shape)
-            logger.info(
-                f"grouprl: the captured loop compiled its {kind!r} decode step for {len(first)} rows of {width}-token "
-                f"prompts (compiled shape {len(self._compiled_shapes)} of at most {MAX_COMPILED_SHAPES}); this "
-                f"call's decode took {self.last_decode[1]:.1f} s, compiling included."
-            )
+        compiles = compiled and shape not in self._compiled_shapes and params.max_new_tokens > 1
+        with decoder.active(cache, longest), capturable_experts(base, capture, decoder.dtype):
+            if compiles:  # a new shape's first step compiles it: timed apart from the steps (a metric, and said)
+                started = time.perf_counter()
+                loop.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                self._compiled_shapes.add(shape)
+                self.compile_seconds += time.perf_counter() - started
+                logger.info(
+                    f"grouprl: the captured loop compiled its {kind!r} decode step for {len(first)} rows of "
+                    f"{width}-token prompts in {time.perf_counter() - started:.1f} s (compiled shape "
+                    f"{len(self._compiled_shapes)} of at most {MAX_COMPILED_SHAPES})."
+                )
+            started = time.perf_counter()
+            ran = run_steps(loop, params.max_new_tokens - 1 - compiles, capture)
+            tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
+        self.last_decode = (ran, time.perf_counter() - started)  # the compiling step apart
         return tokens, logprobs
+
+    def report(self) -> dict[str, float]:
+        """The generation/* statistics since the last report: seconds spent compiling new shapes of the step, and the
+        compiled shapes this sampler holds (none while it compiles nothing)."""
+        if not self._compiled_shapes:
+            return {}
+        seconds, self.compile_seconds = self.compile_seconds, 0.0
+        return {"compile_s": seconds, "compiled_graphs": float(len(self._compiled_shapes))}

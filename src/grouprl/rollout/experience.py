@@ -62,6 +62,10 @@ class ExperienceStats:
     queue_size: Optional[float] = mean("async/queue_size")  # finished completions left waiting after the take
     trainer_wait_s: Optional[float] = mean("async/trainer_wait_s")  # the trainer waited for the generation
     generator_wait_s: Optional[float] = mean("async/generator_wait_s")  # the worker had nothing it could sample
+    # the captured loop's compiles (static_decode.CapturedGenerator.report): seconds this batch's generations spent
+    # compiling new shapes of the step (apart from its steps' time), and the compiled shapes held
+    compile_s: Optional[float] = largest("generation/compile_s")
+    compiled_graphs: Optional[float] = largest("generation/compiled_graphs")
 
 
 _SAMPLER_STATS = {  # sampler_importance_weights' names -> ExperienceStats fields
@@ -102,7 +106,7 @@ def score_generation(
         sampling.rollouts.sync_weights(accelerator.unwrap_model(model), sampling.trainer_state.global_step)
     batch, counts = draw_batch(sampling, inputs)
     sampling.rollouts.release_sampler()
-    counts = {**counts, **sampling.rollouts.async_report()}
+    counts = {**counts, **sampling.rollouts.sampler_report()}
     # The gap between the sampler's logprobs and the trainer's is measured for every sampler that returns them. A
     # separate engine (server, vLLM, an asynchronous worker) samples from another copy of the weights; an in-process
     # one from the trained weights themselves, but wherever either computes below fp32 (bf16 autocast or weights) by

@@ -30,7 +30,7 @@ from grouprl.core.types import Completion, GroupLayout, PromptBatch, Rewards, Ro
 from grouprl.data.multimodal_prompts import rows_images
 from grouprl.data.prompt_sampler import GenerationInputs, PromptSampler
 from grouprl.data.prompts import IMAGE_COLUMNS, PromptTokenizer, is_conversational, local_prompt_batch
-from grouprl.generation.protocol import GenerationBackend, sample_for_processes, sample_groups
+from grouprl.generation.protocol import GenerationBackend, backend_report, sample_for_processes, sample_groups
 from grouprl.rewards.scoring import RewardFunction, score_completions
 from grouprl.rollout.completion_log import CompletionLog, RecentCompletions
 from grouprl.rollout.train_batch import pack_rollout, row_prompt_ids
@@ -136,9 +136,10 @@ class RolloutMaker:
         logprobs the trainer corrects for."""
         return self.source is not None or getattr(self.backend, "needs_importance_correction", True)
 
-    def async_report(self) -> dict[str, float]:
-        """The async/* statistics of the generations taken since the last call (none when generating here)."""
-        return self.source.report() if self.source is not None else {}
+    def sampler_report(self) -> dict[str, float]:
+        """The sampler's statistics since the last call: an asynchronous source's async/* ones, or the in-process
+        backend's own (a `report()` method, if it has one: the captured loop's compiles)."""
+        return self.source.report() if self.source is not None else backend_report(self.backend)
 
     def generate(self, prompts: PromptBatch) -> list[Completion]:
         if self.generate_hook is not None and (overridden := self.generate_hook(prompts)) is not None:
