@@ -70,4 +70,3 @@ class EntropyController:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.coef, self.last_entropy = float(state["coef"]), float(state["last_entropy"])
-        self.window_sum = self.window_count = 0.0
