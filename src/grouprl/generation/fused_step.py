@@ -232,15 +232,10 @@ def fuses(model: torch.nn.Module) -> bool:
         if _VERDICTS[target] is None:
             logger.info(f"grouprl: fused decode steps are on for {name}.")
         else:
-            logger.info(f"grouprl: fused decode steps are off for {name}: {_VERDICTS[target]}; it decodes by forward.")
+            logger.info(
+                f"grouprl: fused decode steps are off for {name}: {_VERDICTS[target]}. Decode steps run its forward."
+            )
     return _VERDICTS[target] is None
-
-
-def static_cache_only(model: torch.nn.Module) -> bool:
-    """Whether FusedDecoder runs `model`'s steps over a static cache only: some layer attends over a sliding window
-    (shared-prefix decoding serves none)."""
-    config = text_decoder(model)[1]
-    return getattr(config, "sliding_window", None) is not None and any(k != FULL for k in layer_kinds(config))
 
 
 def mlp_transposed_pays_off(device: torch.device) -> bool:

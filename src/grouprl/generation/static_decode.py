@@ -481,10 +481,11 @@ class CapturedGenerator:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 self._compiled_shapes.add(shape)
-                self.compile_seconds += time.perf_counter() - started
+                seconds = time.perf_counter() - started
+                self.compile_seconds += seconds
                 logger.info(
                     f"grouprl: the captured loop compiled its {kind!r} decode step for {len(first)} rows of "
-                    f"{width}-token prompts in {time.perf_counter() - started:.1f} s (compiled shape "
+                    f"{width}-token prompts in {seconds:.1f} s (compiled shape "
                     f"{len(self._compiled_shapes)} of at most {MAX_COMPILED_SHAPES})."
                 )
             started = time.perf_counter()
