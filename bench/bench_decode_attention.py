@@ -59,7 +59,8 @@ def build_cache(layers: int, rows: int, kv_heads: int, columns: int, dim: int, d
     )
     mask = torch.ones(rows, prompt, dtype=torch.long, device=device)
     mask[::3, :5] = 0  # left padding
-    return StaticKVCache(prefill, mask, repeats=1, new_tokens=columns - prompt, kv_dtype=torch.bfloat16)
+    rows_prompts = torch.arange(rows, device=device)
+    return StaticKVCache(prefill, mask, rows_prompts, new_tokens=columns - prompt, kv_dtype=torch.bfloat16)
 
 
 def explicit_products(cache: StaticKVCache, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:

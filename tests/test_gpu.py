@@ -106,6 +106,31 @@ def test_the_captured_graph_decodes_as_the_eager_loop(tiny_model_dir, dtype, com
         torch.testing.assert_close(logps, torch.tensor(c.sampler_logprobs), rtol=1e-3, atol=1e-3)
 
 
+def test_the_captured_graph_in_waves_samples_the_tokens_of_one_pass(tiny_model_dir):
+    """A memory budget of about a third of the rows: each wave records and replays its own graph, and every row
+    samples one pass's tokens (its uniform numbers drawn at the call's start), rows finishing at many steps."""
+    from test_static_decode import row_bytes
+    from transformers import AutoTokenizer
+
+    from grouprl.core.types import SamplingParams
+    from grouprl.generation import static_decode
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda().eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tokenizer(text)["input_ids"] for text in ("12+7=", "3+4=", "what is 123 + 456 =")]
+    params = SamplingParams(max_new_tokens=24, temperature=0.9)
+    budget = int(4.5 * row_bytes(model, prompts, 24) / static_decode.MEMORY_HEADROOM)
+    runs = []
+    for memory_budget in (None, budget):
+        engine = static_decode.CapturedGenerator(
+            model, tokenizer, list(range(0, 40)), tokenizer.pad_token_id, capture=True, memory_budget=memory_budget
+        )
+        torch.manual_seed(5)
+        runs.append(engine.generate(prompts, 4, params))
+    assert [c.token_ids for c in runs[1]] == [c.token_ids for c in runs[0]]
+    assert len({len(c.token_ids) for c in runs[0]}) > 3
+
+
 def test_generation_calls_leave_no_memory_behind(tiny_model_dir):
     """Every call warms up and records on one side stream: cuBLAS keeps a workspace per stream it ran on, and a new
     stream a call (CUDA's pool has 32) left one more 32 MiB workspace allocated after each of the first 32 calls."""

@@ -66,6 +66,8 @@ def test_the_draw_finds_the_token_its_uniform_number_points_at(monkeypatch, voca
     monkeypatch.setattr(torch, "rand_like", lambda x, **k: uniforms[:, None].to(x.dtype))
     tokens, logprobs = sample_tokens(logits.expand(len(targets), -1))
     assert tokens.tolist() == targets.tolist()
+    given, _ = sample_tokens(logits.expand(len(targets), -1), uniforms=uniforms[:, None])  # the caller's numbers
+    assert given.tolist() == targets.tolist()
     torch.testing.assert_close(logprobs.double(), probs[targets].log(), rtol=0, atol=1e-5)
 
 

@@ -8,6 +8,7 @@
 #      `gpu` column where its fused step is >= 1.25x faster (else set it to None, or delete the row with no `cpu`);
 #   2. the 0.5B headline: s/step and peak against TRL 1.16's default path, with the default step choice;
 #   3. the GPU tests of the captured loop and its steps (check.sh).
+# Long completions (128 x 8k new tokens of an 8B shape, in waves) are a second call: bench/gpu/long_completions.py.
 # Run from the repository's root there, with .whl carried (bench/gpu/fetch_wheels.sh made it here):
 #   bash bench/gpu/decode_steps.sh          # logs and JSON under $OUT (or /tmp/grouprl-gpu)
 set -uo pipefail

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from grouprl.generation.static_kv_cache import StaticKVCache
+from grouprl.generation.static_kv_cache import StaticKVCache, repeated
 from grouprl.model.forward import cache_keyword, describe, is_unsupported
 from grouprl.model.layer_configs import layer_kinds
 from grouprl.model.logprobs import position_ids_from_mask
@@ -118,10 +118,10 @@ def step_logprobs(
         **{cache_keyword(model): prefill},
     )
     step = make_step(model)
-    cache = StaticKVCache(prefill, mask, SAMPLES, positions, step.dtype, step.windows)
+    cache = StaticKVCache(prefill, mask, repeated(2, SAMPLES, device), positions, step.dtype, step.windows)
     start = mask.sum(dim=1).repeat_interleave(SAMPLES, 0)
     logits = []
-    with step.active(cache, PROMPT + positions):
+    with step.active(PROMPT + positions):
         for index in range(positions):
             cache.open_column()
             logits.append(step.step(fed[:, index], start + index, cache))

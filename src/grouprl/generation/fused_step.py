@@ -378,10 +378,10 @@ class FusedDecoder:
         return hidden + (out if self.adds_promoted else out.to(self.residual_dtype))
 
     @contextlib.contextmanager
-    def active(self, cache: StaticKVCache, longest: int) -> Iterator[None]:
-        """The block a call's steps over `cache` run in (ModelStep's interface): RoPE tabulated for `longest`
-        positions, at most the cache's columns."""
-        self.tabulate_rope(min(cache.valid.shape[1], longest))
+    def active(self, longest: int) -> Iterator[None]:
+        """The block a call's steps run in (ModelStep's interface): RoPE tabulated for `longest` positions, the
+        longest sequence the steps reach."""
+        self.tabulate_rope(longest)
         yield
 
     @torch.no_grad()

@@ -165,9 +165,9 @@ class ModelStep:
         self.forward = type(self)._forward  # static_decode may put a compiled one here
 
     @contextlib.contextmanager
-    def active(self, cache: StaticKVCache, longest: int) -> Iterator[None]:
-        """The block a call's steps over `cache` run in; `longest`: the longest sequence they reach (unused here:
-        the model's forward computes RoPE itself)."""
+    def active(self, longest: int) -> Iterator[None]:
+        """The block a call's steps run in, its weights cast once for all of them; `longest`: the longest sequence
+        they reach (unused here: the model's forward computes RoPE itself)."""
         model = self.model
         with grouprl_patches(), cast_once(model, self.dtype, self.pack), attention_implementation(model, NAME):
             yield

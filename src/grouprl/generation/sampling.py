@@ -129,9 +129,12 @@ def _below(x: torch.Tensor) -> torch.Tensor:
     return x * (1 - 2**-52)
 
 
-def _inverse_cdf_draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """(R,) tokens: one uniform number per row, located first among the blocks' cumulative masses, then inside
-    its block's cumulative distribution; both cumulative sums in float64. A token of probability 0 is never drawn."""
+def _inverse_cdf_draw(
+    probs: torch.Tensor, generator: Optional[torch.Generator], uniforms: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """(R,) tokens: one uniform number per row (`uniforms`, (R, 1) float64 in [0, 1), if given; else drawn here),
+    located first among the blocks' cumulative masses, then inside its block's cumulative distribution; both
+    cumulative sums in float64. A token of probability 0 is never drawn."""
     rows, vocab = probs.shape
     size = cdf_block(vocab)
     whole = vocab - vocab % size
@@ -145,7 +148,9 @@ def _inverse_cdf_draw(probs: torch.Tensor, generator: Optional[torch.Generator])
     starts = torch.nn.functional.pad(ends, (1, 0))  # (R, B + 1): 0, then each block's end
     total = ends[:, -1:]
     # rand_like: the same draws as torch.rand(rows, 1), and a symbolic row count traces (a compiled step)
-    if generator is None:
+    if uniforms is not None:
+        u = uniforms * total
+    elif generator is None:
         u = torch.rand_like(total) * total
     else:
         u = torch.rand(total.shape, dtype=total.dtype, device=total.device, generator=generator) * total
@@ -180,12 +185,18 @@ def _(probs: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(
-    processed: torch.Tensor, generator: Optional[torch.Generator] = None, method: str = "inverse_cdf"
+    processed: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+    method: str = "inverse_cdf",
+    uniforms: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row from softmax(processed); return (tokens (R,), their logprobs (R,))."""
+    """Draw one token per row from softmax(processed); return (tokens (R,), their logprobs (R,)). `uniforms` (R, 1):
+    the inverse-CDF draw's numbers, drawn by the caller (so a row's draw does not depend on the rows beside it)."""
     probs = processed.softmax(dim=-1)
     if method == "inverse_cdf":
-        tokens = _inverse_cdf_draw(probs, generator)
+        tokens = _inverse_cdf_draw(probs, generator, uniforms)
+    elif uniforms is not None:
+        raise ValueError("sample_tokens: uniforms are the inverse_cdf draw's; multinomial draws its own.")
     elif method == "multinomial":
         tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
     else:
@@ -202,8 +213,10 @@ def sample_next(
     history: Optional[torch.Tensor] = None,
     history_mask: Optional[torch.Tensor] = None,
     method: str = "inverse_cdf",
+    uniforms: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draw per row from `logits` (R, V) processed with a call's SamplingParams: (tokens (R,), logprobs (R,))."""
+    """One draw per row from `logits` (R, V) processed with a call's SamplingParams: (tokens (R,), logprobs (R,));
+    `uniforms` as `sample_tokens`'."""
     processed = process_logits(
         logits,
         temperature=params.temperature,
@@ -214,4 +227,4 @@ def sample_next(
         history=history,
         history_mask=history_mask,
     )
-    return sample_tokens(processed, method=method)
+    return sample_tokens(processed, method=method, uniforms=uniforms)

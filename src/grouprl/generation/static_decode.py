@@ -14,7 +14,11 @@ replayed as one graph launch. This loop makes every step alike:
   dtype is the products') computes the logits, samples with TRL's fields (sampling.py: repetition penalty,
   temperature, top-k, top-p, min-p), records the token and its logprob under the processed distribution,
   and marks rows that emitted an EOS as finished; finished rows keep stepping and record padding;
-- the host reads only whether every row has finished, every `CHECK_EVERY` steps.
+- the host reads only whether every row has finished, every `CHECK_EVERY` steps;
+- a call whose rows' caches would not fit the free memory (`free_memory`; `bytes_per_row` reads a row's need from the
+  prefill's own layers) decodes them in waves of as many rows as fit, and a wave that meets CUDA's out-of-memory
+  error is run again as two halves. Every row's uniform numbers for the inverse-CDF draw are drawn at the start of
+  the call, so a seed samples the same tokens in any waves; one row too big for the memory is a clear error.
 
 On CUDA the first `WARMUP_STEPS` steps run eagerly (on a side stream, as capturing requires), the next is
 captured (`torch.cuda.CUDAGraph`) and replayed for the rest; the graph is recorded again each call, since
@@ -44,7 +48,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +62,7 @@ from grouprl.generation.fused_step import FusedDecoder, family_of, structure_rea
 from grouprl.generation.model_step import ModelStep, model_step_reason
 from grouprl.generation.protocol import GenerationBackend, cut_at_eos, left_pad
 from grouprl.generation.sampling import SAMPLING_METHODS, sample_next
-from grouprl.generation.static_kv_cache import StaticKVCache
+from grouprl.generation.static_kv_cache import StaticKVCache, bytes_per_row, column_count, repeated
 from grouprl.model.adapters import base_model
 from grouprl.model.forward import cache_keyword
 from grouprl.model.logprobs import position_ids_from_mask
@@ -71,6 +75,10 @@ CHECK_EVERY = 16  # decode steps between the host's reads of "has every row fini
 WARMUP_STEPS = 2  # eager steps before capturing (lazy initialisations in the kernels' libraries happen there)
 DECODE_STEPS = ("model", "fused")  # CapturedGenerator(decode_step=...): None picks by fused_step.FAMILIES' gpu column
 MAX_COMPILED_SHAPES = 64  # compiled step's graphs a process may hold (dynamo's default limit is 8)
+MEMORY_HEADROOM = 0.9  # the share of the free memory a call's waves plan to fill
+# a row's transient copies of its logits while a token is sampled (fp32 logits, processed and probabilities, top-p's
+# sort with its int64 order and cumulative sum, the repetition penalty's counts): bytes per vocabulary entry
+SAMPLING_BYTES_PER_TOKEN = 48
 
 
 def captured_supports(
@@ -134,9 +142,10 @@ class DecodeLoop:
         sampling_method: str,
         compiled: bool = False,
         suppressed: torch.Tensor | None = None,  # token ids never sampled (a vision-language model's placeholders)
+        uniforms: torch.Tensor | None = None,  # (rows, new tokens) float64: the inverse-CDF draws' numbers
     ):
         self.decoder, self.cache, self.params, self.eos = decoder, cache, params, eos
-        self.suppressed = suppressed
+        self.suppressed, self.uniforms = suppressed, uniforms
         self.pad_token_id, self.sampling_method = pad_token_id, sampling_method
         self.min_new_tokens = int(params.extra.get("min_new_tokens", 0))
         rows, new_tokens, device = first.shape[0], params.max_new_tokens, first.device
@@ -169,7 +178,8 @@ class DecodeLoop:
         if self.min_new_tokens:
             blocked = logits.index_fill(1, self.eos, -float("inf"))
             logits = torch.where(self.step_index < self.min_new_tokens, blocked, logits)
-        tokens, logprobs = sample_next(logits, self.params, self.history, cache.valid, self.sampling_method)
+        uniforms = None if self.uniforms is None else self.uniforms.index_select(1, self.step_index)
+        tokens, logprobs = sample_next(logits, self.params, self.history, cache.valid, self.sampling_method, uniforms)
         tokens = torch.where(self.done, self.pad_token_id, tokens)
         self.out_tokens.index_copy_(1, self.step_index, tokens[:, None])
         self.out_logprobs.index_copy_(1, self.step_index, logprobs[:, None].float())
@@ -298,6 +308,60 @@ def run_steps(loop: DecodeLoop, steps: int, capture: bool) -> int:
     return ran
 
 
+class WaveCall(NamedTuple):
+    """What every wave of a call shares: the prefill of all its prompts and each row's first token."""
+
+    decoder: FusedDecoder | ModelStep
+    prefill: DynamicCache
+    prompt_mask: torch.Tensor  # (prompts, prompt columns)
+    prompt_of_row: torch.Tensor  # (rows,)
+    prompt_tokens: torch.Tensor  # (rows, prompt columns)
+    first: torch.Tensor  # (rows,) the tokens sampled from the prefill's logits
+    first_logprobs: torch.Tensor
+    positions: torch.Tensor  # (rows,) the position of `first`
+    uniforms: torch.Tensor | None  # (rows, new tokens): the inverse-CDF draws' numbers
+    eos: torch.Tensor
+    kind: str  # step_choice's
+    compiled: bool
+    params: SamplingParams
+
+
+def free_memory(device: torch.device) -> Optional[int]:
+    """The bytes a call may still allocate on `device`: CUDA's free memory and what torch's allocator holds unused;
+    a Linux host's MemAvailable; None where neither is known."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def loop_bytes_per_row(model: torch.nn.Module, prompt_columns: int, new_tokens: int) -> int:
+    """The bytes one row of a DecodeLoop holds besides its cache: the token history and the results, and while a
+    step runs, the sampling's copies of its logits and the attention's scores (materialised by the math kernels)."""
+    columns = column_count(prompt_columns, new_tokens)
+    config = model.config.get_text_config()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    heads = getattr(config, "num_attention_heads", None) or 1
+    return columns * 8 + new_tokens * 12 + vocab * SAMPLING_BYTES_PER_TOKEN + heads * columns * 8
+
+
+def one_row_too_big(
+    row_bytes: int, budget: Optional[int], prompt_columns: int, new_tokens: int, device: torch.device
+) -> ValueError:
+    free = "too little" if budget is None else f"{budget / 2**30:.2f} GiB"
+    return ValueError(
+        f"CapturedGenerator: one row of {prompt_columns} prompt columns and {new_tokens} new tokens needs "
+        f"{row_bytes / 2**30:.2f} GiB of static cache and sampling buffers, and {free} is free on {device}. "
+        "Lower max_completion_length or shorten the prompts, free device memory (gradient checkpointing, a "
+        "smaller batch), or sample with generation_engine='transformers' or vLLM."
+    )
+
+
 class CapturedGenerator:
     """A `GenerationBackend` that samples from the training model in this process through the static decode loop
     (module doc): replayed as a CUDA graph on CUDA, eager elsewhere.
@@ -311,6 +375,9 @@ class CapturedGenerator:
 
     `compile_step`: True compiles the step (module doc) on any device and stops on a compile error; None (the
     trainer's default) compiles on CUDA and, should the compile fail, warns once and runs the step as written.
+
+    `memory_budget`: the bytes a call's static caches may take (None: the device's free memory at the call,
+    `free_memory`). A call whose rows do not fit decodes them in waves (module doc).
     """
 
     needs_importance_correction = False  # samples come from the trained weights themselves
@@ -329,6 +396,7 @@ class CapturedGenerator:
         suppress_token_ids: Sequence[int] = (),
         fallback: Optional[GenerationBackend] = None,
         decode_step: Optional[str] = None,
+        memory_budget: Optional[int] = None,
     ):
         if decode_step not in (None, *DECODE_STEPS):
             raise ValueError(
@@ -343,6 +411,8 @@ class CapturedGenerator:
         self.prompt_bucket, self.capture, self.sampling_method = prompt_bucket, capture, sampling_method
         self.compile_step, self.decode_step = compile_step, decode_step
         self.suppress_token_ids, self.fallback = list(suppress_token_ids), fallback
+        self.memory_budget = memory_budget
+        self._wave_plans: set[tuple[int, int]] = set()  # (rows, rows a wave) logged
         self.last_decode = (0, 0.0)  # (decode steps, seconds) of the last call, for benchmarks
         self.compile_seconds = 0.0  # spent compiling new shapes since the last `report`
         self._fell_back: set[str] = set()  # reasons already logged
@@ -443,56 +513,145 @@ class CapturedGenerator:
             raise ValueError(f"CapturedGenerator cannot run the {kind!r} decode step for this model: {reason}.")
         step_class = FusedDecoder if kind == "fused" else ModelStep
         decoder = step_class(base, pack=not compiled)  # the weights as they are now; in place where no cast
-        cache = StaticKVCache(prefill, mask, g, params.max_new_tokens, decoder.dtype, decoder.windows)
-        # every position a row reaches is below the longest prompt + new tokens
-        longest = max(map(len, prompt_ids)) + params.max_new_tokens
-        del prefill
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
-        suppressed = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=device)
         logits = logits.repeat_interleave(g, 0)
         if self.suppress_token_ids:
-            logits = logits.index_fill(1, suppressed, -float("inf"))
+            logits = logits.index_fill(1, self.suppressed(device), -float("inf"))
         if params.extra.get("min_new_tokens", 0) > 0:
             logits = logits.index_fill(1, eos, -float("inf"))
+        rows = len(logits)
+        # a uniform number for every row's every token, drawn at once: a row samples the same tokens in any wave
+        uniforms = None
+        if self.sampling_method == "inverse_cdf":
+            uniforms = torch.rand(rows, params.max_new_tokens, dtype=torch.float64, device=device)
         prompt_tokens = ids.repeat_interleave(g, 0)
-        first, first_logprobs = sample_next(logits, params, prompt_tokens, cache.valid[:, :width], self.sampling_method)
-        positions = mask.sum(dim=1).repeat_interleave(g, 0)
-        loop = DecodeLoop(
+        first, first_logprobs = sample_next(
+            logits,
+            params,
+            prompt_tokens,
+            mask.bool().repeat_interleave(g, 0),
+            self.sampling_method,
+            None if uniforms is None else uniforms[:, :1],
+        )
+        del logits
+        call = WaveCall(
             decoder,
-            cache,
+            prefill,
+            mask,
+            repeated(len(prompt_ids), g, device),
             prompt_tokens,
             first,
             first_logprobs,
-            positions,
-            params,
+            mask.sum(dim=1).repeat_interleave(g, 0),
+            uniforms,
             eos,
-            self.pad_token_id,
-            self.sampling_method,
-            compiled=compiled,
-            suppressed=suppressed if self.suppress_token_ids else None,
+            kind,
+            compiled,
+            params,
         )
         capture = device.type == "cuda" if self.capture is None else self.capture
-        shape = (kind, width, len(first), repr(params))
-        compiles = compiled and shape not in self._compiled_shapes and params.max_new_tokens > 1
-        with decoder.active(cache, longest), capturable_experts(base, capture, decoder.dtype):
-            if compiles:  # a new shape's first step compiles it: timed apart from the steps (a metric, and said)
-                started = time.perf_counter()
-                loop.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                self._compiled_shapes.add(shape)
-                seconds = time.perf_counter() - started
-                self.compile_seconds += seconds
-                logger.info(
-                    f"grouprl: the captured loop compiled its {kind!r} decode step for {len(first)} rows of "
-                    f"{width}-token prompts in {seconds:.1f} s (compiled shape "
-                    f"{len(self._compiled_shapes)} of at most {MAX_COMPILED_SHAPES})."
+        # every position a row reaches is below the longest prompt + new tokens
+        longest = max(map(len, prompt_ids)) + params.max_new_tokens
+        with decoder.active(longest), capturable_experts(base, capture, decoder.dtype):
+            return self._decode_in_waves(call, capture)
+
+    def suppressed(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.suppress_token_ids, dtype=torch.long, device=device)
+
+    def _decode_in_waves(self, call: "WaveCall", capture: bool) -> tuple[list[list[int]], list[list[float]]]:
+        """The call's rows decoded in waves of as many rows as the free memory holds (all of them, where it holds
+        them); a wave that meets CUDA's out-of-memory error is run again as two. Each row's numbers were drawn for
+        it (`uniforms`), so the waves sample the tokens one pass would."""
+        rows, params = len(call.first), call.params
+        width = call.prompt_mask.shape[1]
+        row_bytes = bytes_per_row(
+            call.prefill, width, params.max_new_tokens, call.decoder.dtype, call.decoder.windows
+        ) + loop_bytes_per_row(base_model(self.model), width, params.max_new_tokens)
+        budget = self.memory_budget if self.memory_budget is not None else free_memory(call.first.device)
+        size = rows if budget is None else min(rows, int(budget * MEMORY_HEADROOM) // row_bytes)
+        if size < 1:
+            raise one_row_too_big(row_bytes, budget, width, params.max_new_tokens, call.first.device)
+        if size < rows and (rows, size) not in self._wave_plans:
+            self._wave_plans.add((rows, size))
+            logger.info(
+                f"grouprl: the captured loop decodes {rows} rows in waves of {size}: a row's static cache and "
+                f"sampling buffers take {row_bytes / 2**20:.1f} MiB ({width} prompt columns + "
+                f"{params.max_new_tokens} new tokens), and the call may take {budget / 2**30:.2f} GiB "
+                f"({'memory_budget' if self.memory_budget is not None else 'the free memory'})."
+            )
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        steps, seconds, start = 0, 0.0, 0
+        while start < rows:
+            wave = slice(start, min(rows, start + size))
+            try:
+                wave_tokens, wave_logprobs, ran, took = self._decode_wave(call, wave, capture)
+            except torch.OutOfMemoryError as err:
+                if size == 1:
+                    raise one_row_too_big(row_bytes, budget, width, params.max_new_tokens, call.first.device) from err
+                wave_tokens = None  # the failed wave's tensors are freed before it runs again
+            if wave_tokens is None:
+                size = -(-size // 2)
+                logger.warning(
+                    f"grouprl: the captured loop ran out of device memory decoding {wave.stop - wave.start} rows at "
+                    f"once; it decodes waves of {size} from here on in this call."
                 )
-            started = time.perf_counter()
-            ran = run_steps(loop, params.max_new_tokens - 1 - compiles, capture)
-            tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
-        self.last_decode = (ran, time.perf_counter() - started)  # the compiling step apart
+                continue
+            tokens += wave_tokens
+            logprobs += wave_logprobs
+            steps, seconds, start = steps + ran, seconds + took, wave.stop
+        self.last_decode = (steps, seconds)  # the compiling steps apart
         return tokens, logprobs
+
+    def _decode_wave(
+        self, call: "WaveCall", wave: slice, capture: bool
+    ) -> tuple[list[list[int]], list[list[float]], int, float]:
+        """Rows `wave` of the call decoded to the end: (tokens, logprobs, decode steps, their seconds)."""
+        params, decoder = call.params, call.decoder
+        cache = StaticKVCache(
+            call.prefill,
+            call.prompt_mask,
+            call.prompt_of_row[wave],
+            params.max_new_tokens,
+            decoder.dtype,
+            decoder.windows,
+        )
+        device = call.first.device
+        loop = DecodeLoop(
+            decoder,
+            cache,
+            call.prompt_tokens[wave],
+            call.first[wave],
+            call.first_logprobs[wave],
+            call.positions[wave],
+            params,
+            call.eos,
+            self.pad_token_id,
+            self.sampling_method,
+            compiled=call.compiled,
+            suppressed=self.suppressed(device) if self.suppress_token_ids else None,
+            uniforms=None if call.uniforms is None else call.uniforms[wave],
+        )
+        rows = wave.stop - wave.start
+        shape = (call.kind, call.prompt_mask.shape[1], rows, repr(params))
+        compiles = call.compiled and shape not in self._compiled_shapes and params.max_new_tokens > 1
+        if compiles:  # a new shape's first step compiles it: timed apart from the steps (a metric, and said)
+            started = time.perf_counter()
+            loop.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self._compiled_shapes.add(shape)
+            seconds = time.perf_counter() - started
+            self.compile_seconds += seconds
+            logger.info(
+                f"grouprl: the captured loop compiled its {call.kind!r} decode step for {rows} rows of "
+                f"{shape[1]}-token prompts in {seconds:.1f} s (compiled shape {len(self._compiled_shapes)} of at "
+                f"most {MAX_COMPILED_SHAPES})."
+            )
+        started = time.perf_counter()
+        ran = run_steps(loop, params.max_new_tokens - 1 - compiles, capture)
+        tokens, logprobs = loop.out_tokens.tolist(), loop.out_logprobs.tolist()  # the one read of the results
+        return tokens, logprobs, ran, time.perf_counter() - started
 
     def report(self) -> dict[str, float]:
         """The generation/* statistics since the last report: seconds spent compiling new shapes of the step, and the

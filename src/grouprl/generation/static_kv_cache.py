@@ -46,31 +46,32 @@ class StaticKVCache:
         self,
         prefill: DynamicCache,
         prompt_mask: torch.Tensor,
-        repeats: int,
+        prompt_of_row: torch.Tensor,
         new_tokens: int,
         kv_dtype: torch.dtype,
         windows: Sequence[int | None] = (),
     ):
-        rows, prompt_length = prompt_mask.shape[0] * repeats, prompt_mask.shape[1]
-        columns = -(-(prompt_length + new_tokens) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        """`prompt_of_row` (rows,): the prefill's prompt each row continues (`repeated`: each prompt's samples)."""
+        rows, prompt_length = len(prompt_of_row), prompt_mask.shape[1]
+        columns = column_count(prompt_length, new_tokens)
         self.kv_dtype, device = kv_dtype, prompt_mask.device
         # a layer's keys and values in one buffer, so a step writes both at once (a kernel a layer fewer)
         self.key_values: list[torch.Tensor | None] = []
         self.states: dict[int, StaticStateLayer] = {}
         for index, source in enumerate(prefill.layers):
             if hasattr(source, "recurrent_states"):  # a linear-attention layer's
-                conv, recurrent = (getattr(source, n)[0].repeat_interleave(repeats, 0) for n in STATE_NAMES)
+                conv, recurrent = (getattr(source, n)[0].index_select(0, prompt_of_row) for n in STATE_NAMES)
                 self.states[index] = StaticStateLayer(conv.float(), recurrent.float(), kv_dtype)
                 self.key_values.append(None)
                 continue
             _, kv_heads, length, head_dim = source.keys.shape
             both = torch.zeros(rows, 2 * kv_heads, columns, head_dim, dtype=kv_dtype, device=device)
             start = prompt_length - length
-            both[:, :kv_heads, start:prompt_length] = source.keys.repeat_interleave(repeats, 0)
-            both[:, kv_heads:, start:prompt_length] = source.values.repeat_interleave(repeats, 0)
+            both[:, :kv_heads, start:prompt_length] = source.keys.index_select(0, prompt_of_row)
+            both[:, kv_heads:, start:prompt_length] = source.values.index_select(0, prompt_of_row)
             self.key_values.append(both)
         self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
-        self.valid[:, :prompt_length] = prompt_mask.bool().repeat_interleave(repeats, 0)
+        self.valid[:, :prompt_length] = prompt_mask.bool().index_select(0, prompt_of_row)
         self.column = torch.full((1,), prompt_length, dtype=torch.long, device=device)
         self.bias = torch.zeros(rows, 1, 1, columns, dtype=kv_dtype, device=device).masked_fill_(
             ~self.valid[:, None, None, :], float("-inf")
@@ -94,6 +95,37 @@ class StaticKVCache:
             return self.states[index]
         bias = self.window_biases.get(self.windows[index], self.bias)
         return StaticLayerCache(self.key_values[index], self.column, bias, self.kv_dtype)
+
+
+def column_count(prompt_length: int, new_tokens: int) -> int:
+    """The columns a StaticKVCache allocates for `prompt_length` prompt columns and `new_tokens` (module doc)."""
+    return -(-(prompt_length + new_tokens) // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+
+
+def repeated(prompts: int, repeats: int, device: torch.device | str) -> torch.Tensor:
+    """`prompt_of_row` for `repeats` rows of each of `prompts` prompts, a prompt's rows together."""
+    return torch.arange(prompts, device=device).repeat_interleave(repeats)
+
+
+def bytes_per_row(
+    prefill: DynamicCache,
+    prompt_length: int,
+    new_tokens: int,
+    kv_dtype: torch.dtype,
+    windows: Sequence[int | None] = (),
+) -> int:
+    """The bytes one row of the StaticKVCache built from `prefill` holds: every layer's keys and values (or states)
+    and the masks, read from the prefill's own layers (so no model's shapes are assumed)."""
+    columns = column_count(prompt_length, new_tokens)
+    width = torch.empty((), dtype=kv_dtype).element_size()
+    total = columns * (1 + width * (1 + len(set(windows) - {None})))  # `valid`, `bias` and the window biases
+    for source in prefill.layers:
+        if hasattr(source, "recurrent_states"):  # fp32 states, whatever the prompt's length
+            total += sum(getattr(source, n)[0][0].numel() * 4 for n in STATE_NAMES)
+        else:
+            _, kv_heads, _, head_dim = source.keys.shape
+            total += 2 * kv_heads * columns * head_dim * width
+    return total
 
 
 class StaticLayerCache:
