@@ -59,8 +59,8 @@ def test_under_bf16_the_in_process_sampler_is_corrected(tiny_model_dir, tmp_path
 
 def test_a_planted_step_error_under_bf16_is_caught_at_run_time(tiny_model_dir, tmp_path, monkeypatch, caplog):
     """The decode step (this Qwen2's: the fused one) giving three times its logits, as a forgotten logits scaling
-    would, under bf16, planted after it was admitted (an error the fp32 probe did not see): the run's health check names the
-    gap; the same run with the step intact does not."""
+    would, under bf16, planted after it was admitted (an error the fp32 probe did not see): the run's health check
+    names the gap; the same run with the step intact does not."""
     from grouprl.generation.fused_step import FusedDecoder
 
     step = FusedDecoder.step
