@@ -308,6 +308,7 @@ def test_call_and_failure_frequencies_lengths_and_training(tool_model_dir, tmp_p
     assert metrics["eval_tools/call_frequency"] == pytest.approx(2 / 3)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "kind, sampler",
     [("tools", "fast"), ("tools", "continuous_batching"), ("environment_factory", "continuous_batching")],
@@ -597,6 +598,7 @@ def number_of(tok, prompt_ids):
     return int(re.search(r"(\d+) times 7", tok.decode(prompt_ids)).group(1))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["tools", "environment_factory", "rollout_func"])
 @pytest.mark.parametrize("policy", ["full", "lora", "qlora", "sync_ref"])
 def test_multi_turn_rows_survive_dynamic_sampling_with_each_kind_of_policy(tool_model_dir, tmp_path, tok, kind, policy):

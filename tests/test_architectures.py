@@ -165,6 +165,7 @@ def test_a_rows_logprobs_are_the_same_alone_or_left_padded_in_a_batch(arch):
     torch.testing.assert_close(logprobs([0, 1]), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("arch", MODELS)
 def test_it_trains_and_the_samplers_it_cannot_use_are_named(arch, tmp_path, caplog):
     model = built(arch, sharpened=False).train()

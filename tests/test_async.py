@@ -55,6 +55,7 @@ def step_entries(trainer):
     return [e for e in trainer.state.log_history if "async/staleness_max" in e]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ["auto", "captured"])
 def test_max_staleness_zero_trains_only_on_the_current_weights(tiny_model_dir, tmp_path, engine):
     """The local worker samples with the trainer's generation_engine (auto: the engine on a CPU; the captured loop,
@@ -119,6 +120,7 @@ def logprobs_under(model_dir, weights, batch):
     return out.logprobs
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 def test_stale_samples_are_weighted_by_the_sampler_mismatch_formula(tiny_model_dir, tmp_path, mode, monkeypatch):
     """pi_old is the training forward's logprobs (one generation, one update: the pass experience.py would make
@@ -175,6 +177,7 @@ def test_stale_samples_are_weighted_by_the_sampler_mismatch_formula(tiny_model_d
     assert "time/old_logprobs" not in trainer.state.log_history[-2]
 
 
+@pytest.mark.e2e
 def test_no_trained_sample_is_older_than_max_staleness(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(
         model=tiny_model_dir,
@@ -213,6 +216,7 @@ def test_a_generation_backend_object_is_refused_in_async_mode(tiny_model_dir, tm
         )
 
 
+@pytest.mark.e2e
 def test_worker_is_stopped_when_training_fails(tiny_model_dir, tmp_path):
     def failing(completion_ids, trainer_state=None, **kwargs):
         if trainer_state.global_step == 1:
@@ -235,6 +239,7 @@ def test_worker_is_stopped_when_training_fails(tiny_model_dir, tmp_path):
     assert trainer.run.rollouts.source is None
 
 
+@pytest.mark.e2e
 def test_trl_async_grpo_trainer_trains_against_a_server_it_did_not_start(tiny_model_dir, tmp_path):
     """TRL's AsyncGRPOConfig / AsyncGRPOTrainer, pointed at a running `grouprl serve` (as at a `vllm serve`)."""
     from transformers import AutoTokenizer
@@ -323,6 +328,7 @@ def held_out_gain(model_dir, tmp_path, seed, **mode):
     return trainer.evaluate()["eval_reward"] - before
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_quickstart_learns_in_async_mode_as_in_sync_mode(long_context_model_dir, tmp_path):
     """Held-out reward gain over the same 12 optimizer steps, two seeds pooled. Measured over six seeds (docs/async.md):

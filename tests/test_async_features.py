@@ -58,6 +58,7 @@ def agent_config(tmp_path, length, **overrides):
     )
 
 
+@pytest.mark.e2e
 def test_tools_run_in_async_rollouts(tool_model_dir, tok, tmp_path, monkeypatch):  # noqa: F811
     first = turn(tok, call_text("multiply", a=6, b=7))
     later = script_first_turns(monkeypatch, tok, first)
@@ -87,6 +88,7 @@ def test_tools_run_in_async_rollouts(tool_model_dir, tok, tmp_path, monkeypatch)
     assert len(entries) == 2 and all(e["tools/call_frequency"] == 1.0 for e in entries)
 
 
+@pytest.mark.e2e
 def test_environments_in_async_rollouts(tool_model_dir, tok, tmp_path, monkeypatch):  # noqa: F811
     first = turn(tok, call_text("increment", step=2))
     script_first_turns(monkeypatch, tok, first)
@@ -104,6 +106,7 @@ def test_environments_in_async_rollouts(tool_model_dir, tok, tmp_path, monkeypat
     ]  # each rollout incremented its counter
 
 
+@pytest.mark.e2e
 def test_rollout_func_samples_on_the_worker(tiny_model_dir, tmp_path, monkeypatch):
     backends = []
     # the trainer's thread pauses right after the rollouts are set up: a producer sampling already would call the
@@ -135,6 +138,7 @@ def test_rollout_func_samples_on_the_worker(tiny_model_dir, tmp_path, monkeypatc
     assert len(step_entries(trainer)) == 2
 
 
+@pytest.mark.e2e
 def test_gfpo_in_async_mode(tiny_model_dir, tmp_path):
     args = GFPOConfig(
         output_dir=str(tmp_path / "out"),
@@ -163,6 +167,7 @@ def test_gfpo_in_async_mode(tiny_model_dir, tmp_path):
     assert len(step_entries(trainer)) == 2
 
 
+@pytest.mark.e2e
 def test_dynamic_sampling_in_async_mode(tiny_model_dir, tmp_path):
     def ties_on_even_prompts(prompts, completion_ids, **kwargs):
         # groups of even-numbered prompts all get 1: tied, dropped, refilled from further generations
@@ -180,6 +185,7 @@ def test_dynamic_sampling_in_async_mode(tiny_model_dir, tmp_path):
     assert any(e["dynamic_sampling/generation_rounds"] > 1 for e in entries)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
 def test_lora_merged_weights_reach_the_worker(tiny_model_dir, tmp_path, quantized):
     """QLoRA too: the worker gets the 4-bit base dequantized with the adapters' update added."""
@@ -204,6 +210,7 @@ def test_lora_merged_weights_reach_the_worker(tiny_model_dir, tmp_path, quantize
     assert entries[-1]["loss"] != 0.0
 
 
+@pytest.mark.e2e
 def test_image_prompts_sample_on_the_worker_with_their_processor_outputs(tmp_path):
     """A vision-language model (Idefics3; prompts of one image and of two): the worker, started from the policy, loads
     it as one, is sent each prompt's processor outputs and samples with them from the weights the trainer sent; its
@@ -226,6 +233,7 @@ def test_image_prompts_sample_on_the_worker_with_their_processor_outputs(tmp_pat
     assert all(e["sampling/sampling_logp_difference/max"] < 1e-2 for e in entries), entries
 
 
+@pytest.mark.e2e
 def test_sync_ref_model_in_async_mode(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(
         model=tiny_model_dir,

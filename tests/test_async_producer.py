@@ -105,6 +105,7 @@ def test_slots_come_in_order_tagged_with_the_weights_that_sampled_them():
         made.stop()
 
 
+@pytest.mark.e2e
 def test_a_hung_worker_is_killed_and_restarted_then_a_second_hang_stops_the_run():
     worker, client = Worker(), Client()
     client.hang.set()  # hung from the first request, so no slot is finished before the restart

@@ -59,6 +59,7 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
     return steps
 
 
+@pytest.mark.e2e
 def test_kill_and_resume_trains_on_the_prompts_of_an_uninterrupted_run(tiny_model_dir, tmp_path, uninterrupted):
     expected = uninterrupted
 
@@ -85,6 +86,7 @@ def test_kill_and_resume_trains_on_the_prompts_of_an_uninterrupted_run(tiny_mode
     assert trained_prompts(out) == expected  # none skipped, none repeated, the same order
 
 
+@pytest.mark.e2e
 def test_a_killed_worker_is_restarted(tiny_model_dir, tmp_path, uninterrupted):
     result = run(tiny_model_dir, tmp_path, "kill_worker_at=3")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -94,6 +96,7 @@ def test_a_killed_worker_is_restarted(tiny_model_dir, tmp_path, uninterrupted):
     assert log.count("grouprl serve:") == 2  # started, then restarted once
 
 
+@pytest.mark.e2e
 def test_a_worker_that_dies_twice_stops_the_run_with_its_exit_code(tiny_model_dir, tmp_path):
     started = time.monotonic()
     result = run(tiny_model_dir, tmp_path, "kill_worker_at=2,4", timeout=240)
@@ -103,6 +106,7 @@ def test_a_worker_that_dies_twice_stops_the_run_with_its_exit_code(tiny_model_di
     assert time.monotonic() - started < 240
 
 
+@pytest.mark.e2e
 def test_two_processes_train_on_the_prompts_of_one(tiny_model_dir, tmp_path, uninterrupted):
     """The main process's producer samples for both processes; each trains on its share of every group."""
     from test_distributed import launch
@@ -115,6 +119,7 @@ def test_two_processes_train_on_the_prompts_of_one(tiny_model_dir, tmp_path, uni
     assert all(shares[0][step] and shares[1][step] for step in shares[0])  # both processes trained every step
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("config_name", ["fsdp2", "zero3"])
 def test_sharded_policy_feeds_its_async_worker(tiny_model_dir, tmp_path, uninterrupted, config_name):
     """FSDP2 / ZeRO-3 (every forward gathering) on 2 processes: the local worker starts from the policy's weights,

@@ -464,6 +464,7 @@ def qwen3_5_template():
     return (trl_install() / "trl" / "chat_templates" / "qwen3_5_nothink.jinja").read_text(encoding="utf-8")
 
 
+@pytest.mark.e2e
 def test_tool_calling_grpo_parses_qwen3_5s_xml_calls(tmp_path):
     from grouprl.demo.model import save_tiny_model
 

@@ -23,6 +23,7 @@ def saved_weights(path):
     return parameters(AutoModelForCausalLM.from_pretrained(path))
 
 
+@pytest.mark.e2e
 def test_sigkill_while_saving_then_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path):
     full = make_trainer(tiny_model_dir, tmp_path / "full")
     full.train()

@@ -168,6 +168,7 @@ def low_tokens(completion_ids, **kwargs):
     return [sum(token < 100 for token in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+@pytest.mark.e2e
 def test_a_run_with_continuous_batching_learns(tiny_model_dir, tmp_path):
     """8 GRPO steps sampled through generate_batch raise the mean reward (seeded: 0.35 -> 0.57 here)."""
     args = quiet_config(
@@ -187,6 +188,7 @@ def test_a_run_with_continuous_batching_learns(tiny_model_dir, tmp_path):
     assert len(rewards) == 8 and sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.1, rewards
 
 
+@pytest.mark.e2e
 def test_continuous_batching_samples_fp32_weights_under_bf16_mixed_precision(tiny_model_dir, tmp_path):
     """TRL's defaults, fp32 weights and bf16=True: transformers sizes the paged cache in the weights' dtype while
     accelerate's wrapper computes in bf16 autocast, so the sampler runs the forward without the wrapper (a first cache
@@ -214,6 +216,7 @@ def test_continuous_batching_samples_fp32_weights_under_bf16_mixed_precision(tin
     assert not torch.equal(wrapped, model.lm_head(hidden))  # ... differs from the wrapper's rounded one
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("feature", ["gfpo", "dynamic_sampling", "sync_ref_model", "qlora", "rollout_func"])
 def test_continuous_batching_samples_for_the_other_features(tiny_model_dir, tmp_path, feature):
     """Two steps sampled through generate_batch with GFPO (each group filtered), dynamic sampling (tied prompts drawn

@@ -83,6 +83,7 @@ def two_process_runs(tiny_model_dir, tmp_path_factory, monkeypatch_session, requ
     return runs
 
 
+@pytest.mark.e2e
 def test_gloo_threads_are_stopped_at_exit(two_process_runs):
     """A script that never calls destroy_process_group (TRL's do not) must not leave gloo's threads to the
     interpreter's teardown, where they now and then abort a finished run with SIGABRT. Ending the group is not
@@ -90,6 +91,7 @@ def test_gloo_threads_are_stopped_at_exit(two_process_runs):
     assert two_process_runs["at_exit"] == [{"group_initialized": False, "gloo_threads": []}] * 2
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("scenario", [name for name in SCENARIOS if name not in LAUNCHED_SHARDED])
 def test_two_processes_train_like_one(two_process_runs, tiny_model_dir, tmp_path, scenario):
     """Weights after 2 steps, advantages, completions and logged metrics: 2 processes == 1 process."""
@@ -223,6 +225,7 @@ def trained_away_from_the_start(weights: dict, model_dir) -> bool:
     return max_difference(parameters(AutoModelForCausalLM.from_pretrained(model_dir)), weights) > 1e-3
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("config_name, scenario", launched_scenarios(lambda kind: kind in ("",) + VARIANTS))
 def test_sharded_two_processes_train_like_one(sharded_runs, config_name, scenario, tiny_model_dir, tmp_path):
     """accelerate's FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 (grouprl's bundled configs; ZeRO-3's gathering in every
@@ -481,6 +484,7 @@ def test_the_steps_change_the_weights(two_process_runs, tiny_model_dir):
             assert max_difference(base, two_process_runs[name][0]["weights"]) > 1e-3, name
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(
     not HAS_SERVER_LIBRARIES, reason="grouprl serve needs fastapi and uvicorn (pip install 'grouprl[serve]')"
 )

@@ -48,6 +48,7 @@ def run(mode: str, imports: str = "dynamo_by_ddp") -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("imports", ["dynamo_first", "dynamo_by_ddp"])
 def test_the_exit_handler_stops_the_threads_of_a_group_that_a_ddp_wrapper_holds(imports):
     """Whether torch._dynamo was imported before the group or after it (then torch's collectives hold the group in
@@ -57,6 +58,7 @@ def test_the_exit_handler_stops_the_threads_of_a_group_that_a_ddp_wrapper_holds(
     assert state["after"] == [] and not state["initialized"]
 
 
+@pytest.mark.e2e
 def test_ending_the_group_alone_leaves_its_threads_and_the_exit_handler_stops_them():
     state = run("end_first")
     assert state["ended_only"] == state["before"] != []  # why destroy_process_group is not enough

@@ -9,6 +9,7 @@ import pytest
 from grouprl.demo.run import DEFAULTS, run_demo
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_demo_raises_heldout_accuracy(tmp_path):
     """20 GRPO steps of the demo: sampled accuracy on held-out problems rises clearly (seeded)."""

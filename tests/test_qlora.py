@@ -92,6 +92,7 @@ ROUTES = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "bits,route", [("4bit", r) for r in ROUTES] + [("8bit", "trainer argument"), ("8bit", "model_init_kwargs dict")]
 )
@@ -533,6 +534,7 @@ QLORA_QUICKSTART = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_qlora_run_learns(tmp_path):
     """150 QLoRA steps (4-bit NF4 base, LoRA on every linear layer) of the demo's
     arithmetic task, TRL's defaults otherwise.

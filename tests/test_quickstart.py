@@ -30,6 +30,7 @@ QUICKSTART = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_trl_quickstart_runs_with_trl_metric_names(long_context_model_dir, tmp_path):
     script = tmp_path / "quickstart.py"

@@ -274,6 +274,7 @@ def test_completions_api(server):
         elsewhere.generate([[5]], 1, SamplingParams(max_new_tokens=2), multimodal=images)
 
 
+@pytest.mark.e2e
 def test_image_prompts_sample_on_the_server_with_their_processor_outputs(tmp_path):
     """generation_engine='server' with a vision-language model (Idefics3; prompts of one image and of two): each
     prompt's processor outputs go to the server, which samples with them (transformers generate, image placeholders
@@ -401,6 +402,7 @@ def test_the_server_picks_its_sampler_as_the_trainer_does(tiny_model_dir):
     assert type(sampler) is TransformersGenerator and sampler.suppress_token_ids == [vlm.config.image_token_id]
 
 
+@pytest.mark.e2e
 def test_a_server_started_with_the_captured_loop_samples_through_it(tiny_model_dir):
     """`grouprl serve --generation_engine captured` (eager on a CPU): /health names the sampler, and its greedy
     completions are the captured loop's here, with their logprobs."""

@@ -200,6 +200,7 @@ def _two_processes(tiny_model_dir, tmp_path, scenario, timeout=240):
     return [torch.load(tmp_path / f"{scenario}-rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.e2e
 def test_two_processes_log_min_max_and_sampler_statistics_over_every_process(tiny_model_dir, tmp_path):
     rank0, rank1 = _two_processes(tiny_model_dir, tmp_path, "stats")
     assert rank0["processes"] == 2
@@ -247,6 +248,7 @@ def test_two_processes_log_min_max_and_sampler_statistics_over_every_process(tin
         assert step2[key] == pytest.approx(reduce(values), rel=1e-5) if values else math.isnan(step2[key])
 
 
+@pytest.mark.e2e
 def test_a_nan_on_the_second_process_stops_both_with_the_same_error(tiny_model_dir, tmp_path):
     rank0, rank1 = _two_processes(tiny_model_dir, tmp_path, "nan", timeout=240)  # a hang would time out
     assert rank0["error"] is not None and rank0["error"] == rank1["error"]

@@ -47,6 +47,7 @@ def start_and_wait(command: list[str], out, steps: int = 3) -> subprocess.Popen:
     return child
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_checkpoints_then_exits_and_the_run_resumes_exactly(tiny_model_dir, tmp_path, number):
     out = tmp_path / "signalled"
@@ -73,6 +74,7 @@ def test_a_signal_checkpoints_then_exits_and_the_run_resumes_exactly(tiny_model_
     assert max_difference(parameters(resumed.model), parameters(uninterrupted.model)) == 0.0
 
 
+@pytest.mark.e2e
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, tmp_path):
     out = tmp_path / "aborted"
     child = start_and_wait([sys.executable, SCRIPT, str(tiny_model_dir), str(out), "--linger"], out)
@@ -89,6 +91,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, tmp_
     assert list_checkpoints(str(out)) == []
 
 
+@pytest.mark.e2e
 def test_sigterm_to_a_two_process_launch_checkpoints_every_process(tiny_model_dir, tmp_path):
     """The launcher forwards SIGTERM to both processes; they agree on the step (the signal is reduced with the
     step's statistics), and the checkpoint holds both processes' state."""

@@ -456,6 +456,7 @@ def test_all_rewards_none_warns_in_trl_words_during_training(tiny_model_dir, tmp
     assert "6 of 6 completions got no reward" in caplog.text
 
 
+@pytest.mark.e2e
 def test_dataloader_workers_read_the_prompts_and_change_nothing_else(tiny_model_dir, tmp_path):
     """TRL's test_train_multiple_dataloader_workers; workers must not change which prompts come when, nor the RNG."""
     runs = {}

@@ -109,6 +109,7 @@ def run_script(script: Path, trl_dir: Path, workdir: Path, arguments: list[str])
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("quantized", [False, True], ids=["lora", "lora-4bit"])
 def test_trl_grpo_script_runs_with_grouprl(quantized, tiny_model_dir, tmp_path):

@@ -205,6 +205,7 @@ def processed(processor, messages, schemas):
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "arch, prompt_images, kind",
     [
@@ -411,6 +412,7 @@ def test_two_tool_images_in_one_turn_then_another_round_keep_their_order(tmp_pat
         torch.testing.assert_close(trained[r, : len(completion.token_ids)], reference, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.e2e
 def test_a_generation_server_samples_the_turn_after_a_tool_image_with_it(tmp_path):
     """generation_engine='server' (`grouprl serve`): the turn after a tool's image is sampled on the server with the
     processor outputs of the whole conversation, so its logprobs are those of one forward over them."""

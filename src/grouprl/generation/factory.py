@@ -259,14 +259,7 @@ def connect_server(tokenizer: Any, args: Any) -> GenerationBackend:
         )
     from grouprl.generation.vllm import VLLMServerGenerator
 
-    return VLLMServerGenerator(
-        url,
-        tokenizer=tokenizer,
-        timeout=args.vllm_server_timeout,
-        retries=args.generation_server_retries,
-        group_port=args.vllm_group_port,
-        regex=args.vllm_structured_outputs_regex,
-    )
+    return VLLMServerGenerator.from_fields(url, tokenizer, args, timeout=args.vllm_server_timeout)
 
 
 class ShardedPolicySampler:

@@ -291,6 +291,19 @@ class VLLMServerGenerator(RemoteGenerator):
         self.regex = regex
         self.model_name = run_on_main(lambda: self.request("GET", "/v1/models")["data"][0]["id"])
 
+    @classmethod
+    def from_fields(cls, base_url: str, tokenizer: Any, fields: Any, timeout: float) -> "VLLMServerGenerator":
+        """From the fields GRPOConfig and the asynchronous worker's config share (generation_server_retries,
+        vllm_group_port, vllm_structured_outputs_regex); `timeout` is each one's own."""
+        return cls(
+            base_url,
+            tokenizer=tokenizer,
+            timeout=timeout,
+            retries=fields.generation_server_retries,
+            group_port=fields.vllm_group_port,
+            regex=fields.vllm_structured_outputs_regex,
+        )
+
     def completion_request(self, prompt_ids: list[list[int]], num_samples: int, params: SamplingParams) -> dict:
         body = super().completion_request(prompt_ids, num_samples, params)
         if self.regex is not None:

@@ -143,11 +143,4 @@ def vllm_client(config: Any, url: str, tokenizer: Any) -> Any:
             f"async_generation with a `vllm serve` worker ({url}) runs on one training process in this version of "
             "grouprl; use a `grouprl serve` worker (async_worker='local') or one training process."
         )
-    return VLLMServerGenerator(
-        url,
-        tokenizer=tokenizer,
-        timeout=config.request_timeout,
-        retries=config.generation_server_retries,
-        group_port=config.vllm_group_port,
-        regex=config.vllm_structured_outputs_regex,
-    )
+    return VLLMServerGenerator.from_fields(url, tokenizer, config, timeout=config.request_timeout)
