@@ -1,10 +1,12 @@
-"""Evaluation: evaluate() before/without train, eval_strategy during training, num_generations_eval, dicts."""
+"""Evaluation: evaluate() before/without train, eval_strategy during training, num_generations_eval, dicts; the end
+of training as Trainer's default flow ends it (its last checkpoint and evaluation, training_args.bin)."""
 
 import json
 import os
 
 import datasets
 import pytest
+import torch
 from helpers import ScriptedBackend, max_difference, parameters
 from transformers import AutoTokenizer
 
@@ -165,3 +167,34 @@ def test_stored_eval_dataset_is_checked_when_evaluated(tiny_model_dir, tmp_path)
     )  # eval_strategy "no": only stored, as in TRL
     with pytest.raises(ValueError, match="must be divisible by num_generations_eval=4"):
         trainer.evaluate()
+
+
+def test_the_last_step_is_saved_and_evaluated_as_trainer_does(tiny_model_dir, tmp_path):
+    """save_steps=2, eval_steps=2, max_steps=3: checkpoints 2 and 3 and evaluations at 2 and 3, as TRL leaves them (its
+    Trainer's default flow), so an automatic resume finds the last step."""
+    config = make_config(
+        tmp_path, max_steps=3, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2
+    )
+    trainer = GRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=distinct_tokens,
+        args=config,
+        train_dataset=prompts(12),
+        eval_dataset=prompts(3, start=20),
+    )
+    trainer.train()
+    assert sorted(n for n in os.listdir(config.output_dir) if n.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-3",
+    ]
+    evaluations = [e for e in trainer.state.log_history if "eval_reward" in e]
+    assert [e["step"] for e in evaluations] == [2, 3]
+    # eval_num_tokens: the run's count at the evaluation, as TRL logs it (evaluation adds nothing to it)
+    counts = {e["step"]: e["num_tokens"] for e in trainer.state.log_history if "num_tokens" in e}
+    assert [e["eval_num_tokens"] for e in evaluations] == [counts[2], counts[3]]
+    assert counts[2] < counts[3] == trainer.state.num_input_tokens_seen
+    # Trainer's training_args.bin beside every checkpoint's state and the saved model
+    loaded = torch.load(os.path.join(config.output_dir, "checkpoint-3", "training_args.bin"), weights_only=False)
+    assert isinstance(loaded, GRPOConfig) and (loaded.save_steps, loaded.max_steps) == (2, 3)
+    trainer.save_model(str(tmp_path / "model"))
+    assert torch.load(tmp_path / "model" / "training_args.bin", weights_only=False).eval_steps == 2

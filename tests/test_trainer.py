@@ -11,6 +11,7 @@ from helpers import ScriptedBackend, max_difference, parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl import GRPOConfig, GRPOTrainer, RewardFunctionError
+from grouprl.data.prompts import DataRowError
 
 TRL_STEP_METRICS = [
     "loss",
@@ -348,13 +349,44 @@ def test_bad_rewards_name_function_and_row(tiny_model_dir, tmp_path, reward, mat
         trainer.train()
 
 
-def test_prompt_longer_than_context(tiny_model_dir, tmp_path):
-    long = datasets.Dataset.from_dict({"prompt": ["1+1=" * 40] * 6})
-    trainer = GRPOTrainer(
-        model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=long
-    )
-    with pytest.raises(ValueError, match=r"Row \d: the prompt is \d+ tokens.*maximum length of 128 tokens"):
+def test_prompt_longer_than_context_is_an_error_before_training(tiny_model_dir, tmp_path):
+    """Every prompt of a Dataset is tokenized when the trainer is built: the long one is named before any step."""
+    rows = datasets.Dataset.from_dict({"prompt": ["1+1="] * 5 + ["1+1=" * 40] + ["1+1="] * 6})
+    with pytest.raises(DataRowError, match=r"^train_dataset: Row 5: the prompt is \d+ tokens.*maximum length of 128"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=make_config(tmp_path), train_dataset=rows)
+
+
+def test_a_bad_row_found_mid_run_saves_the_last_step_and_names_the_row(tiny_model_dir, tmp_path):
+    """A stream's rows are checked as drawn: row 4 (drawn for step 3) is too long; steps 1-2 are kept in checkpoint-2,
+    and the error names the row and says how to resume, as a reward error does."""
+    good = [f"{i}+1=" for i in range(12)]
+    rows = good[:4] + ["1+1=" * 40] + good[4:]
+    stream = datasets.Dataset.from_dict({"prompt": rows}).to_iterable_dataset()
+    config = make_config(tmp_path, max_steps=6, shuffle_dataset=False)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=distinct_tokens, args=config, train_dataset=stream)
+    with pytest.raises(DataRowError, match=r"Row 4: the prompt is \d+ tokens") as stopped:
         trainer.train()
+    assert trainer.state.global_step == 2
+    assert "resume_from_checkpoint=True" in str(stopped.value)
+    checkpoint = os.path.join(config.output_dir, "checkpoint-2")
+    assert os.path.exists(os.path.join(checkpoint, "checkpoint_complete"))
+
+
+def test_a_chat_template_that_fails_on_a_row_names_the_row(tiny_model_dir, tmp_path):
+    """Content None in a message (a template that concatenates it fails): the row and the message are named, when
+    the trainer is built, not as a raw jinja2 error mid-run."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    conversations = [[{"role": "user", "content": f"{i}+1="}] for i in range(12)]
+    conversations[7] = [{"role": "system", "content": "add"}, {"role": "user", "content": None}]
+    with pytest.raises(DataRowError, match=r"Row 7: the chat template failed .*Message 1 of 'prompt' has content None"):
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=distinct_tokens,
+            args=make_config(tmp_path),
+            train_dataset=datasets.Dataset.from_dict({"prompt": conversations}),
+            processing_class=tokenizer,
+        )
 
 
 def test_generation_buffer_serves_spg_times_iterations_micro_steps(tiny_model_dir, tmp_path):

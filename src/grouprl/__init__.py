@@ -18,6 +18,7 @@ _HOMES = {
     "AsyncGRPOConfig": "grouprl.compat.async_grpo",
     "AsyncGRPOTrainer": "grouprl.compat.async_grpo",
     "BatchPlan": "grouprl.config.grpo_config",
+    "DataRowError": "grouprl.data.prompts",
     "GFPOConfig": "grouprl.compat.gfpo",
     "GFPOTrainer": "grouprl.compat.gfpo",
     "GRPOConfig": "grouprl.config.grpo_config",
@@ -36,6 +37,7 @@ __all__ = [
     "AsyncGRPOConfig",
     "AsyncGRPOTrainer",
     "BatchPlan",
+    "DataRowError",
     "GFPOConfig",
     "GFPOTrainer",
     "GRPOConfig",
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
     from grouprl.compat.trainer import GRPOTrainer
     from grouprl.config.grpo_config import BatchPlan, GRPOConfig, plan_batches
     from grouprl.core.advantages import register_advantage
+    from grouprl.data.prompts import DataRowError
     from grouprl.core.losses import register_loss
     from grouprl.generation import RemoteGenerator, ServerError
     from grouprl.report.writer import write_report

@@ -35,7 +35,13 @@ from grouprl.config.training_arguments import refusal
 from grouprl.core.entropy import EntropyController
 from grouprl.data.multimodal_prompts import MultimodalPromptTokenizer, make_prompt_tokenizer
 from grouprl.data.prompt_sampler import PromptSampler, RowReaders, workers_for
-from grouprl.data.prompts import IMAGE_COLUMNS, KEPT_WHEN_REMOVING, PROMPT_COLUMN, check_dataset
+from grouprl.data.prompts import (
+    IMAGE_COLUMNS,
+    KEPT_WHEN_REMOVING,
+    PROMPT_COLUMN,
+    check_dataset,
+    check_every_prompt_fits,
+)
 from grouprl.generation.factory import sampling_params, sharded_weights
 from grouprl.generation.vllm import require_vllm
 from grouprl.model import quantization
@@ -501,6 +507,8 @@ def build_rollouts(
         chat_template_kwargs=args.chat_template_kwargs,
         tools=[t.schema for t in agents.tools] if agents else None,
     )
+    if not environments_own_prompts:
+        check_every_prompt_fits(tokenize, train_dataset)
     agent = (
         agents.build(
             tokenize,

@@ -40,6 +40,7 @@ from grouprl.train.callbacks import CallbackHandler
 from grouprl.train.checkpoint import (
     ENGINE_STATE,
     TRAINER_STATE,
+    TRAINING_ARGS,
     load_optimizer_state,
     load_policy_weights,
     load_training_state,
@@ -369,6 +370,7 @@ class TrainerSurface:
         if self.accelerator.is_main_process:
             save_pretrained(model, output_dir, weights)  # a LoRA policy: the adapter only
             self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS))  # as Trainer's save_model
 
     def push_to_hub(self, commit_message: str = "End of training", **kwargs: Any) -> Any:
         """Save, write the model card, then push the model, tokenizer and card (README.md) to args.hub_model_id

@@ -3,7 +3,7 @@
 ``from grouprl.config import GRPOConfig`` keeps working; the class lives in ``grouprl.config.grpo_config``.
 """
 
-from grouprl.config.batch_plan import BatchPlan, interval_due, plan_batches, resolve_steps
+from grouprl.config.batch_plan import BatchPlan, plan_batches, resolve_steps
 from grouprl.config.checks import NOT_YET_BUILT, no_accelerator
 from grouprl.config.grpo_config import GRPOConfig
 
@@ -11,7 +11,6 @@ __all__ = [
     "NOT_YET_BUILT",
     "BatchPlan",
     "GRPOConfig",
-    "interval_due",
     "no_accelerator",
     "plan_batches",
     "resolve_steps",

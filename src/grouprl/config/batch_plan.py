@@ -1,7 +1,6 @@
 """The batch plan: every size derived from the config and the process count, as TRL derives them.
 
-Also the TrainingArguments step conventions the loop and evaluation share (``interval_due``,
-``resolve_steps``).
+Also the TrainingArguments convention for step counts given as a fraction of the run (``resolve_steps``).
 """
 
 from __future__ import annotations
@@ -152,16 +151,6 @@ def plan_batches(config: GRPOFields, num_processes: int = 1) -> BatchPlan:
         completions_per_generation=generation_batch,
         prompts_per_generation=generation_batch // g,
     )
-
-
-def interval_due(strategy: str, step: int, every: int, steps_per_epoch: Optional[int]) -> bool:
-    """TrainingArguments' IntervalStrategy at an optimizer step: "steps" every `every` steps,
-    "epoch" at each epoch's end, "no" never."""
-    if strategy == "steps":
-        return step % every == 0
-    if strategy == "epoch":
-        return bool(steps_per_epoch) and step % steps_per_epoch == 0
-    return False
 
 
 def resolve_steps(value: float, total_steps: int) -> int:

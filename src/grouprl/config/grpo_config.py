@@ -24,7 +24,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 # The checks and the batch plan live in their own modules; re-exported here, where the rest of grouprl imports them.
-from grouprl.config.batch_plan import BatchPlan, interval_due, plan_batches, resolve_steps
+from grouprl.config.batch_plan import BatchPlan, plan_batches, resolve_steps
 from grouprl.config.checks import (
     EVAL_STRATEGIES,
     NOT_YET_BUILT,
@@ -49,7 +49,6 @@ __all__ = [
     "NOT_YET_BUILT",
     "SAVE_STRATEGIES",
     "SCALE_REWARDS",
-    "interval_due",
     "no_accelerator",
     "plan_batches",
     "resolve_steps",

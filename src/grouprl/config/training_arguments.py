@@ -59,12 +59,17 @@ HONOURED: dict[str, str] = {
     "run_name": "tracker run name",
     "project": "tracker project name (wandb, trackio)",
     "trackio_space_id": "passed to trackio.init",
-    "eval_strategy": "no / steps / epoch",
-    "eval_steps": "evaluate every N optimizer steps",
+    "eval_strategy": "no / steps / epoch; also where training ends, as Trainer's default flow (train/default_flow.py)",
+    "eval_steps": "evaluate every N optimizer steps, and at the last step when it is not one of them",
     "eval_delay": "no scheduled evaluation before this many optimizer steps",
     "eval_on_start": "evaluate once before the first optimizer step",
-    "save_strategy": "no / steps / epoch / best",
-    "save_steps": "checkpoint every N optimizer steps",
+    "save_strategy": (
+        "no / steps / epoch / best; 'steps' also saves the last step, 'epoch' also where max_steps or a callback "
+        "stops training inside an epoch, as Trainer's default flow"
+    ),
+    "save_steps": (
+        "checkpoint every N optimizer steps (and the last step); each checkpoint holds training_args.bin, as Trainer's"
+    ),
     "save_total_limit": "keep at most N checkpoints (the best one is kept when load_best_model_at_end)",
     "save_only_model": "checkpoints hold the model and trainer state only; such a checkpoint cannot be resumed",
     "load_best_model_at_end": "the checkpoint with the best metric_for_best_model is loaded after training",

@@ -15,10 +15,12 @@ import torch
 from grouprl.data.prompts import (
     IMAGE_COLUMNS,
     PROMPT_COLUMN,
+    DataRowError,
     PromptTokenizer,
     check_prompt,
     is_conversational,
     row_images,
+    template_errors_name,
 )
 from grouprl.model.multimodal import PromptImages, is_processor
 
@@ -32,7 +34,7 @@ def attach_images(messages: list[dict], images: list[Any], row: int) -> list[dic
     prepared, placed = [], False
     for i, message in enumerate(messages):
         if message["role"] not in MESSAGE_ROLES:
-            raise ValueError(
+            raise DataRowError(
                 f"Row {row}: message {i} has role {message['role']!r}; expected one of {', '.join(MESSAGE_ROLES)}."
             )
         content = message.get("content")
@@ -50,7 +52,7 @@ def attach_images(messages: list[dict], images: list[Any], row: int) -> list[dic
         if block.get("type") == "image" and "image" not in block
     ]
     if len(slots) != len(images):
-        raise ValueError(
+        raise DataRowError(
             f"Row {row}: {len(images)} image(s) in the image/images column but {len(slots)} empty image block(s) "
             "({'type': 'image'}) in the prompt's messages to put them in. Give a user message with string content "
             "(the images go before its text) or one {'type': 'image'} block per image."
@@ -73,7 +75,7 @@ class MultimodalPromptTokenizer(PromptTokenizer):
     def check(self, prompt: Any, row: int) -> None:
         check_prompt(prompt, row)
         if is_conversational(prompt) and getattr(self.processor, "chat_template", None) is None:
-            raise ValueError(
+            raise DataRowError(
                 f"Row {row} is conversational but the processor has no chat_template; set processor.chat_template."
             )
 
@@ -81,7 +83,7 @@ class MultimodalPromptTokenizer(PromptTokenizer):
         prompt, images = row[PROMPT_COLUMN], row_images(row, index)
         if not is_conversational(prompt):
             if images:
-                raise ValueError(
+                raise DataRowError(
                     f"Row {index} has images but a plain-string prompt. Images need a conversational prompt "
                     "([{'role': 'user', 'content': ...}]): the processor's chat template places them. If the chat "
                     "template was applied to the dataset already, give the raw messages instead."
@@ -109,7 +111,7 @@ class MultimodalPromptTokenizer(PromptTokenizer):
             tools=tools or self.tools,
             **self.chat_template_kwargs,
         )
-        with self.lock:
+        with self.lock, template_errors_name(row, messages):
             out = self.processor.apply_chat_template(
                 messages, tokenize=True, return_dict=True, return_tensors="pt", **options
             )

@@ -14,18 +14,31 @@ functions. Rows with an ``image`` / ``images`` column go through the model's pro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
-from typing import Any, Optional
+import time
+from typing import Any, Iterator, Optional
 
 import datasets
+from transformers.utils import logging
 
 from grouprl.core.types import GroupLayout, PromptBatch
+
+logger = logging.get_logger("grouprl")
 
 PROMPT_COLUMN = "prompt"
 IMAGE_COLUMNS = ("image", "images")  # a row's images: one image, or a list (TRL)
 KEPT_WHEN_REMOVING = (PROMPT_COLUMN, *IMAGE_COLUMNS)
+
+
+class DataRowError(ValueError):
+    """A row of the dataset cannot be used (its prompt's format, its chat template, its length): the message names
+    the row, the column and the fix. Found mid-run, it stops the run with the last completed step saved (loop.py)."""
+
+
+TOKEN_CHECK_SECONDS = 30.0  # the up-front tokenizing of every prompt stops after this; the rest are checked as drawn
 LARGE_DATASET = 100_000  # rows: a larger dataset's prompts are checked by worker processes (datasets' map)
 CHECK_BATCH = 10_000  # rows read at a time by the up-front check
 _checked_fingerprints: set[str] = set()  # datasets whose every prompt passed: not read again (evaluate() re-checks)
@@ -80,6 +93,38 @@ def check_every_prompt(dataset: datasets.Dataset, name: str) -> None:
         check_prompt(prompts[bad][PROMPT_COLUMN], bad, name)  # raises, naming the row
     if fingerprint is not None:
         _checked_fingerprints.add(fingerprint)
+
+
+def check_every_prompt_fits(
+    tokenize: "PromptTokenizer", dataset: Any, name: str = "train_dataset", budget_s: float = TOKEN_CHECK_SECONDS
+) -> int:
+    """Tokenize every prompt of a Dataset once before training, through the chat template, so a prompt the template
+    fails on or one that leaves no room for max_completion_length is an error before any step rather than a stop
+    mid-run. Stops after `budget_s` seconds (the rows left are checked as they are drawn); not for a stream, a custom
+    transform or rows with images (their processor's work is the expensive part). Returns the rows checked."""
+    if (
+        not isinstance(dataset, datasets.Dataset)
+        or PROMPT_COLUMN not in dataset.column_names
+        or any(c in dataset.column_names for c in IMAGE_COLUMNS)
+        or (dataset.format or {}).get("type") == "custom"
+    ):
+        return 0
+    deadline, checked = time.monotonic() + budget_s, 0
+    for start in range(0, len(dataset), CHECK_BATCH):
+        for offset, prompt in enumerate(dataset[start : start + CHECK_BATCH][PROMPT_COLUMN]):
+            if time.monotonic() > deadline:
+                logger.info(
+                    f"grouprl: {name}: {checked} of {len(dataset)} prompts tokenized and checked against the context "
+                    f"in {budget_s:.0f} s; the others are checked as they are drawn (a bad one then stops the run "
+                    "with its last step saved)."
+                )
+                return checked
+            try:
+                tokenize(prompt, start + offset)
+            except DataRowError as err:
+                raise DataRowError(f"{name}: {err}") from None
+            checked += 1
+    return checked
 
 
 def _first_bad_row(prompts: datasets.Dataset) -> Optional[int]:
@@ -154,7 +199,7 @@ def check_prompt(prompt: Any, row: int, dataset: str = "the dataset") -> None:
         return
     problem, keep = found
     variable = dataset if dataset.isidentifier() else "dataset"
-    raise ValueError(
+    raise DataRowError(
         f"Row {row}: {problem}. Fix row {row} of {dataset}, or drop such rows before training, e.g. "
         f"{variable} = {variable}.filter(lambda row: {keep})."
     )
@@ -188,7 +233,7 @@ class PromptTokenizer:
     def __call__(self, prompt: Any, row: int, tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of one prompt; `tools` (schemas) replaces the default tools for this prompt."""
         self.check(prompt, row)
-        with self.lock:
+        with self.lock, template_errors_name(row, prompt):
             ids = self._encode(prompt, tools)
         self.check_fits(ids, prompt, row)
         return ids
@@ -217,7 +262,7 @@ class PromptTokenizer:
     def encode_row(self, row: dict, index: int) -> tuple[Any, list[int], Any | None]:
         """The prompt as reward functions see it, its token ids, and its processed images (None: text only)."""
         if row_images(row, index):
-            raise ValueError(
+            raise DataRowError(
                 f"Row {index} has images but the prompts are tokenized by a tokenizer; images need the model's "
                 "processor (processing_class=AutoProcessor.from_pretrained(model), the default for vision-language "
                 "models)."
@@ -227,14 +272,14 @@ class PromptTokenizer:
     def check(self, prompt: Any, row: int) -> None:
         check_prompt(prompt, row)
         if is_conversational(prompt) and getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(
+            raise DataRowError(
                 f"Row {row} is conversational but the tokenizer has no chat_template; set tokenizer.chat_template "
                 "or use plain-string prompts."
             )
 
     def check_fits(self, ids: list[int], prompt: Any, row: int) -> None:
         if not ids:
-            raise ValueError(
+            raise DataRowError(
                 f"Row {row}: the prompt {prompt!r} tokenizes to no tokens; generation needs at least one prompt token. "
                 "Fix this row of the dataset, or drop such rows before training (dataset.filter)."
             )
@@ -245,7 +290,7 @@ class PromptTokenizer:
         where = f"Row {row}: the prompt is {length} tokens"
         limit = f"the model's maximum length of {context} tokens (max_position_embeddings)"
         if completion >= context:
-            raise ValueError(
+            raise DataRowError(
                 f"{where}, but max_completion_length={completion} alone fills {limit}, so no prompt fits before a "
                 f"completion. Lower max_completion_length below {context}"
                 + (f" (to at most {context - length} for this prompt)." if length < context else ".")
@@ -255,8 +300,8 @@ class PromptTokenizer:
             "drop such rows before training (e.g. dataset.filter on the prompt's token count)"
         )
         if length >= context:
-            raise ValueError(f"{where}, at least {limit}, so no completion fits after it. {shorten}.")
-        raise ValueError(
+            raise DataRowError(f"{where}, at least {limit}, so no completion fits after it. {shorten}.")
+        raise DataRowError(
             f"{where}; with max_completion_length={completion} it needs {length + completion} positions, more than "
             f"{limit}. {shorten}, or lower max_completion_length to at most {context - length}."
         )
@@ -266,6 +311,25 @@ class PromptTokenizer:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=False) if is_conversational(prompt) else prompt
 
 
+@contextlib.contextmanager
+def template_errors_name(row: int, prompt: Any) -> Iterator[None]:
+    """A chat template that fails on a row (a jinja2 error, a template's own raise_exception) names the row, and the
+    message the usual cause points at: one whose content is None."""
+    try:
+        yield
+    except (DataRowError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # noqa: BLE001 - jinja2's and the templates' errors have no common type
+        if not is_conversational(prompt):
+            raise
+        empty = [i for i, m in enumerate(prompt) if isinstance(m, dict) and m.get("content") is None]
+        cause = f" Message {empty[0]} of 'prompt' has content None." if empty else ""
+        raise DataRowError(
+            f"Row {row}: the chat template failed on its 'prompt' ({type(err).__name__}: {err}).{cause} Fix row {row} "
+            "of the dataset, or drop such rows before training (dataset.filter)."
+        ) from err
+
+
 def row_images(row: dict, index: int) -> list[Any]:
     """A row's images (TRL): its `images` list, else `[image]`; [] when it has none (missing column or None)."""
     if "images" in row:
@@ -273,7 +337,7 @@ def row_images(row: dict, index: int) -> list[Any]:
         if images is None:
             return []
         if not isinstance(images, (list, tuple)):
-            raise ValueError(
+            raise DataRowError(
                 f"Row {index}: 'images' must be a list of images, got {type(images).__name__}; "
                 "use the 'image' column for a single image."
             )

@@ -39,6 +39,7 @@ CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 LOOP_STATE = "loop_state.pt"
 TRAINING_STATE = "training_state.pt"
 TRAINER_STATE = "trainer_state.json"
+TRAINING_ARGS = "training_args.bin"  # the run's GRPOConfig, pickled, as transformers' Trainer writes it
 COMPLETE_MARKER = "checkpoint_complete"
 STAGING_PREFIX = ".tmp-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
@@ -130,6 +131,7 @@ def save_checkpoint(
     keep: Optional[str] = None,
     full_state: Optional[tuple[dict[str, Any], Optional[dict[str, Any]]]] = None,
     engine_state: Optional[str] = None,
+    training_args: Any = None,
 ) -> str:
     """Write checkpoint-{step} atomically and rotate old ones; return its path.
 
@@ -174,6 +176,8 @@ def save_checkpoint(
         )
         torch.save(loop_state, os.path.join(staging, LOOP_STATE))
     trainer_state.save_to_json(os.path.join(staging, TRAINER_STATE))
+    if training_args is not None:
+        torch.save(training_args, os.path.join(staging, TRAINING_ARGS))
     _fsync_tree(staging)  # on disk before the marker and the rename claim the checkpoint is complete
     open(os.path.join(staging, COMPLETE_MARKER), "w").close()
     _fsync_dir(staging)

@@ -31,7 +31,7 @@ import datasets
 import torch
 from transformers.utils import logging
 
-from grouprl.config.grpo_config import GRPOConfig, interval_due, resolve_steps
+from grouprl.config.grpo_config import GRPOConfig
 from grouprl.core.distributed import global_mean
 from grouprl.core.metrics import MetricWindow
 from grouprl.rollout.sampler import RolloutMaker
@@ -39,17 +39,6 @@ from grouprl.train.eval_data import check_eval_setup, eval_loader
 from grouprl.train.eval_mode import EvaluationPass
 
 logger = logging.get_logger("grouprl")
-
-
-def should_evaluate(config: GRPOConfig, step: int, total_steps: int, steps_per_epoch: Optional[int]) -> bool:
-    """Scheduled evaluation at this optimizer step (eval_delay counts steps, or epochs with eval_strategy='epoch')."""
-    every = resolve_steps(config.eval_steps if config.eval_steps is not None else config.logging_steps, total_steps)
-    delayed = (
-        step < config.eval_delay
-        if config.eval_strategy == "steps"
-        else bool(steps_per_epoch) and step / steps_per_epoch < config.eval_delay
-    )
-    return interval_due(config.eval_strategy, step, every, steps_per_epoch) and not delayed
 
 
 @dataclass(frozen=True)
@@ -91,7 +80,8 @@ def evaluate(parts: EvaluationParts, eval_dataset: Any, metric_key_prefix: str =
     try:
         window, batches, completions = _sample_and_score(parts, eval_dataset)
         runtime = time.time() - started
-        summary = {k: v for k, v in window.summary().items() if k != "num_tokens"}
+        # num_tokens is the run's count so far, as TRL logs it in evaluation too: evaluation does not add to it
+        summary = {**window.summary(), "num_tokens": float(parts.trainer_state.num_input_tokens_seen)}
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in summary.items()}
         metrics.update(
             {

@@ -54,26 +54,26 @@ import torch
 from accelerate.utils.memory import clear_device_cache
 from tqdm.auto import tqdm
 
-from grouprl.config.grpo_config import GRPOConfig, interval_due, resolve_steps
 from grouprl.core.distributed import gather_objects
 from grouprl.core.metrics import TRAINER_METRICS, progress_postfix
 from grouprl.core.stats import finite, largest, mean, metrics
+from grouprl.data.prompts import DataRowError
 from grouprl.model.reference import mix_into_reference
 from grouprl.rewards.scoring import RewardFunctionError
 from grouprl.train import evaluation, stages
 from grouprl.train.best_checkpoint import record_evaluation
 from grouprl.train.checkpoint import load_policy_weights
-from grouprl.train.evaluation import should_evaluate
+from grouprl.train.default_flow import step_end
 from grouprl.train.last_good_state import save_last_good
 from grouprl.train.non_finite import NonFiniteError, non_finite_error
-from grouprl.train.run_checkpoints import gathered_policy_state, save, should_save, write_checkpoint
+from grouprl.train.run_checkpoints import gathered_policy_state, save, write_checkpoint
 from grouprl.train.step_reduction import reduce_step
 from grouprl.train.stop_signals import StoppedAtOnce, StopSignals, exit_code, resume_hint
 from grouprl.train.training_run import TrainingRun, deepspeed_engine
 
 
 def train(run: TrainingRun) -> dict[str, float]:
-    """Train to max_steps; on NaN / inf or a failing reward function, save the last good state, then re-raise
+    """Train to max_steps; on NaN / inf, a failing reward function or a bad row, save the last good state, then re-raise
     the error with where that state is."""
     describe = lambda: f"step {run.state.global_step + 1}"  # noqa: E731 - read when a signal arrives
     try:
@@ -85,9 +85,9 @@ def train(run: TrainingRun) -> dict[str, float]:
         # then imports a module, which clears the interpreter's record of the interrupt).
         print(f"grouprl: {err}.", file=sys.stderr, flush=True)
         raise SystemExit(exit_code(signal.SIGINT)) from err
-    except (NonFiniteError, RewardFunctionError) as err:
-        # every process raises the same NonFiniteError, so a sharded policy can be gathered; a reward error may
-        # stop one process only
+    except (NonFiniteError, RewardFunctionError, DataRowError) as err:
+        # every process raises the same NonFiniteError, so a sharded policy can be gathered; a reward error or a
+        # bad row may stop one process only
         full_state = gathered_policy_state(run) if isinstance(err, NonFiniteError) else None
         note = save_last_good(
             run.health.last_good,
@@ -103,8 +103,6 @@ def train(run: TrainingRun) -> dict[str, float]:
 
 def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
     config, state, accelerator = run.config, run.state, run.accelerator
-    logging_steps = resolve_steps(config.logging_steps, run.total_steps)
-    save_steps = resolve_steps(config.save_steps, run.total_steps)
     if accelerator.is_main_process:
         os.makedirs(config.output_dir, exist_ok=True)  # metrics.jsonl, completions and checkpoints go there
     progress = tqdm(
@@ -179,15 +177,12 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
             warmup=bool(config.warmup_steps),
         )
         control = run.fire("on_step_end")  # a callback may ask for a log, evaluation, checkpoint or stop at this step
-        if should_log(config, state.global_step, logging_steps, run.steps_per_epoch) or control.should_log:
+        flow = step_end(config, state.global_step, run.total_steps, run.steps_per_epoch, control.should_training_stop)
+        if flow.log or control.should_log:
             trainer_level = {k: v for k, v in run.window.summary().items() if k in TRAINER_METRICS}
             stages.log(run, trainer_level)  # merges the GRPO metrics gathered since the last entry
-        new_best = False
-        if run.evaluates and (
-            should_evaluate(config, state.global_step, run.total_steps, run.steps_per_epoch) or control.should_evaluate
-        ):
-            new_best = evaluate_and_track(run)
-        saved = should_save(config, state.global_step, save_steps, run.steps_per_epoch, new_best) or control.should_save
+        new_best = run.evaluates and (flow.evaluate or control.should_evaluate) and evaluate_and_track(run)
+        saved = flow.save or control.should_save or (config.save_strategy == "best" and new_best)
         if saved:
             save(run)
         progress.update(1)
@@ -240,12 +235,6 @@ def train_summary(run: TrainingRun, runtime: float, steps_done: int) -> dict[str
         "total_flos": run.state.total_flos,
         "train_loss": sum(run.step_losses) / max(len(run.step_losses), 1),
     }
-
-
-def should_log(config: GRPOConfig, step: int, logging_steps: int, steps_per_epoch: Optional[int]) -> bool:
-    return (config.logging_first_step and step == 1) or interval_due(
-        config.logging_strategy, step, logging_steps, steps_per_epoch
-    )
 
 
 def evaluate_and_track(run: TrainingRun) -> bool:

@@ -10,19 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from grouprl.config.grpo_config import GRPOConfig, interval_due
 from grouprl.core.distributed import gather_objects
 from grouprl.model.full_state import fsdp_sharded, gather_full_state
 from grouprl.train.checkpoint import ENGINE_STAGING_PREFIX, ENGINE_STATE, rng_state, save_checkpoint
 from grouprl.train.training_run import TrainingRun, deepspeed_engine
-
-
-def should_save(
-    config: GRPOConfig, step: int, save_steps: int, steps_per_epoch: Optional[int], new_best: bool = False
-) -> bool:
-    if config.save_strategy == "best":
-        return new_best
-    return interval_due(config.save_strategy, step, save_steps, steps_per_epoch)
 
 
 def save(run: TrainingRun) -> Optional[str]:
@@ -66,6 +57,7 @@ def save(run: TrainingRun) -> Optional[str]:
             keep=run.state.best_model_checkpoint,
             full_state=full_state,
             engine_state=engine_state,
+            training_args=run.config,
         )
     run.accelerator.wait_for_everyone()
     run.fire("on_save")
@@ -116,4 +108,5 @@ def write_checkpoint(
         save_total_limit=run.config.save_total_limit,
         rng=rng,
         full_state=full_state,
+        training_args=run.config,
     )
