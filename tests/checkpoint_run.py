@@ -9,7 +9,7 @@ def distinct_tokens(completion_ids, **kwargs):
     return [float(len(set(ids))) for ids in completion_ids]
 
 
-def make_trainer(model_dir, output_dir, **overrides):
+def make_trainer(model_dir, output_dir, reward_funcs=distinct_tokens, **overrides):
     """6 steps, a checkpoint every 2, one generation per 3 steps (so checkpoints fall inside a generation)."""
     values = dict(
         output_dir=str(output_dir),
@@ -30,5 +30,5 @@ def make_trainer(model_dir, output_dir, **overrides):
     values.update(overrides)
     prompts = datasets.Dataset.from_dict({"prompt": [f"{i}+{i % 5}=" for i in range(18)]})
     return GRPOTrainer(
-        model=str(model_dir), reward_funcs=distinct_tokens, args=GRPOConfig(**values), train_dataset=prompts
+        model=str(model_dir), reward_funcs=reward_funcs, args=GRPOConfig(**values), train_dataset=prompts
     )

@@ -199,3 +199,27 @@ def test_a_checkpoint_naming_a_class_by_its_former_module_still_loads(tmp_path, 
     assert old.encode() in (tmp_path / "loop_state.pt").read_bytes()
     loaded = load_pickle(str(tmp_path / "loop_state.pt"))["inputs"]
     assert type(loaded) is cls and loaded == value
+
+
+def test_resuming_another_models_or_plans_checkpoint_says_what_differs(tiny_model_dir, tmp_path, caplog):
+    """Another model's checkpoint: one error naming the shape that differs, not state-dict size mismatches; another
+    batch plan: an error naming the fields; a changed schedule field: resumed, and the change logged."""
+    from grouprl.demo.model import save_tiny_model
+
+    make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2).train()
+    checkpoint_2 = str(tmp_path / "run" / "checkpoint-2")
+    wider = save_tiny_model(tmp_path / "wider", seed=0, num_hidden_layers=3)
+    with pytest.raises(
+        ValueError, match=r"another model than this run's \(num_hidden_layers 2 in the checkpoint, 3 here"
+    ):
+        make_trainer(wider, tmp_path / "run", max_steps=4).train(resume_from_checkpoint=checkpoint_2)
+    with pytest.raises(ValueError, match=r"another batch plan \(per_device_train_batch_size 3 -> 6, "):
+        make_trainer(tiny_model_dir, tmp_path / "run", max_steps=4, per_device_train_batch_size=6).train(
+            resume_from_checkpoint=checkpoint_2
+        )
+    with caplog.at_level("WARNING", logger="grouprl"):
+        resumed = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=4, learning_rate=0.05).train(
+            resume_from_checkpoint=checkpoint_2
+        )
+    assert resumed.global_step == 4
+    assert "with changed settings: max_steps 2 -> 4, learning_rate 0.1 -> 0.05" in caplog.text

@@ -58,6 +58,37 @@ def test_reward_resolution(tmp_path, monkeypatch):
         resolve_reward_function("nonsense")
     with pytest.raises(ValueError, match="has no attribute 'missing'"):
         resolve_reward_function("my_rewards.missing")
+    with pytest.raises(ValueError, match=r"has no attribute 'shuot'\. Did you mean my_rewards\.shout\?"):
+        resolve_reward_function("my_rewards.shuot")
+    with pytest.raises(ValueError, match=r"Did you mean accuracy_reward\?"):
+        resolve_reward_function("acuracy_reward")
+
+
+def test_user_errors_of_every_command_are_two_lines(tmp_path, monkeypatch, capsys):
+    """A mistyped model path (serve, demo), a bad value (demo), an old TRL field: the message alone, no traceback."""
+    monkeypatch.chdir(tmp_path)
+    for command in (["serve", "--model", "./no-such-model"], ["demo", "--model", "./nope", "--max_steps", "1"]):
+        assert main(command) == 1
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 2 and f"grouprl {command[0]}: OSError: The model path '{command[2]}' looks like a" in err[0]
+        assert "repo id" not in err[0].lower() and "GROUPRL_TRACEBACK=1" in err[1]
+    with pytest.raises(SystemExit) as caught:
+        main(["demo", "--max_steps", "-3"])
+    assert caught.value.code == 2
+    assert "argument --max_steps: -3 is too small: it must be at least 1" in capsys.readouterr().err
+    from grouprl import GRPOConfig
+
+    with pytest.raises(TypeError, match="has no field 'max_prompt_length': TRL 1.16's GRPOConfig has no"):
+        GRPOConfig(max_prompt_length=256)
+
+
+def test_lora_all_linear_is_peft_keyword():
+    from grouprl.cli.train_inputs import lora_config
+
+    _, _, model = parse_train_args(["--use_peft", "--lora_target_modules", "all-linear"])
+    assert lora_config(model).target_modules == "all-linear"
+    _, _, model = parse_train_args(["--use_peft", "--lora_target_modules", "q_proj", "v_proj"])
+    assert lora_config(model).target_modules == {"q_proj", "v_proj"}
 
 
 def test_builtin_reward_names_as_trl_cli(tmp_path):
@@ -141,8 +172,15 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
     assert (config.num_generations, config.learning_rate, model.model_name_or_path) == (4, 0.25, "m")
     assert os.environ.pop("GROUPRL_TEST_ENV") == "on"
     config_file.write_text(yaml.safe_dump({"num_generation": 4}))
-    with pytest.raises(ValueError, match=r"unknown key 'num_generation'. Did you mean num_generations\?"):
+    with pytest.raises(ValueError, match=r"unknown key 'num_generation' \(did you mean num_generations\?\)\. Every"):
         parse_train_args(["--config", str(config_file)])
+    config_file.write_text(yaml.safe_dump({"num_generation": 4, "lerning_rate": 1e-6, "zzz": 1}))
+    with pytest.raises(ValueError) as every:  # every unknown key at once
+        parse_train_args(["--config", str(config_file)])
+    assert (
+        "unknown keys 'lerning_rate' (did you mean learning_rate?), 'num_generation' (did you mean num_generations?), "
+        "'zzz'. Every key" in str(every.value)
+    )
 
 
 def test_train_command_end_to_end(tiny_model_dir, tmp_path):
@@ -186,7 +224,7 @@ def test_train_command_end_to_end(tiny_model_dir, tmp_path):
     assert "rewards/arithmetic_reward/mean" in lines[0] and lines[-1]["step"] == 2
 
 
-def test_train_command_with_lora_flags_and_callbacks(tiny_model_dir, tmp_path, monkeypatch):
+def test_train_command_with_lora_flags_and_callbacks(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """trl grpo's LoRA flags build the adapter; --callbacks imports TrainerCallbacks by dotted path."""
     (tmp_path / "my_callbacks.py").write_text(
         "from transformers import TrainerCallback\n"
@@ -244,9 +282,7 @@ def test_train_command_with_lora_flags_and_callbacks(tiny_model_dir, tmp_path, m
     assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
     assert not os.path.exists(out / "model.safetensors")  # the adapter only
     assert open(out / "steps.txt").read().split() == ["1", "2"]
-    with pytest.raises(
-        ValueError, match="--callbacks my_callbacks.Missing: module 'my_callbacks' has no attribute 'Missing'"
-    ):
+    assert (
         main(
             [
                 "train",
@@ -262,6 +298,11 @@ def test_train_command_with_lora_flags_and_callbacks(tiny_model_dir, tmp_path, m
                 str(out),
             ]
         )
+        == 1
+    )
+    assert (
+        "--callbacks my_callbacks.Missing: module 'my_callbacks' has no attribute 'Missing'" in capsys.readouterr().err
+    )
 
 
 def test_a_flag_error_is_printed_first_and_briefly(capsys):
@@ -280,16 +321,17 @@ def test_a_flag_error_is_printed_first_and_briefly(capsys):
     assert len(err) == 2
 
 
-def test_a_missing_dataset_file_is_named_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+def test_a_missing_dataset_file_is_named_not_looked_up_on_the_hub(tmp_path, monkeypatch, capsys):
     from grouprl.cli.train_arguments import ScriptArguments
     from grouprl.cli.train_inputs import load_train_dataset
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n')
     monkeypatch.chdir(tmp_path)
     flags = ["--model_name_or_path", "unused", "--reward_funcs", "accuracy_reward", "--output_dir", "out"]
-    with pytest.raises(FileNotFoundError) as caught:  # the data is read before the model loads
-        main(["train", "--dataset_name", "trian.jsonl", *flags])
-    message = str(caught.value)
+    assert main(["train", "--dataset_name", "trian.jsonl", *flags]) == 1  # the data is read before the model loads
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("grouprl train: FileNotFoundError: --dataset_name trian.jsonl")
+    message = err[0]
     assert f"--dataset_name trian.jsonl: no such file or directory ({tmp_path / 'trian.jsonl'})" in message
     assert "Did you mean train.jsonl?" in message and "Check the path" in message
     with pytest.raises(FileNotFoundError, match=r"--dataset_name ./data/train: no such file or directory"):

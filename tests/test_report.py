@@ -151,7 +151,7 @@ def test_a_second_run_into_the_same_output_dir_starts_its_own_record(tiny_model_
     moved = tmp_path / "previous_runs" / "run-1"
     assert (moved / "metrics.jsonl").read_text() == first  # nothing lost
     assert (moved / "completions").is_dir()
-    assert f"it is moved to {moved} and this run starts its own" in caplog.text
+    assert f"they are moved to {moved} and this run starts its own" in caplog.text
     steps = [json.loads(line).get("step") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps if s is not None][:2] == [1, 2] and max(s for s in steps if s is not None) == 2
     assert main(["report", str(tmp_path)]) == 0

@@ -406,3 +406,50 @@ def test_all_none_rewards_warn_once_naming_the_functions(tiny_model_dir, tmp_pat
     assert "Every reward function ('needs_solution', 'needs_gold') returned None for every completion" in warning
     assert "the model learns nothing" in warning and "make at least one function return a number" in warning
     assert "no reward at all" in caplog.records[-1].getMessage()  # the end-of-training summary counts it
+
+
+def scored_within(funcs, timeout):
+    return score_completions(
+        prepare_reward_functions(funcs, timeout=timeout),
+        prompts=PROMPTS,
+        completions=COMPLETIONS,
+        completion_ids=[[1], [2, 2], [3, 3, 3]],
+        columns={"answer": ["1", "2", "3"]},
+    )
+
+
+def test_a_hung_reward_stops_at_reward_timeout_naming_the_function():
+    """A sync function that never returns (in the calling thread's place, it would hold the run for ever) and an
+    async one: each stops the call at the timeout, named; a quick function beside them is unaffected."""
+    release = __import__("threading").Event()
+
+    def hangs(completions, **kwargs):
+        release.wait(60)
+        return [0.0] * len(completions)
+
+    async def hangs_async(completions, **kwargs):
+        await asyncio.sleep(60)
+
+    try:
+        for hung, name in ((hangs, "Reward function 'hangs'"), (hangs_async, "the async reward functions")):
+            started = time.monotonic()
+            with pytest.raises(RewardFunctionError, match=rf"{name} did not return within reward_timeout=0.3 s"):
+                scored_within([hung, length_reward], 0.3)
+            assert time.monotonic() - started < 5
+    finally:
+        release.set()
+    assert scored_within([length_reward], 0.3)[:, 0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_slow_reward_without_a_timeout_is_named_in_a_warning(monkeypatch, caplog):
+    from grouprl.rewards import scoring
+
+    monkeypatch.setattr(scoring, "SLOW_CALL_S", 0.05)
+
+    def slow(completions, **kwargs):
+        time.sleep(0.3)
+        return [1.0] * len(completions)
+
+    with caplog.at_level("WARNING", logger="grouprl"):
+        assert score([slow, length_reward])[:, 0].tolist() == [1.0, 1.0, 1.0]
+    assert "reward function(s) slow still running after 0.05 s" in caplog.text  # not the quick one beside it

@@ -424,9 +424,14 @@ def test_a_server_started_with_the_captured_loop_samples_through_it(tiny_model_d
         torch.testing.assert_close(got.sampler_logprobs, want.sampler_logprobs, atol=1e-5, rtol=1e-5)
 
 
-def test_unreachable_server_fails_fast_with_the_settings(tiny_model_dir, tmp_path):
+def test_unreachable_server_fails_fast_with_the_settings(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A wait says what it waits for while it lasts (every WAIT_NOTE_S), then fails with the settings named."""
+    from grouprl.generation import server_client
+
+    monkeypatch.setattr(server_client, "WAIT_NOTE_S", 0.0)
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
+    caplog.set_level("WARNING", logger="grouprl")
     with pytest.raises(ServerError, match="no generation server answered.*vllm_server_timeout=1s"):
         GRPOTrainer(
             model=tiny_model_dir,
@@ -435,6 +440,7 @@ def test_unreachable_server_fails_fast_with_the_settings(tiny_model_dir, tmp_pat
             train_dataset=PROMPTS,
         )
     assert time.monotonic() - started < 15
+    assert f"waiting for a generation server at {url}/health" in caplog.text
     client = RemoteGenerator(url, timeout=1, retries=2, connect=False)
     with pytest.raises(
         ServerError, match="failed after 3 attempt.*vllm_server_timeout=1s.*generation_server_retries=2"

@@ -75,9 +75,12 @@ def test_a_signal_checkpoints_then_exits_and_the_run_resumes_exactly(tiny_model_
 
 
 @pytest.mark.e2e
-def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("where", ["--linger", "--hang"], ids=["while_stopping", "in_a_hung_reward"])
+def test_a_second_ctrl_c_stops_at_once_with_the_last_completed_step_saved(tiny_model_dir, tmp_path, where):
+    """The first Ctrl-C cannot finish a step whose reward hangs; the second stops at once and saves the last step
+    that completed (the state kept at the hung step's start), which resumes."""
     out = tmp_path / "aborted"
-    child = start_and_wait([sys.executable, SCRIPT, str(tiny_model_dir), str(out), "--linger"], out)
+    child = start_and_wait([sys.executable, SCRIPT, str(tiny_model_dir), str(out), where], out)
     child.send_signal(signal.SIGINT)
     before = []  # the second Ctrl-C goes once the first one is announced: the run is stopping then
     for line in child.stdout:
@@ -87,8 +90,13 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, tmp_
     child.send_signal(signal.SIGINT)
     output = "".join(before) + child.communicate(timeout=60)[0]
     assert child.returncode == 130, output[-3000:]  # whether torch._dynamo was imported by then or not (loop.train)
-    assert "grouprl: a second Ctrl-C: stopped at once, without a checkpoint." in output
-    assert list_checkpoints(str(out)) == []
+    assert "grouprl: a second Ctrl-C: stopped at once, in the middle of the step. The last good state" in output
+    checkpoints = list_checkpoints(str(out))
+    assert len(checkpoints) == 1, output[-3000:]
+    if where == "--hang":
+        assert checkpoints[0].endswith("checkpoint-3"), output[-3000:]  # step 4 never completed
+    resumed = make_trainer(tiny_model_dir, out, max_steps=int(checkpoints[0].rsplit("-", 1)[1]) + 1)
+    resumed.train(resume_from_checkpoint=checkpoints[0])
 
 
 @pytest.mark.e2e

@@ -349,6 +349,27 @@ def test_bad_rewards_name_function_and_row(tiny_model_dir, tmp_path, reward, mat
         trainer.train()
 
 
+def test_a_reward_that_hangs_stops_at_reward_timeout_with_the_last_step_saved(tiny_model_dir, tmp_path):
+    import threading
+
+    release = threading.Event()
+
+    def judge(completion_ids, trainer_state, **kwargs):
+        if trainer_state.global_step >= 2:  # step 3's judge never answers
+            release.wait(60)
+        return distinct_tokens(completion_ids)
+
+    config = make_config(tmp_path, max_steps=4, reward_timeout=0.5)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=judge, args=config, train_dataset=prompts())
+    try:
+        with pytest.raises(RewardFunctionError, match=r"'judge' did not return within reward_timeout=0.5 s") as err:
+            trainer.train()
+    finally:
+        release.set()
+    assert "The last good state (after step 2) is saved" in str(err.value)
+    assert os.path.exists(os.path.join(config.output_dir, "checkpoint-2", "checkpoint_complete"))
+
+
 def test_prompt_longer_than_context_is_an_error_before_training(tiny_model_dir, tmp_path):
     """Every prompt of a Dataset is tokenized when the trainer is built: the long one is named before any step."""
     rows = datasets.Dataset.from_dict({"prompt": ["1+1="] * 5 + ["1+1=" * 40] + ["1+1="] * 6})

@@ -24,8 +24,10 @@ _HOMES = {
     "GRPOConfig": "grouprl.config.grpo_config",
     "GRPOTrainer": "grouprl.compat.trainer",
     "NonFiniteError": "grouprl.train.non_finite",
+    "OutputDirInUse": "grouprl.train.output_dir",
     "RemoteGenerator": "grouprl.generation",
     "RewardFunctionError": "grouprl.rewards.scoring",
+    "SaveFailed": "grouprl.train.checkpoint",
     "ServerError": "grouprl.generation",
     "plan_batches": "grouprl.config.grpo_config",
     "register_advantage": "grouprl.core.advantages",
@@ -43,8 +45,10 @@ __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
     "NonFiniteError",
+    "OutputDirInUse",
     "RemoteGenerator",
     "RewardFunctionError",
+    "SaveFailed",
     "ServerError",
     "plan_batches",
     "register_advantage",
@@ -59,12 +63,14 @@ if TYPE_CHECKING:
     from grouprl.compat.trainer import GRPOTrainer
     from grouprl.config.grpo_config import BatchPlan, GRPOConfig, plan_batches
     from grouprl.core.advantages import register_advantage
-    from grouprl.data.prompts import DataRowError
     from grouprl.core.losses import register_loss
+    from grouprl.data.prompts import DataRowError
     from grouprl.generation import RemoteGenerator, ServerError
     from grouprl.report.writer import write_report
     from grouprl.rewards.scoring import RewardFunctionError
+    from grouprl.train.checkpoint import SaveFailed
     from grouprl.train.non_finite import NonFiniteError
+    from grouprl.train.output_dir import OutputDirInUse
 
 
 def __getattr__(name: str) -> Any:

@@ -13,6 +13,7 @@ Every GRPOConfig field is a flag (``--snake_case`` or ``--kebab-case``).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Optional
 
@@ -23,6 +24,10 @@ COMMANDS = {
     "demo": "grouprl.cli.demo",
     "report": "grouprl.cli.report",
 }
+
+
+# what bad input raises (a missing path, a bad value, a bad row, a full disk): printed as the message alone
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -37,4 +42,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
         return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
     command = getattr(importlib.import_module(COMMANDS[argv[0]]), f"{argv[0]}_command")
-    return command(argv[1:])
+    if os.environ.get("GROUPRL_TRACEBACK"):
+        return command(argv[1:])
+    try:
+        return command(argv[1:])
+    except USER_ERRORS as err:  # the library's own messages name the flag, field or file: two lines, no traceback
+        print(f"grouprl {argv[0]}: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"(the traceback: GROUPRL_TRACEBACK=1 grouprl {argv[0]} ...)", file=sys.stderr)
+        return 1

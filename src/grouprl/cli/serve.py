@@ -48,6 +48,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)  # before the server's imports: `--help` and a bad flag answer at once
     from grouprl.generation.server import serve
+    from grouprl.model.loading import check_local_model_path
+
+    check_local_model_path(args.model)
 
     serve(args)
     return 0

@@ -166,8 +166,9 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArgume
         valid = {action.dest for action in parser._actions}
         unknown = sorted(set(values) - valid)
         if unknown:
+            named = ", ".join(f"{key!r}{closest(key, valid, '(did you mean {}?)')}" for key in unknown)
             raise ValueError(
-                f"{known.config}: unknown key {unknown[0]!r}.{closest(unknown[0], valid)} Every key must be a grouprl "
+                f"{known.config}: unknown key{'s' if len(unknown) > 1 else ''} {named}. Every key must be a grouprl "
                 "train flag (see grouprl train --help)."
             )
         parser.set_defaults(**values)
@@ -179,9 +180,9 @@ def parse_train_args(argv: list[str]) -> tuple[ScriptArguments, Any, ModelArgume
     return script, config, model_args
 
 
-def closest(name: str, known: Any) -> str:
-    """' Did you mean X?' for the known name nearest to a misspelt one, or ''."""
+def closest(name: str, known: Any, say: str = "Did you mean {}?") -> str:
+    """' Did you mean X?' (or `say` with X) for the known name nearest to a misspelt one, or ''."""
     import difflib
 
     match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
-    return f" Did you mean {match[0]}?" if match else ""
+    return " " + say.format(match[0]) if match else ""

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
-from grouprl.cli.train_arguments import ModelArguments, ScriptArguments
+from grouprl.cli.train_arguments import ModelArguments, ScriptArguments, closest
 from grouprl.model.loading import looks_like_local_path
 
 
@@ -22,12 +22,15 @@ def lora_config(model_args: ModelArguments) -> Any:
         if model_args.lora_target_parameters is not None
         else {}
     )
+    targets = model_args.lora_target_modules
+    if targets is not None and list(targets) == ["all-linear"]:  # peft's keyword is a string, not a module name
+        targets = "all-linear"
     return require_peft().LoraConfig(
         task_type=model_args.lora_task_type,
         r=model_args.lora_r,
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
-        target_modules=model_args.lora_target_modules,
+        target_modules=targets,
         bias="none",
         modules_to_save=model_args.lora_modules_to_save,
         use_rslora=model_args.use_rslora,
@@ -78,8 +81,11 @@ def resolve_reward_function(name: str, config: Any = None) -> Callable:
         return CONFIGURED_REWARDS[name](config)
     if "." in name:
         return import_dotted(name, "--reward_funcs")
-    names = ", ".join(sorted([*BUILTIN_REWARDS, *CONFIGURED_REWARDS]))
-    raise ValueError(f"--reward_funcs {name}: not a built-in reward ({names}) and not a dotted path pkg.module.func.")
+    known = sorted([*BUILTIN_REWARDS, *CONFIGURED_REWARDS])
+    raise ValueError(
+        f"--reward_funcs {name}: not a built-in reward ({', '.join(known)}) and not a dotted path pkg.module.func."
+        f"{closest(name, known)}"
+    )
 
 
 def import_dotted(name: str, flag: str) -> Any:
@@ -94,7 +100,9 @@ def import_dotted(name: str, flag: str) -> Any:
     except ImportError as err:
         raise ValueError(f"{flag} {name}: cannot import module {module_name!r} ({err}).") from None
     if not hasattr(module, attribute):
-        raise ValueError(f"{flag} {name}: module {module_name!r} has no attribute {attribute!r}.")
+        public = [n for n in dir(module) if not n.startswith("_")]
+        hint = closest(attribute, public, f"Did you mean {module_name}.{{}}?")
+        raise ValueError(f"{flag} {name}: module {module_name!r} has no attribute {attribute!r}.{hint}")
     return getattr(module, attribute)
 
 

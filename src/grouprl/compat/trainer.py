@@ -44,6 +44,7 @@ from grouprl.compat.trainer_surface import TrainerSurface, trl_setting_copies
 from grouprl.config.combinations import check_combinations
 from grouprl.config.grpo_config import GRPOConfig, plan_batches
 from grouprl.core.cpu_capabilities import native_bf16, summary
+from grouprl.core.distributed import run_on_main
 from grouprl.data.multimodal_prompts import check_multimodal_setup
 from grouprl.generation.factory import build_backend
 from grouprl.generation.protocol import GenerationBackend
@@ -56,7 +57,7 @@ from grouprl.train.callbacks import CallbackHandler
 from grouprl.train.checkpoint import resolve_resume_path
 from grouprl.train.log_level import apply_log_level
 from grouprl.train.micro_step import Objective
-from grouprl.train.run_record import set_earlier_record_aside
+from grouprl.train.output_dir import RunLock, set_earlier_run_aside
 from grouprl.train.training_run import TrainingRun
 
 logger = logging.get_logger("grouprl")
@@ -174,6 +175,10 @@ class GRPOTrainer(TrainerSurface, OverridePoints):
         self.processing_class = load_tokenizer(processing_class, self.model, args.trust_remote_code, gguf_file)
         check_multimodal_setup(train_dataset, self.processing_class)
         self._tokenizer = tokenizer = text_tokenizer(self.processing_class)
+        # whether this trainer's record (metrics.jsonl) and checkpoints started in output_dir, and where an earlier
+        # run's went (output_dir.py)
+        self._record_started = self._checkpoints_started = False
+        self._set_aside: Optional[str] = None
         if tokenizer is not self.processing_class and self.overrides("_get_per_token_logps_and_entropies"):
             raise NotImplementedError(
                 f"{type(self).__name__} overrides _get_per_token_logps_and_entropies, which grouprl can call only "
@@ -286,15 +291,17 @@ class GRPOTrainer(TrainerSurface, OverridePoints):
         """
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
-        path = resolve_resume_path(resume_from_checkpoint, self.args.output_dir)
-        if path is not None:
-            self._load_checkpoint(path)
-            self._record_started = True  # the resumed run's record goes on
-        self._start_record()
-        self._record_overrides()
-        init_trackers(self.accelerator, self.args)
+        lock = RunLock(self.args.output_dir)
+        run_on_main(lock.acquire)  # one live run per output_dir (output_dir.py); refused on every process
         own_backend = self.generation_backend
         try:
+            path = resolve_resume_path(resume_from_checkpoint, self.args.output_dir)
+            if path is not None:
+                self._load_checkpoint(path)
+                self._record_started = self._checkpoints_started = True  # the resumed run's record goes on
+            self._start_record(training=True)
+            self._record_overrides()
+            init_trackers(self.accelerator, self.args)
             # grouprl's attention functions, for this call only (patches.py); an asynchronous generation worker
             with grouprl_patches(self.model, self.args), async_generation(self.run, self._tokenizer) as worker:
                 # a rollout_func samples through trainer.generation_backend: the worker, while there is one
@@ -303,6 +310,8 @@ class GRPOTrainer(TrainerSurface, OverridePoints):
         finally:
             self.generation_backend = own_backend
             self.run.rollouts.sampler.release()  # no prompt-reading worker processes left running after training
+            if self.accelerator.is_main_process:
+                lock.release()
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _record_overrides(self) -> None:
@@ -313,11 +322,16 @@ class GRPOTrainer(TrainerSurface, OverridePoints):
         run.rollouts.generate_hook = self._generate_through_override if overridden("_generate") else None
         run.rollouts.reward_hook = self._rewards_through_override if overridden("_calculate_rewards") else None
 
-    def _start_record(self) -> None:
-        """The first train() / evaluate() sets an earlier run's record aside, unless resuming (run_record.py)."""
-        if not getattr(self, "_record_started", False) and self.accelerator.is_main_process:
-            set_earlier_record_aside(self.args.output_dir)
+    def _start_record(self, training: bool = False) -> None:
+        """The first train() / evaluate() sets an earlier run's record aside, and the first train() its checkpoints,
+        unless resuming (output_dir.py)."""
+        record, checkpoints = not self._record_started, training and not self._checkpoints_started
+        if (record or checkpoints) and self.accelerator.is_main_process:
+            self._set_aside = set_earlier_run_aside(
+                self.args.output_dir, record=record, checkpoints=checkpoints, into=self._set_aside
+            )
         self._record_started = True
+        self._checkpoints_started = self._checkpoints_started or training
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval"

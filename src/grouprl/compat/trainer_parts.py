@@ -392,7 +392,8 @@ def load_rewards(
             chat_template_kwargs=args.chat_template_kwargs,
             batch_size=args.per_device_train_batch_size,
             device=device,
-        )
+        ),
+        timeout=args.reward_timeout,
     )
     funcs = [f.fn for f in functions]
     return RewardParts(

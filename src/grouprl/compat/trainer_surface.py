@@ -41,10 +41,13 @@ from grouprl.train.checkpoint import (
     ENGINE_STATE,
     TRAINER_STATE,
     TRAINING_ARGS,
+    check_resumable,
     load_optimizer_state,
     load_policy_weights,
     load_training_state,
     restore_rng_state,
+    save_model_files,
+    state_bytes,
 )
 from grouprl.train.checkpoint_files import read_file
 from grouprl.train.eval_data import eval_loader, pick_eval_dataset
@@ -368,9 +371,16 @@ class TrainerSurface:
         else:
             weights = gather_full_state(model)[0] if fsdp_sharded(model) else None  # a collective: every process
         if self.accelerator.is_main_process:
-            save_pretrained(model, output_dir, weights)  # a LoRA policy: the adapter only
-            self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS))  # as Trainer's save_model
+            os.makedirs(output_dir, exist_ok=True)
+            save_model_files(
+                output_dir,
+                lambda staging: [
+                    ("the model's weights", lambda: save_pretrained(model, staging, weights)),  # LoRA: the adapter
+                    ("the tokenizer", lambda: self.processing_class.save_pretrained(staging)),
+                    (TRAINING_ARGS, lambda: torch.save(self.args, os.path.join(staging, TRAINING_ARGS))),  # as Trainer
+                ],
+                needed=lambda: state_bytes(model, weights, None),
+            )
 
     def push_to_hub(self, commit_message: str = "End of training", **kwargs: Any) -> Any:
         """Save, write the model card, then push the model, tokenizer and card (README.md) to args.hub_model_id
@@ -404,6 +414,7 @@ class TrainerSurface:
     def _load_checkpoint(self, path: str) -> None:
         training, loop_state = load_training_state(path)
         model = self.accelerator.unwrap_model(self.run.model)
+        check_resumable(model, self.args, path)  # another model's or plan's checkpoint, named before anything loads
         engine = deepspeed_engine(self.accelerator)
         if engine is not None and training.get("optimizer_keys") == ENGINE_STATE:
             # each process its shards of the weights and the optimizer state (the schedule is grouprl's)

@@ -183,6 +183,11 @@ def _check_objective(config: GRPOFields) -> None:
 
 
 def _check_batching(config: GRPOFields) -> None:
+    check_choice("save_failure", config.save_failure, ("stop", "continue"))
+    if config.reward_timeout is not None and not config.reward_timeout > 0:
+        raise ValueError(
+            f"GRPOConfig.reward_timeout={config.reward_timeout} must be a number of seconds > 0, or None for no limit."
+        )
     if config.max_dynamic_sampling_rounds < 0:
         raise ValueError(f"GRPOConfig.max_dynamic_sampling_rounds={config.max_dynamic_sampling_rounds} must be >= 0.")
     if config.reward_weights is not None and not all(isinstance(w, (int, float)) for w in config.reward_weights):
@@ -276,8 +281,21 @@ def normalize_pad_to_multiple_of(value: Any) -> Optional[int]:
     return multiple
 
 
+# Fields of older TRL releases that scripts still pass: what replaced each (docs/troubleshooting.md says the same).
+REMOVED_FIELDS = {
+    "max_prompt_length": (
+        "TRL 1.16's GRPOConfig has no max_prompt_length, nor grouprl's: prompts are never truncated. Drop the field; "
+        "shorten or drop long prompts in the dataset instead (dataset.filter on their token count). A prompt that "
+        "leaves no room for max_completion_length in the model's context is named before training."
+    ),
+}
+
+
 def unknown_field_message(cls: type, name: str) -> str:
-    """`name` is not a field of `cls`: the message names the closest real field(s)."""
+    """`name` is not a field of `cls`: the message names the closest real field(s), or what replaced a field of an
+    older TRL."""
+    if name in REMOVED_FIELDS:
+        return f"{cls.__name__} has no field {name!r}: {REMOVED_FIELDS[name]}"
     candidates = [f.name for f in fields(cls) if f.init]
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
     hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -39,6 +39,8 @@ EXTENSIONS = frozenset(
         "dynamic_sampling",
         "max_dynamic_sampling_rounds",
         "bf16_from_default",
+        "save_failure",
+        "reward_timeout",
     }
     | ASYNC_FIELDS
 )

@@ -349,6 +349,22 @@ class LossAndLoggingFields:
             "train on the groups found."
         ),
     )
+    save_failure: str = field(
+        default="stop",
+        metadata=_meta(
+            "grouprl: when a checkpoint cannot be written (a full disk, a read-only file system): 'stop' ends the run "
+            "with the error, naming the file, the space needed and free and the last complete checkpoint; 'continue' "
+            "logs that and trains on (the next checkpoint tries again). The partial files are removed either way."
+        ),
+    )
+    reward_timeout: Optional[float] = field(
+        default=None,
+        metadata=_meta(
+            "grouprl: seconds one call of a reward function may take; past it the run stops with the function named "
+            "and the last completed step saved. None (TRL has no timeout): no limit, and a warning names a call "
+            "still running after 300 s."
+        ),
+    )
     # Derived, but a field so that dataclasses.replace / to_dict round trips keep it (replace passes the resolved bf16).
     bf16_from_default: Optional[bool] = field(
         default=None,

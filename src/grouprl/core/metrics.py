@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -158,8 +159,26 @@ class JsonlWriter:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
     def write(self, entry: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(entry) + "\n")
+        """Append the entry whole: a write that fails (a full disk, a read-only file system) is cut back off, so
+        the file never ends in half a line, and raises OSError naming the file and the free space."""
+        line = json.dumps(entry) + "\n"
+        size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+        try:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(line)
+                handle.flush()
+        except OSError as err:
+            try:
+                os.truncate(self.path, size)
+            except OSError:
+                pass
+            free = shutil.disk_usage(os.path.dirname(self.path) or ".").free
+            raise OSError(
+                err.errno,
+                f"Writing a log entry to {self.path} failed ({err.strerror or err}); {free / 2**20:.1f} MiB is free "
+                "there. The run stops; its checkpoints up to now are complete: free space (or make the directory "
+                "writable), then resume with resume_from_checkpoint=True.",
+            ) from err
 
     def rewrite(self, entries: list[dict[str, Any]]) -> None:
         """Replace the file by `entries` (on resume: the restored log history, so entries logged

@@ -27,21 +27,37 @@ DEFAULTS = dict(
 )
 
 
+def at_least(smallest: int) -> Any:
+    """An argparse type: an integer >= `smallest` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < smallest:
+            raise argparse.ArgumentTypeError(f"{value} is too small: it must be at least {smallest}")
+        return value
+
+    parse.__name__ = "integer"  # argparse's "invalid integer value" for a non-number
+    return parse
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output_dir", default=DEFAULTS["output_dir"], help="Where metrics, the plot and the trained model go."
     )
-    parser.add_argument("--max_steps", type=int, default=DEFAULTS["max_steps"], help="Optimizer steps of GRPO.")
+    parser.add_argument("--max_steps", type=at_least(1), default=DEFAULTS["max_steps"], help="Optimizer steps of GRPO.")
     parser.add_argument(
-        "--prompts_per_step", type=int, default=DEFAULTS["prompts_per_step"], help="Unique prompts per step."
+        "--prompts_per_step", type=at_least(1), default=DEFAULTS["prompts_per_step"], help="Unique prompts per step."
     )
     parser.add_argument(
-        "--num_generations", type=int, default=DEFAULTS["num_generations"], help="Completions per prompt (G)."
+        "--num_generations", type=at_least(2), default=DEFAULTS["num_generations"], help="Completions per prompt (G)."
     )
     parser.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"])
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument(
-        "--eval_rows", type=int, default=DEFAULTS["eval_rows"], help="Held-out problems for the before/after accuracy."
+        "--eval_rows",
+        type=at_least(1),
+        default=DEFAULTS["eval_rows"],
+        help="Held-out problems for the before/after accuracy.",
     )
     parser.add_argument("--model", default=None, help="Start from this checkpoint instead of the bundled one.")
 
@@ -55,10 +71,12 @@ def run_demo(args: Any) -> dict[str, Any]:
     from grouprl.demo.evaluation import HELDOUT_SEED, sampled_accuracy
     from grouprl.demo.model import DEMO_MODEL_DIR
     from grouprl.demo.task import arithmetic_reward, make_arithmetic_dataset
+    from grouprl.model.loading import check_local_model_path
     from grouprl.report.writer import write_report
 
     started = time.time()
     model_path = args.model or str(DEMO_MODEL_DIR)
+    check_local_model_path(model_path)  # a mistyped --model path is named, not answered about Hub repo ids
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     heldout = make_arithmetic_dataset(args.eval_rows, seed=HELDOUT_SEED)

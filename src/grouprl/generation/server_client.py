@@ -16,7 +16,12 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Optional
 
+from transformers.utils import logging
+
+logger = logging.get_logger("grouprl")
+
 RETRY_STATUS = {502, 503, 504}
+WAIT_NOTE_S = 15.0  # while waiting for a server to answer, a line this often
 
 
 class ServerError(ConnectionError):
@@ -78,12 +83,21 @@ class ServerClient:
 
     def wait_until_ready(self) -> dict:
         """Poll GET /health until it answers (at most `timeout` seconds); return its JSON (empty for vLLM)."""
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline, next_note = started + self.timeout, started + WAIT_NOTE_S
         while True:
             try:
                 return self.health(max(1.0, min(self.timeout, 10.0)))
             except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as err:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= next_note and now < deadline:  # a wait of minutes says what it waits for
+                    logger.warning(
+                        f"grouprl: waiting for a generation server at {self.base_url}/health: {now - started:.0f} s "
+                        f"of vllm_server_timeout={self.timeout:g}s ({getattr(err, 'reason', err)}); start it with "
+                        "`grouprl serve --model PATH --port N` (or `vllm serve ...`)."
+                    )
+                    next_note = now + WAIT_NOTE_S
+                if now >= deadline:
                     raise ServerError(
                         f"no generation server answered at {self.base_url}/health within "
                         f"vllm_server_timeout={self.timeout:g}s ({getattr(err, 'reason', err)}). Start one first "

@@ -26,7 +26,9 @@ import inspect
 import math
 import numbers
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -51,6 +53,7 @@ class RewardFunction:
     name: str
     is_async: bool
     main_thread_only: bool = False  # set once the function failed in a worker thread but works in the main one
+    timeout: Optional[float] = None  # GRPOConfig.reward_timeout: seconds one call may take
 
 
 def _is_async(fn: Any) -> bool:
@@ -61,8 +64,8 @@ def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
-def prepare_reward_functions(reward_funcs: Any) -> list[RewardFunction]:
-    """Validate the user's reward_funcs (one or a list) and wrap them with their names."""
+def prepare_reward_functions(reward_funcs: Any, timeout: Optional[float] = None) -> list[RewardFunction]:
+    """Validate the user's reward_funcs (one or a list) and wrap them with their names (and the calls' timeout)."""
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if len(funcs) == 0:
         raise ValueError("GRPOTrainer needs at least one reward function in reward_funcs.")
@@ -78,7 +81,7 @@ def prepare_reward_functions(reward_funcs: Any) -> list[RewardFunction]:
                 f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; pass a function f(prompts, completions, "
                 "**kwargs) -> list[float]."
             )
-        prepared.append(RewardFunction(fn=fn, name=reward_name(fn), is_async=_is_async(fn)))
+        prepared.append(RewardFunction(fn=fn, name=reward_name(fn), is_async=_is_async(fn), timeout=timeout))
     return prepared
 
 
@@ -143,12 +146,28 @@ def score_completions(
 
     pending = _BackgroundLoop.run(gather_async()) if async_indices else None
     outputs: dict[int, Any] = {}
-    here = [i for i in sync_indices if functions[i].main_thread_only] or sync_indices[:1]  # run in the calling thread
+    timeout = functions[0].timeout if functions else None
+    # in the calling thread: what must run there, else (without a timeout, which needs the call elsewhere) the first
+    here = [i for i in sync_indices if functions[i].main_thread_only] or ([] if timeout else sync_indices[:1])
     elsewhere = [i for i in sync_indices if i not in here]
-    with ThreadPoolExecutor(max_workers=max(1, len(elsewhere)), thread_name_prefix="grouprl-reward") as pool:
-        futures = {i: pool.submit(call_sync, i) for i in elsewhere}
-        outputs.update({i: call_sync(i) for i in here})
-        outputs.update({i: future.result() for i, future in futures.items()})
+    started, running = time.monotonic(), _Running({f.name for f in functions})
+    watchdog = threading.Timer(SLOW_CALL_S, running.warn, args=(n,))
+    watchdog.daemon = True
+    watchdog.start()
+
+    def tracked(index: int) -> Any:
+        try:
+            return call_sync(index)
+        finally:
+            running.done(functions[index].name)
+
+    try:
+        futures = {i: _in_daemon_thread(tracked, i) for i in elsewhere}
+        outputs.update({i: tracked(i) for i in here})
+        outputs.update({i: _result(future, functions[i], started, n) for i, future in futures.items()})
+        results = _result(pending, functions[async_indices[0]], started, n, async_indices) if pending else []
+    finally:
+        watchdog.cancel()
     for i in elsewhere:
         if isinstance(outputs[i], _Failure):
             # Code that is not thread-safe (signal-based timeouts such as math-verify's defaults, shared
@@ -162,7 +181,7 @@ def score_completions(
                     functions[i].name,
                 )
     if pending is not None:
-        for index, result in zip(async_indices, pending.result()):
+        for index, result in zip(async_indices, results):
             outputs[index] = _Failure(result) if isinstance(result, Exception) else result
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result
@@ -176,6 +195,59 @@ def score_completions(
         scores[:, index] = _check_output(f.name, outputs[index], n, prompts)
     _warn_unscorable(scores, kwargs)
     return scores
+
+
+SLOW_CALL_S = 300.0  # a reward call still running this long is named in a warning (reward_timeout unset)
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    """fn(*args) in a daemon thread: one that hangs past reward_timeout cannot keep the process from exiting."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="grouprl-reward", daemon=True).start()
+    return future
+
+
+def _result(future: Any, f: RewardFunction, started: float, n: int, async_indices: Optional[list[int]] = None) -> Any:
+    """The call's result, waiting at most until reward_timeout seconds after the scoring started."""
+    if f.timeout is None:
+        return future.result()
+    try:
+        return future.result(timeout=max(0.0, started + f.timeout - time.monotonic()))
+    except FutureTimeout:
+        future.cancel()
+        which = "the async reward functions" if async_indices else f"Reward function '{f.name}'"
+        raise RewardFunctionError(
+            f"{which} did not return within reward_timeout={f.timeout:g} s on a batch of {n} completions (a hung "
+            "HTTP call, sandbox or judge?). Give its own calls a timeout, or raise GRPOConfig.reward_timeout."
+        ) from None
+
+
+class _Running:
+    """The reward functions of one scoring call not finished yet, for the slow-call warning (read from a timer)."""
+
+    def __init__(self, names: set[str]):
+        self.names, self.lock = names, threading.Lock()
+
+    def done(self, name: str) -> None:
+        with self.lock:
+            self.names.discard(name)
+
+    def warn(self, n: int) -> None:
+        with self.lock:
+            names = sorted(self.names)
+        if names:
+            logger.warning(
+                f"grouprl: reward function(s) {', '.join(names)} still running after {SLOW_CALL_S:g} s on a batch of "
+                f"{n} completions; with no reward_timeout set the run waits for them. Set GRPOConfig.reward_timeout "
+                "to stop a run whose reward hangs (the last step is saved then)."
+            )
 
 
 # Arguments that are not the row's data, left out of the unscorable-row warning (as TRL does).

@@ -18,20 +18,20 @@ import os
 import random
 import re
 import shutil
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from transformers.utils import logging
 
-from grouprl.model.adapters import is_peft_model, load_adapter_weights, save_pretrained
+from grouprl.model.adapters import active_adapter, is_peft_model, load_adapter_weights, save_pretrained
 from grouprl.model.full_state import (
     OPTIMIZER_KEYED_BY_NAME,
     fsdp_sharded,
     load_full_optimizer_state,
     load_full_weights,
 )
-from grouprl.train.checkpoint_files import UnreadableCheckpoint, check_readable, load_pickle, read_file
+from grouprl.train.checkpoint_files import UnreadableCheckpoint, check_readable, load_json, load_pickle, read_file
 
 logger = logging.get_logger("grouprl")
 
@@ -153,11 +153,6 @@ def save_checkpoint(
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     os.makedirs(staging)
     weights, optimizer_state = full_state or (None, None)
-    save_pretrained(model, staging, weights)  # a LoRA policy writes its adapter only
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
-    if engine_state is not None:
-        os.rename(engine_state, os.path.join(staging, ENGINE_STATE))
     if not model_only:
         if engine_state is not None:
             optimizer_state, keys = None, ENGINE_STATE
@@ -165,21 +160,29 @@ def save_checkpoint(
             keys = OPTIMIZER_KEYED_BY_NAME
         else:
             optimizer_state, keys = optimizer.state_dict(), "positions"
-        torch.save(
-            {
-                "optimizer": optimizer_state,
-                "optimizer_keys": keys,
-                "scheduler": scheduler.state_dict(),
-                "rng": rng if rng is not None else rng_state(),
-            },
-            os.path.join(staging, TRAINING_STATE),
-        )
-        torch.save(loop_state, os.path.join(staging, LOOP_STATE))
-    trainer_state.save_to_json(os.path.join(staging, TRAINER_STATE))
+    training = lambda: {  # noqa: E731
+        "optimizer": optimizer_state,
+        "optimizer_keys": keys,
+        "scheduler": scheduler.state_dict(),
+        "rng": rng if rng is not None else rng_state(),
+    }
+    in_staging = lambda name: os.path.join(staging, name)  # noqa: E731
+    # each file of the checkpoint and its writer, in order (the marker last)
+    writes = [("the model's weights", lambda: save_pretrained(model, staging, weights))]  # a LoRA policy: its adapter
+    if tokenizer is not None:
+        writes.append(("the tokenizer", lambda: tokenizer.save_pretrained(staging)))
+    if engine_state is not None:
+        writes.append((ENGINE_STATE, lambda: os.rename(engine_state, in_staging(ENGINE_STATE))))
+    if not model_only:
+        writes.append((TRAINING_STATE, lambda: torch.save(training(), in_staging(TRAINING_STATE))))
+        writes.append((LOOP_STATE, lambda: torch.save(loop_state, in_staging(LOOP_STATE))))
+    writes.append((TRAINER_STATE, lambda: trainer_state.save_to_json(in_staging(TRAINER_STATE))))
     if training_args is not None:
-        torch.save(training_args, os.path.join(staging, TRAINING_ARGS))
-    _fsync_tree(staging)  # on disk before the marker and the rename claim the checkpoint is complete
-    open(os.path.join(staging, COMPLETE_MARKER), "w").close()
+        writes.append((TRAINING_ARGS, lambda: torch.save(training_args, in_staging(TRAINING_ARGS))))
+    writes.append(("(syncing to disk)", lambda: _fsync_tree(staging)))  # on disk before the marker claims it whole
+    writes.append((COMPLETE_MARKER, lambda: open(in_staging(COMPLETE_MARKER), "w").close()))
+    needed = lambda: state_bytes(model, weights, optimizer_state)  # noqa: E731
+    write_all(staging, writes, f"checkpoint-{step}", output_dir, needed)
     _fsync_dir(staging)
     if os.path.exists(final):  # a re-save of the same step replaces it
         _remove(final)
@@ -200,6 +203,70 @@ def save_checkpoint(
         for path in others[: max(len(others) - (save_total_limit - 1 - len(spared)), 0)]:
             _remove(path)
     return final
+
+
+class SaveFailed(OSError):
+    """A checkpoint or the model could not be written (a full disk, a read-only file system, ...). Its partial files
+    are removed; the message names the file, the space needed and free, and the last complete checkpoint."""
+
+
+def write_all(
+    staging: str, writes: list[tuple[str, Callable[[], Any]]], what: str, output_dir: str, needed: Callable[[], int]
+) -> None:
+    """Run each (file, write) into `staging` in order; when one fails, remove `staging` and raise SaveFailed."""
+    for name, write in writes:
+        try:
+            write()
+        except Exception as err:  # noqa: BLE001 - torch's zip writer, safetensors and the OS each raise their own
+            shutil.rmtree(staging, ignore_errors=True)
+            free = shutil.disk_usage(output_dir).free if os.path.isdir(output_dir) else 0
+            latest = latest_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+            raise SaveFailed(
+                f"Writing {what} failed at {name} ({type(err).__name__}: {err}). It needs about {_mb(needed())} and "
+                f"{_mb(free)} is free on the file system of {output_dir}. Its partial files are removed; "
+                + (f"the last complete checkpoint is {latest}." if latest else "no complete checkpoint exists yet.")
+                + " Free space (or point output_dir at a larger disk), then resume with resume_from_checkpoint=True."
+            ) from err
+
+
+MODEL_STAGING = ".tmp-model"
+CONFIG_FILES = ("config.json", "adapter_config.json")  # moved last: a directory with one of them looks like a model
+
+
+def save_model_files(
+    output_dir: str, writes: Callable[[str], list[tuple[str, Callable[[], Any]]]], needed: Callable[[], int]
+) -> None:
+    """save_model's files, written whole or not at all: into output_dir/.tmp-model first (`writes(staging)`: the
+    (file, write) list), then moved into output_dir one by one, the weights first and config.json last, so a failed
+    write (SaveFailed) leaves whatever model was there before intact."""
+    staging = os.path.join(output_dir, MODEL_STAGING)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    write_all(staging, writes(staging), "the model", output_dir, needed)
+    for name in sorted(os.listdir(staging), key=lambda n: n in CONFIG_FILES):
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(staging, name), target)
+    os.rmdir(staging)
+    _fsync_dir(output_dir)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def state_bytes(model: torch.nn.Module, weights: Optional[dict], optimizer_state: Optional[dict]) -> int:
+    """What a checkpoint's weights and optimizer state take on disk, about (the saved tensors' bytes)."""
+    if weights is not None:
+        tensors = list(weights.values())
+    elif is_peft_model(model):
+        tensors = [p for p in model.parameters() if p.requires_grad]
+    else:
+        tensors = list(model.state_dict().values())
+    state = (optimizer_state or {}).get("state", {})
+    tensors += [t for entry in state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def load_model_weights(model: torch.nn.Module, path: str) -> None:
@@ -286,3 +353,72 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# what a resumed checkpoint is compared on (check_resumable)
+MODEL_SHAPE = "model_type vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads".split()
+MODEL_SHAPE += ["intermediate_size"]
+BATCH_PLAN = "per_device_train_batch_size num_generations gradient_accumulation_steps steps_per_generation".split()
+BATCH_PLAN += ["num_iterations", "generation_batch_size"]
+SCHEDULE = "max_steps num_train_epochs learning_rate lr_scheduler_type warmup_steps seed beta loss_type".split()
+
+
+def check_resumable(model: torch.nn.Module, config: Any, path: str) -> None:
+    """Before any state loads: the checkpoint's model (its config.json, or a LoRA adapter's rank and targets) must be
+    this run's, and its batch plan (training_args.bin) too, since its sampler position and buffered micro-batches are
+    the plan's; raise ValueError saying what differs. Changed schedule fields are logged, as they take effect."""
+    differs = _model_differences(model, path)
+    if differs:
+        raise ValueError(
+            f"Checkpoint {path} is of another model than this run's ({'; '.join(differs)}): resume it with the model "
+            "it was trained from, or start a new run (resume_from_checkpoint=False)."
+        )
+    saved_path = os.path.join(path, TRAINING_ARGS)
+    if not os.path.exists(saved_path):  # written before grouprl kept the config in its checkpoints
+        return
+    saved = read_file(path, TRAINING_ARGS, load_pickle)
+    changed = lambda names: [  # noqa: E731
+        f"{n} {getattr(saved, n)!r} -> {getattr(config, n)!r}"
+        for n in names
+        if hasattr(saved, n) and getattr(saved, n) != getattr(config, n)
+    ]
+    plan = changed(BATCH_PLAN)
+    if plan:
+        raise ValueError(
+            f"Checkpoint {path} was written with another batch plan ({', '.join(plan)}); its sampler position and "
+            "buffered micro-batches belong to that plan. Resume with the checkpoint's values, or start a new run from "
+            "its weights (model=<the checkpoint's path>, no resume_from_checkpoint)."
+        )
+    schedule = changed(SCHEDULE)
+    if schedule:
+        logger.warning(f"grouprl: resuming {path} with changed settings: {', '.join(schedule)}.")
+
+
+def _model_differences(model: torch.nn.Module, path: str) -> list[str]:
+    if is_peft_model(model):
+        adapter = os.path.join(path, "adapter_config.json")
+        if not os.path.exists(adapter):
+            return ["it holds a full model, and this run trains a LoRA adapter"]
+        saved = read_file(path, "adapter_config.json", load_json)
+        ours = model.peft_config[active_adapter(model)]
+        differs = [
+            f"LoRA {k} {saved.get(k)!r} here {_plain(getattr(ours, k, None))!r}"
+            for k in ("r", "target_modules")
+            if k in saved and _plain(saved[k]) != _plain(getattr(ours, k, None))
+        ]
+        return differs
+    if not os.path.exists(os.path.join(path, "config.json")):
+        adapter_only = os.path.exists(os.path.join(path, "adapter_config.json"))
+        return ["it holds a LoRA adapter, and this run trains the whole model"] if adapter_only else []
+    saved = read_file(path, "config.json", load_json)
+    saved = saved.get("text_config") or saved  # a vision-language model's shape is its text model's
+    ours = model.config.get_text_config().to_dict()
+    return [
+        f"{k} {saved[k]!r} in the checkpoint, {ours.get(k)!r} here"
+        for k in MODEL_SHAPE
+        if k in saved and k in ours and saved[k] != ours[k]
+    ]
+
+
+def _plain(value: Any) -> Any:
+    return sorted(value) if isinstance(value, (set, list, tuple)) else value

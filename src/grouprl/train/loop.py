@@ -53,16 +53,18 @@ from typing import Any, Iterator, Optional
 import torch
 from accelerate.utils.memory import clear_device_cache
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from grouprl.core.distributed import gather_objects
 from grouprl.core.metrics import TRAINER_METRICS, progress_postfix
 from grouprl.core.stats import finite, largest, mean, metrics
 from grouprl.data.prompts import DataRowError
+from grouprl.model.full_state import fsdp_sharded
 from grouprl.model.reference import mix_into_reference
 from grouprl.rewards.scoring import RewardFunctionError
 from grouprl.train import evaluation, stages
 from grouprl.train.best_checkpoint import record_evaluation
-from grouprl.train.checkpoint import load_policy_weights
+from grouprl.train.checkpoint import SaveFailed, load_policy_weights
 from grouprl.train.default_flow import step_end
 from grouprl.train.last_good_state import save_last_good
 from grouprl.train.non_finite import NonFiniteError, non_finite_error
@@ -70,6 +72,8 @@ from grouprl.train.run_checkpoints import gathered_policy_state, save, write_che
 from grouprl.train.step_reduction import reduce_step
 from grouprl.train.stop_signals import StoppedAtOnce, StopSignals, exit_code, resume_hint
 from grouprl.train.training_run import TrainingRun, deepspeed_engine
+
+logger = logging.get_logger("grouprl")
 
 
 def train(run: TrainingRun) -> dict[str, float]:
@@ -83,7 +87,7 @@ def train(run: TrainingRun) -> dict[str, float]:
         # An explicit exit status: Python's own for an uncaught KeyboardInterrupt (130) turns into 1 once
         # torch._dynamo is imported (a checkpoint's optimizer.state_dict imports it; torch 2.13's exit handler
         # then imports a module, which clears the interpreter's record of the interrupt).
-        print(f"grouprl: {err}.", file=sys.stderr, flush=True)
+        print(f"grouprl: {err}. {save_at_once(run)}", file=sys.stderr, flush=True)
         raise SystemExit(exit_code(signal.SIGINT)) from err
     except (NonFiniteError, RewardFunctionError, DataRowError) as err:
         # every process raises the same NonFiniteError, so a sharded policy can be gathered; a reward error or a
@@ -99,6 +103,24 @@ def train(run: TrainingRun) -> dict[str, float]:
         )
         err.args = (f"{err.args[0] if err.args else err}\n{note}", *err.args[1:])
         raise
+
+
+def save_at_once(run: TrainingRun) -> str:
+    """A second Ctrl-C stopped the step in flight wherever it was (a hung reward, generation): save the last
+    completed step, as a failing step does; not while the update was being applied (the weights may be half
+    updated) nor where writing it needs the other processes (a sharded policy). Says what was saved."""
+    sharded = deepspeed_engine(run.accelerator) is not None or fsdp_sharded(run.accelerator.unwrap_model(run.model))
+    if run.updating or sharded:
+        why = "its update was being applied" if run.updating else "a sharded policy is written by every process"
+        return f"No checkpoint is written ({why}); the last one stands."
+    return save_last_good(
+        run.health.last_good,
+        step=run.state.global_step,
+        loop_state=run.loop_state,
+        output_dir=run.config.output_dir,
+        writes=run.accelerator.is_main_process,
+        write=lambda step, loop_state, rng: write_checkpoint(run, step, loop_state, rng),
+    )
 
 
 def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
@@ -150,6 +172,7 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
             checked_norm = grad_norm if accelerator.scaler is None else None  # fp16 scaling skips inf steps by itself
             own = StepStats(loss=step_loss, grad_norm=checked_norm, stop_signal=float(stops.received))
             reduced = reduce_statistics(run, own)
+            run.updating = True
             learning_rate = apply_update(run)
             grad_norm = update_norm(run, grad_norm)
         state.global_step += 1
@@ -158,6 +181,7 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
         for entry in reduced[:-1]:  # the stages' entries, one per generation / micro-batch, as TRL appends them
             run.window.add_all(metrics(entry))
         end_of_step_updates(run, reduced)
+        run.updating = False
         state.epoch = state.global_step / run.steps_per_epoch if run.steps_per_epoch else None
         loss = reduced[-1].loss
         run.step_losses.append(loss)
@@ -184,7 +208,7 @@ def train_steps(run: TrainingRun, stops: StopSignals) -> dict[str, float]:
         new_best = run.evaluates and (flow.evaluate or control.should_evaluate) and evaluate_and_track(run)
         saved = flow.save or control.should_save or (config.save_strategy == "best" and new_best)
         if saved:
-            save(run)
+            saved = save_or_go_on(run)
         progress.update(1)
         if reduced[-1].stop_signal:  # a process was sent SIGINT / SIGTERM (stop_signals.py): all stop here
             progress.close()
@@ -235,6 +259,22 @@ def train_summary(run: TrainingRun, runtime: float, steps_done: int) -> dict[str
         "total_flos": run.state.total_flos,
         "train_loss": sum(run.step_losses) / max(len(run.step_losses), 1),
     }
+
+
+def save_or_go_on(run: TrainingRun) -> bool:
+    """Checkpoint the run; when that fails (SaveFailed: its partial files are gone), stop with the error, or with
+    save_failure='continue' log it and train on. True when a checkpoint was written."""
+    try:
+        save(run)
+    except SaveFailed as err:
+        if run.config.save_failure != "continue":
+            raise
+        if run.accelerator.is_main_process:
+            logger.warning(
+                f"grouprl: {err} Training goes on (save_failure='continue'); the next checkpoint tries again."
+            )
+        return False
+    return True
 
 
 def evaluate_and_track(run: TrainingRun) -> bool:

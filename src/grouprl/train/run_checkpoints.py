@@ -10,14 +10,15 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from grouprl.core.distributed import gather_objects
+from grouprl.core.distributed import gather_objects, run_on_main
 from grouprl.model.full_state import fsdp_sharded, gather_full_state
-from grouprl.train.checkpoint import ENGINE_STAGING_PREFIX, ENGINE_STATE, rng_state, save_checkpoint
+from grouprl.train.checkpoint import ENGINE_STAGING_PREFIX, ENGINE_STATE, SaveFailed, rng_state, save_checkpoint
 from grouprl.train.training_run import TrainingRun, deepspeed_engine
 
 
 def save(run: TrainingRun) -> Optional[str]:
-    """Checkpoint the run (main process writes; all processes wait for it)."""
+    """Checkpoint the run (main process writes; all processes wait for it). A write that fails raises SaveFailed on
+    every process."""
     run.accelerator.wait_for_everyone()
     path = None
     # every process's RNG and buffered micro-batches (the loop state below is the main process's)
@@ -35,31 +36,40 @@ def save(run: TrainingRun) -> Optional[str]:
         engine_state = os.path.join(run.config.output_dir, f"{ENGINE_STAGING_PREFIX}{run.state.global_step}")
         engine.save_checkpoint(engine_state, tag=ENGINE_STATE, save_latest=False)
         run.accelerator.wait_for_everyone()
+    best_before = run.state.best_model_checkpoint
     if run.state.best_global_step == run.state.global_step and run.state.best_metric is not None:
         run.state.best_model_checkpoint = os.path.join(run.config.output_dir, f"checkpoint-{run.state.global_step}")
     run.state.stateful_callbacks = run.callbacks.states()
-    if run.accelerator.is_main_process:
-        path = save_checkpoint(
-            run.config.output_dir,
-            run.state.global_step,
-            model=run.accelerator.unwrap_model(run.model),
-            tokenizer=run.tokenizer,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
-            trainer_state=run.state,
-            loop_state={
-                **run.loop_state(with_reference=False),
-                "reference_model": reference_state,
-                "processes": processes,
-            },
-            save_total_limit=run.config.save_total_limit,
-            model_only=run.config.save_only_model,
-            keep=run.state.best_model_checkpoint,
-            full_state=full_state,
-            engine_state=engine_state,
-            training_args=run.config,
-        )
-    run.accelerator.wait_for_everyone()
+
+    def write() -> tuple[Optional[str], Optional[str]]:
+        try:
+            return save_checkpoint(
+                run.config.output_dir,
+                run.state.global_step,
+                model=run.accelerator.unwrap_model(run.model),
+                tokenizer=run.tokenizer,
+                optimizer=run.optimizer,
+                scheduler=run.scheduler,
+                trainer_state=run.state,
+                loop_state={
+                    **run.loop_state(with_reference=False),
+                    "reference_model": reference_state,
+                    "processes": processes,
+                },
+                save_total_limit=run.config.save_total_limit,
+                model_only=run.config.save_only_model,
+                keep=run.state.best_model_checkpoint,
+                full_state=full_state,
+                engine_state=engine_state,
+                training_args=run.config,
+            ), None
+        except SaveFailed as err:  # every process learns of it (and may train on: save_failure='continue')
+            return None, str(err)
+
+    path, failure = run_on_main(write)
+    if failure is not None:
+        run.state.best_model_checkpoint = best_before  # the new best's checkpoint does not exist
+        raise SaveFailed(failure)
     run.fire("on_save")
     return path
 

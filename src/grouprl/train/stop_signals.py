@@ -5,9 +5,10 @@ loop reduces it with the step's statistics, so every process learns at the same 
 to stop (a launcher forwards the signal to each process, a scheduler may signal only some); the step in flight
 finishes, a checkpoint is written, the main process prints how to resume, and every process raises
 `SystemExit(128 + signal)`: 130 for SIGINT, 143 for SIGTERM, the exit codes shells and schedulers expect. A
-second Ctrl-C aborts at once: `StoppedAtOnce` (a KeyboardInterrupt) unwinds the run from wherever it is, and the loop
-turns it into `SystemExit(130)` too; a checkpoint being written then stays incomplete, and an incomplete checkpoint
-is never resumed from (checkpoint.py).
+second Ctrl-C aborts at once (a step stuck in a hung reward or generation): `StoppedAtOnce` (a KeyboardInterrupt)
+unwinds the run from wherever it is, the loop saves the last completed step (loop.save_at_once) and turns it into
+`SystemExit(130)` too; a checkpoint being written then stays incomplete, and an incomplete checkpoint is never
+resumed from (checkpoint.py).
 
 Handlers can only be installed from the main thread; elsewhere (a notebook's worker thread) the signals keep
 their previous behaviour.
@@ -50,13 +51,13 @@ class StopSignals:
     def _handle(self, number: int, frame: Optional[Any]) -> None:
         if self.received:
             if number == signal.SIGINT:
-                raise StoppedAtOnce("a second Ctrl-C: stopped at once, without a checkpoint")
+                raise StoppedAtOnce("a second Ctrl-C: stopped at once, in the middle of the step")
             return  # a repeated SIGTERM: the checkpoint is on its way
         self.received = number
         if self.announce:
             print(
                 f"\ngrouprl: {signal.Signals(number).name} received: finishing {self.describe()}, then writing a "
-                "checkpoint (Ctrl-C again to stop at once, without one).",
+                "checkpoint (Ctrl-C again to stop at once: the last completed step is saved then).",
                 file=sys.stderr,
                 flush=True,
             )

@@ -68,6 +68,9 @@ class TrainingRun:
     eval_dataset: Any = None  # what evaluation during training samples from
     inputs: Optional[GenerationInputs] = None  # the generation batch the buffered micro-batches come from
     progress: Any = None  # the tqdm bar while training (log lines are written through it)
+    updating: bool = (
+        False  # between the optimizer step and the step's end: a stop now leaves nothing consistent to save
+    )
     # (time.time(), state.num_input_tokens_seen) when the current train() call began: its tokens per second
     session_start: Optional[tuple[float, int]] = None
     flos: float = 0.0  # this process's floating-point operations not yet added to state.total_flos
