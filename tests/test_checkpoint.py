@@ -53,7 +53,13 @@ def test_sigkill_while_saving_then_resume_equals_uninterrupted_run(tiny_model_di
     child.communicate()
     assert child.returncode == -signal.SIGKILL
     # the killed run's lock stays behind; the resumed run takes it over (its process is gone)
-    assert sorted(os.listdir(out)) == [".grouprl-run.lock", ".tmp-checkpoint-4", "checkpoint-2", "metrics.jsonl", "saving"]
+    assert sorted(os.listdir(out)) == [
+        ".grouprl-run.lock",
+        ".tmp-checkpoint-4",
+        "checkpoint-2",
+        "metrics.jsonl",
+        "saving",
+    ]
     assert os.path.exists(out / ".tmp-checkpoint-4" / "model.safetensors")  # killed half-way through the save
     assert latest_checkpoint(str(out)) == str(out / "checkpoint-2")  # the previous checkpoint is the one to resume
 

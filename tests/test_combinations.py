@@ -233,7 +233,13 @@ def test_sampling_from_the_sharded_policy_runs_transformers_generate_in_step(tin
 
 
 def test_sampling_in_step_without_sharded_weights_is_named_as_changing_nothing(tiny_model_dir, tmp_path, caplog):
-    args = quiet_config(tmp_path, {"ds3_gather_for_generation": False}, max_steps=1, per_device_train_batch_size=3, max_completion_length=8)
+    args = quiet_config(
+        tmp_path,
+        {"ds3_gather_for_generation": False},
+        max_steps=1,
+        per_device_train_batch_size=3,
+        max_completion_length=8,
+    )
     with caplog.at_level(logging.WARNING, logger="grouprl"):
         trainer = GRPOTrainer(
             tiny_model_dir, reward_funcs=distinct_tokens, args=args, train_dataset=numbered_prompts(6)

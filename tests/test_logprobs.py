@@ -338,6 +338,29 @@ def test_the_tied_node_sums_a_tokens_bf16_rows_in_fp32():
     assert torch.equal(weight.grad, head_grad + sums.bfloat16())
 
 
+def test_the_tied_nodes_gradient_has_the_same_bits_under_any_threads():
+    """A seeded run repeats exactly whatever the thread count: each token's rows are summed in the rows' order. On a
+    CPU index_put_'s accumulation splits the rows among the threads and its sums change from call to call (the demo's
+    runs drifted apart after some steps); a planted index_put_ fails here on a machine with 2 or more cores."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 40, (128, 60))  # a batch's tokens: few distinct, each in many rows
+    rows = torch.randn(128, 60, 64)
+    threads = torch.get_num_threads()
+    grads = []
+    try:
+        for count in (1, 2, 3, 2, 4, 2, 2, 2):
+            torch.set_num_threads(count)
+            weight = torch.zeros(100, 64, requires_grad=True)
+            cast, embeds = model_forward._Lookups.apply(weight, torch.float32, None, ids)
+            torch.autograd.backward([cast, embeds], [torch.zeros(100, 64), rows])
+            grads.append(weight.grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(grad, grads[0]) for grad in grads)
+    in_order = torch.zeros(100, 64, dtype=torch.float64).index_add_(0, ids.reshape(-1), rows.reshape(-1, 64).double())
+    torch.testing.assert_close(grads[0], in_order.float(), rtol=1e-6, atol=1e-5)
+
+
 def test_a_sharded_tied_weight_keeps_the_models_own_lookup():
     """A weight whole only inside the model's forward (DeepSpeed ZeRO-3 partitions it, FSDP2 makes it a DTensor)
     cannot be looked up before the body runs: the model looks its tokens up itself."""

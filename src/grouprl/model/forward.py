@@ -460,14 +460,24 @@ class _Lookups(torch.autograd.Function):
             if ctx.padding_idx is not None:  # F.embedding gives the padding token no gradient
                 kept = tokens != ctx.padding_idx
                 tokens, rows = tokens[kept], rows[kept]
-            # each token's rows summed in the batch's order first, in fp32 at least (deterministic on every device:
-            # index_put_'s accumulation), then rounded and added once (the comment above)
+            # each token's rows summed in fp32 at least, in one order whatever the threads, then rounded and added
+            # once (the comment above)
             distinct, slot = torch.unique(tokens, return_inverse=True)
             sum_dtype = torch.promote_types(rows.dtype, torch.float32)
-            sums = rows.new_zeros(distinct.numel(), rows.shape[1], dtype=sum_dtype)
-            sums.index_put_((slot,), rows.to(sum_dtype), accumulate=True)
-            grad.index_put_((distinct,), sums.to(grad.dtype), accumulate=True)
+            sums = sum_rows_by_slot(rows.to(sum_dtype), slot, distinct.numel())
+            grad.index_put_((distinct,), sums.to(grad.dtype), accumulate=True)  # distinct rows: one addition each
         return grad, None, None, *(None for _ in ids)
+
+
+def sum_rows_by_slot(rows: torch.Tensor, slot: torch.Tensor, slots: int) -> torch.Tensor:
+    """(n, d) rows, each row's slot in [0, slots) -> (slots, d): the rows of each slot summed, the same bits on every
+    run. On a CPU index_put_'s accumulation splits the rows among threads, so its sums change with the threads'
+    timing (a seeded run then drifts apart after some steps) while index_add_ adds in the rows' order; on CUDA it is
+    the other way round (index_add_ adds atomically, index_put_ sorts first)."""
+    sums = rows.new_zeros(slots, rows.shape[1])
+    if rows.device.type == "cuda":
+        return sums.index_put_((slot,), rows, accumulate=True)
+    return sums.index_add_(0, slot, rows)
 
 
 def _chunk_statistics(
