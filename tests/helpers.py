@@ -1,7 +1,8 @@
 """Test helpers: a deterministic generation backend and small comparison utilities."""
 
+import contextlib
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -196,3 +197,14 @@ def scripted_backend(model_dir) -> ScriptedBackend:
         return body + ([eos] if sample % 3 else [])
 
     return ScriptedBackend(script, eos, tokenizer)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` inside the block, the caller's restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -11,7 +11,7 @@ import time
 import datasets
 import pytest
 import torch
-from helpers import distinct_tokens
+from helpers import distinct_tokens, torch_threads
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from grouprl import GRPOConfig, GRPOTrainer
@@ -334,12 +334,8 @@ def test_the_quickstart_learns_in_async_mode_as_in_sync_mode(long_context_model_
     """Held-out reward gain over the same 12 optimizer steps, two seeds pooled. Measured over six seeds (docs/async.md):
     sync 1.49, async (max_staleness=1) 1.38, async (max_staleness=0) 1.45, seed to seed 0.5 to 2.3: within noise,
     hence the margin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 2-thread trainer on a busy 2-core machine is many times slower, not less noisy
-    try:
+    with torch_threads(1):  # a 2-thread trainer on a busy 2-core machine is many times slower, not less noisy
         sync = [held_out_gain(long_context_model_dir, tmp_path, s, async_generation=False) for s in (1, 2)]
         asyn = [held_out_gain(long_context_model_dir, tmp_path, s, max_staleness=1) for s in (1, 2)]
-    finally:
-        torch.set_num_threads(threads)
     assert sum(asyn) / 2 > 0.5, asyn  # it learns
     assert sum(asyn) / 2 >= sum(sync) / 2 - 0.75, (sync, asyn)

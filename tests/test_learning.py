@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-import torch
+from helpers import torch_threads
 
 from grouprl.demo.run import DEFAULTS, run_demo
 
@@ -32,24 +32,15 @@ def test_a_seeded_demo_repeats_exactly_under_any_thread_count(tmp_path):
     """The same seed, three runs under 1, 2 and 3 threads: the same trained weights to the bit and the same log.
     (Before the tied embedding's gradient was summed in the rows' order, runs on a busy 2-core machine drifted apart
     after some steps: held-out accuracy 0.787, 0.831, 0.754.)"""
-    threads = torch.get_num_threads()
     runs = []
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            out = tmp_path / f"threads{count}"
-            args = argparse.Namespace(
-                **{**DEFAULTS, "output_dir": str(out), "max_steps": 24, "eval_rows": 32, "model": None}
-            )
+    for count in (1, 2, 3):
+        out = tmp_path / f"threads{count}"
+        args = argparse.Namespace(
+            **{**DEFAULTS, "output_dir": str(out), "max_steps": 24, "eval_rows": 32, "model": None}
+        )
+        with torch_threads(count):
             summary = run_demo(args)
-            losses = [json.loads(line).get("loss") for line in open(out / "metrics.jsonl")]
-            runs.append(
-                (
-                    open(out / "model" / "model.safetensors", "rb").read(),
-                    losses,
-                    summary["heldout_sampled_accuracy_after"],
-                )
-            )
-    finally:
-        torch.set_num_threads(threads)
+        losses = [json.loads(line).get("loss") for line in open(out / "metrics.jsonl")]
+        weights = open(out / "model" / "model.safetensors", "rb").read()
+        runs.append((weights, losses, summary["heldout_sampled_accuracy_after"]))
     assert all(run == runs[0] for run in runs[1:]), [(hash(w), acc) for w, _, acc in runs]

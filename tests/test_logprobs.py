@@ -6,6 +6,7 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from helpers import torch_threads
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
 import grouprl.model.forward as model_forward
@@ -345,17 +346,13 @@ def test_the_tied_nodes_gradient_has_the_same_bits_under_any_threads():
     torch.manual_seed(0)
     ids = torch.randint(0, 40, (128, 60))  # a batch's tokens: few distinct, each in many rows
     rows = torch.randn(128, 60, 64)
-    threads = torch.get_num_threads()
     grads = []
-    try:
-        for count in (1, 2, 3, 2, 4, 2, 2, 2):
-            torch.set_num_threads(count)
-            weight = torch.zeros(100, 64, requires_grad=True)
+    for count in (1, 2, 3, 2, 4, 2, 2, 2):
+        weight = torch.zeros(100, 64, requires_grad=True)
+        with torch_threads(count):
             cast, embeds = model_forward._Lookups.apply(weight, torch.float32, None, ids)
             torch.autograd.backward([cast, embeds], [torch.zeros(100, 64), rows])
-            grads.append(weight.grad)
-    finally:
-        torch.set_num_threads(threads)
+        grads.append(weight.grad)
     assert all(torch.equal(grad, grads[0]) for grad in grads)
     in_order = torch.zeros(100, 64, dtype=torch.float64).index_add_(0, ids.reshape(-1), rows.reshape(-1, 64).double())
     torch.testing.assert_close(grads[0], in_order.float(), rtol=1e-6, atol=1e-5)
